@@ -1,0 +1,20 @@
+"""An offline LLM inference engine with vLLM's API: continuous batching over a paged KV cache.
+
+Never imports Dagster; `dagster_llm` builds on it.
+"""
+
+from engine.llm import LLM
+from engine.model_loader import ModelLoadError
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "ModelLoadError",
+    "RequestMetrics",
+    "RequestOutput",
+    "SamplingParams",
+]

@@ -1,0 +1,139 @@
+"""The paged KV cache's bookkeeping: block tables, reference counts and prefix caching."""
+
+from collections import OrderedDict
+
+from engine.sequence import Sequence
+
+BlockKey = tuple[int | None, tuple[int, ...]]
+
+
+class Block:
+    """One fixed-size slab of KV cache. `key` is set once the block is full and computed."""
+
+    __slots__ = ("block_id", "ref_count", "key")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.key: BlockKey | None = None
+
+
+class BlockManager:
+    """Hands out KV-cache blocks to sequences.
+
+    Blocks are reference counted, so sequences with a common prefix share them. With prefix
+    caching a full block is keyed by (hash of its parent block's key, its token ids): equal
+    keys mean equal contents, because the chain pins the whole prefix. A freed block keeps
+    its key and waits in the free queue, reusable until it is handed out again, least
+    recently freed first; blocks that hold nothing reusable are handed out before those.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached_blocks: dict[BlockKey, int] = {}
+        self.num_evicted_blocks = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    def _block_key(self, seq: Sequence, index: int) -> BlockKey:
+        """Key of the sequence's `index`-th block, computing the chain up to it once."""
+        size = self.block_size
+        while len(seq.block_keys) <= index:
+            i = len(seq.block_keys)
+            parent = hash(seq.block_keys[i - 1]) if i else None
+            seq.block_keys.append((parent, tuple(seq.token_ids[i * size : (i + 1) * size])))
+        return seq.block_keys[index]
+
+    def find_cached_blocks(self, seq: Sequence) -> list[int]:
+        """The longest run of cached blocks that starts the sequence, touching nothing.
+
+        The last token is always left to compute, because its logits give the next token.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        hits = []
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            block_id = self.cached_blocks.get(self._block_key(seq, i))
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
+        """Gives `seq` the blocks to hold `num_new_tokens` more tokens, or changes nothing.
+
+        `cached_blocks` (from `find_cached_blocks`, only when the sequence is admitted)
+        become the head of its block table. Returns False when too few blocks are free.
+        """
+        num_computed = seq.num_computed_tokens + len(cached_blocks) * self.block_size
+        num_blocks_needed = -(-(num_computed + num_new_tokens) // self.block_size)
+        num_new_blocks = num_blocks_needed - len(seq.block_table) - len(cached_blocks)
+        num_reclaimed = sum(1 for b in cached_blocks if self.blocks[b].ref_count == 0)
+        if num_new_blocks + num_reclaimed > len(self.free_queue):
+            return False
+        for block_id in cached_blocks:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_queue[block_id]
+            block.ref_count += 1
+        if cached_blocks:
+            seq.block_table.extend(cached_blocks)
+            seq.num_registered_blocks = len(seq.block_table)
+        for _ in range(max(num_new_blocks, 0)):
+            seq.block_table.append(self._take_free_block())
+        return True
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self.free_queue.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.key is not None:
+            if self.cached_blocks.get(block.key) == block_id:
+                del self.cached_blocks[block.key]
+            block.key = None
+            self.num_evicted_blocks += 1
+        block.ref_count = 1
+        return block_id
+
+    def register_full_blocks(self, seq: Sequence) -> None:
+        """Makes the sequence's newly computed full blocks findable by later requests."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        for i in range(seq.num_registered_blocks, num_full):
+            block = self.blocks[seq.block_table[i]]
+            if block.key is None:
+                block.key = self._block_key(seq, i)
+                self.cached_blocks.setdefault(block.key, block.block_id)
+        seq.num_registered_blocks = max(seq.num_registered_blocks, num_full)
+
+    def free(self, seq: Sequence) -> None:
+        """Releases the sequence's blocks, its last block first so that it is evicted first."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count < 0:
+                raise RuntimeError(f"block {block_id} freed more often than it was taken")
+            if block.ref_count == 0:
+                self.free_queue[block_id] = None
+                if block.key is None:
+                    self.free_queue.move_to_end(block_id, last=False)
+        seq.block_table = []
+        seq.num_registered_blocks = 0
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached block; only possible while no block is in use."""
+        if len(self.free_queue) != len(self.blocks):
+            return False
+        for block in self.blocks:
+            block.key = None
+        self.cached_blocks.clear()
+        return True

@@ -1,0 +1,108 @@
+"""Engine settings (`EngineConfig`) and what is derived from the model folder (`ModelConfig`)."""
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, GenerationConfig, PretrainedConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+DEFAULT_KV_CACHE_MEMORY = 4 << 30
+
+
+@dataclass
+class EngineConfig:
+    """Everything `LLM(...)` accepts; the meaning of each field follows vLLM's.
+
+    `kv_cache_memory` (bytes) sizes the KV cache on a CPU, `gpu_memory_utilization` (the
+    fraction of the GPU's memory the engine may fill, weights included) on a GPU.
+    `max_num_batched_tokens` is one step's token budget.
+    """
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"
+    enforce_eager: bool = False
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.dtype not in ("auto", *_DTYPES):
+            problems.append(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
+            problems.append(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        for name in ("max_num_seqs", "block_size"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                problems.append(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                problems.append(f"{name} must be a positive integer or None, got {value!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            problems.append(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            problems.append(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if problems:
+            raise ValueError("Invalid engine settings: " + "; ".join(problems))
+
+
+@dataclass
+class ModelConfig:
+    """The model folder's facts resolved against the engine settings."""
+
+    path: Path
+    hf_config: PretrainedConfig
+    dtype: torch.dtype
+    device: torch.device
+    max_model_len: int
+    eos_token_ids: set[int] = field(default_factory=set)
+
+    @classmethod
+    def resolve(cls, path: Path, engine: EngineConfig, eos_token_id: int | None) -> "ModelConfig":
+        hf_config = AutoConfig.from_pretrained(path)
+        device = torch.device("cuda" if engine.device == "auto" and torch.cuda.is_available() else
+                              "cpu" if engine.device == "auto" else engine.device)
+        max_model_len = _max_model_len(hf_config, engine.max_model_len)
+        eos = {eos_token_id} if eos_token_id is not None else set()
+        if (path / "generation_config.json").exists():
+            generation = GenerationConfig.from_pretrained(path)
+            ids = generation.eos_token_id
+            eos |= set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
+        return cls(path, hf_config, _resolve_dtype(engine.dtype, hf_config, device), device, max_model_len, eos)
+
+
+def _resolve_dtype(dtype: str, hf_config: PretrainedConfig, device: torch.device) -> torch.dtype:
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    native = getattr(hf_config, "dtype", None) or torch.float32
+    if isinstance(native, str):
+        native = _DTYPES.get(native, torch.float32)
+    if native == torch.float16 and device.type == "cpu":
+        return torch.bfloat16  # float16 matrix products are slow on CPUs; bfloat16 has AMX
+    return native
+
+
+def _max_model_len(hf_config: PretrainedConfig, requested: int | None) -> int:
+    limit = getattr(hf_config, "max_position_embeddings", None) or 2048
+    window = getattr(hf_config, "sliding_window", None)
+    if window and getattr(hf_config, "use_sliding_window", True):
+        limit = min(limit, window)  # attention here is full; past the window it would differ
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise ValueError(
+            f"max_model_len={requested} exceeds the model's context of {limit} tokens "
+            f"(config.json max_position_embeddings / sliding_window); use at most {limit}"
+        )
+    return requested

@@ -1,0 +1,47 @@
+"""Incremental detokenization: text grows token by token without splitting characters."""
+
+from transformers import PreTrainedTokenizerBase
+
+# Prompt tokens decoded with the first output tokens, so that a leading space or a word
+# joined across the prompt boundary comes out as in a full decode.
+_PROMPT_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text, one delta per token.
+
+    Decoding each new token on its own breaks multi-byte characters split across tokens
+    and drops the spaces that some tokenizers attach to a word's first piece. Instead each
+    step decodes a short window (`prefix_offset` to the end) and emits only what the
+    window adds beyond its already-emitted prefix; a window ending in U+FFFD (half of a
+    character) waits for the next token.
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        prompt_token_ids: list[int],
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add_token(self, token_id: int) -> str:
+        """Appends one token and returns the text it completes (possibly empty)."""
+        self.ids.append(token_id)
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        window_text = self._decode(self.ids[self.prefix_offset :])
+        if len(window_text) <= len(prefix_text) or window_text.endswith("\ufffd"):
+            return ""
+        delta = window_text[len(prefix_text) :]
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.ids)
+        self.text += delta
+        return delta

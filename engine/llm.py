@@ -1,0 +1,254 @@
+"""`LLM`: vLLM's offline entry point, over our engine."""
+
+import gc
+import itertools
+import time
+from collections.abc import Callable, Sequence as SequenceABC
+from dataclasses import dataclass
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any]
+
+
+@dataclass
+class _Request:
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    priority: int
+
+
+class LLM:
+    """Generates text for batches of prompts with continuous batching and a paged KV cache.
+
+    Args:
+        model: A local Hugging Face model folder, or "smollm2-135m-instruct" (the default)
+            for the embedded SmolLM2-135M-Instruct.
+        tokenizer: A folder with the tokenizer, when it is not in the model folder.
+        dtype: "auto" (the model's own, bfloat16 for float16 models on a CPU), "float32",
+            "bfloat16" or "float16".
+        device: "auto" (a GPU when there is one), "cpu" or "cuda".
+        seed: Seed of the random draws of requests that have no seed of their own.
+        max_model_len: Longest prompt plus completion, at most the model's context.
+        max_num_seqs: Most sequences in one step.
+        max_num_batched_tokens: Most tokens computed in one step (default 4096).
+        block_size: Tokens per KV-cache block.
+        kv_cache_memory: Bytes of KV cache on a CPU (default 4 GiB).
+        gpu_memory_utilization: Fraction of GPU memory for weights, activations and cache.
+        enable_prefix_caching: Reuse the KV blocks of prompt prefixes already computed.
+        enable_chunked_prefill: Split long prompts over several steps.
+        scheduling_policy: "fcfs", or "priority" (lower `priority` values run first).
+        enforce_eager: Never capture CUDA graphs.
+
+    Examples:
+        >>> from engine import LLM, SamplingParams
+        >>> with LLM() as llm:
+        ...     outputs = llm.generate(["The capital of France is"], SamplingParams(temperature=0))
+        ...     print(outputs[0].outputs[0].text)
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        tokenizer: str | None = None,
+        dtype: str = "auto",
+        device: str = "auto",
+        seed: int = 0,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        block_size: int = 16,
+        kv_cache_memory: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
+        scheduling_policy: str = "fcfs",
+        enforce_eager: bool = False,
+    ) -> None:
+        config = EngineConfig(
+            model=model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed,
+            max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
+            kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
+            enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=enable_chunked_prefill,
+            scheduling_policy=scheduling_policy, enforce_eager=enforce_eager,
+        )
+        self.llm_engine: LLMEngine | None = LLMEngine(config)
+        self._request_ids = itertools.count()
+
+    @property
+    def engine(self) -> LLMEngine:
+        if self.llm_engine is None:
+            raise RuntimeError("this LLM was closed; create a new one")
+        return self.llm_engine
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | SequenceABC[PromptType],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool | Callable[..., Any] = True,
+        priority: int | SequenceABC[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Completes every prompt and returns one `RequestOutput` per prompt, in input order.
+
+        A prompt is a string, {"prompt": str} or {"prompt_token_ids": [int, ...]}.
+        `sampling_params` and `priority` are one value for all prompts or one per prompt.
+
+        Raises:
+            ValueError: before any work starts, listing every bad row (index, field,
+                reason and what to do).
+        """
+        engine = self.engine
+        requests = self._validate(prompts, sampling_params, priority)
+        if not requests:
+            return []
+        seqs = [
+            engine.add_request(str(next(self._request_ids)), r.prompt, r.prompt_token_ids,
+                               r.sampling_params, r.priority)
+            for r in requests
+        ]
+        progress = _Progress(use_tqdm, len(seqs))
+        try:
+            while engine.has_unfinished_requests():
+                finished = engine.step()
+                progress.update(finished)
+        except BaseException:
+            engine.abort_all()
+            raise
+        finally:
+            progress.close()
+        return [engine.request_output(seq) for seq in seqs]
+
+    def _validate(
+        self,
+        prompts: PromptType | SequenceABC[PromptType],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None,
+        priority: int | SequenceABC[int] | None,
+    ) -> list[_Request]:
+        engine = self.engine
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        problems: list[str] = []
+        params_list = _per_prompt("sampling_params", sampling_params, len(prompts), problems)
+        priorities = _per_prompt("priority", priority, len(prompts), problems)
+        if problems:
+            raise ValueError("generate() was called with invalid arguments; nothing was run:\n  " + "\n  ".join(problems))
+
+        max_len = engine.model_config.max_model_len
+        vocab = engine.model_config.hf_config.vocab_size
+        capacity = engine.kv_cache_tokens
+        requests = []
+        for row, (prompt, params, prio) in enumerate(zip(prompts, params_list, priorities)):
+            def bad(field: str, message: str) -> None:
+                problems.append(f"row {row}, {field}: {message}")
+
+            params = SamplingParams() if params is None else params
+            if not isinstance(params, SamplingParams):
+                bad("sampling_params", f"expected SamplingParams, got {type(params).__name__}")
+                continue
+            prio = 0 if prio is None else prio
+            if not isinstance(prio, int):
+                bad("priority", f"expected an integer, got {prio!r}")
+            elif prio != 0 and self.engine.config.scheduling_policy != "priority":
+                bad("priority", "priorities need LLM(scheduling_policy='priority')")
+            text, ids = self._tokenize(prompt, bad)
+            if ids is None:
+                continue
+            if not ids:
+                bad("prompt", "is empty: drop the row or give it text")
+            elif len(ids) >= max_len:
+                bad("prompt", f"has {len(ids)} tokens, but max_model_len is {max_len}: shorten it to at "
+                              f"most {max_len - 1} tokens, or raise max_model_len")
+            elif any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+                bad("prompt_token_ids", f"holds ids outside the vocabulary [0, {vocab}): fix the ids")
+            elif min(len(ids) + params.max_tokens, max_len) > capacity:
+                bad("max_tokens", f"prompt plus max_tokens needs {min(len(ids) + params.max_tokens, max_len)} "
+                                  f"tokens of KV cache, which holds {capacity}: lower max_tokens or "
+                                  f"raise kv_cache_memory / gpu_memory_utilization")
+            else:
+                requests.append(_Request(text, ids, params, prio))
+        if problems:
+            raise ValueError(
+                f"{len(problems)} invalid prompt row(s); nothing was run:\n  " + "\n  ".join(problems)
+            )
+        return requests
+
+    def _tokenize(self, prompt: Any, bad: Callable[[str, str], None]) -> tuple[str | None, list[int] | None]:
+        if isinstance(prompt, str):
+            return prompt, self.engine.tokenizer(prompt).input_ids if prompt else []
+        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+            text = prompt["prompt"]
+            return text, self.engine.tokenizer(text).input_ids if text else []
+        if isinstance(prompt, dict) and isinstance(prompt.get("prompt_token_ids"), list):
+            return None, list(prompt["prompt_token_ids"])
+        bad("prompt", f"expected a str, {{'prompt': str}} or {{'prompt_token_ids': [int, ...]}}, "
+                      f"got {type(prompt).__name__}")
+        return None, None
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets all cached prefixes; returns False while requests are running."""
+        return self.engine.block_manager.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Frees the model and the KV cache; the LLM cannot be used afterwards."""
+        if self.llm_engine is not None:
+            self.llm_engine.release()
+            self.llm_engine = None
+            gc.collect()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _per_prompt(name: str, value: Any, count: int, problems: list[str]) -> list[Any]:
+    """One value per prompt from a single value or a list of them."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != count:
+            problems.append(f"{name}: got {len(value)} values for {count} prompts; give one per prompt or a single value")
+            return [None] * count
+        return list(value)
+    return [value] * count
+
+
+class _Progress:
+    """The progress bar: prompts done, with estimated input and output tokens per second."""
+
+    def __init__(self, use_tqdm: bool | Callable[..., Any], total: int) -> None:
+        self.bar = None
+        if use_tqdm:
+            factory = tqdm if use_tqdm is True else use_tqdm
+            self.bar = factory(total=total, desc="Processed prompts", dynamic_ncols=True,
+                               postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s")
+        self.started = time.perf_counter()
+        self.input_tokens = 0
+        self.output_tokens = 0
+
+    def update(self, finished: list) -> None:
+        if self.bar is None or not finished:
+            return
+        self.input_tokens += sum(s.num_prompt_tokens for s in finished)
+        self.output_tokens += sum(s.num_output_tokens for s in finished)
+        elapsed = max(time.perf_counter() - self.started, 1e-9)
+        self.bar.postfix = (f"est. speed input: {self.input_tokens / elapsed:.2f} toks/s, "
+                            f"output: {self.output_tokens / elapsed:.2f} toks/s")
+        self.bar.update(len(finished))
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

@@ -1,0 +1,180 @@
+"""The engine loop: requests in, one scheduled step at a time, finished sequences out."""
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig, ModelConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.model_loader import check_model_folder, resolve_model_path
+from engine.model_runner import ModelRunner
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+_DEFAULT_STEP_TOKENS = 4096
+
+
+@dataclass
+class EngineStats:
+    """Counters since the engine started: what was computed, and how often it had to redo work."""
+
+    num_steps: int = 0
+    num_prompt_tokens_computed: int = 0
+    num_generated_tokens: int = 0
+    num_cached_prompt_tokens: int = 0
+
+
+class LLMEngine:
+    """Owns the tokenizer, the scheduler, the block manager and the model runner."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        path = resolve_model_path(config.model)
+        tokenizer_path = Path(config.tokenizer).expanduser() if config.tokenizer else path
+        check_model_folder(path, tokenizer_path)
+        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(tokenizer_path)
+        self.model_config = ModelConfig.resolve(path, config, self.tokenizer.eos_token_id)
+        if config.max_num_batched_tokens is None:
+            config.max_num_batched_tokens = (
+                _DEFAULT_STEP_TOKENS if config.enable_chunked_prefill
+                else max(_DEFAULT_STEP_TOKENS, self.model_config.max_model_len)
+            )
+        elif not config.enable_chunked_prefill and config.max_num_batched_tokens < self.model_config.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens={config.max_num_batched_tokens} is below max_model_len="
+                f"{self.model_config.max_model_len}: without chunked prefill a long prompt could never "
+                f"run. Raise it, lower max_model_len, or enable_chunked_prefill=True"
+            )
+        self.config = config
+        self.model_runner = ModelRunner(config, self.model_config)
+        self.block_manager = BlockManager(
+            self.model_runner.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+                policy=config.scheduling_policy,
+            ),
+            self.block_manager,
+        )
+        self.stats = EngineStats()
+        self._seq_ids = itertools.count()
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        """How many tokens the KV cache holds in all."""
+        return self.block_manager.num_blocks * self.config.block_size
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        priority: int = 0,
+    ) -> Sequence:
+        """Queues a validated request; it runs in the coming steps."""
+        seq = Sequence(
+            seq_id=next(self._seq_ids),
+            request_id=request_id,
+            prompt=prompt,
+            prompt_token_ids=prompt_token_ids,
+            sampling_params=sampling_params,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids),
+            priority=priority,
+        )
+        if sampling_params.seed is not None:
+            seq.generator = torch.Generator(self.model_config.device).manual_seed(sampling_params.seed)
+        self.scheduler.add(seq)
+        return seq
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[Sequence]:
+        """Schedules and runs one step; returns the sequences that finished in it."""
+        batch = self.scheduler.schedule()
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+            start = seq.num_computed_tokens
+            self.stats.num_prompt_tokens_computed += max(0, min(start + num_new, seq.num_prompt_tokens) - start)
+        sampled = self.model_runner.execute(batch)
+        self.scheduler.update_computed(batch)
+        self.stats.num_steps += 1
+        finished = []
+        for seq, token in sampled.items():
+            self._append_token(seq, token)
+            if seq.finish_reason is not None:
+                seq.metrics.finished_time = time.monotonic()
+                self.stats.num_cached_prompt_tokens += seq.num_cached_tokens
+                self.scheduler.finish(seq)
+                finished.append(seq)
+        return finished
+
+    def _append_token(self, seq: Sequence, token: int) -> None:
+        """Adds a sampled token and decides whether the sequence is done, and why."""
+        seq.token_ids.append(token)
+        self.stats.num_generated_tokens += 1
+        if seq.metrics.first_token_time is None:
+            seq.metrics.first_token_time = time.monotonic()
+        params = seq.sampling_params
+        delta = seq.detokenizer.add_token(token)
+        if not params.ignore_eos and token in self.model_config.eos_token_ids:
+            seq.finish_reason = "stop"
+        elif token in params.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token
+        elif params.stop and (stop := _find_stop(seq.detokenizer, delta, params.stop)):
+            seq.finish_reason, seq.stop_reason = "stop", stop
+        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.model_config.max_model_len:
+            seq.finish_reason = "length"
+
+    def abort_all(self) -> None:
+        """Drops every queued and running request, returning their blocks."""
+        self.scheduler.abort_all()
+
+    def request_output(self, seq: Sequence) -> RequestOutput:
+        completion = CompletionOutput(
+            index=0,
+            text=seq.detokenizer.text,
+            token_ids=seq.output_token_ids,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+        )
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=seq.prompt,
+            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+            outputs=[completion],
+            finished=seq.is_finished,
+            num_cached_tokens=seq.num_cached_tokens,
+            metrics=seq.metrics,
+        )
+
+    def release(self) -> None:
+        self.abort_all()
+        self.model_runner.release()
+
+
+def _find_stop(detokenizer: IncrementalDetokenizer, delta: str, stops: list[str]) -> str | None:
+    """The first stop string that the newest text completes; cuts the text before it."""
+    if not delta:
+        return None
+    text = detokenizer.text
+    window_start = max(0, len(text) - len(delta) - max(len(s) for s in stops) + 1)
+    found = [(text.find(s, window_start), s) for s in stops]
+    found = [(i, s) for i, s in found if i >= 0]
+    if not found:
+        return None
+    index, stop = min(found)
+    detokenizer.text = text[:index]
+    return stop

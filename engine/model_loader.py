@@ -1,0 +1,109 @@
+"""Finds a model folder, checks it, and loads its weights from safetensors."""
+
+import json
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.embedded_model import EMBEDDED_MODEL_NAME, ensure_embedded_model
+from engine.models import MODEL_REGISTRY
+
+logger = logging.getLogger(__name__)
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+class ModelLoadError(ValueError):
+    """A model folder that cannot be used; the message names the path and the fix."""
+
+
+def resolve_model_path(model: str | Path | None) -> Path:
+    """The local folder for `model`: the embedded default, or a Hugging Face model folder."""
+    if model is None or str(model) == EMBEDDED_MODEL_NAME:
+        return ensure_embedded_model()
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise ModelLoadError(
+            f"model {str(model)!r} is not a local folder. This engine loads Hugging Face model "
+            f"folders from disk (config.json, *.safetensors, tokenizer files) and never "
+            f"downloads; pass a folder path or {EMBEDDED_MODEL_NAME!r}."
+        )
+    return path
+
+
+def check_model_folder(path: Path, tokenizer_path: Path | None = None) -> list[Path]:
+    """Checks that the folder holds a config, weights and a tokenizer; returns the weight files."""
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{path} has no config.json: it is not a Hugging Face model folder")
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [path / name for name in names]
+        lost = [f.name for f in files if not f.is_file()]
+        if lost:
+            raise ModelLoadError(f"{path} lacks weight files listed in {index.name}: {lost}")
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(
+            f"{path} has no *.safetensors weights (only safetensors are loaded; convert "
+            f"pytorch_model.bin with transformers' save_pretrained(safe_serialization=True))"
+        )
+    tokenizer_dir = tokenizer_path or path
+    if not any((tokenizer_dir / name).is_file() for name in _TOKENIZER_FILES):
+        raise ModelLoadError(
+            f"{tokenizer_dir} has no tokenizer ({', '.join(_TOKENIZER_FILES)}); save the "
+            f"tokenizer into the model folder or pass tokenizer=PATH"
+        )
+    return files
+
+
+def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor in the files; a damaged file raises ModelLoadError naming it."""
+    for file in files:
+        try:
+            with safe_open(file, framework="pt") as reader:
+                for name in reader.keys():
+                    yield name, reader.get_tensor(name)
+        except ModelLoadError:
+            raise
+        except Exception as exc:  # safetensors raises several types for a damaged file
+            raise ModelLoadError(
+                f"weight file {file} could not be read ({exc}); it may be truncated or "
+                f"corrupt: copy or convert it again"
+            ) from exc
+
+
+def load_model(model_config: ModelConfig) -> nn.Module:
+    """Builds the model family named in config.json and fills it from the folder's weights."""
+    started = time.perf_counter()
+    hf_config = model_config.hf_config
+    architectures = getattr(hf_config, "architectures", None) or []
+    model_class = next((MODEL_REGISTRY[a] for a in architectures if a in MODEL_REGISTRY), None)
+    if model_class is None:
+        raise ModelLoadError(
+            f"{model_config.path}: architecture {architectures} is not supported "
+            f"(supported: {sorted(MODEL_REGISTRY)})"
+        )
+    files = check_model_folder(model_config.path)
+    with torch.device("meta"):
+        model = model_class(hf_config, max_position=model_config.max_model_len)
+    model.materialize(model_config.device, model_config.dtype)
+    try:
+        model.load_weights(iter_safetensors(files))
+    except ModelLoadError:
+        raise
+    except ValueError as exc:
+        raise ModelLoadError(f"{model_config.path}: {exc}") from exc
+    model.eval()
+    logger.info(
+        "Loaded %s (%s, %s) from %s in %.2f s", model_class.__name__, model_config.dtype,
+        model_config.device, model_config.path, time.perf_counter() - started,
+    )
+    return model

@@ -1,0 +1,50 @@
+"""What `LLM.generate` returns: vLLM's `RequestOutput` and `CompletionOutput`."""
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    """One completion of a prompt.
+
+    `finish_reason` is "stop" (EOS, a stop token or a stop string) or "length"
+    (`max_tokens` or the model's context reached); `stop_reason` names the stop string
+    or stop token id that fired, and is None for EOS and for "length".
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock times (from `time.monotonic()`) of a request's life in the engine."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+
+@dataclass
+class RequestOutput:
+    """The result for one prompt, in the order the prompts were given."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    metrics: RequestMetrics | None = None
+    lora_request: object | None = field(default=None)

@@ -1,0 +1,139 @@
+"""Iteration-level scheduling: which sequences run in the next step, and how many tokens each."""
+
+import bisect
+import time
+from dataclasses import dataclass
+
+from engine.block_manager import BlockManager
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    enable_chunked_prefill: bool
+    policy: str  # "fcfs" or "priority"
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's work: each sequence with the number of its tokens to compute now."""
+
+    seqs: list[Sequence]
+    num_new_tokens: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+class Scheduler:
+    """Fills each step's token budget: running sequences first, then waiting ones.
+
+    There is no separate prefill phase. A sequence advances its computed-token count
+    toward its length; a prompt that does not fit the budget is computed in chunks over
+    several steps. When a block cannot be had, the least important running sequence is
+    preempted by recompute (its blocks freed, its progress reset) and waits at the head
+    of the queue. "fcfs" ranks sequences by arrival, "priority" by (priority, arrival):
+    lower values first.
+    """
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def _rank(self, seq: Sequence) -> tuple[int, int]:
+        if self.config.policy == "priority":
+            return (seq.priority, seq.seq_id)
+        return (0, seq.seq_id)
+
+    def add(self, seq: Sequence) -> None:
+        bisect.insort(self.waiting, seq, key=self._rank)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[Sequence, int] = {}
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.allocate(seq, num_new):
+                victim = max(self.running, key=self._rank)
+                self._preempt(victim)
+                preempted = True
+                if victim in scheduled:
+                    budget += scheduled.pop(victim)
+                    i -= 1
+                if victim is seq:
+                    break
+            else:
+                scheduled[seq] = num_new
+                budget -= num_new
+                i += 1
+
+        while self.waiting and budget > 0 and not preempted:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            seq = self.waiting[0]
+            cached = self.block_manager.find_cached_blocks(seq) if seq.num_computed_tokens == 0 else []
+            num_new = seq.num_tokens - len(cached) * self.block_manager.block_size
+            if num_new > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if not self.block_manager.allocate(seq, num_new, cached):
+                break
+            self.waiting.pop(0)
+            seq.num_computed_tokens = len(cached) * self.block_manager.block_size
+            if seq.metrics.first_scheduled_time is None:
+                seq.metrics.first_scheduled_time = time.monotonic()
+                seq.num_cached_tokens = seq.num_computed_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled[seq] = num_new
+            budget -= num_new
+
+        if not scheduled and not preempted and self.has_unfinished():
+            raise RuntimeError(
+                "the scheduler could not place any request: the KV cache is too small for "
+                f"the next request ({self.waiting[0] if self.waiting else self.running[0]})"
+            )
+        return ScheduledBatch(list(scheduled), list(scheduled.values()))
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        self.add(seq)
+
+    def update_computed(self, batch: ScheduledBatch) -> None:
+        """Records that the step computed its tokens' keys and values."""
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += num_new
+            self.block_manager.register_full_blocks(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Retires a running sequence and releases its blocks."""
+        seq.status = SequenceStatus.FINISHED
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+
+    def abort_all(self) -> None:
+        """Forgets every request, freeing the blocks of the running ones."""
+        for seq in self.running:
+            self.block_manager.free(seq)
+            seq.status = SequenceStatus.FINISHED
+        self.running.clear()
+        self.waiting.clear()

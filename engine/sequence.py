@@ -1,0 +1,79 @@
+"""A request's state inside the engine: its tokens, its progress and its blocks."""
+
+import enum
+import time
+
+import torch
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.outputs import RequestMetrics
+from engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+class Sequence:
+    """One generation in flight.
+
+    `token_ids` holds the prompt followed by the generated tokens. `num_computed_tokens`
+    counts the leading tokens whose keys and values sit in the KV cache; the scheduler
+    advances it chunk by chunk, so prefill and decode are the same operation. When the
+    count reaches `num_tokens`, the step's logits at the last token yield the next token.
+    """
+
+    def __init__(
+        self,
+        seq_id: int,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        detokenizer: IncrementalDetokenizer,
+        priority: int = 0,
+    ) -> None:
+        self.seq_id = seq_id
+        self.request_id = request_id
+        self.prompt = prompt
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.detokenizer = detokenizer
+        self.priority = priority
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.block_table: list[int] = []
+        self.num_registered_blocks = 0
+        # (parent key's hash, token ids) of each full block, filled in by the BlockManager.
+        self.block_keys: list[tuple[int | None, tuple[int, ...]]] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.metrics = RequestMetrics(arrival_time=time.monotonic())
+        # The request's own random generator when it has a seed, set by the engine.
+        self.generator: torch.Generator | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, status={self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={self.block_table})"
+        )
