@@ -66,6 +66,10 @@ class ModelRunner:
         num_blocks = budget // block_bytes
         if num_blocks < 1:
             raise ValueError(f"the KV cache budget ({how}) holds no block of {block_bytes} bytes; raise it")
+        most_needed = self.config.max_num_seqs * -(-self.model_config.max_model_len // self.block_size)
+        if num_blocks > most_needed:
+            num_blocks = most_needed
+            how += f", capped at what max_num_seqs={self.config.max_num_seqs} full-length sequences need"
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %d bytes per token) from %s",
             num_blocks, self.block_size, num_blocks * self.block_size,
@@ -74,12 +78,15 @@ class ModelRunner:
         return num_blocks
 
     def _allocate_kv_cache(self) -> None:
+        """One extra block past the managed ones is the null block: zeros that padded key
+        positions point to, so attention never reads memory nothing has written."""
         for attn in self._attention_layers():
-            shape = (self.num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
-            # Zeros, not empty: masked-out slots still meet a zero attention weight, and
-            # 0 * NaN from uninitialized memory would poison the output.
-            attn.k_cache = torch.zeros(shape, dtype=self.model_config.dtype, device=self.device)
-            attn.v_cache = torch.zeros(shape, dtype=self.model_config.dtype, device=self.device)
+            shape = (self.num_blocks + 1, self.block_size, attn.num_kv_heads, attn.head_dim)
+            for name in ("k_cache", "v_cache"):
+                cache = torch.empty(shape, dtype=self.model_config.dtype, device=self.device)
+                cache[self.num_blocks].zero_()
+                setattr(attn, name, cache)
+        self.null_slot = self.num_blocks * self.block_size
 
     def release(self) -> None:
         """Drops the model and the KV cache so that their memory can be returned."""
@@ -136,6 +143,7 @@ class ModelRunner:
         query_index = torch.where(valid, rows.unsqueeze(1) + query, 0)
         key_pos = torch.arange(max_context, device=device)
         key_slots = tables[:, key_pos // self.block_size] * self.block_size + key_pos % self.block_size
+        key_slots = torch.where(key_pos < (computed + num_new).unsqueeze(1), key_slots, self.null_slot)
         query_pos = computed.unsqueeze(1) + query  # [seqs, max_query]
         mask = key_pos.view(1, 1, -1) <= query_pos.unsqueeze(2)
         return AttentionGroup(query_index, key_slots, mask.unsqueeze(1), valid, query_index[valid])

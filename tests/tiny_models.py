@@ -1,0 +1,73 @@
+"""Tiny random models of each supported family, saved as real model folders."""
+
+from pathlib import Path
+
+import torch
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paris is the capital of France, and Berlin is the capital of Germany.",
+    "Continuous batching schedules requests at the granularity of iterations.",
+    "A paged KV cache stores keys and values in fixed-size blocks.",
+    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000. Symbols: + - * / = ( ) [ ] { } ! ? , ; :",
+    "Unicode: café, naïve, 東京, Ωμέγα, emoji 🙂.",
+]
+
+FAMILIES = ("llama", "llama3", "qwen2", "qwen3", "mistral")
+
+
+def build_tokenizer(folder: Path) -> None:
+    """A small byte-level BPE tokenizer (vocab ~300) saved into `folder`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<|endoftext|>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(_CORPUS * 20, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+    )
+    fast.save_pretrained(folder)
+
+
+def build_tiny_model(folder: Path, family: str, seed: int = 0, tie: bool | None = None) -> Path:
+    """A random model of `family` with real config, safetensors weights and tokenizer."""
+    import transformers
+
+    common = dict(
+        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    if family == "llama":
+        config = transformers.LlamaConfig(**common, tie_word_embeddings=True if tie is None else tie)
+    elif family == "llama3":
+        config = transformers.LlamaConfig(
+            **{**common, "max_position_embeddings": 1024}, tie_word_embeddings=bool(tie),
+            rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 64},
+        )
+    elif family == "qwen2":
+        config = transformers.Qwen2Config(**common, tie_word_embeddings=bool(tie))
+    elif family == "qwen3":
+        config = transformers.Qwen3Config(**common, head_dim=32, tie_word_embeddings=bool(tie))
+    elif family == "mistral":
+        config = transformers.MistralConfig(**common, sliding_window=None, tie_word_embeddings=bool(tie))
+    else:
+        raise ValueError(family)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # larger weights than the default init, so that logits are far from ties
+        for param in model.parameters():
+            if param.dim() > 1:
+                param.normal_(0.0, 0.15)
+    model.save_pretrained(folder, safe_serialization=True)
+    build_tokenizer(folder)
+    return folder
