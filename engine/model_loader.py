@@ -101,6 +101,7 @@ def load_model(model_config: ModelConfig) -> nn.Module:
         raise
     except ValueError as exc:
         raise ModelLoadError(f"{model_config.path}: {exc}") from exc
+    model.prepack()
     model.eval()
     logger.info(
         "Loaded %s (%s, %s) from %s in %.2f s", model_class.__name__, model_config.dtype,

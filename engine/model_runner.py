@@ -80,13 +80,14 @@ class ModelRunner:
     def _allocate_kv_cache(self) -> None:
         """One extra block past the managed ones is the null block: zeros that padded key
         positions point to, so attention never reads memory nothing has written."""
+        num_slots = (self.num_blocks + 1) * self.block_size
+        self.null_slot = self.num_blocks * self.block_size
         for attn in self._attention_layers():
-            shape = (self.num_blocks + 1, self.block_size, attn.num_kv_heads, attn.head_dim)
+            shape = (attn.num_kv_heads, num_slots, attn.head_dim)
             for name in ("k_cache", "v_cache"):
                 cache = torch.empty(shape, dtype=self.model_config.dtype, device=self.device)
-                cache[self.num_blocks].zero_()
+                cache[:, self.null_slot :].zero_()
                 setattr(attn, name, cache)
-        self.null_slot = self.num_blocks * self.block_size
 
     def release(self) -> None:
         """Drops the model and the KV cache so that their memory can be returned."""
@@ -123,7 +124,7 @@ class ModelRunner:
         hidden = self.model(torch.tensor(input_ids, **to_device), torch.tensor(positions, **to_device), meta)
         if not sample_seqs:
             return {}
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, **to_device)]).float()
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, **to_device)])
         tokens = self.sampler(logits, self._sampling_metadata(sample_seqs)).tolist()
         return dict(zip(sample_seqs, tokens))
 

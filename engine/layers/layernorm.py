@@ -1,6 +1,7 @@
 """RMSNorm with the residual add fused in, computed in float32 like the reference models."""
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -17,7 +18,6 @@ class RMSNorm(nn.Module):
         if residual is not None:
             x = x + residual
             residual = x
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * h.to(x.dtype)
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        out = self.weight * normed.to(x.dtype)
         return out if residual is None else (out, residual)

@@ -30,26 +30,21 @@ def _inverse_frequencies(head_dim: int, rope: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotates queries and keys by their positions, from a cos/sin table built once."""
+    """Rotates queries and keys by their positions, from a cos/sin table built once.
+
+    The table's sine carries the sign of the rotation (-sin on the first half), so a
+    rotation is x * cos + roll(x, half) * signed_sin.
+    """
 
     def __init__(self, head_dim: int, max_position: int, rope_parameters: dict) -> None:
         super().__init__()
         inv_freq = _inverse_frequencies(head_dim, rope_parameters)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("cos", torch.cat((freqs, freqs), dim=-1).cos(), persistent=False)
+        self.register_buffer("sin", torch.cat((-freqs.sin(), freqs.sin()), dim=-1), persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`q` is [tokens, heads, head_dim], `k` [tokens, kv_heads, head_dim]."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Rotates `x` [tokens, heads, head_dim]; pass queries and keys together."""
+        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin

@@ -33,7 +33,8 @@ class Sampler:
         self.generator = generator
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """Token ids [rows] from float32 logits [rows, vocab]."""
+        """Token ids [rows] from logits [rows, vocab] in the model's dtype."""
+        logits = logits.float()
         greedy_tokens = logits.argmax(dim=-1)
         if meta.all_greedy:
             return greedy_tokens

@@ -13,6 +13,7 @@ from transformers import PretrainedConfig
 
 from engine.layers.attention import Attention, AttentionMetadata
 from engine.layers.layernorm import RMSNorm
+from engine.layers.linear import Linear
 from engine.layers.rotary import RotaryEmbedding
 
 # Checkpoint tensor suffix -> (fused parameter suffix, shard index within it).
@@ -37,8 +38,8 @@ class LlamaAttention(nn.Module):
         self.head_dim = head_dim_of(config)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=getattr(config, "attention_bias", False))
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=getattr(config, "attention_bias", False))
         self.qkv_proj.shard_sizes = [self.q_size, self.kv_size, self.kv_size]
         self.qk_norm = qk_norm
         if qk_norm:
@@ -48,14 +49,13 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.shard_sizes, dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        qk, v = self.qkv_proj(hidden).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary[0](positions, q, k)
-        out = self.attn(q, k, v, meta)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        q, k = self.rotary[0](positions, qk).split([self.num_heads, self.num_kv_heads], dim=1)
+        out = self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim), meta)
         return self.o_proj(out.view(-1, self.q_size))
 
 
@@ -65,8 +65,8 @@ class LlamaMLP(nn.Module):
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
         bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
         self.gate_up_proj.shard_sizes = [config.intermediate_size, config.intermediate_size]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -137,8 +137,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(head_dim_of(config), max_position, config.rope_parameters)
         self.model = LlamaModel(config, self.rotary, self.has_qkv_bias(config), self.qk_norm)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def materialize(self, device: torch.device, dtype: torch.dtype) -> None:
         """Allocates (uninitialized) parameters and builds the rotary table on `device`."""
@@ -152,8 +151,14 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight)
+        """Logits [rows, vocab] in the model's dtype."""
+        return self.lm_head(hidden)
+
+    def prepack(self) -> None:
+        """Prepares every projection for fast products once the weights are in."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.prepack()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies checkpoint tensors in, fusing q/k/v and gate/up.
@@ -163,6 +168,8 @@ class LlamaForCausalLM(nn.Module):
                 parameter the checkpoint lacks.
         """
         params = dict(self.named_parameters())
+        if self.tie_word_embeddings:
+            del params["lm_head.weight"]
         expected = {(name, shard) for name in params for shard in range(len(self._shard_sizes(name)))}
         loaded = set()
         for name, tensor in weights:
@@ -188,6 +195,8 @@ class LlamaForCausalLM(nn.Module):
         absent = sorted({name for name, _ in expected - loaded})
         if absent:
             raise ValueError(f"the checkpoint lacks {len(absent)} tensors, e.g. {absent[:3]}")
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     def _shard_sizes(self, param_name: str) -> list[int]:
         """Row counts of the checkpoint tensors stacked in a parameter (one if not fused)."""

@@ -1,0 +1,1 @@
+"""Example pipelines, loaded by the repository's definitions.py."""
