@@ -64,8 +64,11 @@ def main() -> None:
     write_parquet_atomically(table, args.output)
     elapsed = time.perf_counter() - started
     print(f"\nWrote {table.num_rows} generations to {args.output.resolve()} in {elapsed:.1f} s\n")
-    with pd.option_context("display.max_colwidth", 60, "display.width", 160):
-        print(table.to_pandas()[["id", "prompt", "generated_text", "finish_reason"]].head(5).to_string(index=False))
+    preview = table.to_pandas()[["id", "prompt", "generated_text", "finish_reason"]].head(5)
+    for column in ("prompt", "generated_text"):
+        text = preview[column].str.replace("\n", " ", regex=False)
+        preview[column] = text.where(text.str.len() <= 50, text.str.slice(0, 47) + "...")
+    print(preview.to_string(index=False))
 
 
 if __name__ == "__main__":
