@@ -4,7 +4,11 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-quick bench clean
+.PHONY: run ui test test-quick bench clean
+
+# Runs and their history persist here, so that `make ui` shows what `make run` did.
+export DAGSTER_HOME := $(CURDIR)/.dagster_home
+RUN_PARTITION := 2024-06-01
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -16,7 +20,13 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(PY) -m example_pipelines.batch_generate
+	mkdir -p $(DAGSTER_HOME)
+	$(VENV)/bin/dagster asset materialize -f definitions.py --select '*ticket_summaries' --partition $(RUN_PARTITION)
+	$(PY) -m example_pipelines.show_output ticket_summaries $(RUN_PARTITION)
+
+ui: $(STAMP)
+	mkdir -p $(DAGSTER_HOME)
+	$(VENV)/bin/dagster dev -f definitions.py
 
 test: $(STAMP)
 	$(PY) -m pytest

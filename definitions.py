@@ -1,10 +1,23 @@
-"""The Dagster code location: every pipeline in example_pipelines/.
+"""The Dagster code location: every pipeline under example_pipelines/defs.
 
     dagster dev -f definitions.py
 """
 
+import os
+from pathlib import Path
+
 import dagster as dg
 
-from example_pipelines import example_batch
+from dagster_llm import LLMResource, ParquetIOManager
 
-defs = dg.Definitions.merge(example_batch.defs)
+OUTPUT_DIR = Path(os.environ.get("DAGSTER_LLM_OUTPUT_DIR", "output"))
+
+defs = dg.Definitions.merge(
+    dg.load_from_defs_folder(path_within_project=Path(__file__).parent),
+    dg.Definitions(
+        resources={
+            "llm": LLMResource(model_id=os.environ.get("DAGSTER_LLM_MODEL", "smollm2-135m-instruct")),
+            "io_manager": ParquetIOManager(base_path=str(OUTPUT_DIR / "tables")),
+        }
+    ),
+)

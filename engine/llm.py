@@ -5,12 +5,14 @@ import itertools
 import time
 from collections.abc import Callable, Sequence as SequenceABC
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.model_loader import weights_fingerprint
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -93,6 +95,16 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    @property
+    def model_path(self) -> Path:
+        """The local model folder the weights were loaded from."""
+        return self.engine.model_config.path
+
+    @property
+    def model_fingerprint(self) -> str:
+        """sha256 of the weight files: what changes when the weights do."""
+        return weights_fingerprint(self.engine.model_config.path)
+
     def generate(
         self,
         prompts: PromptType | SequenceABC[PromptType],
@@ -131,15 +143,44 @@ class LLM:
             progress.close()
         return [engine.request_output(seq) for seq in seqs]
 
+    def validate(
+        self,
+        prompts: SequenceABC[PromptType],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        priority: int | SequenceABC[int] | None = None,
+    ) -> list[str | None]:
+        """Checks requests without running them: for each row, its problems as one line
+        ("field: reason and what to do"; several joined by "; "), or None when it is fine.
+
+        Raises:
+            ValueError: when the arguments as a whole do not fit (list lengths).
+        """
+        return [None if isinstance(row, _Request) else row for row in self._check_rows(prompts, sampling_params, priority)]
+
     def _validate(
         self,
         prompts: PromptType | SequenceABC[PromptType],
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None,
         priority: int | SequenceABC[int] | None,
     ) -> list[_Request]:
-        engine = self.engine
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        rows = self._check_rows(prompts, sampling_params, priority)
+        problems = [f"row {i}, {row}" for i, row in enumerate(rows) if not isinstance(row, _Request)]
+        if problems:
+            raise ValueError(
+                f"{len(problems)} invalid prompt row(s); nothing was run:\n  " + "\n  ".join(problems)
+            )
+        return rows
+
+    def _check_rows(
+        self,
+        prompts: SequenceABC[PromptType],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None,
+        priority: int | SequenceABC[int] | None,
+    ) -> list["_Request | str"]:
+        """Each row as a ready `_Request`, or as the text of its problems."""
+        engine = self.engine
         prompts = list(prompts)
         problems: list[str] = []
         params_list = _per_prompt("sampling_params", sampling_params, len(prompts), problems)
@@ -150,15 +191,17 @@ class LLM:
         max_len = engine.model_config.max_model_len
         vocab = engine.model_config.hf_config.vocab_size
         capacity = engine.kv_cache_tokens
-        requests = []
-        for row, (prompt, params, prio) in enumerate(zip(prompts, params_list, priorities)):
+        rows: list[_Request | str] = []
+        for prompt, params, prio in zip(prompts, params_list, priorities):
+            found: list[str] = []
+
             def bad(field: str, message: str) -> None:
-                problems.append(f"row {row}, {field}: {message}")
+                found.append(f"{field}: {message}")
 
             params = SamplingParams() if params is None else params
             if not isinstance(params, SamplingParams):
                 bad("sampling_params", f"expected SamplingParams, got {type(params).__name__}")
-                continue
+                params = SamplingParams()
             prio = 0 if prio is None else prio
             if not isinstance(prio, int):
                 bad("priority", f"expected an integer, got {prio!r}")
@@ -166,8 +209,8 @@ class LLM:
                 bad("priority", "priorities need LLM(scheduling_policy='priority')")
             text, ids = self._tokenize(prompt, bad)
             if ids is None:
-                continue
-            if not ids:
+                pass
+            elif not ids:
                 bad("prompt", "is empty: drop the row or give it text")
             elif len(ids) >= max_len:
                 bad("prompt", f"has {len(ids)} tokens, but max_model_len is {max_len}: shorten it to at "
@@ -178,13 +221,8 @@ class LLM:
                 bad("max_tokens", f"prompt plus max_tokens needs {min(len(ids) + params.max_tokens, max_len)} "
                                   f"tokens of KV cache, which holds {capacity}: lower max_tokens or "
                                   f"raise kv_cache_memory / gpu_memory_utilization")
-            else:
-                requests.append(_Request(text, ids, params, prio))
-        if problems:
-            raise ValueError(
-                f"{len(problems)} invalid prompt row(s); nothing was run:\n  " + "\n  ".join(problems)
-            )
-        return requests
+            rows.append("; ".join(found) if found else _Request(text, ids, params, prio))
+        return rows
 
     def _tokenize(self, prompt: Any, bad: Callable[[str, str], None]) -> tuple[str | None, list[int] | None]:
         if isinstance(prompt, str):
@@ -240,7 +278,8 @@ class _Progress:
         self.output_tokens = 0
 
     def update(self, finished: list) -> None:
-        if self.bar is None or not finished:
+        """Called after every step, so that a bar or a logger can tick during long decodes."""
+        if self.bar is None:
             return
         self.input_tokens += sum(s.num_prompt_tokens for s in finished)
         self.output_tokens += sum(s.num_output_tokens for s in finished)

@@ -1,5 +1,7 @@
 """Finds a model folder, checks it, and loads its weights from safetensors."""
 
+import functools
+import hashlib
 import json
 import logging
 import time
@@ -62,6 +64,28 @@ def check_model_folder(path: Path, tokenizer_path: Path | None = None) -> list[P
             f"tokenizer into the model folder or pass tokenizer=PATH"
         )
     return files
+
+
+@functools.cache
+def _file_sha256(path: Path, size: int, mtime_ns: int) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def weights_fingerprint(path: Path) -> str:
+    """sha256 over the names and contents of the folder's weight files.
+
+    Identifies the weights in lineage metadata and data versions; cached per process by
+    each file's size and modification time, so only the first call reads the files.
+    """
+    digest = hashlib.sha256()
+    for file in check_model_folder(path):
+        stat = file.stat()
+        digest.update(f"{file.name}:{_file_sha256(file, stat.st_size, stat.st_mtime_ns)}\n".encode())
+    return digest.hexdigest()
 
 
 def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -1,0 +1,70 @@
+"""`GenerationComponent`: a generation asset declared in a `defs.yaml`."""
+
+import dagster as dg
+from pydantic import Field
+
+from dagster_llm.assets import build_generation_asset
+from dagster_llm.checks import CheckThresholds
+from dagster_llm.config import SamplingConfig
+
+
+class GenerationComponent(dg.Component, dg.Model, dg.Resolvable):
+    """Runs the LLM resource over an upstream prompt table, one Parquet file per partition.
+
+    Examples:
+        .. code-block:: yaml
+
+            type: dagster_llm.components.GenerationComponent
+            attributes:
+              name: answers
+              upstream: questions
+              chat: true
+              partitions: [factual, creative]
+              sampling: {temperature: 0, max_tokens: 48}
+              sampling_by_partition:
+                creative: {temperature: 0.8, top_p: 0.95, seed: 7, max_tokens: 64}
+    """
+
+    name: str = Field(description="The generation asset's name.")
+    upstream: str = Field(description="Asset key of the prompt table, e.g. 'prompts' or 'raw/prompts'.")
+    prompt_column: str = Field(default="prompt", description="Column with the prompt text or chat messages.")
+    id_column: str = Field(default="id", description="Column that identifies a row.")
+    chat: bool = Field(default=False, description="Render plain-text prompts with the model's chat template.")
+    partitions: list[str] | None = Field(default=None, description="Static partition keys (same as upstream's).")
+    daily_start_date: str | None = Field(default=None, description="Daily partitions from this date (YYYY-MM-DD).")
+    sampling: dict = Field(default_factory=dict, description="Default sampling config (SamplingConfig fields).")
+    sampling_by_partition: dict[str, dict] = Field(
+        default_factory=dict, description="Partition key or glob pattern to its sampling config."
+    )
+    max_error_rate: float = Field(default=0.0, ge=0, le=1, description="Error rows above this share fail the check.")
+    max_empty_rate: float = Field(default=0.0, ge=0, le=1, description="Empty generations above this share fail.")
+    max_truncation_rate: float = Field(default=0.5, ge=0, le=1, description="Truncated rows above this share fail.")
+    resource_key: str = Field(default="llm", description="Key of the LLMResource.")
+    pool: str | None = Field(default="llm", description="Concurrency pool of the generation step.")
+    group_name: str | None = Field(default=None, description="Asset group.")
+    code_version: str = Field(default="1", description="Version of the prompt logic.")
+
+    def build_defs(self, context: dg.ComponentLoadContext) -> dg.Definitions:
+        if self.partitions and self.daily_start_date:
+            raise dg.DagsterInvalidDefinitionError(f"{self.name}: give partitions or daily_start_date, not both")
+        partitions_def = (
+            dg.StaticPartitionsDefinition(self.partitions) if self.partitions
+            else dg.DailyPartitionsDefinition(start_date=self.daily_start_date) if self.daily_start_date
+            else None
+        )
+        asset = build_generation_asset(
+            self.name,
+            upstream=dg.AssetKey.from_user_string(self.upstream),
+            prompt_column=self.prompt_column,
+            id_column=self.id_column,
+            chat=self.chat,
+            sampling=SamplingConfig(**self.sampling),
+            sampling_by_partition={k: SamplingConfig(**v) for k, v in self.sampling_by_partition.items()},
+            partitions_def=partitions_def,
+            resource_key=self.resource_key,
+            pool=self.pool,
+            thresholds=CheckThresholds(self.max_error_rate, self.max_empty_rate, self.max_truncation_rate),
+            group_name=self.group_name,
+            code_version=self.code_version,
+        )
+        return dg.Definitions(assets=[asset])

@@ -1,0 +1,70 @@
+"""`LLMResource`: one inference engine per process, created on first use."""
+
+from typing import Any
+
+import dagster as dg
+from pydantic import Field, PrivateAttr
+
+from engine import LLM
+
+
+class LLMResource(dg.ConfigurableResource):
+    """An offline LLM engine (continuous batching, paged KV cache) shared by the assets
+    of a process.
+
+    The engine is created lazily by `get_llm()`, never in `setup_for_execution`
+    (`dagster job execute` sets resources up a second time in the CLI's own process),
+    and freed in `teardown_after_execution`.
+
+    Examples:
+        .. code-block:: python
+
+            import dagster as dg
+            from dagster_llm import LLMResource, build_generation_asset
+
+            summaries = build_generation_asset("summaries", upstream="tickets", prompt_column="text")
+            defs = dg.Definitions(
+                assets=[summaries],
+                resources={"llm": LLMResource(model_id="smollm2-135m-instruct", dtype="bfloat16")},
+            )
+    """
+
+    model_id: str = Field(
+        default="smollm2-135m-instruct",
+        description="A local Hugging Face model folder, or 'smollm2-135m-instruct' for the embedded model.",
+    )
+    dtype: str = Field(default="auto", description="'auto', 'float32', 'bfloat16' or 'float16'.")
+    device: str = Field(default="auto", description="'auto' (a GPU if present), 'cpu' or 'cuda'.")
+    seed: int = Field(default=0, description="Seed for rows without a seed of their own.")
+    max_model_len: int | None = Field(default=None, description="Longest prompt plus completion; the model's context if unset.")
+    max_num_seqs: int = Field(default=256, ge=1, description="Most sequences decoded together in one step.")
+    max_num_batched_tokens: int | None = Field(default=None, ge=1, description="Token budget of one engine step.")
+    kv_cache_memory_gb: float | None = Field(default=None, gt=0, description="KV cache size on a CPU, in GiB (default 4).")
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1, description="Fraction of GPU memory the engine may use.")
+    enable_prefix_caching: bool = Field(default=True, description="Reuse the KV cache of shared prompt prefixes.")
+
+    _llm: LLM | None = PrivateAttr(default=None)
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        return dict(
+            dtype=self.dtype,
+            device=self.device,
+            seed=self.seed,
+            max_model_len=self.max_model_len,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            kv_cache_memory=int(self.kv_cache_memory_gb * 2**30) if self.kv_cache_memory_gb else None,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            enable_prefix_caching=self.enable_prefix_caching,
+        )
+
+    def get_llm(self) -> LLM:
+        """The process's engine, loaded on first call."""
+        if self._llm is None:
+            self._llm = LLM(self.model_id, **self.engine_kwargs())
+        return self._llm
+
+    def teardown_after_execution(self, context: dg.InitResourceContext) -> None:
+        if self._llm is not None:
+            self._llm.close()
+            self._llm = None
