@@ -59,7 +59,10 @@ def build_generation_asset(
     rendered with the model's chat template (`chat=True` also wraps plain text as one
     user message). Optional columns named like `SamplingConfig` fields override the
     partition's sampling for their row. The asset writes one Parquet file per partition
-    under `output_dir` (atomically) and records lineage metadata per partition.
+    under `output_dir` (atomically) and records lineage metadata per partition. Its data
+    version digests the rows read (id, prompt, effective sampling), the model weights and
+    the code version: unchanged inputs keep it, any change moves it. In a single-run
+    backfill one data version covers the run's partitions (Dagster records one per run).
 
     A single-run backfill loads the model once and batches every partition's rows
     together. The asset carries three checks per partition (error rows, empty
@@ -203,7 +206,7 @@ def build_generation_asset(
             path = partition_file(root, asset_key, key)
             write_parquet_atomically(table, path)
             upstream_version = _upstream_data_version(context, upstream_key, key)
-            versions[key] = {"upstream": upstream_version, "sampling": sampling_of[key].model_dump()}
+            versions[key] = _digest([(r.id, r.prompt_text, r.sampling.model_dump()) for r, _ in part_rows])
             metadata = {
                 **_table_metadata(table, path, schema, lineage),
                 **run_metadata,
@@ -218,6 +221,8 @@ def build_generation_asset(
             for check_name, (passed, check_metadata) in checks.evaluate(table, thresholds).items():
                 yield dg.AssetCheckEvaluation(asset_key=asset_key, check_name=check_name, passed=passed,
                                               partition=key, metadata=check_metadata)
+        # Over what was read, not the upstream's data version, which an upstream without
+        # versioning of its own changes on every materialization even when the rows do not.
         data_version = _digest({"code_version": full_code_version, "model": fingerprint, "partitions": versions})
         yield dg.MaterializeResult(
             asset_key=asset_key,

@@ -1,0 +1,115 @@
+"""The `dagster` CLI against the example pipelines in definitions.py, as a user runs it.
+
+Each test runs the real `dagster` command in a subprocess, from the repository root, with
+its own DAGSTER_HOME and DAGSTER_LLM_OUTPUT_DIR, and generates with the embedded
+SmolLM2 model, capped at a few tokens per row to stay quick.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import dagster as dg
+import pandas as pd
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DAGSTER = Path(sys.executable).parent / "dagster"
+MODEL = "smollm2-135m-instruct"
+MAX_TOKENS = 8
+SHORT_RUN_CONFIG = {"ops": {"ticket_summaries": {"config": {"sampling": {"max_tokens": MAX_TOKENS}}}}}
+CLI_TIMEOUT_S = 600
+
+
+def run_dagster(args: list[str], home: Path, output_dir: Path) -> subprocess.CompletedProcess[str]:
+    """Run `dagster <args>` from the repository root with its own instance and output folder."""
+    home.mkdir(exist_ok=True)
+    env = {**os.environ, "DAGSTER_HOME": str(home), "DAGSTER_LLM_OUTPUT_DIR": str(output_dir)}
+    return subprocess.run(
+        [str(DAGSTER), *args], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=CLI_TIMEOUT_S
+    )
+
+
+def assert_succeeded(result: subprocess.CompletedProcess[str]) -> None:
+    assert result.returncode == 0, f"exit code {result.returncode}\n{result.stdout}\n{result.stderr}"
+
+
+def generations(output_dir: Path, partition: str) -> pd.DataFrame:
+    return pd.read_parquet(output_dir / "generations" / "ticket_summaries" / f"{partition}.parquet")
+
+
+def latest_metadata(instance: dg.DagsterInstance, partition: str) -> dict[str, object]:
+    """The metadata values of the newest ticket_summaries materialization of a partition."""
+    records = instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=dg.AssetKey("ticket_summaries"), asset_partitions=[partition]), limit=1
+    ).records
+    assert records, f"no materialization of ticket_summaries[{partition}]"
+    return {label: entry.value for label, entry in records[0].asset_materialization.metadata.items()}
+
+
+@pytest.mark.slow
+def test_job_execute_one_partition_with_run_config_file(tmp_path: Path) -> None:
+    """`dagster job execute` of the daily job for one partition, with a run config file,
+    writes that day's summaries with the overridden max_tokens and the default model."""
+    config_file = tmp_path / "run_config.json"
+    config_file.write_text(json.dumps(SHORT_RUN_CONFIG))
+    output_dir = tmp_path / "output"
+
+    result = run_dagster(
+        ["job", "execute", "-f", "definitions.py", "-j", "daily_ticket_summaries_job",
+         "--tags", json.dumps({"dagster/partition": "2024-06-02"}), "-c", str(config_file)],
+        tmp_path / "home", output_dir,
+    )
+
+    assert_succeeded(result)
+    table = generations(output_dir, "2024-06-02")
+    assert list(table["id"]) == ["T-1005", "T-1006", "T-1007"]
+    assert all(isinstance(text, str) and text for text in table["generated_text"])
+    assert table["error"].isna().all()
+    assert (table["max_tokens"] == MAX_TOKENS).all()
+    assert (table["model"] == MODEL).all()
+
+
+@pytest.mark.slow
+def test_asset_materialize_partition_range_is_one_run(tmp_path: Path) -> None:
+    """`dagster asset materialize --partition-range` over two days runs once (single-run
+    backfill policy), writes one file per day and records per-partition metadata."""
+    home = tmp_path / "home"
+    output_dir = tmp_path / "output"
+
+    result = run_dagster(
+        ["asset", "materialize", "-f", "definitions.py", "--select", "*ticket_summaries",
+         "--partition-range", "2024-06-03...2024-06-04", "--config-json", json.dumps(SHORT_RUN_CONFIG)],
+        home, output_dir,
+    )
+
+    assert_succeeded(result)
+    expected_rows = {"2024-06-03": 3, "2024-06-04": 2}
+    for partition, rows in expected_rows.items():
+        assert len(generations(output_dir, partition)) == rows
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        assert len(instance.get_runs()) == 1
+        for partition, rows in expected_rows.items():
+            metadata = latest_metadata(instance, partition)
+            assert metadata["partitions_in_run"] == 2
+            assert metadata["dagster/row_count"] == rows
+
+
+@pytest.mark.slow
+def test_invalid_run_config_fails_without_writing(tmp_path: Path) -> None:
+    """A negative temperature in the run config makes `dagster asset materialize` fail,
+    naming the bad field, and no generations file is written."""
+    bad_config = {"ops": {"ticket_summaries": {"config": {"sampling": {"temperature": -1}}}}}
+    output_dir = tmp_path / "output"
+
+    result = run_dagster(
+        ["asset", "materialize", "-f", "definitions.py", "--select", "*ticket_summaries",
+         "--partition", "2024-06-01", "--config-json", json.dumps(bad_config)],
+        tmp_path / "home", output_dir,
+    )
+
+    assert result.returncode != 0
+    assert "temperature" in result.stdout + result.stderr
+    assert not (output_dir / "generations" / "ticket_summaries" / "2024-06-01.parquet").exists()

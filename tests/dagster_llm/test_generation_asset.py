@@ -1,0 +1,250 @@
+"""The generation asset on tiny random models: contents, metadata, partitions, errors, versions."""
+
+import json
+
+import dagster as dg
+import pandas as pd
+import pytest
+
+import engine
+from dagster_llm import LLMResource, ParquetIOManager, SamplingConfig, build_generation_asset, partition_file
+
+PARTS = dg.StaticPartitionsDefinition(["a", "b"])
+PROMPTS = {
+    "a": pd.DataFrame({"id": ["a1", "a2", "a3"], "prompt": ["Paris is the", "The quick brown fox", "A paged KV"]}),
+    "b": pd.DataFrame({"id": ["b1", "b2"], "prompt": ["Numbers: 0 1 2", "Unicode: café"]}),
+}
+METADATA_KEYS = {
+    "dagster/row_count", "dagster/column_schema", "dagster/column_lineage", "path", "model_id",
+    "model_fingerprint", "engine_version", "elapsed_s", "generated_tokens_per_s", "partitions_in_run",
+    "prompt_tokens", "completion_tokens", "finish_reasons", "error_rows", "adapter", "sampling_config",
+    "upstream_data_version", "preview",
+}
+
+
+@pytest.fixture
+def env(tiny_models, tmp_path, monkeypatch):
+    """Output under tmp_path, a resource on the tiny Llama, and a count of engine loads."""
+    monkeypatch.setenv("DAGSTER_LLM_OUTPUT_DIR", str(tmp_path / "out"))
+    loads = []
+    original = engine.LLM.__init__
+
+    def counting_init(self, *args, **kwargs):
+        loads.append(args)
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(engine.LLM, "__init__", counting_init)
+    resources = {
+        "llm": LLMResource(model_id=str(tiny_models["llama"]), dtype="float32", kv_cache_memory_gb=0.01),
+        "io_manager": ParquetIOManager(base_path=str(tmp_path / "tables")),
+    }
+    return {"root": tmp_path / "out" / "generations", "resources": resources, "loads": loads,
+            "model": tiny_models["llama"]}
+
+
+def prompts_asset(frames=PROMPTS, partitions_def=PARTS, name="prompts"):
+    @dg.asset(name=name, partitions_def=partitions_def, backfill_policy=dg.BackfillPolicy.single_run())
+    def _prompts(context: dg.AssetExecutionContext):
+        out = {k: frames[k] for k in context.partition_keys}
+        return out if len(out) > 1 else out[context.partition_key]
+
+    return _prompts
+
+
+def run(assets, env, *, partition=None, partition_range=None, run_config=None, instance=None, raise_on_error=True):
+    tags = {}
+    if partition_range:
+        tags = {"dagster/asset_partition_range_start": partition_range[0],
+                "dagster/asset_partition_range_end": partition_range[1]}
+    return dg.materialize(assets, partition_key=partition, tags=tags, resources=env["resources"],
+                          run_config=run_config, instance=instance, raise_on_error=raise_on_error)
+
+
+def latest(instance, key: str, partition: str):
+    records = instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=dg.AssetKey(key), asset_partitions=[partition]), limit=1).records
+    return records[0].asset_materialization
+
+
+def test_partition_contents_equal_direct_generation_and_carry_full_metadata(env):
+    prompts = prompts_asset()
+    gen = build_generation_asset("gen", upstream=prompts, sampling=SamplingConfig(max_tokens=6))
+    with dg.instance_for_test() as instance:
+        result = run([prompts, gen], env, partition="a", instance=instance)
+        table = pd.read_parquet(partition_file(env["root"], dg.AssetKey("gen"), "a"))
+        with engine.LLM(str(env["model"]), dtype="float32") as llm:
+            direct = llm.generate(list(PROMPTS["a"]["prompt"]), engine.SamplingParams(temperature=0, max_tokens=6),
+                                  use_tqdm=False)
+        assert list(table["id"]) == ["a1", "a2", "a3"]
+        assert list(table["generated_text"]) == [o.outputs[0].text for o in direct]
+        assert list(table["completion_tokens"]) == [len(o.outputs[0].token_ids) for o in direct]
+        assert table["error"].isna().all() and (table["max_tokens"] == 6).all()
+        assert (table["model"] == str(env["model"])).all()
+
+        meta = latest(instance, "gen", "a").metadata
+        assert METADATA_KEYS <= set(meta)
+        assert meta["dagster/row_count"].value == 3
+        assert meta["error_rows"].value == 0
+        assert meta["completion_tokens"].value == int(table["completion_tokens"].sum())
+        assert meta["sampling_config"].value["max_tokens"] == 6
+        assert len(meta["model_fingerprint"].value) == 64
+        assert [c.name for c in meta["dagster/column_schema"].value.columns][:4] == ["id", "prompt", "generated_text", "finish_reason"]
+        deps = meta["dagster/column_lineage"].value.deps_by_column["generated_text"]
+        assert deps[0].asset_key == dg.AssetKey("prompts") and deps[0].column_name == "prompt"
+        assert sum(json.loads(json.dumps(meta["finish_reasons"].value)).values()) == 3
+        checks = {(e.check_name, e.partition): e.passed for e in result.get_asset_check_evaluations()}
+        assert checks == {("no_error_rows", "a"): True, ("no_empty_generations", "a"): True,
+                          ("truncation_rate", "a"): checks[("truncation_rate", "a")]}
+
+
+def test_single_run_backfill_loads_the_model_once_and_writes_each_partition(env):
+    prompts = prompts_asset()
+    gen = build_generation_asset("gen", upstream=prompts, sampling=SamplingConfig(max_tokens=4))
+    with dg.instance_for_test() as instance:
+        result = run([prompts, gen], env, partition_range=("a", "b"), instance=instance)
+        assert result.success and len(env["loads"]) == 1
+        for key, rows in (("a", 3), ("b", 2)):
+            assert len(pd.read_parquet(partition_file(env["root"], dg.AssetKey("gen"), key))) == rows
+            meta = latest(instance, "gen", key).metadata
+            assert meta["dagster/row_count"].value == rows and meta["partitions_in_run"].value == 2
+        assert len(instance.get_runs()) == 1
+        assert {e.partition for e in result.get_asset_check_evaluations()} == {"a", "b"}
+
+
+def test_sampling_by_partition_and_run_overrides(env):
+    prompts = prompts_asset()
+    gen = build_generation_asset(
+        "gen", upstream=prompts, sampling=SamplingConfig(max_tokens=3),
+        sampling_by_partition={"b": SamplingConfig(temperature=0.9, seed=11, max_tokens=5)},
+    )
+    run([prompts, gen], env, partition_range=("a", "b"))
+    a = pd.read_parquet(partition_file(env["root"], dg.AssetKey("gen"), "a"))
+    b = pd.read_parquet(partition_file(env["root"], dg.AssetKey("gen"), "b"))
+    assert (a["temperature"] == 0).all() and (a["max_tokens"] == 3).all()
+    assert (b["temperature"] == 0.9).all() and (b["seed"] == 11).all() and (b["max_tokens"] == 5).all()
+    run([prompts, gen], env, partition="b", run_config={"ops": {"gen": {"config": {"sampling": {"max_tokens": 2}}}}})
+    b2 = pd.read_parquet(partition_file(env["root"], dg.AssetKey("gen"), "b"))
+    assert (b2["max_tokens"] == 2).all() and (b2["temperature"] == 0.9).all()
+
+
+def test_row_overrides_and_bad_rows_land_in_the_table(env):
+    frames = {"a": pd.DataFrame({"id": ["x", "y", "z"], "prompt": ["Paris is the", "", "The quick"],
+                                 "max_tokens": [2, None, 7]}), "b": PROMPTS["b"]}
+    prompts = prompts_asset(frames)
+    gen = build_generation_asset("gen", upstream=prompts, sampling=SamplingConfig(max_tokens=4, ignore_eos=True))
+    result = run([prompts, gen], env, partition="a")
+    table = pd.read_parquet(partition_file(env["root"], dg.AssetKey("gen"), "a"))
+    assert list(table["max_tokens"]) == [2, 4, 7]
+    assert list(table["completion_tokens"][[0, 2]]) == [2, 7]
+    assert pd.isna(table["error"][0]) and pd.isna(table["error"][2])
+    assert "prompt: is empty" in table["error"][1] and pd.isna(table["generated_text"][1])
+    checks = {e.check_name: e for e in result.get_asset_check_evaluations()}
+    assert not checks["no_error_rows"].passed and checks["no_error_rows"].metadata["rows"].value == 1
+
+
+def test_missing_prompt_column_fails_with_a_clear_message(env):
+    prompts = prompts_asset({"a": pd.DataFrame({"id": ["1"], "text": ["hi"]}), "b": PROMPTS["b"]})
+    gen = build_generation_asset("gen", upstream=prompts)
+    result = run([prompts, gen], env, partition="a", raise_on_error=False)
+    assert not result.success
+    failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
+    message = str(failure.event_specific_data.error)
+    assert "has no column 'prompt'" in message and "prompt_column=" in message and "'text'" in message
+    assert not env["loads"]  # failed before loading the model
+
+
+def test_invalid_sampling_config_fails_before_the_model_loads(env):
+    prompts = prompts_asset()
+    gen = build_generation_asset("gen", upstream=prompts)
+    with pytest.raises(dg.DagsterInvalidConfigError, match="temprature"):  # unknown field: refused at launch
+        run([prompts, gen], env, partition="a", run_config={"ops": {"gen": {"config": {"sampling": {"temprature": 1}}}}})
+    result = run([prompts, gen], env, partition="a", raise_on_error=False,
+                 run_config={"ops": {"gen": {"config": {"sampling": {"temperature": -1}}}}})
+    failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
+    assert "sampling.temperature" in str(failure.event_specific_data.error)
+    assert "greater than or equal to 0" in str(failure.event_specific_data.error)
+    assert not env["loads"]
+    with pytest.raises(Exception, match="top_p"):
+        build_generation_asset("gen2", upstream=prompts, sampling=SamplingConfig(top_p=2.0))
+
+
+def test_unknown_partition_in_the_sampling_mapping_is_a_definition_error():
+    prompts = prompts_asset()
+    with pytest.raises(dg.DagsterInvalidDefinitionError, match=r"names \['c'\], which match no partition key"):
+        build_generation_asset("gen", upstream=prompts, sampling_by_partition={"c": SamplingConfig()})
+    build_generation_asset("gen", upstream=prompts, sampling_by_partition={"[ab]": SamplingConfig()})
+
+
+def test_data_version_tracks_upstream_sampling_and_nothing_else(env):
+    frames = {k: v.copy() for k, v in PROMPTS.items()}
+    prompts = prompts_asset(frames)
+    gen = build_generation_asset("gen", upstream=prompts, sampling=SamplingConfig(max_tokens=3))
+
+    def version(instance):
+        return latest(instance, "gen", "a").tags["dagster/data_version"]
+
+    with dg.instance_for_test() as instance:
+        run([prompts, gen], env, partition="a", instance=instance)
+        first = version(instance)
+        run([prompts, gen], env, partition="a", instance=instance)
+        assert version(instance) == first
+        run([prompts, gen], env, partition="a", instance=instance,
+            run_config={"ops": {"gen": {"config": {"sampling": {"max_tokens": 4}}}}})
+        assert version(instance) != first
+        run([prompts, gen], env, partition="a", instance=instance)
+        assert version(instance) == first
+        frames["a"] = pd.DataFrame({"id": ["a9"], "prompt": ["Berlin is"]})
+        run([prompts, gen], env, partition="a", instance=instance)
+        assert version(instance) != first
+
+
+def test_sampling_settings_are_part_of_the_code_version():
+    prompts = prompts_asset()
+
+    def code_version(**kwargs):
+        gen = build_generation_asset("gen", upstream=prompts, **kwargs)
+        return gen.code_versions_by_key[dg.AssetKey("gen")]
+
+    base = code_version(sampling=SamplingConfig(max_tokens=3))
+    assert base == code_version(sampling=SamplingConfig(max_tokens=3))
+    assert base != code_version(sampling=SamplingConfig(max_tokens=4))
+    assert base != code_version(sampling=SamplingConfig(max_tokens=3), sampling_by_partition={"b": SamplingConfig()})
+    assert base.startswith("1+")
+
+
+def test_multi_dimensional_partitions_with_a_pattern(env):
+    parts = dg.MultiPartitionsDefinition({"style": dg.StaticPartitionsDefinition(["plain", "fancy"]),
+                                          "lang": dg.StaticPartitionsDefinition(["en", "fr"])})
+    frame = PROMPTS["a"]
+
+    @dg.asset(partitions_def=parts, name="prompts")
+    def prompts(context: dg.AssetExecutionContext) -> pd.DataFrame:
+        return frame
+
+    gen = build_generation_asset("gen", upstream=prompts, sampling=SamplingConfig(max_tokens=2),
+                                 sampling_by_partition={"fr|*": SamplingConfig(max_tokens=3)})
+    key = dg.MultiPartitionKey({"style": "fancy", "lang": "fr"})
+    run([prompts, gen], env, partition=key)
+    path = partition_file(env["root"], dg.AssetKey("gen"), key)
+    assert path.parts[-2:] == ("lang=fr", "style=fancy.parquet")
+    assert (pd.read_parquet(path)["max_tokens"] == 3).all()
+
+
+def test_daily_partitions(env):
+    days = dg.DailyPartitionsDefinition(start_date="2024-06-01", end_date="2024-06-05")
+    frames = {d: PROMPTS["a"] for d in days.get_partition_keys()}
+    prompts = prompts_asset(frames, days)
+    gen = build_generation_asset("gen", upstream=prompts, sampling=SamplingConfig(max_tokens=2),
+                                 sampling_by_partition={"2024-06-0[34]": SamplingConfig(max_tokens=3)})
+    run([prompts, gen], env, partition_range=("2024-06-02", "2024-06-03"))
+    assert (pd.read_parquet(partition_file(env["root"], dg.AssetKey("gen"), "2024-06-02"))["max_tokens"] == 2).all()
+    assert (pd.read_parquet(partition_file(env["root"], dg.AssetKey("gen"), "2024-06-03"))["max_tokens"] == 3).all()
+
+
+def test_resource_creates_the_engine_lazily_and_frees_it(env):
+    resource = env["resources"]["llm"]
+    with dg.build_resources({"llm": resource}) as resources:
+        assert not env["loads"]
+        first = resources.llm.get_llm()
+        assert resources.llm.get_llm() is first and len(env["loads"]) == 1
+    assert first.llm_engine is None  # closed at teardown
