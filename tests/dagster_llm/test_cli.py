@@ -100,7 +100,8 @@ def test_asset_materialize_partition_range_is_one_run(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_invalid_run_config_fails_without_writing(tmp_path: Path) -> None:
     """A negative temperature in the run config makes `dagster asset materialize` fail,
-    naming the bad field, and no generations file is written."""
+    naming the bad field, before anything is computed: no Parquet file is written,
+    neither the upstream tables nor the generations."""
     bad_config = {"ops": {"ticket_summaries": {"config": {"sampling": {"temperature": -1}}}}}
     output_dir = tmp_path / "output"
 
@@ -112,4 +113,5 @@ def test_invalid_run_config_fails_without_writing(tmp_path: Path) -> None:
 
     assert result.returncode != 0
     assert "temperature" in result.stdout + result.stderr
-    assert not (output_dir / "generations" / "ticket_summaries" / "2024-06-01.parquet").exists()
+    written = sorted(str(path.relative_to(output_dir)) for path in output_dir.rglob("*.parquet"))
+    assert written == [], f"Parquet files written despite the invalid run config: {written}"
