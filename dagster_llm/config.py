@@ -12,8 +12,8 @@ from engine import SamplingParams
 class SamplingConfig(dg.Config):
     """How to sample one partition's completions (the engine's `SamplingParams`).
 
-    Field constraints are checked by Dagster when a run is launched, so a bad value
-    fails before any model is loaded.
+    Dagster checks field names and types when a run is launched; the value bounds below
+    are checked when the generation step builds its config, before the model loads.
     """
 
     temperature: float = Field(default=0.0, ge=0.0, description="Softmax temperature; 0 is greedy.")
