@@ -11,6 +11,7 @@ from pathlib import Path
 import dagster as dg
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 
 import engine
 from dagster_llm import checks
@@ -234,15 +235,15 @@ def build_generation_asset(
 
 
 def _table_metadata(table: pa.Table, path: Path, schema: dg.TableSchema, lineage: dg.TableColumnLineage) -> dict:
-    ok = table.filter(pa.compute.is_null(table["error"]))
+    ok = table.filter(pc.is_null(table["error"]))
     reasons = collections.Counter(ok["finish_reason"].to_pylist())
     return {
         "dagster/row_count": table.num_rows,
         "dagster/column_schema": schema,
         "dagster/column_lineage": lineage,
         "path": dg.MetadataValue.path(str(path.resolve())),
-        "prompt_tokens": int(pa.compute.sum(ok["prompt_tokens"]).as_py() or 0),
-        "completion_tokens": int(pa.compute.sum(ok["completion_tokens"]).as_py() or 0),
+        "prompt_tokens": int(pc.sum(ok["prompt_tokens"]).as_py() or 0),
+        "completion_tokens": int(pc.sum(ok["completion_tokens"]).as_py() or 0),
         "finish_reasons": dg.MetadataValue.json(dict(reasons)),
         "error_rows": table.num_rows - ok.num_rows,
         "preview": dg.MetadataValue.md(

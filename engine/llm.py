@@ -194,47 +194,41 @@ class LLM:
         rows: list[_Request | str] = []
         for prompt, params, prio in zip(prompts, params_list, priorities):
             found: list[str] = []
-
-            def bad(field: str, message: str) -> None:
-                found.append(f"{field}: {message}")
-
             params = SamplingParams() if params is None else params
             if not isinstance(params, SamplingParams):
-                bad("sampling_params", f"expected SamplingParams, got {type(params).__name__}")
+                found.append(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
                 params = SamplingParams()
             prio = 0 if prio is None else prio
             if not isinstance(prio, int):
-                bad("priority", f"expected an integer, got {prio!r}")
+                found.append(f"priority: expected an integer, got {prio!r}")
             elif prio != 0 and self.engine.config.scheduling_policy != "priority":
-                bad("priority", "priorities need LLM(scheduling_policy='priority')")
-            text, ids = self._tokenize(prompt, bad)
+                found.append("priority: priorities need LLM(scheduling_policy='priority')")
+            text, ids = self._tokenize(prompt)
+            needed = min(len(ids or []) + params.max_tokens, max_len)
             if ids is None:
-                pass
+                found.append("prompt: expected a str, {'prompt': str} or {'prompt_token_ids': [int, ...]}, "
+                             f"got {type(prompt).__name__}")
             elif not ids:
-                bad("prompt", "is empty: drop the row or give it text")
+                found.append("prompt: is empty: drop the row or give it text")
             elif len(ids) >= max_len:
-                bad("prompt", f"has {len(ids)} tokens, but max_model_len is {max_len}: shorten it to at "
-                              f"most {max_len - 1} tokens, or raise max_model_len")
+                found.append(f"prompt: has {len(ids)} tokens, but max_model_len is {max_len}: shorten it "
+                             f"to at most {max_len - 1} tokens, or raise max_model_len")
             elif any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
-                bad("prompt_token_ids", f"holds ids outside the vocabulary [0, {vocab}): fix the ids")
-            elif min(len(ids) + params.max_tokens, max_len) > capacity:
-                bad("max_tokens", f"prompt plus max_tokens needs {min(len(ids) + params.max_tokens, max_len)} "
-                                  f"tokens of KV cache, which holds {capacity}: lower max_tokens or "
-                                  f"raise kv_cache_memory / gpu_memory_utilization")
+                found.append(f"prompt_token_ids: holds ids outside the vocabulary [0, {vocab}): fix the ids")
+            elif needed > capacity:
+                found.append(f"max_tokens: prompt plus max_tokens needs {needed} tokens of KV cache, which "
+                             f"holds {capacity}: lower max_tokens or raise kv_cache_memory / gpu_memory_utilization")
             rows.append("; ".join(found) if found else _Request(text, ids, params, prio))
         return rows
 
-    def _tokenize(self, prompt: Any, bad: Callable[[str, str], None]) -> tuple[str | None, list[int] | None]:
-        if isinstance(prompt, str):
-            return prompt, self.engine.tokenizer(prompt).input_ids if prompt else []
-        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
-            text = prompt["prompt"]
-            return text, self.engine.tokenizer(text).input_ids if text else []
+    def _tokenize(self, prompt: Any) -> tuple[str | None, list[int] | None]:
+        """The prompt's text and token ids; ids are None for a prompt of an unknown form."""
         if isinstance(prompt, dict) and isinstance(prompt.get("prompt_token_ids"), list):
             return None, list(prompt["prompt_token_ids"])
-        bad("prompt", f"expected a str, {{'prompt': str}} or {{'prompt_token_ids': [int, ...]}}, "
-                      f"got {type(prompt).__name__}")
-        return None, None
+        text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
+        if not isinstance(text, str):
+            return None, None
+        return text, self.engine.tokenizer(text).input_ids if text else []
 
     def reset_prefix_cache(self) -> bool:
         """Forgets all cached prefixes; returns False while requests are running."""

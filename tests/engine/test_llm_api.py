@@ -30,15 +30,15 @@ def test_single_prompt_and_input_order(llm):
 def test_every_bad_row_is_reported_before_any_work(llm):
     engine = llm.llm_engine
     steps = engine.stats.num_steps
-    prompts = ["fine", "", "x " * 400, {"prompt_token_ids": [5, 100000]}, 42, {"prompt": "ok"}]
+    prompts = ["fine", "", "x " * 400, {"prompt_token_ids": [5, 100000]}, 42, {"prompt": "ok"}, {"text": "no"}]
     with pytest.raises(ValueError) as err:
         llm.generate(prompts, SamplingParams(max_tokens=4), use_tqdm=False)
     message = str(err.value)
-    assert "4 invalid prompt row(s); nothing was run" in message
+    assert "5 invalid prompt row(s); nothing was run" in message
     assert "row 1, prompt: is empty" in message
     assert "row 2, prompt: has" in message and "max_model_len is 128" in message
     assert "row 3, prompt_token_ids: holds ids outside the vocabulary" in message
-    assert "row 4, prompt: expected a str" in message
+    assert "row 4, prompt: expected a str" in message and "row 6, prompt: expected a str" in message
     assert "row 0" not in message and "row 5" not in message
     assert engine.stats.num_steps == steps
     assert not engine.has_unfinished_requests()
