@@ -35,6 +35,8 @@ class BlockManager:
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached_blocks: dict[BlockKey, int] = {}
         self.num_evicted_blocks = 0
+        # (source, destination) block copies that must happen before the next step's writes.
+        self.pending_copies: list[tuple[int, int]] = []
 
     @property
     def num_blocks(self) -> int:
@@ -72,14 +74,27 @@ class BlockManager:
         """Gives `seq` the blocks to hold `num_new_tokens` more tokens, or changes nothing.
 
         `cached_blocks` (from `find_cached_blocks`, only when the sequence is admitted)
-        become the head of its block table. Returns False when too few blocks are free.
+        become the head of its block table. A partial last block shared with a forked
+        sibling is copied before the sequence writes into it (copy on write). Returns
+        False when too few blocks are free.
         """
         num_computed = seq.num_computed_tokens + len(cached_blocks) * self.block_size
         num_blocks_needed = -(-(num_computed + num_new_tokens) // self.block_size)
         num_new_blocks = num_blocks_needed - len(seq.block_table) - len(cached_blocks)
         num_reclaimed = sum(1 for b in cached_blocks if self.blocks[b].ref_count == 0)
-        if num_new_blocks + num_reclaimed > len(self.free_queue):
+        copy_last = (
+            num_computed % self.block_size != 0
+            and num_computed < len(seq.block_table) * self.block_size
+            and self.blocks[seq.block_table[num_computed // self.block_size]].ref_count > 1
+        )
+        if max(num_new_blocks, 0) + num_reclaimed + copy_last > len(self.free_queue):
             return False
+        if copy_last:
+            index = num_computed // self.block_size
+            shared = self.blocks[seq.block_table[index]]
+            shared.ref_count -= 1
+            seq.block_table[index] = self._take_free_block()
+            self.pending_copies.append((shared.block_id, seq.block_table[index]))
         for block_id in cached_blocks:
             block = self.blocks[block_id]
             if block.ref_count == 0:
@@ -91,6 +106,14 @@ class BlockManager:
         for _ in range(max(num_new_blocks, 0)):
             seq.block_table.append(self._take_free_block())
         return True
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Lets `child` share every block of `parent` (a new completion of the same prompt)."""
+        for block_id in parent.block_table:
+            self.blocks[block_id].ref_count += 1
+        child.block_table = list(parent.block_table)
+        child.block_keys = list(parent.block_keys)
+        child.num_registered_blocks = parent.num_registered_blocks
 
     def _take_free_block(self) -> int:
         block_id, _ = self.free_queue.popitem(last=False)

@@ -1,14 +1,21 @@
 """Engine settings (`EngineConfig`) and what is derived from the model folder (`ModelConfig`)."""
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, GenerationConfig, PretrainedConfig
+from transformers import AutoConfig, PretrainedConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 DEFAULT_KV_CACHE_MEMORY = 4 << 30
+
+# generation_config.json keys that vLLM takes as sampling defaults -> SamplingParams field.
+_GENERATION_DEFAULTS = {
+    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens",
+}
 
 
 @dataclass
@@ -67,6 +74,7 @@ class ModelConfig:
     device: torch.device
     max_model_len: int
     eos_token_ids: set[int] = field(default_factory=set)
+    sampling_defaults: dict = field(default_factory=dict)
 
     @classmethod
     def resolve(cls, path: Path, engine: EngineConfig, eos_token_id: int | None) -> "ModelConfig":
@@ -75,11 +83,15 @@ class ModelConfig:
                               "cpu" if engine.device == "auto" else engine.device)
         max_model_len = _max_model_len(hf_config, engine.max_model_len)
         eos = {eos_token_id} if eos_token_id is not None else set()
+        defaults = {}
         if (path / "generation_config.json").exists():
-            generation = GenerationConfig.from_pretrained(path)
-            ids = generation.eos_token_id
+            generation = json.loads((path / "generation_config.json").read_text())
+            ids = generation.get("eos_token_id")
             eos |= set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
-        return cls(path, hf_config, _resolve_dtype(engine.dtype, hf_config, device), device, max_model_len, eos)
+            # Only what the file sets: transformers' own defaults (top_k=50) are not vLLM's.
+            defaults = {name: generation[key] for key, name in _GENERATION_DEFAULTS.items() if key in generation}
+        return cls(path, hf_config, _resolve_dtype(engine.dtype, hf_config, device), device, max_model_len, eos,
+                   defaults)
 
 
 def _resolve_dtype(dtype: str, hf_config: PretrainedConfig, device: torch.device) -> torch.dtype:

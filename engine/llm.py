@@ -95,6 +95,37 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's defaults: SamplingParams(), with the sampling fields that the model's
+        generation_config.json sets (temperature, top_p, top_k, min_p, repetition_penalty,
+        max_new_tokens as max_tokens)."""
+        return SamplingParams(**self.engine.model_config.sampling_defaults)
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool | Callable[..., Any] = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        priority: int | SequenceABC[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generates replies to one conversation or a list of them, rendered with the
+        model's chat template (or `chat_template`).
+
+        The rendered text is tokenized without adding special tokens, because the
+        template already holds any BOS token: a second one would change the output.
+        """
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.engine.tokenizer
+        prompts = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(conversation, tokenize=False, chat_template=chat_template,
+                                                 add_generation_prompt=add_generation_prompt)
+            prompts.append({"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, priority=priority)
+
     @property
     def model_path(self) -> Path:
         """The local model folder the weights were loaded from."""
@@ -135,7 +166,7 @@ class LLM:
         try:
             while engine.has_unfinished_requests():
                 finished = engine.step()
-                progress.update(finished)
+                progress.update([s.group[0] for s in finished if engine.request_output(s).finished])
         except BaseException:
             engine.abort_all()
             raise
@@ -194,7 +225,7 @@ class LLM:
         rows: list[_Request | str] = []
         for prompt, params, prio in zip(prompts, params_list, priorities):
             found: list[str] = []
-            params = SamplingParams() if params is None else params
+            params = self.get_default_sampling_params() if params is None else params
             if not isinstance(params, SamplingParams):
                 found.append(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
                 params = SamplingParams()
@@ -215,6 +246,9 @@ class LLM:
                              f"to at most {max_len - 1} tokens, or raise max_model_len")
             elif any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
                 found.append(f"prompt_token_ids: holds ids outside the vocabulary [0, {vocab}): fix the ids")
+            elif any(t >= vocab for t in params.token_ids()):
+                found.append(f"sampling_params: stop_token_ids, logit_bias or allowed_token_ids name ids "
+                             f"outside the vocabulary [0, {vocab}): fix the ids")
             elif needed > capacity:
                 found.append(f"max_tokens: prompt plus max_tokens needs {needed} tokens of KV cache, which "
                              f"holds {capacity}: lower max_tokens or raise kv_cache_memory / gpu_memory_utilization")
@@ -224,7 +258,7 @@ class LLM:
     def _tokenize(self, prompt: Any) -> tuple[str | None, list[int] | None]:
         """The prompt's text and token ids; ids are None for a prompt of an unknown form."""
         if isinstance(prompt, dict) and isinstance(prompt.get("prompt_token_ids"), list):
-            return None, list(prompt["prompt_token_ids"])
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
         text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
         if not isinstance(text, str):
             return None, None
@@ -276,7 +310,7 @@ class _Progress:
         if self.bar is None:
             return
         self.input_tokens += sum(s.num_prompt_tokens for s in finished)
-        self.output_tokens += sum(s.num_output_tokens for s in finished)
+        self.output_tokens += sum(c.num_output_tokens for s in finished for c in s.group)
         elapsed = max(time.perf_counter() - self.started, 1e-9)
         self.bar.postfix = (f"est. speed input: {self.input_tokens / elapsed:.2f} toks/s, "
                             f"output: {self.output_tokens / elapsed:.2f} toks/s")

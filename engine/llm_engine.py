@@ -14,7 +14,8 @@ from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.model_loader import check_model_folder, resolve_model_path
 from engine.model_runner import ModelRunner
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.layers.sampler import SampledToken
+from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import Sequence
@@ -84,20 +85,40 @@ class LLMEngine:
         sampling_params: SamplingParams,
         priority: int = 0,
     ) -> Sequence:
-        """Queues a validated request; it runs in the coming steps."""
+        """Queues a validated request (its first completion; the others fork from it)."""
+        seq = self._new_sequence(request_id, prompt, prompt_token_ids, sampling_params, priority, index=0)
+        seq.bad_words_ids = self._bad_words_ids(sampling_params.bad_words)
+        self.scheduler.add(seq)
+        return seq
+
+    def _new_sequence(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                      params: SamplingParams, priority: int, index: int) -> Sequence:
         seq = Sequence(
             seq_id=next(self._seq_ids),
             request_id=request_id,
             prompt=prompt,
             prompt_token_ids=prompt_token_ids,
-            sampling_params=sampling_params,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids),
+            sampling_params=params,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens,
+                                               params.spaces_between_special_tokens),
             priority=priority,
+            index=index,
         )
-        if sampling_params.seed is not None:
-            seq.generator = torch.Generator(self.model_config.device).manual_seed(sampling_params.seed)
-        self.scheduler.add(seq)
+        if params.seed is not None:
+            # Completion i of a seeded request has a generator of its own, derived from the seed.
+            seed = params.seed if index == 0 else hash((params.seed, index)) & (2**63 - 1)
+            seq.generator = torch.Generator(self.model_config.device).manual_seed(seed)
         return seq
+
+    def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word's tokenizations, with and without a leading space (as vLLM does)."""
+        found = []
+        for word in words:
+            for variant in (word, " " + word.lstrip()):
+                ids = self.tokenizer(variant, add_special_tokens=False).input_ids
+                if ids and ids not in found:
+                    found.append(ids)
+        return found
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -108,11 +129,19 @@ class LLMEngine:
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             start = seq.num_computed_tokens
             self.stats.num_prompt_tokens_computed += max(0, min(start + num_new, seq.num_prompt_tokens) - start)
-        sampled = self.model_runner.execute(batch)
+            if seq.num_pending_children and start + num_new == seq.num_tokens:
+                batch.forks += self._fork(seq)
+        output = self.model_runner.execute(batch)
         self.scheduler.update_computed(batch)
+        for child, parent in batch.forks:
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.num_registered_blocks = parent.num_registered_blocks
         self.stats.num_steps += 1
+        for seq, positions in output.prompt_logprobs.items():
+            for position, token in positions:
+                seq.prompt_logprobs[position] = self._logprob_dict(token)
         finished = []
-        for seq, token in sampled.items():
+        for seq, token in output.sampled.items():
             self._append_token(seq, token)
             if seq.finish_reason is not None:
                 seq.metrics.finished_time = time.monotonic()
@@ -121,19 +150,52 @@ class LLMEngine:
                 finished.append(seq)
         return finished
 
-    def _append_token(self, seq: Sequence, token: int) -> None:
+    def _fork(self, parent: Sequence) -> list[tuple[Sequence, Sequence]]:
+        """Creates the parent's other completions, sharing its prompt blocks."""
+        forks = []
+        for index in range(1, parent.num_pending_children + 1):
+            child = self._new_sequence(parent.request_id, parent.prompt, parent.token_ids[: parent.num_prompt_tokens],
+                                       parent.sampling_params, parent.priority, index)
+            child.bad_words_ids = parent.bad_words_ids
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.num_cached_tokens = parent.num_cached_tokens
+            child.metrics.first_scheduled_time = parent.metrics.first_scheduled_time
+            child.group = parent.group
+            parent.group.append(child)
+            self.block_manager.fork(parent, child)
+            self.scheduler.add_running(child)
+            forks.append((child, parent))
+        parent.num_pending_children = 0
+        return forks
+
+    def _logprob_dict(self, token: SampledToken) -> dict[int, Logprob]:
+        """vLLM's logprobs entry: the top tokens plus the chosen one, each with its text."""
+        entry = {}
+        for rank, (token_id, value) in enumerate(zip(token.top_ids, token.top_logprobs), start=1):
+            entry[token_id] = Logprob(value, rank, self.tokenizer.decode([token_id]))
+        if token.token_id not in entry:
+            entry[token.token_id] = Logprob(token.logprob, token.rank, self.tokenizer.decode([token.token_id]))
+        return entry
+
+    def _append_token(self, seq: Sequence, sampled: SampledToken) -> None:
         """Adds a sampled token and decides whether the sequence is done, and why."""
+        token = sampled.token_id
         seq.token_ids.append(token)
         self.stats.num_generated_tokens += 1
         if seq.metrics.first_token_time is None:
             seq.metrics.first_token_time = time.monotonic()
+        if seq.logprobs is not None:
+            seq.logprobs.append(self._logprob_dict(sampled))
+            seq.cumulative_logprob += sampled.logprob
         params = seq.sampling_params
         delta = seq.detokenizer.add_token(token)
-        if not params.ignore_eos and token in self.model_config.eos_token_ids:
+        may_stop = seq.num_output_tokens > params.min_tokens or (
+            seq.num_output_tokens == params.min_tokens and params.min_tokens > 0)
+        if not params.ignore_eos and token in self.model_config.eos_token_ids and may_stop:
             seq.finish_reason = "stop"
-        elif token in params.stop_token_ids:
+        elif token in params.stop_token_ids and may_stop:
             seq.finish_reason, seq.stop_reason = "stop", token
-        elif params.stop and (stop := _find_stop(seq.detokenizer, delta, params.stop)):
+        elif params.stop and may_stop and (stop := _find_stop(seq.detokenizer, delta, params)):
             seq.finish_reason, seq.stop_reason = "stop", stop
         elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.model_config.max_model_len:
             seq.finish_reason = "length"
@@ -143,19 +205,26 @@ class LLMEngine:
         self.scheduler.abort_all()
 
     def request_output(self, seq: Sequence) -> RequestOutput:
-        completion = CompletionOutput(
-            index=0,
-            text=seq.detokenizer.text,
-            token_ids=seq.output_token_ids,
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-        )
+        """The request's output: one CompletionOutput per completion, by index."""
+        completions = [
+            CompletionOutput(
+                index=s.index,
+                text=s.detokenizer.text,
+                token_ids=s.output_token_ids,
+                cumulative_logprob=s.cumulative_logprob,
+                logprobs=s.logprobs,
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+            )
+            for s in sorted(seq.group, key=lambda s: s.index)
+        ]
         return RequestOutput(
             request_id=seq.request_id,
             prompt=seq.prompt,
             prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
-            outputs=[completion],
-            finished=seq.is_finished,
+            prompt_logprobs=seq.prompt_logprobs,
+            outputs=completions,
+            finished=all(s.is_finished for s in seq.group) and not seq.num_pending_children,
             num_cached_tokens=seq.num_cached_tokens,
             metrics=seq.metrics,
         )
@@ -165,16 +234,17 @@ class LLMEngine:
         self.model_runner.release()
 
 
-def _find_stop(detokenizer: IncrementalDetokenizer, delta: str, stops: list[str]) -> str | None:
-    """The first stop string that the newest text completes; cuts the text before it."""
+def _find_stop(detokenizer: IncrementalDetokenizer, delta: str, params: SamplingParams) -> str | None:
+    """The first stop string that the newest text completes; cuts the text before it
+    (after it with `include_stop_str_in_output`)."""
     if not delta:
         return None
     text = detokenizer.text
-    window_start = max(0, len(text) - len(delta) - max(len(s) for s in stops) + 1)
-    found = [(text.find(s, window_start), s) for s in stops]
+    window_start = max(0, len(text) - len(delta) - max(len(s) for s in params.stop) + 1)
+    found = [(text.find(s, window_start), s) for s in params.stop]
     found = [(i, s) for i, s in found if i >= 0]
     if not found:
         return None
     index, stop = min(found)
-    detokenizer.text = text[:index]
+    detokenizer.text = text[: index + len(stop)] if params.include_stop_str_in_output else text[:index]
     return stop

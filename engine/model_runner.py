@@ -1,18 +1,27 @@
 """Runs the model for one scheduled step: builds its inputs, owns the KV cache, samples."""
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
 from engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig, ModelConfig
 from engine.layers.attention import Attention, AttentionGroup, AttentionMetadata
-from engine.layers.sampler import Sampler, SamplingMetadata
+from engine.layers.sampler import Penalties, SampledToken, Sampler, SamplingMetadata
 from engine.model_loader import load_model
 from engine.models.llama import head_dim_of
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepOutput:
+    """What one step produced: sampled tokens, and prompt logprobs by position."""
+
+    sampled: dict[Sequence, SampledToken]
+    prompt_logprobs: dict[Sequence, list[tuple[int, SampledToken]]]
 
 
 class ModelRunner:
@@ -100,10 +109,14 @@ class ModelRunner:
     # -- one step ------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> dict[Sequence, int]:
-        """Runs the step and returns the sampled token of each sequence that completed."""
+    def execute(self, batch: ScheduledBatch) -> StepOutput:
+        """Runs the step: the sampled token of each sequence whose tokens are all computed
+        (forked children sample from their parent's logits), and prompt logprobs."""
+        self._copy_blocks(batch.block_copies)
         input_ids, positions, slots = [], [], []
         decode, prefill, sample_rows, sample_seqs = [], [], [], []
+        prompt_rows: list[tuple[Sequence, int, int, int]] = []  # seq, first row, first position, count
+        row_of = {}
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             start = seq.num_computed_tokens
             row = len(input_ids)
@@ -113,8 +126,15 @@ class ModelRunner:
             slots.extend(table[p // size] * size + p % size for p in range(start, start + num_new))
             (decode if num_new == 1 else prefill).append((row, num_new, start, table))
             if start + num_new == seq.num_tokens:
-                sample_rows.append(row + num_new - 1)
+                row_of[seq] = row + num_new - 1
+                sample_rows.append(row_of[seq])
                 sample_seqs.append(seq)
+            if seq.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
+                count = min(start + num_new, seq.num_prompt_tokens - 1) - start
+                prompt_rows.append((seq, row, start, count))
+        for child, parent in batch.forks:
+            sample_rows.append(row_of[parent])
+            sample_seqs.append(child)
 
         to_device = dict(dtype=torch.long, device=self.device)
         meta = AttentionMetadata(
@@ -122,11 +142,40 @@ class ModelRunner:
             groups=[self._attention_group(g) for g in (decode, prefill) if g],
         )
         hidden = self.model(torch.tensor(input_ids, **to_device), torch.tensor(positions, **to_device), meta)
-        if not sample_seqs:
-            return {}
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, **to_device)])
-        tokens = self.sampler(logits, self._sampling_metadata(sample_seqs)).tolist()
-        return dict(zip(sample_seqs, tokens))
+        output = StepOutput({}, {})
+        for seq, row, start, count in prompt_rows:
+            output.prompt_logprobs[seq] = self._prompt_logprobs(seq, hidden[row : row + count], start)
+        if sample_seqs:
+            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, **to_device)])
+            sampled = self.sampler(logits, self._sampling_metadata(sample_seqs))
+            output.sampled = dict(zip(sample_seqs, sampled))
+        return output
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy on write: gives forked sequences their own copy of a shared partial block."""
+        if not copies:
+            return
+        size = self.block_size
+        src = torch.cat([torch.arange(s * size, (s + 1) * size) for s, _ in copies]).to(self.device)
+        dst = torch.cat([torch.arange(d * size, (d + 1) * size) for _, d in copies]).to(self.device)
+        for attn in self._attention_layers():
+            attn.k_cache[:, dst] = attn.k_cache[:, src]
+            attn.v_cache[:, dst] = attn.v_cache[:, src]
+
+    def _prompt_logprobs(self, seq: Sequence, hidden: torch.Tensor, start: int) -> list[tuple[int, SampledToken]]:
+        """(position, logprobs of that prompt token) for the prompt tokens after `start`."""
+        logprobs = self.model.compute_logits(hidden).float().log_softmax(dim=-1)
+        targets = torch.tensor(seq.token_ids[start + 1 : start + 1 + hidden.shape[0]], device=self.device)
+        chosen_t = logprobs.gather(1, targets.unsqueeze(1))
+        ranks = ((logprobs > chosen_t).sum(dim=-1) + 1).tolist()
+        chosen = chosen_t.squeeze(1).tolist()
+        k = seq.sampling_params.prompt_logprobs
+        top_values, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
+        return [
+            (start + 1 + i, SampledToken(int(targets[i]), chosen[i], ranks[i],
+                                         top_ids[i].tolist() if k else [], top_values[i].tolist() if k else []))
+            for i in range(hidden.shape[0])
+        ]
 
     def _attention_group(self, entries: list[tuple[int, int, int, list[int]]]) -> AttentionGroup:
         """Padded batch of (first row, new tokens, computed tokens, block table) entries."""
@@ -151,15 +200,62 @@ class ModelRunner:
 
     def _sampling_metadata(self, seqs: list[Sequence]) -> SamplingMetadata:
         params = [s.sampling_params for s in seqs]
-        temperatures = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=self.device)
-        top_ps = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=self.device)
-        top_ks = torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.long, device=self.device)
+        device = self.device
+
+        def floats(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device)
+
+        banned, allowed, bias_rows, bias_ids, bias_values = [], [], [], [], []
+        penalized = []
+        for row, (seq, p) in enumerate(zip(seqs, params)):
+            ban = [ids[-1] for ids in seq.bad_words_ids if _ends_with(seq.output_token_ids, ids[:-1])]
+            if seq.num_output_tokens < p.min_tokens:
+                ban += [*self.model_config.eos_token_ids, *p.stop_token_ids]
+            if ban:
+                banned.append((row, ban))
+            if p.allowed_token_ids:
+                allowed.append((row, p.allowed_token_ids))
+            for token, value in (p.logit_bias or {}).items():
+                bias_rows.append(row)
+                bias_ids.append(token)
+                bias_values.append(value)
+            if p.needs_penalties:
+                penalized.append(row)
         return SamplingMetadata(
-            temperatures=temperatures,
-            top_ps=top_ps,
-            top_ks=top_ks,
+            temperatures=floats([p.temperature for p in params]),
+            top_ps=floats([p.top_p for p in params]),
+            top_ks=torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.long, device=device),
+            min_ps=floats([p.min_p for p in params]),
             generators=[s.generator for s in seqs],
             all_greedy=all(p.greedy for p in params),
             any_top_p=any(p.top_p < 1 for p in params),
             any_top_k=any(p.top_k > 0 for p in params),
+            any_min_p=any(p.min_p > 0 for p in params),
+            penalties=self._penalties([seqs[r] for r in penalized], penalized) if penalized else None,
+            banned=banned or None,
+            allowed=allowed or None,
+            bias=(torch.tensor(bias_rows, device=device), torch.tensor(bias_ids, device=device),
+                  floats(bias_values)) if bias_rows else None,
+            num_logprobs=[p.logprobs for p in params],
         )
+
+    def _penalties(self, seqs: list[Sequence], rows: list[int]) -> Penalties:
+        vocab = self.model_config.hf_config.vocab_size
+
+        def padded(lists: list[list[int]]) -> torch.Tensor:
+            width = max(1, max(len(x) for x in lists))
+            return torch.tensor([x + [vocab] * (width - len(x)) for x in lists], dtype=torch.long, device=self.device)
+
+        params = [s.sampling_params for s in seqs]
+        return Penalties(
+            rows=torch.tensor(rows, device=self.device),
+            prompt_ids=padded([s.token_ids[: s.num_prompt_tokens] for s in seqs]),
+            output_ids=padded([s.output_token_ids for s in seqs]),
+            presence=torch.tensor([p.presence_penalty for p in params], dtype=torch.float32, device=self.device),
+            frequency=torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32, device=self.device),
+            repetition=torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=self.device),
+        )
+
+
+def _ends_with(tokens: list[int], suffix: list[int]) -> bool:
+    return not suffix or tokens[-len(suffix):] == suffix

@@ -2,7 +2,7 @@
 
 import bisect
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence, SequenceStatus
@@ -18,10 +18,17 @@ class SchedulerConfig:
 
 @dataclass
 class ScheduledBatch:
-    """One step's work: each sequence with the number of its tokens to compute now."""
+    """One step's work: each sequence with the number of its tokens to compute now.
+
+    `forks` are (child, parent) pairs: new completions of a prompt that the parent
+    finishes computing in this step; each samples its first token from the parent's
+    logits. `block_copies` are (source, destination) blocks to copy before the step.
+    """
 
     seqs: list[Sequence]
     num_new_tokens: list[int]
+    forks: list[tuple[Sequence, Sequence]] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -81,10 +88,12 @@ class Scheduler:
                 i += 1
 
         while self.waiting and budget > 0 and not preempted:
-            if len(self.running) >= self.config.max_num_seqs:
-                break
             seq = self.waiting[0]
-            cached = self.block_manager.find_cached_blocks(seq) if seq.num_computed_tokens == 0 else []
+            if self.running and len(self.running) + 1 + seq.num_pending_children > self.config.max_num_seqs:
+                break
+            # Prompt logprobs need every prompt position computed, so no cache hits then.
+            wants_prompt_logprobs = seq.sampling_params.prompt_logprobs is not None
+            cached = [] if wants_prompt_logprobs else self.block_manager.find_cached_blocks(seq)
             num_new = seq.num_tokens - len(cached) * self.block_manager.block_size
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
@@ -107,7 +116,8 @@ class Scheduler:
                 "the scheduler could not place any request: the KV cache is too small for "
                 f"the next request ({self.waiting[0] if self.waiting else self.running[0]})"
             )
-        return ScheduledBatch(list(scheduled), list(scheduled.values()))
+        copies, self.block_manager.pending_copies = self.block_manager.pending_copies, []
+        return ScheduledBatch(list(scheduled), list(scheduled.values()), block_copies=copies)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -123,6 +133,11 @@ class Scheduler:
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += num_new
             self.block_manager.register_full_blocks(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """Adds a forked sequence that already holds its (shared) blocks."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
 
     def finish(self, seq: Sequence) -> None:
         """Retires a running sequence and releases its blocks."""

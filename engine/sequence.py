@@ -34,6 +34,7 @@ class Sequence:
         sampling_params: SamplingParams,
         detokenizer: IncrementalDetokenizer,
         priority: int = 0,
+        index: int = 0,
     ) -> None:
         self.seq_id = seq_id
         self.request_id = request_id
@@ -55,6 +56,17 @@ class Sequence:
         self.metrics = RequestMetrics(arrival_time=time.monotonic())
         # The request's own random generator when it has a seed, set by the engine.
         self.generator: torch.Generator | None = None
+        # n > 1: completion `index` of its request; the parent (index 0) forks the other
+        # n - 1 once its prompt is computed. `group` is shared by all of them.
+        self.index = index
+        self.num_pending_children = sampling_params.n - 1 if index == 0 else 0
+        self.group: list[Sequence] = [self]
+        self.bad_words_ids: list[list[int]] = []
+        self.logprobs: list[dict] | None = [] if sampling_params.logprobs is not None else None
+        self.cumulative_logprob: float | None = 0.0 if sampling_params.logprobs is not None else None
+        self.prompt_logprobs: list[dict | None] | None = (
+            [None] * len(prompt_token_ids) if sampling_params.prompt_logprobs is not None else None
+        )
 
     @property
     def num_tokens(self) -> int:
