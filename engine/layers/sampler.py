@@ -60,8 +60,7 @@ class Sampler:
     """Processors, penalties, temperature, min-p, top-k and top-p for a whole batch.
 
     Log-probabilities are those of the model's raw logits, as vLLM reports them. A
-    token is drawn as argmax(probs / E) with E ~ Exponential(1) per vocabulary entry
-    (the exponential race, equivalent to sampling from probs). Seeded rows draw E from
+    token is drawn by inverse CDF from one uniform number; seeded rows take it from
     their own generator, advanced once per generated token, so their choices do not
     depend on the rest of the batch.
     """
@@ -72,12 +71,22 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> list[SampledToken]:
         """One token per row from logits [rows, vocab] in the model's dtype."""
         raw = logits.float()
-        processed = self.process(raw.clone(), meta) if meta.needs_processing else raw
-        tokens = processed.argmax(dim=-1)
-        if not meta.all_greedy:
-            tokens = torch.where(meta.temperatures == 0, tokens, self._sample(processed, meta))
+        wants_logprobs = bool(meta.num_logprobs) and any(k is not None for k in meta.num_logprobs)
+        processed = raw
+        if meta.needs_processing:
+            # Logprobs are of the raw logits, and the caller's tensor stays as it was: work
+            # in place only on the float32 copy that the upcast made.
+            processed = self.process(raw.clone() if wants_logprobs or raw is logits else raw, meta)
+        if meta.all_greedy:
+            tokens = processed.argmax(dim=-1)
+        else:
+            tokens = torch.empty(processed.shape[0], dtype=torch.long, device=processed.device)
+            greedy = meta.temperatures == 0
+            tokens[greedy] = processed[greedy].argmax(dim=-1)
+            rows = (~greedy).nonzero().squeeze(1)
+            tokens[rows] = self._sample(processed[rows], meta, rows.tolist())
         token_list = tokens.tolist()
-        if not meta.num_logprobs or all(k is None for k in meta.num_logprobs):
+        if not wants_logprobs:
             return [SampledToken(t) for t in token_list]
         return self._with_logprobs(raw, tokens, token_list, meta.num_logprobs)
 
@@ -99,25 +108,36 @@ class Sampler:
             apply_penalties(logits, meta.penalties)
         return logits
 
-    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        logits = logits / torch.where(meta.temperatures == 0, 1.0, meta.temperatures).unsqueeze(1)
+    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata, rows: list[int]) -> torch.Tensor:
+        """Draws a token for each of `rows` (the sampled, non-greedy ones) by inverse CDF.
+
+        Each row takes one uniform number per token: from its own generator when
+        seeded, else from the engine's. Filters run only on the rows that ask for them.
+        """
+        index = torch.tensor(rows, device=logits.device)
+        temperatures, min_ps = meta.temperatures[index], meta.min_ps[index]
+        top_ks, top_ps = meta.top_ks[index], meta.top_ps[index]
+        generators = [meta.generators[r] for r in rows]
+        logits = logits.div_(temperatures.unsqueeze(1))
         if meta.any_min_p:
-            probs = logits.softmax(dim=-1)
-            floor = meta.min_ps.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
-            logits = logits.masked_fill(probs < floor, float("-inf"))
+            chosen = (min_ps > 0).nonzero().squeeze(1)
+            probs = logits[chosen].softmax(dim=-1)
+            floor = min_ps[chosen].unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+            logits[chosen] = logits[chosen].masked_fill(probs < floor, float("-inf"))
         if meta.any_top_k or meta.any_top_p:
-            logits = filter_top_k_top_p(logits, meta.top_ks, meta.top_ps, meta.any_top_k, meta.any_top_p)
-        probs = logits.softmax(dim=-1)
-        noise = torch.empty_like(probs)
-        shared = [i for i, g in enumerate(meta.generators) if g is None]
+            chosen = ((top_ks > 0) | (top_ps < 1)).nonzero().squeeze(1)
+            logits[chosen] = filter_top_k_top_p(logits[chosen], top_ks[chosen], top_ps[chosen])
+        cdf = logits.softmax(dim=-1).cumsum(dim=-1)
+        uniform = torch.empty(len(rows), device=logits.device)
+        shared = [i for i, g in enumerate(generators) if g is None]
         if shared:
-            noise[shared] = torch.empty(len(shared), probs.shape[1], device=probs.device).exponential_(
-                generator=self.generator
-            )
-        for i, gen in enumerate(meta.generators):
+            uniform[shared] = torch.rand(len(shared), generator=self.generator, device=logits.device)
+        for i, gen in enumerate(generators):
             if gen is not None:
-                noise[i].exponential_(generator=gen)
-        return (probs / noise).argmax(dim=-1)
+                uniform[i] = torch.rand((), generator=gen, device=logits.device)
+        # The first token whose cumulative probability exceeds u: never a zero-probability one.
+        target = (uniform * cdf[:, -1] * (1 - 1e-6)).unsqueeze(1)
+        return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=logits.shape[1] - 1)
 
     @staticmethod
     def _with_logprobs(raw: torch.Tensor, tokens: torch.Tensor, token_list: list[int],
@@ -156,17 +176,35 @@ def apply_penalties(logits: torch.Tensor, p: Penalties) -> None:
     logits[p.rows] = rows
 
 
-def filter_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
-                       any_top_k: bool, any_top_p: bool) -> torch.Tensor:
-    """Sets to -inf every logit outside its row's top-k and top-p sets (0 / 1 = off)."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
+def filter_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+    """Sets to -inf every logit outside its row's top-k set and, within it, outside the
+    top-p nucleus (top_k 0 and top_p 1 are off). A token stays in the nucleus while the
+    tokens more likely than it hold less than top_p of the (top-k) probability mass.
+
+    Only the head of each row is sorted: `topk` over a window that grows until it holds
+    every row's top-k set and nucleus, instead of sorting the whole vocabulary.
+    """
     vocab = logits.shape[1]
-    if any_top_k:
-        k = torch.where(top_ks > 0, top_ks, vocab).clamp(max=vocab)
-        ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
-        sorted_logits = sorted_logits.masked_fill(ranks >= k.unsqueeze(1), float("-inf"))
-    if any_top_p:
-        probs = sorted_logits.softmax(dim=-1)
-        before = probs.cumsum(dim=-1) - probs  # mass of the strictly more likely tokens
-        sorted_logits = sorted_logits.masked_fill(before >= top_ps.unsqueeze(1), float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+    top_ks = torch.where(top_ks > 0, top_ks.clamp(max=vocab), vocab)
+    use_top_p = top_ps < 1
+    full_lse = logits.logsumexp(dim=-1, keepdim=True)
+    # 1024 holds the nucleus of most real distributions, so one topk call usually does.
+    window = min(vocab, max(1024, int(top_ks[top_ks < vocab].max()) if (top_ks < vocab).any() else 0))
+    while True:
+        values, order = logits.topk(window, dim=-1)
+        ranks = torch.arange(window, device=logits.device).unsqueeze(0)
+        in_top_k = ranks < top_ks.unsqueeze(1)
+        head = values.masked_fill(~in_top_k, float("-inf"))
+        lse = torch.where((top_ks < vocab).unsqueeze(1), head.logsumexp(dim=-1, keepdim=True), full_lse)
+        probs = (head - lse).exp()
+        mass = probs.cumsum(dim=-1)
+        covered = torch.where(top_ks < vocab, top_ks <= window, ~use_top_p | (mass[:, -1] >= top_ps))
+        if window == vocab or bool(covered.all()):
+            break
+        window = min(vocab, window * 4)
+    keep = in_top_k & (~use_top_p.unsqueeze(1) | (mass - probs < top_ps.unsqueeze(1)))
+    kept = torch.full_like(logits, float("-inf")).scatter(1, order, values.masked_fill(~keep, float("-inf")))
+    # Rows with neither filter keep everything; rows whose sets reach past the window
+    # cannot exist here, because the window grew until it held them.
+    untouched = (top_ks == vocab) & ~use_top_p
+    return torch.where(untouched.unsqueeze(1), logits, kept)
