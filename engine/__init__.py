@@ -5,7 +5,7 @@ Never imports Dagster; `dagster_llm` builds on it.
 
 from engine.llm import LLM
 from engine.model_loader import ModelLoadError
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 __all__ = [
     "LLM",
     "CompletionOutput",
+    "Logprob",
     "ModelLoadError",
     "RequestMetrics",
     "RequestOutput",

@@ -1,6 +1,6 @@
 """Per-request sampling settings, validated on construction (vLLM's `SamplingParams`)."""
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 
 @dataclass

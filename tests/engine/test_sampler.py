@@ -5,7 +5,6 @@ and checks the sampler against transformers' logits warpers, float64 re-computat
 penalty formulas, float64 log-softmax, or a chi-square goodness-of-fit test.
 """
 
-import math
 
 import numpy as np
 import pytest
