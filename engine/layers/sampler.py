@@ -93,14 +93,15 @@ class Sampler:
     @staticmethod
     def process(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """Logits processors and penalties, in vLLM's order, in place on float32 logits."""
+        device = logits.device
         if meta.allowed:
-            keep = torch.zeros_like(logits, dtype=torch.bool)
-            for row, ids in meta.allowed:
-                keep[row, ids] = True
-            rows = torch.tensor([row for row, _ in meta.allowed], device=logits.device)
-            logits[rows] = logits[rows].masked_fill(~keep[rows], float("-inf"))
-        for row, ids in meta.banned or ():
-            logits[row, ids] = float("-inf")
+            rows = torch.tensor([row for row, _ in meta.allowed], device=device)
+            keep = torch.zeros(len(meta.allowed), logits.shape[1], dtype=torch.bool, device=device)
+            keep[_flat_rows(meta.allowed, device), _flat_ids(meta.allowed, device)] = True
+            logits[rows] = logits[rows].masked_fill(~keep, float("-inf"))
+        if meta.banned:
+            rows = torch.tensor([row for row, ids in meta.banned for _ in ids], device=device)
+            logits[rows, _flat_ids(meta.banned, device)] = float("-inf")
         if meta.bias is not None:
             rows, ids, values = meta.bias
             logits.index_put_((rows, ids), values, accumulate=True)
@@ -112,32 +113,37 @@ class Sampler:
         """Draws a token for each of `rows` (the sampled, non-greedy ones) by inverse CDF.
 
         Each row takes one uniform number per token: from its own generator when
-        seeded, else from the engine's. Filters run only on the rows that ask for them.
+        seeded, else from the engine's. Rows with top-k or top-p draw inside their
+        sorted head only; the others over the whole vocabulary.
         """
         index = torch.tensor(rows, device=logits.device)
         temperatures, min_ps = meta.temperatures[index], meta.min_ps[index]
         top_ks, top_ps = meta.top_ks[index], meta.top_ps[index]
-        generators = [meta.generators[r] for r in rows]
         logits = logits.div_(temperatures.unsqueeze(1))
         if meta.any_min_p:
             chosen = (min_ps > 0).nonzero().squeeze(1)
             probs = logits[chosen].softmax(dim=-1)
             floor = min_ps[chosen].unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
             logits[chosen] = logits[chosen].masked_fill(probs < floor, float("-inf"))
-        if meta.any_top_k or meta.any_top_p:
-            chosen = ((top_ks > 0) | (top_ps < 1)).nonzero().squeeze(1)
-            logits[chosen] = filter_top_k_top_p(logits[chosen], top_ks[chosen], top_ps[chosen])
-        cdf = logits.softmax(dim=-1).cumsum(dim=-1)
-        uniform = torch.empty(len(rows), device=logits.device)
+        uniform = self._uniforms([meta.generators[r] for r in rows], logits.device)
+        tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+        filtered = (top_ks > 0) | (top_ps < 1)
+        if filtered.any():
+            head, order = top_k_top_p_window(logits[filtered], top_ks[filtered], top_ps[filtered])
+            tokens[filtered] = order.gather(1, _inverse_cdf(head, uniform[filtered]).unsqueeze(1)).squeeze(1)
+        if not filtered.all():
+            tokens[~filtered] = _inverse_cdf(logits[~filtered], uniform[~filtered])
+        return tokens
+
+    def _uniforms(self, generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
+        uniform = torch.empty(len(generators), device=device)
         shared = [i for i, g in enumerate(generators) if g is None]
         if shared:
-            uniform[shared] = torch.rand(len(shared), generator=self.generator, device=logits.device)
+            uniform[shared] = torch.rand(len(shared), generator=self.generator, device=device)
         for i, gen in enumerate(generators):
             if gen is not None:
-                uniform[i] = torch.rand((), generator=gen, device=logits.device)
-        # The first token whose cumulative probability exceeds u: never a zero-probability one.
-        target = (uniform * cdf[:, -1] * (1 - 1e-6)).unsqueeze(1)
-        return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=logits.shape[1] - 1)
+                uniform[i] = torch.rand((), generator=gen, device=device)
+        return uniform
 
     @staticmethod
     def _with_logprobs(raw: torch.Tensor, tokens: torch.Tensor, token_list: list[int],
@@ -176,10 +182,29 @@ def apply_penalties(logits: torch.Tensor, p: Penalties) -> None:
     logits[p.rows] = rows
 
 
-def filter_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
-    """Sets to -inf every logit outside its row's top-k set and, within it, outside the
-    top-p nucleus (top_k 0 and top_p 1 are off). A token stays in the nucleus while the
-    tokens more likely than it hold less than top_p of the (top-k) probability mass.
+def _flat_rows(pairs: list[tuple[int, list[int]]], device: torch.device) -> torch.Tensor:
+    """For (row, ids) pairs: the pair's position once per id."""
+    return torch.tensor([k for k, (_, ids) in enumerate(pairs) for _ in ids], device=device)
+
+
+def _flat_ids(pairs: list[tuple[int, list[int]]], device: torch.device) -> torch.Tensor:
+    return torch.tensor([i for _, ids in pairs for i in ids], device=device)
+
+
+def _inverse_cdf(logits: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Per row, the first column whose cumulative probability exceeds that row's uniform
+    number: a draw from softmax(logits) that never lands on a zero-probability column."""
+    cdf = logits.softmax(dim=-1).cumsum(dim=-1)
+    target = (uniform * cdf[:, -1] * (1 - 1e-6)).unsqueeze(1)
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=logits.shape[1] - 1)
+
+
+def top_k_top_p_window(logits: torch.Tensor, top_ks: torch.Tensor,
+                       top_ps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's most likely tokens, as (logits, token ids) in descending order, with
+    those outside its top-k set and, within it, outside its top-p nucleus at -inf
+    (top_k 0 and top_p 1 are off). A token stays in the nucleus while the tokens more
+    likely than it hold less than top_p of the (top-k) probability mass.
 
     Only the head of each row is sorted: `topk` over a window that grows until it holds
     every row's top-k set and nucleus, instead of sorting the whole vocabulary.
@@ -203,8 +228,4 @@ def filter_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch
             break
         window = min(vocab, window * 4)
     keep = in_top_k & (~use_top_p.unsqueeze(1) | (mass - probs < top_ps.unsqueeze(1)))
-    kept = torch.full_like(logits, float("-inf")).scatter(1, order, values.masked_fill(~keep, float("-inf")))
-    # Rows with neither filter keep everything; rows whose sets reach past the window
-    # cannot exist here, because the window grew until it held them.
-    untouched = (top_ks == vocab) & ~use_top_p
-    return torch.where(untouched.unsqueeze(1), logits, kept)
+    return values.masked_fill(~keep, float("-inf")), order

@@ -17,11 +17,22 @@ from engine.layers.sampler import (
     Sampler,
     SamplingMetadata,
     apply_penalties,
-    filter_top_k_top_p,
+    top_k_top_p_window,
 )
 from engine.sampling_params import SamplingParams
 
 # --------------------------------------------------------------------------- helpers
+
+
+def filter_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+    """The sampler's top-k/top-p filter as full-vocabulary logits (-inf outside the kept
+    set); rows with neither filter are not routed to it, so they stay as they are."""
+    out = logits.clone()
+    routed = (top_ks > 0) | (top_ps < 1)
+    if routed.any():
+        head, order = top_k_top_p_window(logits[routed], top_ks[routed], top_ps[routed])
+        out[routed] = torch.full_like(logits[routed], float("-inf")).scatter(1, order, head)
+    return out
 
 
 def build_meta(
@@ -235,9 +246,9 @@ def test_min_p_mask_matches_transformers_on_temperature_scaled_logits(monkeypatc
 
     def spy(x, top_ks, top_ps):
         seen.append(x.clone())
-        return filter_top_k_top_p(x, top_ks, top_ps)
+        return top_k_top_p_window(x, top_ks, top_ps)
 
-    monkeypatch.setattr(sampler_module, "filter_top_k_top_p", spy)
+    monkeypatch.setattr(sampler_module, "top_k_top_p_window", spy)
     tokens = Sampler(torch.Generator().manual_seed(0))(logits.clone(), meta)
     assert len(seen) == 1, "the sampler did not reach the top-k/top-p filter"
     filtered = seen[0]
