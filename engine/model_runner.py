@@ -228,8 +228,6 @@ class ModelRunner:
             min_ps=floats([p.min_p for p in params]),
             generators=[s.generator for s in seqs],
             all_greedy=all(p.greedy for p in params),
-            any_top_p=any(p.top_p < 1 for p in params),
-            any_top_k=any(p.top_k > 0 for p in params),
             any_min_p=any(p.min_p > 0 for p in params),
             penalties=self._penalties([seqs[r] for r in penalized], penalized) if penalized else None,
             banned=banned or None,

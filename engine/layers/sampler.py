@@ -31,8 +31,6 @@ class SamplingMetadata:
     min_ps: torch.Tensor
     generators: list[torch.Generator | None]
     all_greedy: bool
-    any_top_p: bool
-    any_top_k: bool
     any_min_p: bool
     penalties: Penalties | None = None
     banned: list[tuple[int, list[int]]] | None = None
@@ -127,7 +125,7 @@ class Sampler:
             logits[chosen] = logits[chosen].masked_fill(probs < floor, float("-inf"))
         uniform = self._uniforms([meta.generators[r] for r in rows], logits.device)
         tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-        filtered = (top_ks > 0) | (top_ps < 1)
+        filtered = ((top_ks > 0) & (top_ks < logits.shape[1])) | (top_ps < 1)
         if filtered.any():
             head, order = top_k_top_p_window(logits[filtered], top_ks[filtered], top_ps[filtered])
             tokens[filtered] = order.gather(1, _inverse_cdf(head, uniform[filtered]).unsqueeze(1)).squeeze(1)
@@ -166,20 +164,28 @@ class Sampler:
 
 def apply_penalties(logits: torch.Tensor, p: Penalties) -> None:
     """vLLM's penalties on rows `p.rows`: repetition over prompt and output tokens,
-    frequency and presence over output tokens only."""
+    frequency and presence over output tokens only.
+
+    Only the (row, token) pairs that occur are touched: a few hundred per row, instead
+    of passes over the whole vocabulary.
+    """
     vocab = logits.shape[1]
-    rows = logits[p.rows]
-    counts = torch.zeros(rows.shape[0], vocab + 1, device=logits.device)
-    counts.scatter_add_(1, p.output_ids, torch.ones_like(p.output_ids, dtype=counts.dtype))
-    counts = counts[:, :vocab]
-    seen = torch.zeros(rows.shape[0], vocab + 1, dtype=torch.bool, device=logits.device)
-    seen.scatter_(1, p.prompt_ids, True)
-    seen = seen[:, :vocab] | (counts > 0)
-    repetition = p.repetition.unsqueeze(1)
-    rows = torch.where(seen, torch.where(rows > 0, rows / repetition, rows * repetition), rows)
-    rows -= p.frequency.unsqueeze(1) * counts
-    rows -= p.presence.unsqueeze(1) * (counts > 0)
-    logits[p.rows] = rows
+    width = vocab + 1  # the padding id is `vocab`
+    local = torch.arange(len(p.rows), device=logits.device).unsqueeze(1)
+    prompt_keys = (local * width + p.prompt_ids).flatten()
+    output_keys = (local * width + p.output_ids).flatten()
+    keys = torch.cat([prompt_keys, output_keys]).unique()
+    keys = keys[keys % width != vocab]
+    counts = torch.zeros(len(keys), device=logits.device)
+    output_keys = output_keys[output_keys % width != vocab]
+    counts.index_add_(0, torch.searchsorted(keys, output_keys), torch.ones(len(output_keys), device=logits.device))
+    row, token = p.rows[keys // width], keys % width
+    which = keys // width
+    values = logits[row, token]
+    repetition = p.repetition[which]
+    values = torch.where(values > 0, values / repetition, values * repetition)
+    values = values - p.frequency[which] * counts - p.presence[which] * (counts > 0)
+    logits[row, token] = values
 
 
 def _flat_rows(pairs: list[tuple[int, list[int]]], device: torch.device) -> torch.Tensor:
@@ -193,8 +199,10 @@ def _flat_ids(pairs: list[tuple[int, list[int]]], device: torch.device) -> torch
 
 def _inverse_cdf(logits: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """Per row, the first column whose cumulative probability exceeds that row's uniform
-    number: a draw from softmax(logits) that never lands on a zero-probability column."""
-    cdf = logits.softmax(dim=-1).cumsum(dim=-1)
+    number: a draw from softmax(logits) that never lands on a zero-probability column.
+    The weights need no normalization: the target is scaled by their total instead."""
+    weights = (logits - logits.max(dim=-1, keepdim=True).values).exp_()
+    cdf = weights.cumsum(dim=-1)
     target = (uniform * cdf[:, -1] * (1 - 1e-6)).unsqueeze(1)
     return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=logits.shape[1] - 1)
 
@@ -206,15 +214,28 @@ def top_k_top_p_window(logits: torch.Tensor, top_ks: torch.Tensor,
     (top_k 0 and top_p 1 are off). A token stays in the nucleus while the tokens more
     likely than it hold less than top_p of the (top-k) probability mass.
 
-    Only the head of each row is sorted: `topk` over a window that grows until it holds
-    every row's top-k set and nucleus, instead of sorting the whole vocabulary.
+    Only the head of each row is sorted: `topk` over a window sized to hold every row's
+    top-k set and nucleus (grown if it does not), instead of sorting the whole vocabulary.
     """
     vocab = logits.shape[1]
     top_ks = torch.where(top_ks > 0, top_ks.clamp(max=vocab), vocab)
     use_top_p = top_ps < 1
     full_lse = logits.logsumexp(dim=-1, keepdim=True)
-    # 1024 holds the nucleus of most real distributions, so one topk call usually does.
-    window = min(vocab, max(1024, int(top_ks[top_ks < vocab].max()) if (top_ks < vocab).any() else 0))
+    window = min(vocab, max(16, int(top_ks[top_ks < vocab].max()) if (top_ks < vocab).any() else 0))
+    nucleus_rows = use_top_p & (top_ks == vocab)
+    if bool(((top_ks == vocab) & ~use_top_p).any()):
+        window = vocab  # a row that filters nothing keeps every token
+    elif nucleus_rows.any():
+        # The tokens above probability tau form a prefix of the sorted row; once they hold
+        # top_p of the mass, the nucleus lies within them, so their count is a window.
+        probs = (logits[nucleus_rows] - full_lse[nucleus_rows]).exp()
+        for tau in (1e-3, 1e-4, 1e-5):
+            above = probs >= tau
+            if bool(((probs * above).sum(dim=-1) >= top_ps[nucleus_rows]).all()):
+                window = max(window, int(above.sum(dim=-1).max()))
+                break
+        else:
+            window = vocab
     while True:
         values, order = logits.topk(window, dim=-1)
         ranks = torch.arange(window, device=logits.device).unsqueeze(0)

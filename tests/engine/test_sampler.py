@@ -80,8 +80,6 @@ def build_meta(
         min_ps=torch.tensor([p.min_p for p in params], dtype=torch.float32),
         generators=list(generators) if generators is not None else [None] * n,
         all_greedy=all(p.temperature == 0 for p in params),
-        any_top_p=any(p.top_p < 1 for p in params),
-        any_top_k=any(p.top_k > 0 for p in params),
         any_min_p=any(p.min_p > 0 for p in params),
         penalties=penalties,
         banned=[(row, ids) for row, ids in (banned or {}).items()] or None,
@@ -238,9 +236,8 @@ def test_min_p_mask_matches_transformers_on_temperature_scaled_logits(monkeypatc
     logits = random_logits(len(rows), vocab, seed=3, scale=2.0)
     params = [SamplingParams(temperature=t, min_p=m) for t, m in rows]
     meta = build_meta(params, vocab=vocab)
-    # top_k = vocab keeps every token but routes every row through the filter, where we observe it.
-    meta.top_ks = torch.full_like(meta.top_ks, vocab)
-    meta.any_top_k = True
+    # top_k = vocab - 1 routes every row through the filter, whose input we observe.
+    meta.top_ks = torch.full_like(meta.top_ks, vocab - 1)
 
     seen = []
 
