@@ -78,11 +78,7 @@ class Sampler:
         if meta.all_greedy:
             tokens = processed.argmax(dim=-1)
         else:
-            tokens = torch.empty(processed.shape[0], dtype=torch.long, device=processed.device)
-            greedy = meta.temperatures == 0
-            tokens[greedy] = processed[greedy].argmax(dim=-1)
-            rows = (~greedy).nonzero().squeeze(1)
-            tokens[rows] = self._sample(processed[rows], meta, rows.tolist())
+            tokens = self._sample(processed, meta)
         token_list = tokens.tolist()
         if not wants_logprobs:
             return [SampledToken(t) for t in token_list]
@@ -107,30 +103,33 @@ class Sampler:
             apply_penalties(logits, meta.penalties)
         return logits
 
-    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata, rows: list[int]) -> torch.Tensor:
-        """Draws a token for each of `rows` (the sampled, non-greedy ones) by inverse CDF.
+    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """A token per row: the argmax for greedy rows, else a draw by inverse CDF.
 
-        Each row takes one uniform number per token: from its own generator when
-        seeded, else from the engine's. Rows with top-k or top-p draw inside their
-        sorted head only; the others over the whole vocabulary.
+        Each sampled row takes one uniform number per token: from its own generator when
+        seeded, else from the engine's. Rows with top-k or top-p draw inside their sorted
+        head only, the others over the whole vocabulary; each group is gathered once.
         """
-        index = torch.tensor(rows, device=logits.device)
-        temperatures, min_ps = meta.temperatures[index], meta.min_ps[index]
-        top_ks, top_ps = meta.top_ks[index], meta.top_ps[index]
-        logits = logits.div_(temperatures.unsqueeze(1))
-        if meta.any_min_p:
-            chosen = (min_ps > 0).nonzero().squeeze(1)
-            probs = logits[chosen].softmax(dim=-1)
-            floor = min_ps[chosen].unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
-            logits[chosen] = logits[chosen].masked_fill(probs < floor, float("-inf"))
-        uniform = self._uniforms([meta.generators[r] for r in rows], logits.device)
-        tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-        filtered = ((top_ks > 0) & (top_ks < logits.shape[1])) | (top_ps < 1)
-        if filtered.any():
-            head, order = top_k_top_p_window(logits[filtered], top_ks[filtered], top_ps[filtered])
-            tokens[filtered] = order.gather(1, _inverse_cdf(head, uniform[filtered]).unsqueeze(1)).squeeze(1)
-        if not filtered.all():
-            tokens[~filtered] = _inverse_cdf(logits[~filtered], uniform[~filtered])
+        vocab = logits.shape[1]
+        tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+        greedy = meta.temperatures == 0
+        if greedy.any():
+            tokens[greedy] = logits[greedy].argmax(dim=-1)
+        sampled = (~greedy).nonzero().squeeze(1)
+        uniform = torch.empty(logits.shape[0], device=logits.device)
+        uniform[sampled] = self._uniforms([meta.generators[i] for i in sampled.tolist()], logits.device)
+        narrowed = ((meta.top_ks > 0) & (meta.top_ks < vocab)) | (meta.top_ps < 1)
+        for rows, is_filtered in ((~greedy & narrowed, True), (~greedy & ~narrowed, False)):
+            if not rows.any():
+                continue
+            group = logits[rows].div_(meta.temperatures[rows].unsqueeze(1))
+            if meta.any_min_p:
+                _apply_min_p(group, meta.min_ps[rows])
+            if is_filtered:
+                head, order = top_k_top_p_window(group, meta.top_ks[rows], meta.top_ps[rows])
+                tokens[rows] = order.gather(1, _inverse_cdf(head, uniform[rows]).unsqueeze(1)).squeeze(1)
+            else:
+                tokens[rows] = _inverse_cdf(group, uniform[rows])
         return tokens
 
     def _uniforms(self, generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
@@ -186,6 +185,15 @@ def apply_penalties(logits: torch.Tensor, p: Penalties) -> None:
     values = torch.where(values > 0, values / repetition, values * repetition)
     values = values - p.frequency[which] * counts - p.presence[which] * (counts > 0)
     logits[row, token] = values
+
+
+def _apply_min_p(logits: torch.Tensor, min_ps: torch.Tensor) -> None:
+    """Sets to -inf, in place, tokens less likely than min_p times the row's most likely."""
+    rows = (min_ps > 0).nonzero().squeeze(1)
+    if len(rows):
+        probs = logits[rows].softmax(dim=-1)
+        floor = min_ps[rows].unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        logits[rows] = logits[rows].masked_fill(probs < floor, float("-inf"))
 
 
 def _flat_rows(pairs: list[tuple[int, list[int]]], device: torch.device) -> torch.Tensor:
