@@ -1,6 +1,6 @@
 """Per-request sampling settings, validated on construction (vLLM's `SamplingParams`)."""
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 
 @dataclass
@@ -73,10 +73,6 @@ class SamplingParams:
         problems = self.problems()
         if problems:
             raise ValueError("Invalid SamplingParams: " + "; ".join(problems))
-
-    @classmethod
-    def field_names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
 
     def problems(self) -> list[str]:
         """Every invalid field, as `field: reason` strings (empty when all are valid)."""
