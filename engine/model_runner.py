@@ -7,7 +7,7 @@ import torch
 
 from engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig, ModelConfig
 from engine.layers.attention import Attention, AttentionGroup, AttentionMetadata
-from engine.layers.sampler import Penalties, SampledToken, Sampler, SamplingMetadata
+from engine.layers.sampler import Penalties, SampledToken, Sampler, SamplingMetadata, token_logprobs
 from engine.model_loader import load_model
 from engine.models.llama import head_dim_of
 from engine.scheduler import ScheduledBatch
@@ -164,18 +164,10 @@ class ModelRunner:
 
     def _prompt_logprobs(self, seq: Sequence, hidden: torch.Tensor, start: int) -> list[tuple[int, SampledToken]]:
         """(position, logprobs of that prompt token) for the prompt tokens after `start`."""
-        logprobs = self.model.compute_logits(hidden).float().log_softmax(dim=-1)
         targets = torch.tensor(seq.token_ids[start + 1 : start + 1 + hidden.shape[0]], device=self.device)
-        chosen_t = logprobs.gather(1, targets.unsqueeze(1))
-        ranks = ((logprobs > chosen_t).sum(dim=-1) + 1).tolist()
-        chosen = chosen_t.squeeze(1).tolist()
-        k = seq.sampling_params.prompt_logprobs
-        top_values, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
-        return [
-            (start + 1 + i, SampledToken(int(targets[i]), chosen[i], ranks[i],
-                                         top_ids[i].tolist() if k else [], top_values[i].tolist() if k else []))
-            for i in range(hidden.shape[0])
-        ]
+        entries = token_logprobs(self.model.compute_logits(hidden), targets,
+                                 [seq.sampling_params.prompt_logprobs] * hidden.shape[0])
+        return [(start + 1 + i, entry) for i, entry in enumerate(entries)]
 
     def _attention_group(self, entries: list[tuple[int, int, int, list[int]]]) -> AttentionGroup:
         """Padded batch of (first row, new tokens, computed tokens, block table) entries."""
@@ -201,10 +193,7 @@ class ModelRunner:
     def _sampling_metadata(self, seqs: list[Sequence]) -> SamplingMetadata:
         params = [s.sampling_params for s in seqs]
         device = self.device
-
-        def floats(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)
-
+        floats = self._floats
         banned, allowed, bias_rows, bias_ids, bias_values = [], [], [], [], []
         penalized = []
         for row, (seq, p) in enumerate(zip(seqs, params)):
@@ -237,6 +226,9 @@ class ModelRunner:
             num_logprobs=[p.logprobs for p in params],
         )
 
+    def _floats(self, values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=self.device)
+
     def _penalties(self, seqs: list[Sequence], rows: list[int]) -> Penalties:
         vocab = self.model_config.hf_config.vocab_size
 
@@ -249,9 +241,9 @@ class ModelRunner:
             rows=torch.tensor(rows, device=self.device),
             prompt_ids=padded([s.token_ids[: s.num_prompt_tokens] for s in seqs]),
             output_ids=padded([s.output_token_ids for s in seqs]),
-            presence=torch.tensor([p.presence_penalty for p in params], dtype=torch.float32, device=self.device),
-            frequency=torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32, device=self.device),
-            repetition=torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=self.device),
+            presence=self._floats([p.presence_penalty for p in params]),
+            frequency=self._floats([p.frequency_penalty for p in params]),
+            repetition=self._floats([p.repetition_penalty for p in params]),
         )
 
 

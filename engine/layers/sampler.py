@@ -79,10 +79,9 @@ class Sampler:
             tokens = processed.argmax(dim=-1)
         else:
             tokens = self._sample(processed, meta)
-        token_list = tokens.tolist()
         if not wants_logprobs:
-            return [SampledToken(t) for t in token_list]
-        return self._with_logprobs(raw, tokens, token_list, meta.num_logprobs)
+            return [SampledToken(t) for t in tokens.tolist()]
+        return token_logprobs(raw, tokens, meta.num_logprobs)
 
     @staticmethod
     def process(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -142,23 +141,23 @@ class Sampler:
                 uniform[i] = torch.rand((), generator=gen, device=device)
         return uniform
 
-    @staticmethod
-    def _with_logprobs(raw: torch.Tensor, tokens: torch.Tensor, token_list: list[int],
-                       num_logprobs: list[int | None]) -> list[SampledToken]:
-        logprobs = raw.log_softmax(dim=-1)
-        chosen_t = logprobs.gather(1, tokens.unsqueeze(1))
-        ranks = ((logprobs > chosen_t).sum(dim=-1) + 1).tolist()
-        chosen = chosen_t.squeeze(1).tolist()
-        k_max = max(k for k in num_logprobs if k is not None)
-        top_values, top_ids = logprobs.topk(k_max, dim=-1) if k_max else (None, None)
-        out = []
-        for i, (token, k) in enumerate(zip(token_list, num_logprobs)):
-            if k is None:
-                out.append(SampledToken(token))
-            else:
-                out.append(SampledToken(token, chosen[i], ranks[i], top_ids[i, :k].tolist() if k else [],
-                                        top_values[i, :k].tolist() if k else []))
-        return out
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_logprobs: list[int | None]) -> list[SampledToken]:
+    """Each row's token with its log-probability under `logits`, its rank (1 = most
+    likely) and the row's `num_logprobs[i]` most likely tokens (None: no logprobs)."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    chosen_t = logprobs.gather(1, tokens.unsqueeze(1))
+    ranks = ((logprobs > chosen_t).sum(dim=-1) + 1).tolist()
+    chosen = chosen_t.squeeze(1).tolist()
+    k_max = max((k for k in num_logprobs if k is not None), default=0)
+    top_values, top_ids = logprobs.topk(k_max, dim=-1) if k_max else (None, None)
+    out = []
+    for i, (token, k) in enumerate(zip(tokens.tolist(), num_logprobs)):
+        if k is None:
+            out.append(SampledToken(token))
+        else:
+            out.append(SampledToken(token, chosen[i], ranks[i], top_ids[i, :k].tolist() if k else [],
+                                    top_values[i, :k].tolist() if k else []))
+    return out
 
 
 def apply_penalties(logits: torch.Tensor, p: Penalties) -> None:
@@ -178,8 +177,8 @@ def apply_penalties(logits: torch.Tensor, p: Penalties) -> None:
     counts = torch.zeros(len(keys), device=logits.device)
     output_keys = output_keys[output_keys % width != vocab]
     counts.index_add_(0, torch.searchsorted(keys, output_keys), torch.ones(len(output_keys), device=logits.device))
-    row, token = p.rows[keys // width], keys % width
-    which = keys // width
+    which, token = keys // width, keys % width
+    row = p.rows[which]
     values = logits[row, token]
     repetition = p.repetition[which]
     values = torch.where(values > 0, values / repetition, values * repetition)
