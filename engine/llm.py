@@ -166,7 +166,8 @@ class LLM:
         try:
             while engine.has_unfinished_requests():
                 finished = engine.step()
-                progress.update([s.group[0] for s in finished if engine.request_output(s).finished])
+                # Completions of one request may finish in the same step: count it once.
+                progress.update(list({s.group[0] for s in finished if s.request_finished}))
         except BaseException:
             engine.abort_all()
             raise

@@ -189,8 +189,7 @@ class LLMEngine:
             seq.cumulative_logprob += sampled.logprob
         params = seq.sampling_params
         delta = seq.detokenizer.add_token(token)
-        may_stop = seq.num_output_tokens > params.min_tokens or (
-            seq.num_output_tokens == params.min_tokens and params.min_tokens > 0)
+        may_stop = seq.num_output_tokens >= params.min_tokens
         if not params.ignore_eos and token in self.model_config.eos_token_ids and may_stop:
             seq.finish_reason = "stop"
         elif token in params.stop_token_ids and may_stop:
@@ -224,7 +223,7 @@ class LLMEngine:
             prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
             prompt_logprobs=seq.prompt_logprobs,
             outputs=completions,
-            finished=all(s.is_finished for s in seq.group) and not seq.num_pending_children,
+            finished=seq.request_finished,
             num_cached_tokens=seq.num_cached_tokens,
             metrics=seq.metrics,
         )

@@ -84,6 +84,11 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    @property
+    def request_finished(self) -> bool:
+        """Whether every completion of this sequence's request is done (none left to fork)."""
+        return all(s.is_finished for s in self.group) and not self.group[0].num_pending_children
+
     def __repr__(self) -> str:
         return (
             f"Sequence(id={self.seq_id}, status={self.status.name}, tokens={self.num_tokens}, "

@@ -128,6 +128,24 @@ def test_progress_callable_sees_every_prompt(llm):
     assert "input:" in seen["postfix"] and "output:" in seen["postfix"]
 
 
+def test_progress_counts_a_request_once_when_its_completions_finish_together(llm):
+    seen = {"done": 0}
+
+    class Bar:
+        def __init__(self, total, **kwargs):
+            seen["total"], self.postfix = total, ""
+
+        def update(self, n):
+            seen["done"] += n
+
+        def close(self):
+            pass
+
+    # Greedy completions of equal length finish in the same step.
+    llm.generate(["a", "b"], SamplingParams(n=3, temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=Bar)
+    assert seen["total"] == seen["done"] == 2
+
+
 def test_priority_policy_runs_low_values_first(tiny_models):
     with LLM(str(tiny_models["llama"]), dtype="float32", scheduling_policy="priority", max_num_seqs=1) as llm:
         outs = llm.generate(["a", "b", "c"], SamplingParams(max_tokens=2), priority=[2, 0, 1], use_tqdm=False)
