@@ -188,7 +188,8 @@ class ModelRunner:
         key_slots = torch.where(key_pos < (computed + num_new).unsqueeze(1), key_slots, self.null_slot)
         query_pos = computed.unsqueeze(1) + query  # [seqs, max_query]
         mask = key_pos.view(1, 1, -1) <= query_pos.unsqueeze(2)
-        return AttentionGroup(query_index, key_slots, mask.unsqueeze(1), valid, query_index[valid])
+        return AttentionGroup(query_index, key_slots, mask.unsqueeze(1), valid,
+                              num_computed=[e[2] for e in entries], num_new=[e[1] for e in entries])
 
     def _sampling_metadata(self, seqs: list[Sequence]) -> SamplingMetadata:
         params = [s.sampling_params for s in seqs]

@@ -3,13 +3,14 @@
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 
-# Above this many attention scores in a group (64 MiB in float32), use the fused kernel,
-# which never materializes them.
-_MATMUL_ATTENTION_MAX_SCORES = 16 << 20
+# Queries attend in chunks of at most this many rows per sequence, and sequences in
+# sub-batches whose scores fit in this many elements (16 MiB in float32): memory stays
+# bounded for long prompts, and each chunk reads only the keys its queries can see.
+_QUERY_CHUNK = 256
+_MAX_SCORES = 4 << 20
 
 
 @dataclass
@@ -17,17 +18,23 @@ class AttentionGroup:
     """Sequences attended together as one padded batch.
 
     `query_index` [seqs, max_query] picks each sequence's query rows out of the step's
-    flat token rows; `key_slots` [seqs, max_context] are the cache slots of each
-    sequence's whole context; `mask` [seqs, 1, max_query, max_context] is causal within
-    that context and hides padding; `out_rows` are the flat rows of the real queries,
-    in the order `valid` [seqs, max_query] selects them from the padded output.
+    flat token rows (padding points at row 0); `key_slots` [seqs, max_context] are the
+    cache slots of each sequence's whole context; `mask` [seqs, 1, max_query,
+    max_context] is causal within that context and hides padding; `valid` [seqs,
+    max_query] marks the real queries. `num_computed` and `num_new` give, per sequence,
+    the tokens already in the cache before this step and the step's new ones.
     """
 
     query_index: torch.Tensor
     key_slots: torch.Tensor
     mask: torch.Tensor
     valid: torch.Tensor
-    out_rows: torch.Tensor
+    num_computed: list[int]
+    num_new: list[int]
+
+    def context_needed(self, first: int, last: int, query_end: int) -> int:
+        """Keys that queries before `query_end` of sequences [first, last) can see."""
+        return max(c + min(query_end, n) for c, n in zip(self.num_computed[first:last], self.num_new[first:last]))
 
 
 @dataclass
@@ -66,21 +73,25 @@ class Attention(nn.Module):
         self.v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
         out = torch.empty_like(q)
         for group in meta.groups:
-            queries = q[group.query_index]  # [seqs, max_query, heads, head_dim]
-            # [kv_heads, seqs, max_context, head_dim]; index_select is several times
-            # faster than advanced indexing for this gather.
-            keys = self.k_cache.index_select(1, group.key_slots.flatten()).unflatten(1, group.key_slots.shape)
-            values = self.v_cache.index_select(1, group.key_slots.flatten()).unflatten(1, group.key_slots.shape)
             seqs, max_query = group.query_index.shape
-            if seqs * max_query * keys.shape[2] * self.num_heads <= _MATMUL_ATTENTION_MAX_SCORES:
-                attended = self._matmul_attention(queries, keys, values, group.mask)
-            else:
-                attended = F.scaled_dot_product_attention(
-                    queries.transpose(1, 2), keys.transpose(0, 1), values.transpose(0, 1),
-                    attn_mask=group.mask, scale=self.scale,
-                    enable_gqa=self.num_heads != self.num_kv_heads,
-                ).transpose(1, 2)
-            out[group.out_rows] = attended[group.valid]
+            for query_start in range(0, max_query, _QUERY_CHUNK):
+                query_end = min(query_start + _QUERY_CHUNK, max_query)
+                per_seq = self.num_heads * (query_end - query_start) * group.context_needed(0, seqs, query_end)
+                step = max(1, _MAX_SCORES // per_seq)
+                for first in range(0, seqs, step):
+                    last = min(first + step, seqs)
+                    context = group.context_needed(first, last, query_end)
+                    queries = slice(first, last), slice(query_start, query_end)
+                    slots = group.key_slots[first:last, :context]
+                    # [kv_heads, seqs, context, head_dim]; index_select is several times
+                    # faster than advanced indexing for this gather.
+                    keys = self.k_cache.index_select(1, slots.flatten()).unflatten(1, slots.shape)
+                    values = self.v_cache.index_select(1, slots.flatten()).unflatten(1, slots.shape)
+                    attended = self._matmul_attention(
+                        q[group.query_index[queries]], keys, values, group.mask[first:last, :, query_start:query_end, :context]
+                    )
+                    valid = group.valid[queries]
+                    out[group.query_index[queries][valid]] = attended[valid]
         return out
 
     def _matmul_attention(
@@ -90,7 +101,11 @@ class Attention(nn.Module):
 
         `q` [seqs, queries, heads, dim]; `k`, `v` [kv_heads, seqs, context, dim]; `mask`
         [seqs, 1, queries, context]. At decode and short-prefill shapes this is several
-        times faster than the fused CPU kernel, which pays per (sequence, head) overhead.
+        times faster than PyTorch's fused CPU kernel, which pays per (sequence, head)
+        overhead. It is also the only attention used, at every shape: a query row's result
+        here does not depend on the other rows, sequences or padding in the batch (the
+        fused kernel's blocking does), so a token's output is the same whether it runs in
+        a decode step, a prefill chunk or a recompute after preemption.
         """
         seqs, queries = q.shape[0], q.shape[1]
         kv_heads, group, dim = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim

@@ -106,29 +106,31 @@ class Sampler:
         """A token per row: the argmax for greedy rows, else a draw by inverse CDF.
 
         Each sampled row takes one uniform number per token: from its own generator when
-        seeded, else from the engine's. Rows with top-k or top-p draw inside their sorted
-        head only, the others over the whole vocabulary; each group is gathered once.
+        seeded, else from the engine's. Temperature and min-p shape the row first; rows
+        with top-k or top-p then draw inside their sorted head, the others over the whole
+        vocabulary. Every step of the draw depends on the row alone, bit for bit.
         """
-        vocab = logits.shape[1]
         tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
         greedy = meta.temperatures == 0
         if greedy.any():
             tokens[greedy] = logits[greedy].argmax(dim=-1)
         sampled = (~greedy).nonzero().squeeze(1)
-        uniform = torch.empty(logits.shape[0], device=logits.device)
-        uniform[sampled] = self._uniforms([meta.generators[i] for i in sampled.tolist()], logits.device)
-        narrowed = ((meta.top_ks > 0) & (meta.top_ks < vocab)) | (meta.top_ps < 1)
-        for rows, is_filtered in ((~greedy & narrowed, True), (~greedy & ~narrowed, False)):
-            if not rows.any():
+        if not len(sampled):
+            return tokens
+        uniform = self._uniforms([meta.generators[i] for i in sampled.tolist()], logits.device)
+        top_ks, top_ps = meta.top_ks[sampled], meta.top_ps[sampled]
+        narrowed = ((top_ks > 0) & (top_ks < logits.shape[1])) | (top_ps < 1)
+        for group in (narrowed, ~narrowed):
+            if not group.any():
                 continue
-            group = logits[rows].div_(meta.temperatures[rows].unsqueeze(1))
+            rows = sampled[group]
+            scaled = logits[rows].div_(meta.temperatures[rows].unsqueeze(1))
             if meta.any_min_p:
-                _apply_min_p(group, meta.min_ps[rows])
-            if is_filtered:
-                head, order = top_k_top_p_window(group, meta.top_ks[rows], meta.top_ps[rows])
-                tokens[rows] = order.gather(1, _inverse_cdf(head, uniform[rows]).unsqueeze(1)).squeeze(1)
+                _apply_min_p(scaled, meta.min_ps[rows])
+            if group is narrowed:
+                tokens[rows] = top_k_top_p_head(scaled, top_ks[group], top_ps[group]).draw(uniform[group])
             else:
-                tokens[rows] = _inverse_cdf(group, uniform[rows])
+                tokens[rows] = _inverse_cdf(scaled, uniform[group])
         return tokens
 
     def _uniforms(self, generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
@@ -204,56 +206,105 @@ def _flat_ids(pairs: list[tuple[int, list[int]]], device: torch.device) -> torch
     return torch.tensor([i for _, ids in pairs for i in ids], device=device)
 
 
+# The whole-vocabulary draw first picks a block of this many tokens, then a token in it.
+_CDF_BLOCK = 1024
+
+
 def _inverse_cdf(logits: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """Per row, the first column whose cumulative probability exceeds that row's uniform
-    number: a draw from softmax(logits) that never lands on a zero-probability column.
-    The weights need no normalization: the target is scaled by their total instead."""
+    """Per row, the first token whose cumulative probability (in token id order) exceeds
+    that row's uniform number: a draw from softmax(logits) that never lands on a
+    zero-probability token. The weights need no normalization: the target is scaled by
+    their total instead.
+
+    Two levels, both depending on the row alone: sums over fixed blocks of the vocabulary
+    (each block's sum does not depend on the batch's shape, unlike a sum over a whole
+    row), a prefix sum over the blocks to find the target's block, then one inside it.
+    """
+    rows, vocab = logits.shape
     weights = (logits - logits.max(dim=-1, keepdim=True).values).exp_()
-    cdf = weights.cumsum(dim=-1)
-    target = (uniform * cdf[:, -1] * (1 - 1e-6)).unsqueeze(1)
-    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=logits.shape[1] - 1)
+    blocks = -(-vocab // _CDF_BLOCK)
+    if vocab % _CDF_BLOCK:
+        weights = torch.nn.functional.pad(weights, (0, blocks * _CDF_BLOCK - vocab))
+    weights = weights.view(rows, blocks, _CDF_BLOCK)
+    block_cdf = weights.sum(dim=-1).cumsum(dim=-1)
+    target = uniform * block_cdf[:, -1] * (1 - 1e-6)
+    block = torch.searchsorted(block_cdf, target.unsqueeze(1), right=True).clamp(max=blocks - 1)
+    before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)), 0.0)
+    inner_cdf = weights.gather(1, block.unsqueeze(2).expand(-1, -1, _CDF_BLOCK)).squeeze(1).cumsum(dim=-1)
+    inner = torch.searchsorted(inner_cdf, (target.unsqueeze(1) - before), right=True)
+    # Rounding can leave the target past the block's total: take its last nonzero token.
+    last_nonzero = (inner_cdf < inner_cdf[:, -1:]).sum(dim=-1, keepdim=True)
+    inner = torch.minimum(inner, last_nonzero)
+    return (block * _CDF_BLOCK + inner).squeeze(1).clamp(max=vocab - 1)
 
 
-def top_k_top_p_window(logits: torch.Tensor, top_ks: torch.Tensor,
-                       top_ps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's most likely tokens, as (logits, token ids) in descending order, with
-    those outside its top-k set and, within it, outside its top-p nucleus at -inf
+@dataclass
+class SortedHead:
+    """The most likely tokens of each row, in descending order: `values` (logits), `ids`,
+    and `keep`, the tokens inside the row's top-k set and top-p nucleus. The window always
+    reaches a dropped token or the end of the vocabulary, so `keep` is the whole kept set."""
+
+    values: torch.Tensor
+    ids: torch.Tensor
+    keep: torch.Tensor
+
+    def draw(self, uniform: torch.Tensor) -> torch.Tensor:
+        """A token per row from softmax over its kept tokens, by inverse CDF in token id
+        order: the same token a whole-vocabulary draw would give with the others at zero
+        weight, for a fraction of the work."""
+        vocab_end = torch.iinfo(self.ids.dtype).max
+        by_id, order = torch.where(self.keep, self.ids, vocab_end).sort(dim=-1)
+        weights = (self.values - self.values[:, :1]).exp_().masked_fill_(~self.keep, 0.0).gather(1, order)
+        cdf = weights.cumsum(dim=-1)
+        target = (uniform * cdf[:, -1] * (1 - 1e-6)).unsqueeze(1)
+        last_kept = self.keep.sum(dim=-1, keepdim=True) - 1
+        index = torch.minimum(torch.searchsorted(cdf, target, right=True), last_kept)
+        return by_id.gather(1, index).squeeze(1)
+
+
+def top_k_top_p_head(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> SortedHead:
+    """Each row's sorted head with its top-k set and, within it, its top-p nucleus marked
     (top_k 0 and top_p 1 are off). A token stays in the nucleus while the tokens more
-    likely than it hold less than top_p of the (top-k) probability mass.
+    likely than it hold less than top_p of the (top-k) probability mass. Tokens tied with
+    the last one kept are kept too, as vLLM does for top-k.
 
-    Only the head of each row is sorted: `topk` over a window sized to hold every row's
-    top-k set and nucleus (grown if it does not), instead of sorting the whole vocabulary.
+    Each row's kept set is the same whatever else is in the batch: it comes from that row's
+    sorted values (which do not depend on how far the window reaches), prefix sums (which
+    run sequentially along a row) and softmax (computed per row), never from sums over a
+    row, which PyTorch splits differently depending on the batch's shape. Only the head is
+    sorted, in a window that grows until it holds every row's cut.
     """
     vocab = logits.shape[1]
     top_ks = torch.where(top_ks > 0, top_ks.clamp(max=vocab), vocab)
+    has_top_k = top_ks < vocab
     use_top_p = top_ps < 1
-    full_lse = logits.logsumexp(dim=-1, keepdim=True)
-    window = min(vocab, max(16, int(top_ks[top_ks < vocab].max()) if (top_ks < vocab).any() else 0))
-    nucleus_rows = use_top_p & (top_ks == vocab)
-    if bool(((top_ks == vocab) & ~use_top_p).any()):
-        window = vocab  # a row that filters nothing keeps every token
-    elif nucleus_rows.any():
-        # The tokens above probability tau form a prefix of the sorted row; once they hold
-        # top_p of the mass, the nucleus lies within them, so their count is a window.
-        probs = (logits[nucleus_rows] - full_lse[nucleus_rows]).exp()
-        for tau in (1e-3, 1e-4, 1e-5):
+    # Total weight exp(logit - max) of each row's distribution: its whole row (softmax's
+    # largest probability is exactly one over it) or, below, its top-k set.
+    totals = torch.ones(len(logits), device=logits.device)
+    whole = use_top_p & ~has_top_k
+    window = max(16, int(top_ks[has_top_k].max()) + 1 if has_top_k.any() else 0)
+    if whole.any():
+        probs = logits[whole].softmax(dim=-1)
+        totals[whole] = probs.max(dim=-1).values.reciprocal()
+        # Tokens above probability tau form a prefix of the sorted row; once they hold
+        # top_p of the mass, the nucleus lies within them: a first guess at the window.
+        for tau in (1e-3, 1e-5):
             above = probs >= tau
-            if bool(((probs * above).sum(dim=-1) >= top_ps[nucleus_rows]).all()):
-                window = max(window, int(above.sum(dim=-1).max()))
+            if bool(((probs * above).sum(dim=-1) >= top_ps[whole]).all()):
+                window = max(window, int(above.sum(dim=-1).max()) + 1)
                 break
-        else:
-            window = vocab
     while True:
-        values, order = logits.topk(window, dim=-1)
-        ranks = torch.arange(window, device=logits.device).unsqueeze(0)
-        in_top_k = ranks < top_ks.unsqueeze(1)
-        head = values.masked_fill(~in_top_k, float("-inf"))
-        lse = torch.where((top_ks < vocab).unsqueeze(1), head.logsumexp(dim=-1, keepdim=True), full_lse)
-        probs = (head - lse).exp()
-        mass = probs.cumsum(dim=-1)
-        covered = torch.where(top_ks < vocab, top_ks <= window, ~use_top_p | (mass[:, -1] >= top_ps))
-        if window == vocab or bool(covered.all()):
-            break
-        window = min(vocab, window * 4)
-    keep = in_top_k & (~use_top_p.unsqueeze(1) | (mass - probs < top_ps.unsqueeze(1)))
-    return values.masked_fill(~keep, float("-inf")), order
+        window = min(window, vocab)
+        values, ids = logits.topk(window, dim=-1)
+        weights = (values - values[:, :1]).exp()
+        mass = weights.cumsum(dim=-1)
+        k_last = (top_ks.clamp(max=window) - 1).unsqueeze(1)
+        totals = torch.where(has_top_k, mass.gather(1, k_last).squeeze(1), totals)
+        ranks = torch.arange(window, device=logits.device)
+        in_nucleus = (mass - weights) < (top_ps * totals).unsqueeze(1)
+        prefix = (ranks < top_ks.unsqueeze(1)) & (~use_top_p.unsqueeze(1) | in_nucleus)
+        cut = values.gather(1, (prefix.sum(dim=-1, keepdim=True) - 1))
+        keep = values >= cut
+        if window == vocab or bool((~keep[:, -1]).all()):
+            return SortedHead(values, ids, keep)
+        window *= 4

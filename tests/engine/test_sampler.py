@@ -17,7 +17,7 @@ from engine.layers.sampler import (
     Sampler,
     SamplingMetadata,
     apply_penalties,
-    top_k_top_p_window,
+    top_k_top_p_head,
 )
 from engine.sampling_params import SamplingParams
 
@@ -30,8 +30,9 @@ def filter_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch
     out = logits.clone()
     routed = (top_ks > 0) | (top_ps < 1)
     if routed.any():
-        head, order = top_k_top_p_window(logits[routed], top_ks[routed], top_ps[routed])
-        out[routed] = torch.full_like(logits[routed], float("-inf")).scatter(1, order, head)
+        head = top_k_top_p_head(logits[routed], top_ks[routed], top_ps[routed])
+        kept = head.values.masked_fill(~head.keep, float("-inf"))
+        out[routed] = torch.full_like(logits[routed], float("-inf")).scatter(1, head.ids, kept)
     return out
 
 
@@ -243,9 +244,9 @@ def test_min_p_mask_matches_transformers_on_temperature_scaled_logits(monkeypatc
 
     def spy(x, top_ks, top_ps):
         seen.append(x.clone())
-        return top_k_top_p_window(x, top_ks, top_ps)
+        return top_k_top_p_head(x, top_ks, top_ps)
 
-    monkeypatch.setattr(sampler_module, "top_k_top_p_window", spy)
+    monkeypatch.setattr(sampler_module, "top_k_top_p_head", spy)
     tokens = Sampler(torch.Generator().manual_seed(0))(logits.clone(), meta)
     assert len(seen) == 1, "the sampler did not reach the top-k/top-p filter"
     filtered = seen[0]
@@ -533,6 +534,23 @@ def test_sampled_frequencies_follow_softmax_over_temperature():
     assert chi2_statistic(counts, probs) < CHI2_CRITICAL_DF19
     # the test has power: the same draws reject the untempered distribution softmax(logits)
     assert chi2_statistic(counts, row.double().softmax(-1).numpy()) > CHI2_CRITICAL_DF19
+
+
+def test_whole_vocabulary_draw_spans_blocks():
+    """A vocabulary of several CDF blocks and a partial last one: frequencies of 20 token
+    ranges that straddle the block edges follow softmax."""
+    vocab, bins = 4000, 20
+    row = random_logits(1, vocab, seed=21, scale=1.5)[0]
+    row[3990:] += 4.0  # the partial last block holds real mass
+    logits = row.unsqueeze(0).expand(STAT_N, -1).contiguous()
+    meta = build_meta([SamplingParams(temperature=1.0)] * STAT_N, vocab=vocab)
+    tokens = np.array([t.token_id for t in Sampler(torch.Generator().manual_seed(5))(logits, meta)])
+    probs = row.double().softmax(-1).numpy()
+    edges = np.linspace(0, vocab, bins + 1).astype(int)
+    counts = np.array([((tokens >= a) & (tokens < b)).sum() for a, b in zip(edges[:-1], edges[1:])])
+    expected = np.array([probs[a:b].sum() for a, b in zip(edges[:-1], edges[1:])])
+    assert STAT_N * expected.min() >= 5
+    assert chi2_statistic(counts, expected) < CHI2_CRITICAL_DF19
 
 
 def test_top_p_samples_stay_in_the_nucleus():

@@ -24,12 +24,18 @@ def texts(outputs):
     return [[c.token_ids for c in o.outputs] for o in outputs]
 
 
-def seeded_requests() -> list[tuple[str, SamplingParams]]:
+def seeded_requests() -> list[tuple[str | dict, SamplingParams]]:
+    long_prompt = {"prompt_token_ids": [random.Random(7).randrange(3, 300) for _ in range(300)]}
     return [
-        ("Paris is the", SamplingParams(temperature=0.9, seed=1, max_tokens=20, ignore_eos=True)),
-        ("The quick brown", SamplingParams(temperature=1.2, top_p=0.8, seed=2, max_tokens=20, ignore_eos=True)),
+        ("Paris is the", SamplingParams(temperature=0.9, seed=1, max_tokens=20, ignore_eos=True, logprobs=2)),
+        ("The quick brown", SamplingParams(temperature=1.2, top_p=0.8, seed=2, max_tokens=20, ignore_eos=True,
+                                           logprobs=2)),
         ("A paged KV cache", SamplingParams(temperature=0.7, top_k=20, min_p=0.05, seed=3, max_tokens=20,
-                                            ignore_eos=True, presence_penalty=0.5, repetition_penalty=1.2)),
+                                            ignore_eos=True, presence_penalty=0.5, repetition_penalty=1.2,
+                                            logprobs=2)),
+        # Longer than one attention query chunk (256), so its prefill is split in every setting.
+        (long_prompt, SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=4, max_tokens=20,
+                                     ignore_eos=True, logprobs=2)),
     ]
 
 
@@ -41,9 +47,9 @@ def mixed_neighbours(count: int) -> list[tuple[str, SamplingParams]]:
         kind = i % 4
         params = [SamplingParams(temperature=0, max_tokens=rng.randint(5, 25)),
                   SamplingParams(temperature=1.0, max_tokens=rng.randint(5, 25)),
-                  SamplingParams(top_p=0.5, max_tokens=rng.randint(5, 25)),
+                  SamplingParams(top_p=0.5, top_k=rng.choice([0, 5, 200]), max_tokens=rng.randint(5, 25)),
                   SamplingParams(frequency_penalty=1.0, max_tokens=rng.randint(5, 25))][kind]
-        out.append((f"{words[i % len(words)]} {i}", params))
+        out.append((f"{words[i % len(words)]} {i}" * (1 + i % 3), params))
     return out
 
 
@@ -52,23 +58,43 @@ def run(llm, requests):
     return llm.generate(list(prompts), list(params), use_tqdm=False)
 
 
-def test_seeded_requests_do_not_depend_on_the_batch(llm, tiny_models):
+def completion(output) -> tuple:
+    """Everything a seeded completion computes, down to the float bits of its logprobs."""
+    c = output.outputs[0]
+    return c.token_ids, c.cumulative_logprob, [{t: lp.logprob for t, lp in step.items()} for step in c.logprobs]
+
+
+def check_seeded_requests_do_not_depend_on_the_batch(model: str) -> None:
+    """The same seeded requests give bit-identical completions alone, inside a batch of 32
+    mixed requests, in reversed order, after prefix-cache hits, and with chunked prefill
+    and preemption forced."""
     seeded = seeded_requests()
-    alone = [run(llm, [r])[0].outputs[0].token_ids for r in seeded]
-    batch = mixed_neighbours(29)
-    mixed = batch[:5] + [seeded[0]] + batch[5:17] + [seeded[1]] + batch[17:] + [seeded[2]]
-    outs = run(llm, mixed)
-    positions = [mixed.index(r) for r in seeded]
-    assert [outs[p].outputs[0].token_ids for p in positions] == alone
-    reversed_outs = run(llm, list(reversed(mixed)))
-    assert [reversed_outs[len(mixed) - 1 - p].outputs[0].token_ids for p in positions] == alone
-    again = [run(llm, [r])[0].outputs[0].token_ids for r in seeded]
-    assert again == alone
-    with LLM(str(tiny_models["llama"]), dtype="float32", kv_cache_memory=6 * 16 * 1024,
-             max_num_batched_tokens=32) as small:
+    with LLM(model, dtype="bfloat16") as llm:
+        alone = [completion(run(llm, [r])[0]) for r in seeded]
+        batch = mixed_neighbours(32 - len(seeded))
+        mixed = batch[:5] + [seeded[0]] + batch[5:14] + [seeded[1]] + batch[14:] + seeded[2:]
+        positions = [next(i for i, r in enumerate(mixed) if r is s) for s in seeded]
+        outs = run(llm, mixed)  # the seeded prompts' blocks are cached by now
+        assert sum(outs[p].num_cached_tokens for p in positions) > 0
+        assert [completion(outs[p]) for p in positions] == alone
+        reversed_outs = run(llm, list(reversed(mixed)))
+        assert [completion(reversed_outs[len(mixed) - 1 - p]) for p in positions] == alone
+        llm.reset_prefix_cache()
+        assert [completion(run(llm, [r])[0]) for r in seeded] == alone
+        room_for_600_tokens = 600 * llm.llm_engine.model_runner.kv_bytes_per_token
+    with LLM(model, dtype="bfloat16", kv_cache_memory=room_for_600_tokens, max_num_batched_tokens=48) as small:
         outs = run(small, mixed)
         assert small.llm_engine.scheduler.num_preemptions > 0
-        assert [outs[p].outputs[0].token_ids for p in positions] == alone
+        assert [completion(outs[p]) for p in positions] == alone
+
+
+def test_seeded_requests_do_not_depend_on_the_batch(tiny_models):
+    check_seeded_requests_do_not_depend_on_the_batch(str(tiny_models["llama"]))
+
+
+@pytest.mark.slow
+def test_seeded_requests_do_not_depend_on_the_batch_on_the_embedded_model():
+    check_seeded_requests_do_not_depend_on_the_batch("smollm2-135m-instruct")
 
 
 def test_n_completions_share_one_prompt_computation(llm):

@@ -1,0 +1,85 @@
+"""A row's numbers do not depend on the rest of the batch, bit for bit (CPU, bfloat16).
+
+These are the layers a seeded request's output runs through; the end-to-end check is
+`test_sampling.py::test_seeded_requests_do_not_depend_on_the_batch`.
+"""
+
+import random
+
+import pytest
+import torch
+
+from engine.layers.attention import Attention
+from engine.layers.linear import Linear
+from engine.layers.sampler import _inverse_cdf, top_k_top_p_head
+
+
+@pytest.mark.parametrize("shape", [(576, 960), (1536, 576), (64, 320)])
+def test_linear_rows_do_not_depend_on_the_batch(shape):
+    torch.manual_seed(0)
+    layer = Linear(*shape, bias=False).to(torch.bfloat16)
+    layer.prepack()
+    assert layer.packed_weight is not None
+    x = torch.randn(256, shape[0]).to(torch.bfloat16)
+    whole = layer(x)
+    for rows in (1, 2, 3, 5, 8, 13, 64):
+        pieces = torch.cat([layer(x[i : i + rows]) for i in range(0, len(x), rows)])
+        assert torch.equal(pieces, whole), f"{rows} rows at a time"
+
+
+def pad_group(queries, keys, values, context_lens):
+    """Sequences (queries [n, heads, dim], keys/values [kv_heads, context, dim]) as one
+    padded group, with the causal mask the model runner builds."""
+    seqs, max_query, max_context = len(queries), max(len(q) for q in queries), max(context_lens)
+    q = torch.zeros(seqs, max_query, *queries[0].shape[1:], dtype=queries[0].dtype)
+    k = torch.zeros(keys[0].shape[0], seqs, max_context, keys[0].shape[2], dtype=keys[0].dtype)
+    v = torch.zeros_like(k)
+    mask = torch.zeros(seqs, 1, max_query, max_context, dtype=torch.bool)
+    for i, (qi, ki, vi, context) in enumerate(zip(queries, keys, values, context_lens)):
+        q[i, : len(qi)], k[:, i, :context], v[:, i, :context] = qi, ki, vi
+        first_position = context - len(qi)
+        for j in range(len(qi)):
+            mask[i, 0, j, : first_position + j + 1] = True
+    return q, k, v, mask
+
+
+def test_attention_rows_do_not_depend_on_the_batch():
+    """Each sequence attended alone, as one query row (a decode step), or in a padded group
+    of sequences with other lengths gives the same bits."""
+    rng = random.Random(0)
+    torch.manual_seed(0)
+    attention = Attention(num_heads=9, head_dim=64, num_kv_heads=3)
+    dtype = torch.bfloat16
+    for _ in range(6):
+        new = [rng.choice([1, 3, 17, 64, 200]) for _ in range(rng.choice([2, 5, 16]))]
+        contexts = [n + rng.choice([0, 5, 100, 300]) for n in new]
+        queries = [torch.randn(n, 9, 64).to(dtype) for n in new]
+        keys = [torch.randn(3, c, 64).to(dtype) for c in contexts]
+        values = [torch.randn(3, c, 64).to(dtype) for c in contexts]
+        together = attention._matmul_attention(*pad_group(queries, keys, values, contexts))
+        for i in range(len(new)):
+            alone = attention._matmul_attention(*pad_group([queries[i]], [keys[i]], [values[i]], [contexts[i]]))
+            assert torch.equal(alone[0, : new[i]], together[i, : new[i]])
+            last = attention._matmul_attention(*pad_group([queries[i][-1:]], [keys[i]], [values[i]], [contexts[i]]))
+            assert torch.equal(last[0, 0], together[i, new[i] - 1])
+
+
+def test_draws_depend_on_the_row_alone():
+    """A row's kept set and drawn token are the same alone and beside rows whose settings
+    make the sorted window far wider or narrower; the whole-vocabulary draw likewise."""
+    torch.manual_seed(0)
+    logits = torch.randn(12, 5000) * 4
+    top_ks = torch.tensor([0, 5, 50, 0, 2000, 0, 1, 40, 0, 300, 0, 7])
+    top_ps = torch.tensor([0.9, 1.0, 0.95, 0.5, 1.0, 0.999, 1.0, 0.3, 0.99, 0.8, 0.7, 0.6])
+    uniform = torch.rand(12)
+    head = top_k_top_p_head(logits, top_ks, top_ps)
+    tokens = head.draw(uniform)
+    plain = _inverse_cdf(logits, uniform)
+    for i in range(len(logits)):
+        alone = top_k_top_p_head(logits[i : i + 1], top_ks[i : i + 1], top_ps[i : i + 1])
+        kept = alone.keep[0].sum()
+        assert kept == head.keep[i].sum() and torch.equal(alone.values[0, :kept], head.values[i, :kept])
+        assert set(alone.ids[0, alone.keep[0]].tolist()) == set(head.ids[i, head.keep[i]].tolist())
+        assert alone.draw(uniform[i : i + 1]) == tokens[i], f"row {i}"
+        assert _inverse_cdf(logits[i : i + 1], uniform[i : i + 1]) == plain[i]
+    assert 1 < head.keep[0].sum() < 5000
