@@ -19,7 +19,16 @@ class SamplingConfig(dg.Config):
     temperature: float = Field(default=0.0, ge=0.0, description="Softmax temperature; 0 is greedy.")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass (1 = off).")
     top_k: int = Field(default=0, ge=-1, description="Keep the k most likely tokens (0 or -1 = off).")
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0,
+                         description="Drop tokens less likely than min_p times the most likely one (0 = off).")
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0,
+                                    description="Subtracted from tokens already generated (0 = off).")
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0,
+                                     description="Subtracted per earlier occurrence in the completion (0 = off).")
+    repetition_penalty: float = Field(default=1.0, gt=0.0,
+                                      description="Divides logits of tokens in the prompt or completion (1 = off).")
     max_tokens: int = Field(default=128, ge=1, description="Most tokens to generate per row.")
+    min_tokens: int = Field(default=0, ge=0, description="Tokens to generate before EOS or a stop may end a row.")
     seed: int | None = Field(default=None, description="Per-row random seed; fixed seeds give repeatable samples.")
     stop: list[str] = Field(default_factory=list, description="Strings that end a completion.")
     ignore_eos: bool = Field(default=False, description="Keep generating past the end-of-sequence token.")
@@ -35,7 +44,12 @@ class SamplingOverrides(dg.Config):
     temperature: float | None = Field(default=None, ge=0.0, description="Overrides temperature.")
     top_p: float | None = Field(default=None, gt=0.0, le=1.0, description="Overrides top_p.")
     top_k: int | None = Field(default=None, ge=-1, description="Overrides top_k.")
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0, description="Overrides min_p.")
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, description="Overrides presence_penalty.")
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, description="Overrides frequency_penalty.")
+    repetition_penalty: float | None = Field(default=None, gt=0.0, description="Overrides repetition_penalty.")
     max_tokens: int | None = Field(default=None, ge=1, description="Overrides max_tokens.")
+    min_tokens: int | None = Field(default=None, ge=0, description="Overrides min_tokens.")
     seed: int | None = Field(default=None, description="Overrides seed.")
     stop: list[str] | None = Field(default=None, description="Overrides stop.")
     ignore_eos: bool | None = Field(default=None, description="Overrides ignore_eos.")

@@ -127,6 +127,27 @@ def test_sampling_by_partition_and_run_overrides(env):
     assert (b2["max_tokens"] == 2).all() and (b2["temperature"] == 0.9).all()
 
 
+def test_every_sampling_field_reaches_the_engine_and_the_table(env):
+    sampling = SamplingConfig(temperature=0.8, top_p=0.9, top_k=40, min_p=0.05, presence_penalty=0.5,
+                              frequency_penalty=0.3, repetition_penalty=1.2, max_tokens=8, min_tokens=3, seed=5,
+                              stop=["zzz"], ignore_eos=True)
+    prompts = prompts_asset()
+    gen = build_generation_asset("gen", upstream=prompts, sampling=sampling)
+    run([prompts, gen], env, partition="a")
+    table = pd.read_parquet(partition_file(env["root"], dg.AssetKey("gen"), "a"))
+    with engine.LLM(str(env["model"]), dtype="float32") as llm:
+        params = engine.SamplingParams(temperature=0.8, top_p=0.9, top_k=40, min_p=0.05, presence_penalty=0.5,
+                                       frequency_penalty=0.3, repetition_penalty=1.2, max_tokens=8, min_tokens=3,
+                                       seed=5, stop=["zzz"], ignore_eos=True)
+        direct = llm.generate(list(PROMPTS["a"]["prompt"]), params, use_tqdm=False)
+        unpenalized = llm.generate(list(PROMPTS["a"]["prompt"]), engine.SamplingParams(
+            temperature=0.8, top_p=0.9, top_k=40, max_tokens=8, seed=5, ignore_eos=True), use_tqdm=False)
+    assert list(table["generated_text"]) == [o.outputs[0].text for o in direct]
+    assert list(table["generated_text"]) != [o.outputs[0].text for o in unpenalized]
+    for field, value in sampling.model_dump().items():
+        assert [list(v) if field == "stop" else v for v in table[field]] == [value] * 3, field
+
+
 def test_row_overrides_and_bad_rows_land_in_the_table(env):
     frames = {"a": pd.DataFrame({"id": ["x", "y", "z"], "prompt": ["Paris is the", "", "The quick"],
                                  "max_tokens": [2, None, 7]}), "b": PROMPTS["b"]}
