@@ -4,6 +4,7 @@ Never imports Dagster; `dagster_llm` builds on it.
 """
 
 from engine.llm import LLM
+from engine.lora import LoRARequest
 from engine.model_loader import ModelLoadError
 from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -14,6 +15,7 @@ __all__ = [
     "LLM",
     "CompletionOutput",
     "Logprob",
+    "LoRARequest",
     "ModelLoadError",
     "RequestMetrics",
     "RequestOutput",

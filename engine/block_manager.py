@@ -23,7 +23,9 @@ class BlockManager:
 
     Blocks are reference counted, so sequences with a common prefix share them. With prefix
     caching a full block is keyed by (hash of its parent block's key, its token ids): equal
-    keys mean equal contents, because the chain pins the whole prefix. A freed block keeps
+    keys mean equal contents, because the chain pins the whole prefix. The first block's
+    parent is the request's LoRA adapter id (None for the base model), so requests with
+    different adapters never share cached keys and values. A freed block keeps
     its key and waits in the free queue, reusable until it is handed out again, least
     recently freed first; blocks that hold nothing reusable are handed out before those.
     """
@@ -51,7 +53,7 @@ class BlockManager:
         size = self.block_size
         while len(seq.block_keys) <= index:
             i = len(seq.block_keys)
-            parent = hash(seq.block_keys[i - 1]) if i else None
+            parent = hash(seq.block_keys[i - 1]) if i else seq.lora_int_id
             seq.block_keys.append((parent, tuple(seq.token_ids[i * size : (i + 1) * size])))
         return seq.block_keys[index]
 

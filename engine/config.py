@@ -24,7 +24,8 @@ class EngineConfig:
 
     `kv_cache_memory` (bytes) sizes the KV cache on a CPU, `gpu_memory_utilization` (the
     fraction of the GPU's memory the engine may fill, weights included) on a GPU.
-    `max_num_batched_tokens` is one step's token budget.
+    `max_num_batched_tokens` is one step's token budget. With `enable_lora`, up to
+    `max_loras` adapters run in one step and `max_cpu_loras` stay in host memory.
     """
 
     model: str | None = None
@@ -42,6 +43,10 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
     enforce_eager: bool = False
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -58,6 +63,13 @@ class EngineConfig:
                 problems.append(f"{name} must be a positive integer or None, got {value!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             problems.append(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        for name in ("max_loras", "max_lora_rank"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                problems.append(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        elif not isinstance(self.max_cpu_loras, int) or self.max_cpu_loras < self.max_loras:
+            problems.append(f"max_cpu_loras must be at least max_loras={self.max_loras}, got {self.max_cpu_loras!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             problems.append(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if problems:

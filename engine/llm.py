@@ -12,6 +12,8 @@ from tqdm.auto import tqdm
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.lora.adapter import LoRAError
+from engine.lora.request import LoRARequest
 from engine.model_loader import weights_fingerprint
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -25,6 +27,7 @@ class _Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     priority: int
+    lora_request: LoRARequest | None
 
 
 class LLM:
@@ -48,6 +51,10 @@ class LLM:
         enable_chunked_prefill: Split long prompts over several steps.
         scheduling_policy: "fcfs", or "priority" (lower `priority` values run first).
         enforce_eager: Never capture CUDA graphs.
+        enable_lora: Accept `lora_request` in `generate` and `chat`.
+        max_loras: Most distinct adapters in one step (device slots).
+        max_lora_rank: Highest adapter rank accepted.
+        max_cpu_loras: Adapters kept in host memory (default: max_loras).
 
     Examples:
         >>> from engine import LLM, SamplingParams
@@ -74,6 +81,10 @@ class LLM:
         enable_chunked_prefill: bool = True,
         scheduling_policy: str = "fcfs",
         enforce_eager: bool = False,
+        enable_lora: bool = False,
+        max_loras: int = 1,
+        max_lora_rank: int = 16,
+        max_cpu_loras: int | None = None,
     ) -> None:
         config = EngineConfig(
             model=model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed,
@@ -81,7 +92,8 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
             kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
             enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=enable_chunked_prefill,
-            scheduling_policy=scheduling_policy, enforce_eager=enforce_eager,
+            scheduling_policy=scheduling_policy, enforce_eager=enforce_eager, enable_lora=enable_lora,
+            max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
         )
         self.llm_engine: LLMEngine | None = LLMEngine(config)
         self._request_ids = itertools.count()
@@ -109,6 +121,7 @@ class LLM:
         use_tqdm: bool | Callable[..., Any] = True,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None = None,
         priority: int | SequenceABC[int] | None = None,
     ) -> list[RequestOutput]:
         """Generates replies to one conversation or a list of them, rendered with the
@@ -124,7 +137,8 @@ class LLM:
             text = tokenizer.apply_chat_template(conversation, tokenize=False, chat_template=chat_template,
                                                  add_generation_prompt=add_generation_prompt)
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, priority=priority)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request,
+                             priority=priority)
 
     @property
     def model_path(self) -> Path:
@@ -142,24 +156,27 @@ class LLM:
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
         *,
         use_tqdm: bool | Callable[..., Any] = True,
+        lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None = None,
         priority: int | SequenceABC[int] | None = None,
     ) -> list[RequestOutput]:
         """Completes every prompt and returns one `RequestOutput` per prompt, in input order.
 
         A prompt is a string, {"prompt": str} or {"prompt_token_ids": [int, ...]}.
-        `sampling_params` and `priority` are one value for all prompts or one per prompt.
+        `sampling_params`, `lora_request` and `priority` are one value for all prompts or
+        one per prompt; a None adapter runs the base model. Requests with different
+        adapters run in the same steps.
 
         Raises:
             ValueError: before any work starts, listing every bad row (index, field,
                 reason and what to do).
         """
         engine = self.engine
-        requests = self._validate(prompts, sampling_params, priority)
+        requests = self._validate(prompts, sampling_params, lora_request, priority)
         if not requests:
             return []
         seqs = [
             engine.add_request(str(next(self._request_ids)), r.prompt, r.prompt_token_ids,
-                               r.sampling_params, r.priority)
+                               r.sampling_params, r.priority, r.lora_request)
             for r in requests
         ]
         progress = _Progress(use_tqdm, len(seqs))
@@ -179,6 +196,7 @@ class LLM:
         self,
         prompts: SequenceABC[PromptType],
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None = None,
         priority: int | SequenceABC[int] | None = None,
     ) -> list[str | None]:
         """Checks requests without running them: for each row, its problems as one line
@@ -187,17 +205,19 @@ class LLM:
         Raises:
             ValueError: when the arguments as a whole do not fit (list lengths).
         """
-        return [None if isinstance(row, _Request) else row for row in self._check_rows(prompts, sampling_params, priority)]
+        rows = self._check_rows(prompts, sampling_params, lora_request, priority)
+        return [None if isinstance(row, _Request) else row for row in rows]
 
     def _validate(
         self,
         prompts: PromptType | SequenceABC[PromptType],
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None,
+        lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None,
         priority: int | SequenceABC[int] | None,
     ) -> list[_Request]:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        rows = self._check_rows(prompts, sampling_params, priority)
+        rows = self._check_rows(prompts, sampling_params, lora_request, priority)
         problems = [f"row {i}, {row}" for i, row in enumerate(rows) if not isinstance(row, _Request)]
         if problems:
             raise ValueError(
@@ -209,6 +229,7 @@ class LLM:
         self,
         prompts: SequenceABC[PromptType],
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None,
+        lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None,
         priority: int | SequenceABC[int] | None,
     ) -> list["_Request | str"]:
         """Each row as a ready `_Request`, or as the text of its problems."""
@@ -216,6 +237,7 @@ class LLM:
         prompts = list(prompts)
         problems: list[str] = []
         params_list = _per_prompt("sampling_params", sampling_params, len(prompts), problems)
+        adapters = _per_prompt("lora_request", lora_request, len(prompts), problems)
         priorities = _per_prompt("priority", priority, len(prompts), problems)
         if problems:
             raise ValueError("generate() was called with invalid arguments; nothing was run:\n  " + "\n  ".join(problems))
@@ -224,8 +246,16 @@ class LLM:
         vocab = engine.model_config.hf_config.vocab_size
         capacity = engine.kv_cache_tokens
         rows: list[_Request | str] = []
-        for prompt, params, prio in zip(prompts, params_list, priorities):
+        adapter_problems: dict[LoRARequest, str | None] = {}
+        for prompt, params, adapter, prio in zip(prompts, params_list, adapters, priorities):
             found: list[str] = []
+            if not isinstance(adapter, (LoRARequest, type(None))):
+                found.append(f"lora_request: expected a LoRARequest or None, got {type(adapter).__name__}")
+            elif adapter is not None:
+                if adapter not in adapter_problems:
+                    adapter_problems[adapter] = self._check_adapter(adapter)
+                if adapter_problems[adapter]:
+                    found.append(f"lora_request: {adapter_problems[adapter]}")
             params = self.get_default_sampling_params() if params is None else params
             if not isinstance(params, SamplingParams):
                 found.append(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
@@ -253,8 +283,19 @@ class LLM:
             elif needed > capacity:
                 found.append(f"max_tokens: prompt plus max_tokens needs {needed} tokens of KV cache, which "
                              f"holds {capacity}: lower max_tokens or raise kv_cache_memory / gpu_memory_utilization")
-            rows.append("; ".join(found) if found else _Request(text, ids, params, prio))
+            rows.append("; ".join(found) if found else _Request(text, ids, params, prio, adapter))
         return rows
+
+    def _check_adapter(self, adapter: LoRARequest) -> str | None:
+        """Why the adapter cannot run (reading it into host memory to find out), or None."""
+        manager = self.engine.lora_manager
+        if manager is None:
+            return "adapters need LLM(enable_lora=True, max_lora_rank=...)"
+        try:
+            manager.check(adapter)
+        except LoRAError as exc:
+            return str(exc)
+        return None
 
     def _tokenize(self, prompt: Any) -> tuple[str | None, list[int] | None]:
         """The prompt's text and token ids; ids are None for a prompt of an unknown form."""

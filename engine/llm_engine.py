@@ -15,6 +15,8 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.model_loader import check_model_folder, resolve_model_path
 from engine.model_runner import ModelRunner
 from engine.layers.sampler import SampledToken
+from engine.lora.manager import LoRAManager
+from engine.lora.request import LoRARequest
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
@@ -66,11 +68,17 @@ class LLMEngine:
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 policy=config.scheduling_policy,
+                max_loras=config.max_loras if config.enable_lora else 0,
             ),
             self.block_manager,
         )
         self.stats = EngineStats()
         self._seq_ids = itertools.count()
+
+    @property
+    def lora_manager(self) -> LoRAManager | None:
+        """The adapter caches, when the engine was created with enable_lora=True."""
+        return self.model_runner.lora_manager
 
     @property
     def kv_cache_tokens(self) -> int:
@@ -84,15 +92,18 @@ class LLMEngine:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> Sequence:
         """Queues a validated request (its first completion; the others fork from it)."""
-        seq = self._new_sequence(request_id, prompt, prompt_token_ids, sampling_params, priority, index=0)
+        seq = self._new_sequence(request_id, prompt, prompt_token_ids, sampling_params, priority, index=0,
+                                 lora_request=lora_request)
         seq.bad_words_ids = self._bad_words_ids(sampling_params.bad_words)
         self.scheduler.add(seq)
         return seq
 
     def _new_sequence(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                      params: SamplingParams, priority: int, index: int) -> Sequence:
+                      params: SamplingParams, priority: int, index: int,
+                      lora_request: LoRARequest | None) -> Sequence:
         seq = Sequence(
             seq_id=next(self._seq_ids),
             request_id=request_id,
@@ -103,6 +114,7 @@ class LLMEngine:
                                                params.spaces_between_special_tokens),
             priority=priority,
             index=index,
+            lora_request=lora_request,
         )
         if params.seed is not None:
             # Completion i of a seeded request has a generator of its own, derived from the seed.
@@ -155,7 +167,7 @@ class LLMEngine:
         forks = []
         for index in range(1, parent.num_pending_children + 1):
             child = self._new_sequence(parent.request_id, parent.prompt, parent.token_ids[: parent.num_prompt_tokens],
-                                       parent.sampling_params, parent.priority, index)
+                                       parent.sampling_params, parent.priority, index, parent.lora_request)
             child.bad_words_ids = parent.bad_words_ids
             child.num_computed_tokens = parent.num_computed_tokens
             child.num_cached_tokens = parent.num_cached_tokens
@@ -226,6 +238,7 @@ class LLMEngine:
             finished=seq.request_finished,
             num_cached_tokens=seq.num_cached_tokens,
             metrics=seq.metrics,
+            lora_request=seq.lora_request,
         )
 
     def release(self) -> None:

@@ -8,6 +8,7 @@ import torch
 from engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig, ModelConfig
 from engine.layers.attention import Attention, AttentionGroup, AttentionMetadata
 from engine.layers.sampler import Penalties, SampledToken, Sampler, SamplingMetadata, token_logprobs
+from engine.lora.manager import LoRAManager
 from engine.model_loader import load_model
 from engine.models.llama import head_dim_of
 from engine.scheduler import ScheduledBatch
@@ -41,6 +42,13 @@ class ModelRunner:
         self.num_blocks = self._plan_kv_cache()
         self._allocate_kv_cache()
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
+        self.lora_manager = None
+        if config.enable_lora:
+            self.lora_manager = LoRAManager(
+                self.model.lora_targets(), max_loras=config.max_loras, max_cpu_loras=config.max_cpu_loras,
+                max_lora_rank=config.max_lora_rank, dtype=model_config.dtype, device=self.device,
+                base_model=str(config.model or model_config.path),
+            )
 
     # -- KV cache ------------------------------------------------------------------------
 
@@ -113,13 +121,25 @@ class ModelRunner:
         """Runs the step: the sampled token of each sequence whose tokens are all computed
         (forked children sample from their parent's logits), and prompt logprobs."""
         self._copy_blocks(batch.block_copies)
+        entries = list(zip(batch.seqs, batch.num_new_tokens))
+        lora_slots = self._activate_adapters(batch.seqs)
+        if lora_slots:
+            # Each adapter's rows contiguous, so that its delta is one product per projection.
+            entries.sort(key=lambda e: lora_slots.get(e[0].lora_int_id, -1))
+        lora_ranges: list[tuple[int, int, int]] = []
         input_ids, positions, slots = [], [], []
         decode, prefill, sample_rows, sample_seqs = [], [], [], []
         prompt_rows: list[tuple[Sequence, int, int, int]] = []  # seq, first row, first position, count
         row_of = {}
-        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+        for seq, num_new in entries:
             start = seq.num_computed_tokens
             row = len(input_ids)
+            slot = lora_slots.get(seq.lora_int_id)
+            if slot is not None:
+                if lora_ranges and lora_ranges[-1][0] == slot:
+                    lora_ranges[-1] = (slot, lora_ranges[-1][1], row + num_new)
+                else:
+                    lora_ranges.append((slot, row, row + num_new))
             input_ids.extend(seq.token_ids[start : start + num_new])
             positions.extend(range(start, start + num_new))
             table, size = seq.block_table, self.block_size
@@ -136,6 +156,8 @@ class ModelRunner:
             sample_rows.append(row_of[parent])
             sample_seqs.append(child)
 
+        if self.lora_manager is not None:
+            self.lora_manager.batch.ranges = lora_ranges
         to_device = dict(dtype=torch.long, device=self.device)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, **to_device),
@@ -150,6 +172,13 @@ class ModelRunner:
             sampled = self.sampler(logits, self._sampling_metadata(sample_seqs))
             output.sampled = dict(zip(sample_seqs, sampled))
         return output
+
+    def _activate_adapters(self, seqs: list[Sequence]) -> dict[int, int]:
+        """Puts the step's LoRA adapters into device slots: slot by adapter id."""
+        requests = [s.lora_request for s in seqs if s.lora_request is not None]
+        if not requests:
+            return {}
+        return self.lora_manager.activate(requests)
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy on write: gives forked sequences their own copy of a shared partial block."""

@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass, field
 
+from engine.lora.request import LoRARequest
+
 
 @dataclass
 class Logprob:
@@ -57,4 +59,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     metrics: RequestMetrics | None = None
-    lora_request: object | None = field(default=None)
+    lora_request: LoRARequest | None = None

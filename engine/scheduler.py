@@ -14,6 +14,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     enable_chunked_prefill: bool
     policy: str  # "fcfs" or "priority"
+    max_loras: int = 0  # distinct LoRA adapters in one step (0: LoRA off)
 
 
 @dataclass
@@ -43,7 +44,8 @@ class Scheduler:
     several steps. When a block cannot be had, the least important running sequence is
     preempted by recompute (its blocks freed, its progress reset) and waits at the head
     of the queue. "fcfs" ranks sequences by arrival, "priority" by (priority, arrival):
-    lower values first.
+    lower values first. A waiting request whose LoRA adapter would exceed `max_loras`
+    distinct adapters in the step is passed over, and requests behind it may run.
     """
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
@@ -87,10 +89,15 @@ class Scheduler:
                 budget -= num_new
                 i += 1
 
-        while self.waiting and budget > 0 and not preempted:
-            seq = self.waiting[0]
+        adapters = {s.lora_int_id for s in self.running} - {None}
+        index = 0
+        while index < len(self.waiting) and budget > 0 and not preempted:
+            seq = self.waiting[index]
             if self.running and len(self.running) + 1 + seq.num_pending_children > self.config.max_num_seqs:
                 break
+            if seq.lora_int_id is not None and seq.lora_int_id not in adapters and len(adapters) >= self.config.max_loras:
+                index += 1
+                continue
             # Prompt logprobs need every prompt position computed, so no cache hits then.
             wants_prompt_logprobs = seq.sampling_params.prompt_logprobs is not None
             cached = [] if wants_prompt_logprobs else self.block_manager.find_cached_blocks(seq)
@@ -101,7 +108,9 @@ class Scheduler:
                 num_new = budget
             if not self.block_manager.allocate(seq, num_new, cached):
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(index)
+            if seq.lora_int_id is not None:
+                adapters.add(seq.lora_int_id)
             seq.num_computed_tokens = len(cached) * self.block_manager.block_size
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = time.monotonic()

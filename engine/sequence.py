@@ -6,6 +6,7 @@ import time
 import torch
 
 from engine.detokenizer import IncrementalDetokenizer
+from engine.lora.request import LoRARequest
 from engine.outputs import RequestMetrics
 from engine.sampling_params import SamplingParams
 
@@ -35,6 +36,7 @@ class Sequence:
         detokenizer: IncrementalDetokenizer,
         priority: int = 0,
         index: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.seq_id = seq_id
         self.request_id = request_id
@@ -44,6 +46,7 @@ class Sequence:
         self.sampling_params = sampling_params
         self.detokenizer = detokenizer
         self.priority = priority
+        self.lora_request = lora_request
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
@@ -67,6 +70,11 @@ class Sequence:
         self.prompt_logprobs: list[dict | None] | None = (
             [None] * len(prompt_token_ids) if sampling_params.prompt_logprobs is not None else None
         )
+
+    @property
+    def lora_int_id(self) -> int | None:
+        """The adapter's id, or None for the base model."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else None
 
     @property
     def num_tokens(self) -> int:

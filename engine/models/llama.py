@@ -160,6 +160,21 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.prepack()
 
+    def lora_targets(self) -> dict[str, tuple[Linear, int, list[int]]]:
+        """The projections a LoRA adapter may change, by their Hugging Face path
+        ("model.layers.0.self_attn.q_proj") -> (our Linear, shard index, shard sizes)."""
+        unfused = {fused: [leaf for leaf, (f, _) in sorted(_FUSED.items(), key=lambda kv: kv[1][1]) if f == fused]
+                   for fused, _ in _FUSED.values()}
+        targets = {}
+        for name, module in self.model.layers.named_modules(prefix="model.layers"):
+            if not isinstance(module, Linear):
+                continue
+            prefix, _, leaf = name.rpartition(".")
+            sizes = getattr(module, "shard_sizes", None) or [module.out_features]
+            for shard, hf_leaf in enumerate(unfused.get(leaf, [leaf])):
+                targets[f"{prefix}.{hf_leaf}"] = (module, shard, sizes)
+        return targets
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies checkpoint tensors in, fusing q/k/v and gate/up.
 

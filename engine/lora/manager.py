@@ -1,0 +1,127 @@
+"""Which adapters sit in host memory and in the device's slots, both least recently used first."""
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from engine.layers.linear import Linear
+from engine.lora.adapter import LoRAAdapter, LoRAError, describe, load_adapter
+from engine.lora.request import LoRARequest
+from engine.lora.slots import LoRABatch, LoRASlots
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LoRAStats:
+    """Counters since the engine started: adapters read from disk and dropped from host
+    memory, and adapters copied into device slots and evicted from them."""
+
+    num_host_loads: int = 0
+    num_host_evictions: int = 0
+    num_slot_loads: int = 0
+    num_slot_evictions: int = 0
+
+
+class LoRAManager:
+    """Keeps up to `max_cpu_loras` adapters in host memory and `max_loras` in device slots.
+
+    Adapters are read once into host memory and copied into a slot when a step needs
+    them, evicting the least recently used of both when full. An adapter's
+    `lora_int_id` is its identity for the engine's life: the same id with another folder
+    is an error, so the id can key the prefix cache.
+
+    Args:
+        targets: Each adaptable projection's Hugging Face path ("model.layers.0.self_attn.
+            q_proj") -> (the engine's Linear, shard index, shard sizes of that Linear).
+    """
+
+    def __init__(
+        self,
+        targets: dict[str, tuple[Linear, int, list[int]]],
+        *,
+        max_loras: int,
+        max_cpu_loras: int,
+        max_lora_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        base_model: str,
+    ) -> None:
+        self.max_loras = max_loras
+        self.max_cpu_loras = max_cpu_loras
+        self.max_lora_rank = max_lora_rank
+        self.dtype = dtype
+        self.base_model = base_model
+        self.batch = LoRABatch()
+        self.stats = LoRAStats()
+        self._shapes = {path: (layer.in_features, sizes[shard]) for path, (layer, shard, sizes) in targets.items()}
+        self._slots_of: dict[Linear, LoRASlots] = {}
+        self._shards: dict[Linear, list[str]] = {}
+        for path, (layer, shard, sizes) in targets.items():
+            if layer not in self._slots_of:
+                self._slots_of[layer] = LoRASlots(layer, sizes, max_loras, self.batch, device)
+                self._shards[layer] = [""] * len(sizes)
+            self._shards[layer][shard] = path
+        self._known: dict[int, LoRARequest] = {}
+        self._host: OrderedDict[int, LoRAAdapter] = OrderedDict()
+        self._slot_of: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, least recent first
+
+    def check(self, request: LoRARequest) -> LoRAAdapter:
+        """Reads the adapter into host memory (if it is not there) and checks it.
+
+        Raises:
+            LoRAError: a bad id, an id already used by another adapter, or any problem
+                `load_adapter` finds.
+        """
+        if not isinstance(request.lora_int_id, int) or isinstance(request.lora_int_id, bool) or request.lora_int_id < 1:
+            raise LoRAError(f"{describe(request)}: lora_int_id must be a positive integer")
+        known = self._known.get(request.lora_int_id)
+        if known is not None and known.lora_path != request.lora_path:
+            raise LoRAError(f"{describe(request)}: lora_int_id {request.lora_int_id} already names "
+                            f"{known.lora_path}; give each adapter its own lora_int_id")
+        return self._host_adapter(request)
+
+    def _host_adapter(self, request: LoRARequest) -> LoRAAdapter:
+        adapter = self._host.get(request.lora_int_id)
+        if adapter is not None:
+            self._host.move_to_end(request.lora_int_id)
+            return adapter
+        adapter = load_adapter(request, self._shapes, self.max_lora_rank, self.dtype, self.base_model)
+        self._known[request.lora_int_id] = request
+        self.stats.num_host_loads += 1
+        if len(self._host) >= self.max_cpu_loras:
+            self._host.popitem(last=False)
+            self.stats.num_host_evictions += 1
+        self._host[request.lora_int_id] = adapter
+        return adapter
+
+    def activate(self, requests: list[LoRARequest]) -> dict[int, int]:
+        """Puts the step's adapters into slots; returns each one's slot by lora_int_id.
+
+        The scheduler admits at most `max_loras` distinct adapters at once, so a slot whose
+        adapter this step does not use is always there to evict.
+        """
+        wanted = {r.lora_int_id: r for r in requests}
+        if len(wanted) > self.max_loras:
+            raise RuntimeError(f"a step needs {len(wanted)} adapters but there are {self.max_loras} slots")
+        for lora_id, request in wanted.items():
+            if lora_id in self._slot_of:
+                self._slot_of.move_to_end(lora_id)
+                continue
+            if len(self._slot_of) < self.max_loras:
+                slot = len(self._slot_of)
+            else:
+                victim = next(i for i in self._slot_of if i not in wanted)
+                slot = self._slot_of.pop(victim)
+                self.stats.num_slot_evictions += 1
+            self._load_slot(slot, self._host_adapter(request))
+            self._slot_of[lora_id] = slot
+        return {lora_id: self._slot_of[lora_id] for lora_id in wanted}
+
+    def _load_slot(self, slot: int, adapter: LoRAAdapter) -> None:
+        for layer, paths in self._shards.items():
+            self._slots_of[layer].load(slot, [adapter.modules.get(p) for p in paths])
+        self.stats.num_slot_loads += 1
+        logger.debug("LoRA adapter %r in slot %d", adapter.request.lora_name, slot)

@@ -1,0 +1,160 @@
+"""Multi-LoRA: mixed adapters in one batch against transformers + PEFT, slots, errors."""
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+
+from engine import LLM, LoRARequest, SamplingParams
+from tests.lora_adapters import build_lora_adapter, peft_greedy
+from tests.tiny_models import build_tiny_model
+
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+MLP = ["gate_proj", "up_proj", "down_proj"]
+# Three adapters that differ in rank, targets and scaling (rsLoRA, per-module rank and alpha).
+ADAPTER_SPECS = [
+    dict(rank=4, alpha=8, target_modules=ATTENTION),
+    dict(rank=8, alpha=16, target_modules=[*MLP, "q_proj"], use_rslora=True),
+    dict(rank=16, alpha=4, target_modules=ATTENTION + MLP, rank_pattern={"down_proj": 4}, alpha_pattern={"v_proj": 32}),
+]
+
+
+def prompts_of(count: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(3, 40))] for _ in range(count)]
+
+
+def check_mixed_batch_matches_peft(base: Path, root: Path, vocab: int, num_prompts: int, new_tokens: int) -> None:
+    """Every prompt with each of three adapters and with none, all in one call, equals
+    PEFT's greedy output for that prompt and adapter."""
+    adapters = [build_lora_adapter(base, root / f"adapter{i}", seed=i, **spec) for i, spec in enumerate(ADAPTER_SPECS)]
+    prompts = prompts_of(num_prompts, vocab)
+    expected = {None: peft_greedy(base, None, prompts, new_tokens)}
+    for i, folder in enumerate(adapters):
+        expected[i] = peft_greedy(base, folder, prompts, new_tokens)
+    assert all(expected[i] != expected[None] for i in range(3)), "an adapter that changes nothing tests nothing"
+    requests = [LoRARequest(f"adapter{i}", i + 1, str(folder)) for i, folder in enumerate(adapters)]
+    choice = [None, 0, 1, 2] * num_prompts
+    rows = [{"prompt_token_ids": prompts[j // 4]} for j in range(len(choice))]
+    with LLM(str(base), dtype="float32", enable_lora=True, max_loras=4, max_lora_rank=16) as llm:
+        outs = llm.generate(rows, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True),
+                            lora_request=[None if c is None else requests[c] for c in choice], use_tqdm=False)
+        assert llm.llm_engine.lora_manager.stats.num_slot_loads == 3
+    for j, (out, c) in enumerate(zip(outs, choice)):
+        assert out.outputs[0].token_ids == expected[c][j // 4], f"prompt {j // 4}, adapter {c}"
+        assert out.lora_request == (None if c is None else requests[c])
+
+
+def test_mixed_adapters_match_peft_on_a_tiny_qwen2(tmp_path):
+    base = build_tiny_model(tmp_path / "qwen2", "qwen2")
+    check_mixed_batch_matches_peft(base, tmp_path, vocab=300, num_prompts=6, new_tokens=12)
+
+
+@pytest.mark.slow
+def test_mixed_adapters_match_peft_on_the_embedded_model(tmp_path):
+    from engine.embedded_model import ensure_embedded_model
+
+    check_mixed_batch_matches_peft(ensure_embedded_model(), tmp_path, vocab=49152, num_prompts=3, new_tokens=10)
+
+
+@pytest.fixture(scope="module")
+def qwen2_with_adapters(tmp_path_factory):
+    """A tiny Qwen2 with four adapters (ids 1-4)."""
+    root = tmp_path_factory.mktemp("lora")
+    base = build_tiny_model(root / "qwen2", "qwen2")
+    folders = [build_lora_adapter(base, root / f"a{i}", rank=8, alpha=16, target_modules=ATTENTION + MLP, seed=10 + i)
+               for i in range(4)]
+    return base, [LoRARequest(f"a{i}", i + 1, str(f)) for i, f in enumerate(folders)]
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+def test_two_slots_four_adapters_in_one_call(qwen2_with_adapters):
+    base, requests = qwen2_with_adapters
+    prompts = [{"prompt_token_ids": p} for p in prompts_of(4, 300, seed=1)]
+    with LLM(str(base), dtype="float32", enable_lora=True, max_loras=4, max_lora_rank=8) as roomy:
+        alone = {r.lora_int_id: [o.outputs[0].token_ids for o in roomy.generate(prompts, GREEDY, lora_request=r,
+                                                                                  use_tqdm=False)]
+                 for r in requests}
+    rows = [(p, r) for r in requests for p in prompts]
+    random.Random(2).shuffle(rows)
+    with LLM(str(base), dtype="float32", enable_lora=True, max_loras=2, max_cpu_loras=3, max_lora_rank=8) as llm:
+        manager = llm.llm_engine.lora_manager
+        steps = []
+        activate = manager.activate
+        manager.activate = lambda reqs: steps.append({r.lora_int_id for r in reqs}) or activate(reqs)
+        outs = llm.generate([p for p, _ in rows], GREEDY, lora_request=[r for _, r in rows], use_tqdm=False)
+        assert max(len(s) for s in steps) == 2
+        assert manager.stats.num_slot_evictions >= 2 and manager.stats.num_host_evictions >= 1
+    for (prompt, request), out in zip(rows, outs):
+        assert out.outputs[0].token_ids == alone[request.lora_int_id][prompts.index(prompt)]
+
+
+def test_prefix_cache_is_keyed_by_adapter(qwen2_with_adapters):
+    base, requests = qwen2_with_adapters
+    prompt = {"prompt_token_ids": prompts_of(1, 300, seed=3)[0] * 3}  # several full blocks
+    with LLM(str(base), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8) as llm:
+        first = llm.generate(prompt, GREEDY, lora_request=requests[0], use_tqdm=False)[0]
+        other = llm.generate(prompt, GREEDY, lora_request=requests[1], use_tqdm=False)[0]
+        plain = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+        again = llm.generate(prompt, GREEDY, lora_request=requests[0], use_tqdm=False)[0]
+    assert other.num_cached_tokens == 0 and plain.num_cached_tokens == 0
+    assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert len({tuple(o.outputs[0].token_ids) for o in (first, other, plain)}) == 3
+
+
+def test_adapter_requests_do_not_depend_on_the_batch_in_bfloat16(qwen2_with_adapters):
+    base, requests = qwen2_with_adapters
+    prompts = [{"prompt_token_ids": p} for p in prompts_of(12, 300, seed=4)]
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True, logprobs=1)
+    with LLM(str(base), dtype="bfloat16", enable_lora=True, max_loras=3, max_lora_rank=8) as llm:
+        [alone] = llm.generate(prompts[0], params, lora_request=requests[2], use_tqdm=False)
+        mixed = llm.generate(prompts, params, lora_request=[requests[i % 4] for i in range(2, 14)], use_tqdm=False)
+    assert mixed[0].outputs[0].token_ids == alone.outputs[0].token_ids
+    assert mixed[0].outputs[0].cumulative_logprob == alone.outputs[0].cumulative_logprob
+
+
+def test_bad_adapters_are_reported_per_row_before_any_work(qwen2_with_adapters, tmp_path):
+    base, requests = qwen2_with_adapters
+    other = build_tiny_model(tmp_path / "llama", "llama")  # hidden size 64 too, but 2 kv heads of 16
+    wide = build_tiny_model(tmp_path / "wide", "qwen2")
+    config = json.loads((wide / "config.json").read_text())
+    config.update(hidden_size=96, intermediate_size=160)
+    shutil.rmtree(wide)
+    wide.mkdir()
+    (wide / "config.json").write_text(json.dumps(config))
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(wide)).save_pretrained(wide)
+    mismatched = build_lora_adapter(wide, tmp_path / "mismatch", rank=4, alpha=8, target_modules=ATTENTION, seed=0)
+    high_rank = build_lora_adapter(base, tmp_path / "rank32", rank=32, alpha=8, target_modules=ATTENTION, seed=0)
+    head = build_lora_adapter(other, tmp_path / "head", rank=4, alpha=8, target_modules=["lm_head"], seed=0)
+    rows = [
+        LoRARequest("missing", 11, str(tmp_path / "nowhere")),
+        LoRARequest("rank32", 12, str(high_rank)),
+        LoRARequest("head", 13, str(head)),
+        LoRARequest("mismatch", 14, str(mismatched)),
+        LoRARequest("same id, other folder", 1, str(mismatched)),
+        requests[0],
+    ]
+    with LLM(str(base), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8) as llm:
+        llm.generate("ok", GREEDY, lora_request=requests[0], use_tqdm=False)
+        steps = llm.llm_engine.stats.num_steps
+        with pytest.raises(ValueError) as error:
+            llm.generate(["a b c"] * len(rows), GREEDY, lora_request=rows, use_tqdm=False)
+        assert llm.llm_engine.stats.num_steps == steps  # nothing ran
+    message = str(error.value)
+    assert "5 invalid prompt row(s)" in message
+    assert "row 0, lora_request: LoRA adapter 'missing'" in message and "does not exist" in message
+    assert "row 1, lora_request:" in message and "rank 32 is above max_lora_rank=8" in message
+    assert "max_lora_rank=32" in message
+    assert "row 2, lora_request:" in message and "lm_head" in message and "LoRA goes on" in message
+    assert "row 3, lora_request:" in message and "maps 64 to" in message and str(tmp_path / "wide") in message
+    assert "row 4, lora_request:" in message and "already names" in message
+    assert "row 5" not in message
+    with LLM(str(base), dtype="float32") as plain:
+        with pytest.raises(ValueError, match="row 0, lora_request: adapters need LLM\\(enable_lora=True"):
+            plain.generate("a", GREEDY, lora_request=requests[0], use_tqdm=False)
