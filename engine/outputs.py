@@ -1,6 +1,6 @@
 """What `LLM.generate` returns: vLLM's `RequestOutput` and `CompletionOutput`."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine.lora.request import LoRARequest
 
