@@ -15,7 +15,8 @@ import pyarrow.compute as pc
 
 import engine
 from dagster_llm import checks
-from dagster_llm.config import GenerationRunConfig, PartitionSampling, SamplingConfig
+from engine.lora.adapter import read_adapter_config
+from dagster_llm.config import GenerationRunConfig, PartitionChoice, SamplingConfig
 from dagster_llm.progress import EventLogProgress
 from dagster_llm.prompts import (
     COLUMN_DESCRIPTIONS,
@@ -41,6 +42,10 @@ def build_generation_asset(
     chat: bool = False,
     sampling: SamplingConfig | None = None,
     sampling_by_partition: Mapping[str, SamplingConfig] | None = None,
+    adapters: Mapping[str, str | Path] | None = None,
+    adapter: str | None = None,
+    adapter_by_partition: Mapping[str, str | None] | None = None,
+    adapter_column: str = "adapter",
     partitions_def: dg.PartitionsDefinition | None = None,
     output_dir: str | Path | None = None,
     resource_key: str = "llm",
@@ -61,9 +66,15 @@ def build_generation_asset(
     user message). Optional columns named like `SamplingConfig` fields override the
     partition's sampling for their row. The asset writes one Parquet file per partition
     under `output_dir` (atomically) and records lineage metadata per partition. Its data
-    version digests the rows read (id, prompt, effective sampling), the model weights and
-    the code version: unchanged inputs keep it, any change moves it. In a single-run
-    backfill one data version covers the run's partitions (Dagster records one per run).
+    version digests the rows read (id, prompt, effective sampling, adapter and its
+    fingerprint), the model weights and the code version: unchanged inputs keep it, any
+    change moves it. In a single-run backfill one data version covers the run's
+    partitions (Dagster records one per run).
+
+    LoRA adapters (PEFT folders) are declared by name in `adapters`; each partition runs
+    with `adapter`, or the one `adapter_by_partition` gives it, and a row may name
+    another in `adapter_column`. Rows with different adapters run in the same batches
+    on one base model (the resource needs `enable_lora=True`).
 
     A single-run backfill loads the model once and batches every partition's rows
     together. The asset carries three checks per partition (error rows, empty
@@ -79,6 +90,13 @@ def build_generation_asset(
         sampling: Sampling of partitions that `sampling_by_partition` does not name.
         sampling_by_partition: Partition key or glob pattern (e.g. "2024-*", "creative|*")
             to its sampling; exact keys win over patterns, earlier patterns over later.
+        adapters: LoRA adapter name -> PEFT adapter folder.
+        adapter: The adapter of partitions that `adapter_by_partition` does not name
+            (None: the base model).
+        adapter_by_partition: Partition key or glob pattern to an adapter name (or None
+            for the base model), matched like `sampling_by_partition`.
+        adapter_column: Optional prompt-table column naming a row's adapter; empty or
+            null cells keep the partition's.
         partitions_def: The asset's partitions (default: the upstream asset's).
         output_dir: Root folder of the Parquet files (default `$DAGSTER_LLM_OUTPUT_DIR/generations`
             or `output/generations`).
@@ -122,11 +140,22 @@ def build_generation_asset(
     prefix = [key_prefix] if isinstance(key_prefix, str) else list(key_prefix or [])
     asset_key = dg.AssetKey([*prefix, name])
     default_sampling = sampling or SamplingConfig()
-    chooser = PartitionSampling(default_sampling, sampling_by_partition, partitions_def, name)
+    chooser = PartitionChoice(default_sampling, sampling_by_partition, partitions_def, name, "sampling_by_partition")
+    adapters = {adapter_name: str(path) for adapter_name, path in (adapters or {}).items()}
+    undeclared = sorted({a for a in [adapter, *(adapter_by_partition or {}).values()] if a is not None} - set(adapters))
+    if undeclared:
+        raise dg.DagsterInvalidDefinitionError(
+            f"{name}: adapter(s) {undeclared} are not declared; add them to adapters={{name: folder}}"
+        )
+    adapter_chooser = PartitionChoice(adapter, adapter_by_partition, partitions_def, name, "adapter_by_partition")
+    # Ids by sorted name: stable across runs and processes.
+    lora_requests = {adapter_name: engine.LoRARequest(adapter_name, i + 1, path)
+                     for i, (adapter_name, path) in enumerate(sorted(adapters.items()))}
     settings_hash = _digest({
         "sampling": default_sampling.model_dump(),
         "by_partition": {k: v.model_dump() for k, v in (sampling_by_partition or {}).items()},
         "prompt_column": prompt_column, "id_column": id_column, "chat": chat,
+        "adapter": adapter, "adapter_by_partition": dict(adapter_by_partition or {}), "adapter_column": adapter_column,
     })
     full_code_version = f"{code_version}+{settings_hash[:12]}"
     schema = dg.TableSchema(columns=[
@@ -161,20 +190,38 @@ def build_generation_asset(
         keys = list(context.partition_keys) if partitions_def is not None else [None]
         frames = prompts if isinstance(prompts, dict) and len(keys) > 1 else {keys[0]: prompts}
         sampling_of = {key: config.sampling.apply(chooser.for_partition(key)) for key in keys}
+        adapter_of = {key: adapter_chooser.for_partition(key) for key in keys}
         tables = {}
         for key in keys:
             where = f"of partition {key!r}" if key is not None else ""
             frame = to_dataframe(frames[key], name, upstream_key.to_user_string())
             check_columns(frame, id_column, prompt_column, name, where)
             tables[key] = frame
+        if adapters and not resource.enable_lora:
+            raise dg.Failure(f"{name} declares LoRA adapters ({', '.join(sorted(adapters))}), but the resource "
+                             f"{resource_key!r} has enable_lora=False: set LLMResource(enable_lora=True, max_loras=..., "
+                             f"max_lora_rank=...)")
+        for request in lora_requests.values():
+            try:
+                read_adapter_config(request, resource.max_lora_rank)
+            except ValueError as exc:
+                raise dg.Failure(f"{name}: {exc}") from exc
 
         llm = resource.get_llm()
         rows: list[PromptRow] = []
         for key in keys:
             rows += render_rows(tables[key], key, sampling_of[key], id_column=id_column,
-                                prompt_column=prompt_column, chat=chat, tokenizer=llm.get_tokenizer())
+                                prompt_column=prompt_column, chat=chat, tokenizer=llm.get_tokenizer(),
+                                adapter=adapter_of[key], adapters=list(adapters), adapter_column=adapter_column)
+        fingerprints = {}
+        for adapter_name in sorted({r.adapter for r in rows if r.adapter is not None and r.error is None}):
+            try:
+                fingerprints[adapter_name] = llm.add_lora(lora_requests[adapter_name])
+            except ValueError as exc:
+                raise dg.Failure(f"{name}: {exc}") from exc
         params = [row.sampling.to_sampling_params() for row in rows]
-        for row, problem in zip(rows, llm.validate([r.rendered for r in rows], params)):
+        lora = [lora_requests[r.adapter] if r.adapter in fingerprints else None for r in rows]
+        for row, problem in zip(rows, llm.validate([r.rendered for r in rows], params, lora)):
             row.error = row.error or problem
         todo = [i for i, row in enumerate(rows) if row.error is None]
         context.log.info(f"generating {len(todo)} rows ({len(rows) - len(todo)} with errors) "
@@ -182,6 +229,7 @@ def build_generation_asset(
         stats = llm.llm_engine.stats
         started = time.perf_counter()
         results = llm.generate([rows[i].rendered for i in todo], [params[i] for i in todo],
+                               lora_request=[lora[i] for i in todo],
                                use_tqdm=EventLogProgress(context.log, lambda: stats.num_generated_tokens,
                                                          progress_interval_s))
         elapsed = time.perf_counter() - started
@@ -207,11 +255,14 @@ def build_generation_asset(
             path = partition_file(root, asset_key, key)
             write_parquet_atomically(table, path)
             upstream_version = _upstream_data_version(context, upstream_key, key)
-            versions[key] = _digest([(r.id, r.prompt_text, r.sampling.model_dump()) for r, _ in part_rows])
+            versions[key] = _digest([(r.id, r.prompt_text, r.sampling.model_dump(), r.adapter,
+                                      fingerprints.get(r.adapter)) for r, _ in part_rows])
+            used = sorted({r.adapter for r, _ in part_rows if r.adapter in fingerprints})
             metadata = {
                 **_table_metadata(table, path, schema, lineage),
                 **run_metadata,
-                "adapter": "none",
+                "adapter": adapter_of[key] or "none",
+                "adapter_fingerprints": dg.MetadataValue.json({a: fingerprints[a] for a in used}),
                 "sampling_config": dg.MetadataValue.json(sampling_of[key].model_dump()),
                 "upstream_data_version": upstream_version or "unknown",
             }

@@ -2,11 +2,14 @@
 
 import fnmatch
 from collections.abc import Mapping
+from typing import Generic, TypeVar
 
 import dagster as dg
 from pydantic import Field
 
 from engine import SamplingParams
+
+T = TypeVar("T")
 
 
 class SamplingConfig(dg.Config):
@@ -68,9 +71,9 @@ class GenerationRunConfig(dg.Config):
     )
 
 
-class PartitionSampling:
-    """Chooses a partition's SamplingConfig: its exact key, else the first matching
-    glob pattern (in the mapping's order), else the default.
+class PartitionChoice(Generic[T]):
+    """Chooses a partition's value (its sampling, its adapter): its exact key, else the
+    first matching glob pattern (in the mapping's order), else the default.
 
     Multi-dimensional keys are matched in their string form, "dim1value|dim2value".
     Mapping keys that name no partition (and patterns that match none) are definition
@@ -79,16 +82,17 @@ class PartitionSampling:
 
     def __init__(
         self,
-        default: SamplingConfig,
-        by_partition: Mapping[str, SamplingConfig] | None,
+        default: T,
+        by_partition: Mapping[str, T] | None,
         partitions_def: dg.PartitionsDefinition | None,
         asset_name: str,
+        argument: str,
     ) -> None:
         self.default = default
         self.by_partition = dict(by_partition or {})
         if self.by_partition and partitions_def is None:
             raise dg.DagsterInvalidDefinitionError(
-                f"{asset_name}: sampling_by_partition needs a partitions_def; use `sampling` for an unpartitioned asset"
+                f"{asset_name}: {argument} needs a partitions_def; an unpartitioned asset takes one value for all rows"
             )
         if self.by_partition and not isinstance(partitions_def, dg.DynamicPartitionsDefinition):
             keys = partitions_def.get_partition_keys()
@@ -96,16 +100,16 @@ class PartitionSampling:
             if unknown:
                 shown = ", ".join(keys[:8]) + (", ..." if len(keys) > 8 else "")
                 raise dg.DagsterInvalidDefinitionError(
-                    f"{asset_name}: sampling_by_partition names {unknown}, which match no partition key "
+                    f"{asset_name}: {argument} names {unknown}, which match no partition key "
                     f"(keys: {shown}). Use an existing key or a glob pattern such as '2024-*'."
                 )
 
-    def for_partition(self, key: str | None) -> SamplingConfig:
+    def for_partition(self, key: str | None) -> T:
         if key is None:
             return self.default
         if key in self.by_partition:
             return self.by_partition[key]
-        for pattern, config in self.by_partition.items():
+        for pattern, value in self.by_partition.items():
             if fnmatch.fnmatchcase(key, pattern):
-                return config
+                return value
         return self.default

@@ -61,6 +61,7 @@ class PromptRow:
     rendered: dict
     sampling: SamplingConfig
     error: str | None = None
+    adapter: str | None = None
 
 
 def to_dataframe(value: object, asset_name: str, upstream: str) -> pd.DataFrame:
@@ -104,8 +105,15 @@ def render_rows(
     prompt_column: str,
     chat: bool,
     tokenizer,
+    adapter: str | None = None,
+    adapters: Sequence[str] = (),
+    adapter_column: str = "adapter",
 ) -> list[PromptRow]:
-    """Turns table rows into engine prompts; a row that cannot be used gets an error."""
+    """Turns table rows into engine prompts; a row that cannot be used gets an error.
+
+    `adapter` is the partition's LoRA adapter (None: the base model); a non-empty value
+    in `adapter_column` names another one of the declared `adapters` for its row.
+    """
     overrides = [c for c in OVERRIDE_COLUMNS if c in frame.columns]
     rows = []
     for _, record in frame.iterrows():
@@ -113,13 +121,20 @@ def render_rows(
         value = record[prompt_column]
         messages = _messages(value)
         error = None
+        row_adapter = adapter
+        if adapter_column in frame.columns and _present(record[adapter_column]) and record[adapter_column] != "":
+            row_adapter = str(record[adapter_column])
+            if row_adapter not in adapters:
+                declared = ", ".join(sorted(adapters)) or "none are declared"
+                error = (f"{adapter_column}: {row_adapter!r} is not a declared adapter ({declared}); "
+                         f"declare it in adapters= or fix the row")
         sampling = base_sampling
         changes = {c: record[c] for c in overrides if _present(record[c])}
         if changes:
             try:
                 sampling = SamplingConfig(**{**base_sampling.model_dump(), **_plain(changes)})
             except Exception as exc:  # pydantic's message names the field and the rule
-                error = f"sampling override columns: {exc}".replace("\n", " ")
+                error = error or f"sampling override columns: {exc}".replace("\n", " ")
         if messages is not None:
             text = json.dumps(messages, ensure_ascii=False)
         elif isinstance(value, str):
@@ -139,7 +154,7 @@ def render_rows(
             else:
                 # The template already holds any BOS token: do not add a second one.
                 rendered = {"prompt_token_ids": tokenizer(chat_text, add_special_tokens=False).input_ids}
-        rows.append(PromptRow(partition, row_id, text, rendered, sampling, error))
+        rows.append(PromptRow(partition, row_id, text, rendered, sampling, error, row_adapter))
     return rows
 
 
@@ -167,7 +182,7 @@ def generation_table(rows: Sequence[PromptRow], outputs: Sequence[RequestOutput 
             "prompt_tokens": len(out.prompt_token_ids) if out else None,
             "completion_tokens": len(completion.token_ids) if completion else None,
             "model": model_id,
-            "adapter": None,
+            "adapter": row.adapter,
             **row.sampling.model_dump(),
             "error": row.error,
         }

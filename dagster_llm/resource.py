@@ -42,6 +42,10 @@ class LLMResource(dg.ConfigurableResource):
     kv_cache_memory_gb: float | None = Field(default=None, gt=0, description="KV cache size on a CPU, in GiB (default 4).")
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1, description="Fraction of GPU memory the engine may use.")
     enable_prefix_caching: bool = Field(default=True, description="Reuse the KV cache of shared prompt prefixes.")
+    enable_lora: bool = Field(default=False, description="Accept LoRA adapters (needed by assets that declare adapters).")
+    max_loras: int = Field(default=1, ge=1, description="Most distinct adapters in one engine step.")
+    max_lora_rank: int = Field(default=16, ge=1, description="Highest adapter rank accepted.")
+    max_cpu_loras: int | None = Field(default=None, ge=1, description="Adapters kept in host memory (default max_loras).")
 
     _llm: LLM | None = PrivateAttr(default=None)
 
@@ -56,6 +60,10 @@ class LLMResource(dg.ConfigurableResource):
             kv_cache_memory=int(self.kv_cache_memory_gb * 2**30) if self.kv_cache_memory_gb else None,
             gpu_memory_utilization=self.gpu_memory_utilization,
             enable_prefix_caching=self.enable_prefix_caching,
+            enable_lora=self.enable_lora,
+            max_loras=self.max_loras,
+            max_lora_rank=self.max_lora_rank,
+            max_cpu_loras=self.max_cpu_loras,
         )
 
     def get_llm(self) -> LLM:

@@ -12,7 +12,6 @@ from tqdm.auto import tqdm
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.lora.adapter import LoRAError
 from engine.lora.request import LoRARequest
 from engine.model_loader import weights_fingerprint
 from engine.outputs import RequestOutput
@@ -149,6 +148,19 @@ class LLM:
     def model_fingerprint(self) -> str:
         """sha256 of the weight files: what changes when the weights do."""
         return weights_fingerprint(self.engine.model_config.path)
+
+    def add_lora(self, lora_request: LoRARequest) -> str:
+        """Reads an adapter into host memory and checks it against the model, as
+        `generate` would; returns its fingerprint (sha256 of its config and weights).
+
+        Raises:
+            ValueError: the LLM was created without enable_lora, or the adapter cannot
+                run (the message names it, the problem and the fix).
+        """
+        manager = self.engine.lora_manager
+        if manager is None:
+            raise ValueError("adapters need LLM(enable_lora=True, max_lora_rank=...)")
+        return manager.check(lora_request).digest
 
     def generate(
         self,
@@ -288,12 +300,9 @@ class LLM:
 
     def _check_adapter(self, adapter: LoRARequest) -> str | None:
         """Why the adapter cannot run (reading it into host memory to find out), or None."""
-        manager = self.engine.lora_manager
-        if manager is None:
-            return "adapters need LLM(enable_lora=True, max_lora_rank=...)"
         try:
-            manager.check(adapter)
-        except LoRAError as exc:
+            self.add_lora(adapter)
+        except ValueError as exc:  # LoRAError included
             return str(exc)
         return None
 

@@ -157,7 +157,7 @@ class ModelRunner:
             sample_seqs.append(child)
 
         if self.lora_manager is not None:
-            self.lora_manager.batch.ranges = lora_ranges
+            self.lora_manager.batch.set(lora_ranges, len(input_ids), self.device)
         to_device = dict(dtype=torch.long, device=self.device)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, **to_device),

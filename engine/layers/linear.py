@@ -67,5 +67,5 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = project(x, self.weight, self.packed_weight, self.bias)
         if self.lora is not None:
-            self.lora.add_deltas(x, out)
+            out = self.lora.add_deltas(x, out)
         return out

@@ -61,7 +61,7 @@ class LoRAManager:
         self._shards: dict[Linear, list[str]] = {}
         for path, (layer, shard, sizes) in targets.items():
             if layer not in self._slots_of:
-                self._slots_of[layer] = LoRASlots(layer, sizes, max_loras, self.batch, device)
+                self._slots_of[layer] = LoRASlots(layer, sizes, max_loras, max_lora_rank, self.batch, dtype, device)
                 self._shards[layer] = [""] * len(sizes)
             self._shards[layer][shard] = path
         self._known: dict[int, LoRARequest] = {}

@@ -1,68 +1,93 @@
-"""Adapter weights in device slots, one set per projection, applied to a mixed batch."""
+"""Adapter weights in device slots, one stack per projection, applied to a mixed batch."""
 
 from dataclasses import dataclass, field
 
 import torch
 
-from engine.layers.linear import Linear, prepack, project
+from engine.layers.linear import Linear
 from engine.lora.adapter import ModuleLoRA
+
+# Each slot's group of rows is padded to at least this many: like the dense projections
+# (see layers/linear.py), tiny products take other kernels that round differently.
+_MIN_GROUP_ROWS = 8
 
 
 @dataclass
 class LoRABatch:
-    """The step's rows by slot: (slot, first row, end row) for each run of rows whose
-    requests use the adapter in that slot. The model runner orders the step's tokens so
-    that each adapter's rows are contiguous; rows of requests without one are in none."""
+    """The step's rows grouped by slot, for batched products.
 
-    ranges: list[tuple[int, int, int]] = field(default_factory=list)
+    `slots` [groups] are the slots in use; `gather` [groups, rows per group] picks each
+    group's rows out of the step's rows, padded with the index one past the last row (a
+    zero row); `scatter` is the same with the padding pointing at row 0, which the zero
+    rows' zero deltas leave unchanged.
+    """
 
+    slots: torch.Tensor | None = None
+    slot_list: list[int] = field(default_factory=list)
+    gather: torch.Tensor | None = None
+    scatter: torch.Tensor | None = None
 
-@dataclass
-class _SlotWeights:
-    a: torch.Tensor  # [rank, in]
-    b: torch.Tensor  # [out, rank]
-    packed_a: torch.Tensor | None
-    packed_b: torch.Tensor | None
+    def set(self, ranges: list[tuple[int, int, int]], num_rows: int, device: torch.device) -> None:
+        """`ranges` are (slot, first row, end row), one per slot in use."""
+        self.slot_list = [slot for slot, _, _ in ranges]
+        if not ranges:
+            self.slots = self.gather = self.scatter = None
+            return
+        width = max(_MIN_GROUP_ROWS, max(end - start for _, start, end in ranges))
+        gather = torch.full((len(ranges), width), num_rows, dtype=torch.long)
+        for group, (_, start, end) in enumerate(ranges):
+            gather[group, : end - start] = torch.arange(start, end)
+        self.slots = torch.tensor(self.slot_list, device=device)
+        self.gather = gather.to(device)
+        self.scatter = torch.where(gather == num_rows, 0, gather).to(device)
 
 
 class LoRASlots:
-    """One projection's adapters, one per device slot, and the step's mapping.
+    """One projection's adapters, `num_slots` of them stacked for batched products.
 
-    A fused projection (q/k/v, gate/up) stacks its shards' A matrices and puts their B
-    matrices on a block diagonal, so each slot costs two products per projection. The
-    delta of a run of rows is (x @ A.T) @ B.T: it depends on those rows and the adapter
-    only, never on which slot holds the adapter or what else is in the batch.
+    Each slot is `width` = shards x max_lora_rank wide: `a` [slots, in, width] holds the
+    A matrices (transposed), `b` [slots, width, out] the B matrices, an adapter of lower
+    rank padded with zeros and a fused projection's (q/k/v, gate/up) B matrices on a
+    block diagonal. A step gathers each slot's rows into one group and runs two batched
+    products for all groups. A row's delta depends on its own row and adapter only: not
+    on which slot holds the adapter, nor on what else is in the batch.
     """
 
-    def __init__(self, layer: Linear, shard_sizes: list[int], num_slots: int, batch: LoRABatch,
-                 device: torch.device) -> None:
+    def __init__(self, layer: Linear, shard_sizes: list[int], num_slots: int, max_rank: int,
+                 batch: LoRABatch, dtype: torch.dtype, device: torch.device) -> None:
         self.shard_sizes = shard_sizes
+        self.max_rank = max_rank
+        width = len(shard_sizes) * max_rank
         self.batch = batch
-        self.device = device
-        self.weights: list[_SlotWeights | None] = [None] * num_slots
+        self.a = torch.zeros(num_slots, layer.in_features, width, dtype=dtype, device=device)
+        self.b = torch.zeros(num_slots, width, sum(shard_sizes), dtype=dtype, device=device)
+        self.occupied = [False] * num_slots
         layer.lora = self
 
     def load(self, slot: int, shards: list[ModuleLoRA | None]) -> None:
         """Puts an adapter's matrices for this projection's shards (None: not adapted)
-        into `slot`; an adapter that touches none of them leaves the slot empty."""
-        present = [(i, s) for i, s in enumerate(shards) if s is not None]
-        if not present:
-            self.weights[slot] = None
-            return
-        dtype = present[0][1].a.dtype
-        a = torch.cat([s.a for _, s in present]).to(self.device)
-        b = torch.zeros(sum(self.shard_sizes), a.shape[0], dtype=dtype, device=self.device)
-        col = 0
-        for i, s in present:
-            row = sum(self.shard_sizes[:i])
-            b[row : row + self.shard_sizes[i], col : col + s.a.shape[0]] = s.b
-            col += s.a.shape[0]
-        self.weights[slot] = _SlotWeights(a, b, prepack(a), prepack(b))
+        into `slot`, replacing what was there."""
+        self.a[slot] = 0
+        self.b[slot] = 0
+        row = 0
+        for i, (size, lora) in enumerate(zip(self.shard_sizes, shards)):
+            if lora is not None:
+                first, rank = i * self.max_rank, lora.a.shape[0]
+                self.a[slot, :, first : first + rank] = lora.a.t()
+                self.b[slot, first : first + rank, row : row + size] = lora.b.t()
+            row += size
+        self.occupied[slot] = any(s is not None for s in shards)
 
-    def add_deltas(self, x: torch.Tensor, out: torch.Tensor) -> None:
-        """Adds each adapter's delta to its rows of `out`, in place."""
-        for slot, start, end in self.batch.ranges:
-            w = self.weights[slot]
-            if w is not None:
-                hidden = project(x[start:end], w.a, w.packed_a)
-                out[start:end] += project(hidden, w.b, w.packed_b)
+    def add_deltas(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Adds each row's adapter delta to `out`, in place, and returns it."""
+        batch = self.batch
+        if not any(self.occupied[slot] for slot in batch.slot_list):
+            return out
+        padded = torch.cat([x, x.new_zeros(1, x.shape[1])])
+        groups = padded.index_select(0, batch.gather.flatten()).view(*batch.gather.shape, x.shape[1])
+        if batch.slot_list == list(range(len(self.occupied))):
+            a, b = self.a, self.b
+        else:
+            a, b = self.a.index_select(0, batch.slots), self.b.index_select(0, batch.slots)
+        deltas = torch.bmm(torch.bmm(groups, a), b)
+        return out.index_add_(0, batch.scatter.flatten(), deltas.view(-1, out.shape[1]))

@@ -111,9 +111,12 @@ def test_adapter_requests_do_not_depend_on_the_batch_in_bfloat16(qwen2_with_adap
     prompts = [{"prompt_token_ids": p} for p in prompts_of(12, 300, seed=4)]
     params = SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True, logprobs=1)
     with LLM(str(base), dtype="bfloat16", enable_lora=True, max_loras=3, max_lora_rank=8) as llm:
-        [alone] = llm.generate(prompts[0], params, lora_request=requests[2], use_tqdm=False)
+        llm.generate(prompts[1], params, lora_request=requests[0], use_tqdm=False)
+        [alone] = llm.generate(prompts[0], params, lora_request=requests[2], use_tqdm=False)  # in slot 1
+    with LLM(str(base), dtype="bfloat16", enable_lora=True, max_loras=3, max_lora_rank=8) as llm:
         mixed = llm.generate(prompts, params, lora_request=[requests[i % 4] for i in range(2, 14)], use_tqdm=False)
-    assert mixed[0].outputs[0].token_ids == alone.outputs[0].token_ids
+        assert llm.llm_engine.lora_manager.stats.num_slot_evictions > 0
+    assert mixed[0].outputs[0].token_ids == alone.outputs[0].token_ids  # in slot 0, among other adapters
     assert mixed[0].outputs[0].cumulative_logprob == alone.outputs[0].cumulative_logprob
 
 
