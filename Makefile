@@ -36,6 +36,9 @@ test-quick: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/throughput.py
+	$(PY) benchmarks/sampling_throughput.py
+	$(PY) benchmarks/lora_throughput.py
+	$(PY) benchmarks/dagster_overhead.py
 
 clean:
 	rm -rf $(VENV)

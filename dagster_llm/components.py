@@ -23,6 +23,8 @@ class GenerationComponent(dg.Component, dg.Model, dg.Resolvable):
               sampling: {temperature: 0, max_tokens: 48}
               sampling_by_partition:
                 creative: {temperature: 0.8, top_p: 0.95, seed: 7, max_tokens: 64}
+              adapters: {poet: adapters/poet}   # PEFT folders, relative to this file's folder
+              adapter_by_partition: {creative: poet}
     """
 
     name: str = Field(description="The generation asset's name.")
@@ -36,6 +38,14 @@ class GenerationComponent(dg.Component, dg.Model, dg.Resolvable):
     sampling_by_partition: dict[str, dict] = Field(
         default_factory=dict, description="Partition key or glob pattern to its sampling config."
     )
+    adapters: dict[str, str] = Field(
+        default_factory=dict, description="LoRA adapter name to PEFT folder (relative paths: from this component's folder)."
+    )
+    adapter: str | None = Field(default=None, description="Adapter of partitions not in adapter_by_partition (none: base model).")
+    adapter_by_partition: dict[str, str | None] = Field(
+        default_factory=dict, description="Partition key or glob pattern to an adapter name (null: base model)."
+    )
+    adapter_column: str = Field(default="adapter", description="Prompt-table column that names a row's adapter.")
     max_error_rate: float = Field(default=0.0, ge=0, le=1, description="Error rows above this share fail the check.")
     max_empty_rate: float = Field(default=0.0, ge=0, le=1, description="Empty generations above this share fail.")
     max_truncation_rate: float = Field(default=0.5, ge=0, le=1, description="Truncated rows above this share fail.")
@@ -60,6 +70,10 @@ class GenerationComponent(dg.Component, dg.Model, dg.Resolvable):
             chat=self.chat,
             sampling=SamplingConfig(**self.sampling),
             sampling_by_partition={k: SamplingConfig(**v) for k, v in self.sampling_by_partition.items()},
+            adapters={name: context.path / folder for name, folder in self.adapters.items()},
+            adapter=self.adapter,
+            adapter_by_partition=self.adapter_by_partition,
+            adapter_column=self.adapter_column,
             partitions_def=partitions_def,
             resource_key=self.resource_key,
             pool=self.pool,
