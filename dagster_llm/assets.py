@@ -271,8 +271,14 @@ def build_generation_asset(
             else:
                 context.add_asset_metadata(metadata, partition_key=key)
             for check_name, (passed, check_metadata) in checks.evaluate(table, thresholds).items():
-                yield dg.AssetCheckEvaluation(asset_key=asset_key, check_name=check_name, passed=passed,
-                                              partition=key, metadata=check_metadata)
+                # A one-partition run reports plain results, which Dagster counts as the check
+                # outputs; a range needs one evaluation per partition.
+                if len(keys) == 1:
+                    yield dg.AssetCheckResult(asset_key=asset_key, check_name=check_name, passed=passed,
+                                              metadata=check_metadata)
+                else:
+                    yield dg.AssetCheckEvaluation(asset_key=asset_key, check_name=check_name, passed=passed,
+                                                  partition=key, metadata=check_metadata)
         # Over what was read, not the upstream's data version, which an upstream without
         # versioning of its own changes on every materialization even when the rows do not.
         data_version = _digest({"code_version": full_code_version, "model": fingerprint, "partitions": versions})
