@@ -111,6 +111,7 @@ class ModelRunner:
         for attn in self._attention_layers():
             attn.k_cache = attn.v_cache = torch.empty(0)
         del self.model
+        self.lora_manager = None  # it holds the model's projections and the adapters
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

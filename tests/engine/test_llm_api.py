@@ -1,6 +1,8 @@
 """The LLM front end: validation before work, outputs in order, stops, seeds, progress, close."""
 
+import gc
 import shutil
+import weakref
 
 import pytest
 
@@ -153,9 +155,16 @@ def test_priority_policy_runs_low_values_first(tiny_models):
         assert order == [1, 2, 0]
 
 
-def test_close_frees_the_engine(tiny_models):
-    llm = LLM(str(tiny_models["llama"]), dtype="float32")
+@pytest.mark.parametrize("enable_lora", [False, True])
+def test_close_frees_the_engine(tiny_models, enable_lora):
+    llm = LLM(str(tiny_models["llama"]), dtype="float32", enable_lora=enable_lora)
+    runner = llm.llm_engine.model_runner
+    weights = weakref.ref(runner.model.model.embed_tokens.weight)
+    cache = weakref.ref(runner.model.model.layers[0].self_attn.attn.k_cache)
+    del runner
     llm.close()
+    gc.collect()
+    assert weights() is None and cache() is None
     with pytest.raises(RuntimeError, match="closed"):
         llm.generate(["a"])
 
