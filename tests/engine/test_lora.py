@@ -161,3 +161,30 @@ def test_bad_adapters_are_reported_per_row_before_any_work(qwen2_with_adapters, 
     with LLM(str(base), dtype="float32") as plain:
         with pytest.raises(ValueError, match="row 0, lora_request: adapters need LLM\\(enable_lora=True"):
             plain.generate("a", GREEDY, lora_request=requests[0], use_tqdm=False)
+
+
+def test_adapters_under_preemption_priorities_chunking_and_forks(qwen2_with_adapters):
+    """Twenty requests (n of 1 or 3, greedy or seeded, three adapters or none) through two
+    slots, priorities, a 40-token step budget and a KV cache small enough to preempt:
+    every completion equals the request run alone, bit for bit (bfloat16)."""
+    base, requests = qwen2_with_adapters
+    rng = random.Random(0)
+    prompts = [{"prompt_token_ids": p} for p in prompts_of(20, 300, seed=5)]
+    params = [SamplingParams(n=rng.choice([1, 3]), temperature=rng.choice([0, 0.8]), seed=i,
+                             max_tokens=rng.randint(3, 20), ignore_eos=True) for i in range(20)]
+    adapters = [rng.choice([None, *requests[:3]]) for _ in range(20)]
+
+    def completions(outs):
+        return [[c.token_ids for c in o.outputs] for o in outs]
+
+    with LLM(str(base), dtype="bfloat16", enable_lora=True, max_loras=3, max_lora_rank=8) as llm:
+        alone = [completions(llm.generate(p, s, lora_request=a, use_tqdm=False))[0]
+                 for p, s, a in zip(prompts, params, adapters)]
+        room_for_160_tokens = 160 * llm.llm_engine.model_runner.kv_bytes_per_token
+    with LLM(str(base), dtype="bfloat16", enable_lora=True, max_loras=2, max_lora_rank=8, scheduling_policy="priority",
+             kv_cache_memory=room_for_160_tokens, max_num_batched_tokens=40) as small:
+        outs = small.generate(prompts, params, lora_request=adapters, priority=[rng.randint(0, 3) for _ in range(20)],
+                              use_tqdm=False)
+        assert small.llm_engine.scheduler.num_preemptions > 0
+        assert small.llm_engine.lora_manager.stats.num_slot_evictions > 0
+    assert completions(outs) == alone
