@@ -1,13 +1,14 @@
 """Throughput of a batch mixing four LoRA adapters against the base model, on the same prompts.
 
-Four random rank-`--rank` adapters on all seven projections are written in PEFT's format
-into a temporary folder. Each prompt runs with one of them (a quarter each) in one call,
+`--adapters` (default four) random rank-`--rank` adapters on all seven projections are
+written in PEFT's format into a temporary folder. Each prompt runs with one of them (in
+turn) in one call,
 against the same prompts on an engine without LoRA. The two alternate for `--repeats`
 rounds; the best of each is compared.
 
 The default batch is 256 prompts, the engine's max_num_seqs: on a CPU the adapters add a
-nearly fixed cost per step (small batched products, about 25 ms per step on 2 cores), so
-their share shrinks as a step carries more sequences. `--num-prompts 64` shows a step of 64.
+nearly fixed cost per step (small batched products, 10-20 ms per decode step on 2 cores),
+so their share shrinks as a step carries more sequences. `--num-prompts 64` shows a step of 64.
 
     .venv/bin/python benchmarks/lora_throughput.py --num-prompts 256 --output-len 32
 """
@@ -51,14 +52,15 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--adapters", type=int, default=4)
     args = parser.parse_args()
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     with tempfile.TemporaryDirectory() as tmp, LLM(dtype=args.dtype) as base, \
-            LLM(dtype=args.dtype, enable_lora=True, max_loras=4, max_lora_rank=args.rank) as lora:
+            LLM(dtype=args.dtype, enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank) as lora:
         prompts = [{"prompt_token_ids": p} for p in chat_prompt_ids(base.get_tokenizer(), args.num_prompts)]
         adapters = [LoRARequest(f"adapter{i}", i + 1, str(write_adapter(Path(tmp) / f"a{i}", lora, args.rank, i)))
-                    for i in range(4)]
-        mixed = [adapters[i % 4] for i in range(len(prompts))]
+                    for i in range(args.adapters)]
+        mixed = [adapters[i % args.adapters] for i in range(len(prompts))]
         lora.generate(prompts[:4], params, lora_request=mixed[:4], use_tqdm=False)  # warm-up, adapters in slots
         base.generate(prompts[:4], params, use_tqdm=False)
 
@@ -77,7 +79,7 @@ def main() -> None:
     print(f"prompts={args.num_prompts} output_len={args.output_len} dtype={args.dtype} rank={args.rank} "
           f"best of {args.repeats}")
     print(f"base model:         {rates['base']:8.1f} output tokens/s")
-    print(f"four adapters mixed: {rates['lora']:8.1f} output tokens/s")
+    print(f"{args.adapters} adapter(s) mixed: {rates['lora']:8.1f} output tokens/s")
     print(f"lora/base: {rates['lora'] / rates['base']:.3f} (target: at least 0.80)")
 
 

@@ -19,13 +19,16 @@ class LoRABatch:
     `slots` [groups] are the slots in use; `gather` [groups, rows per group] picks each
     group's rows out of the step's rows, padded with the index one past the last row (a
     zero row); `scatter` is the same with the padding pointing at row 0, which the zero
-    rows' zero deltas leave unchanged.
+    rows' zero deltas leave unchanged. When the groups are back to back and of one length
+    (one adapter, or an even mix), `block` is (first row, length): the groups are then a
+    view of the rows, with the same shapes and so the same results, and no copies.
     """
 
     slots: torch.Tensor | None = None
     slot_list: list[int] = field(default_factory=list)
     gather: torch.Tensor | None = None
     scatter: torch.Tensor | None = None
+    block: tuple[int, int] | None = None
 
     def set(self, ranges: list[tuple[int, int, int]], num_rows: int, device: torch.device) -> None:
         """`ranges` are (slot, first row, end row), one per slot in use."""
@@ -34,6 +37,10 @@ class LoRABatch:
             self.slots = self.gather = self.scatter = None
             return
         width = max(_MIN_GROUP_ROWS, max(end - start for _, start, end in ranges))
+        first = ranges[0][1]
+        self.block = (first, width) if all(
+            (start, end) == (first + i * width, first + (i + 1) * width) for i, (_, start, end) in enumerate(ranges)
+        ) else None
         gather = torch.full((len(ranges), width), num_rows, dtype=torch.long)
         for group, (_, start, end) in enumerate(ranges):
             gather[group, : end - start] = torch.arange(start, end)
@@ -83,11 +90,17 @@ class LoRASlots:
         batch = self.batch
         if not any(self.occupied[slot] for slot in batch.slot_list):
             return out
-        padded = torch.cat([x, x.new_zeros(1, x.shape[1])])
-        groups = padded.index_select(0, batch.gather.flatten()).view(*batch.gather.shape, x.shape[1])
         if batch.slot_list == list(range(len(self.occupied))):
             a, b = self.a, self.b
         else:
             a, b = self.a.index_select(0, batch.slots), self.b.index_select(0, batch.slots)
+        if batch.block is not None:
+            first, length = batch.block
+            rows = slice(first, first + len(batch.slot_list) * length)
+            deltas = torch.bmm(torch.bmm(x[rows].reshape(len(batch.slot_list), length, -1), a), b)
+            out[rows] += deltas.view(-1, out.shape[1])
+            return out
+        padded = torch.cat([x, x.new_zeros(1, x.shape[1])])
+        groups = padded.index_select(0, batch.gather.flatten()).view(*batch.gather.shape, x.shape[1])
         deltas = torch.bmm(torch.bmm(groups, a), b)
         return out.index_add_(0, batch.scatter.flatten(), deltas.view(-1, out.shape[1]))

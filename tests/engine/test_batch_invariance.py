@@ -83,3 +83,33 @@ def test_draws_depend_on_the_row_alone():
         assert alone.draw(uniform[i : i + 1]) == tokens[i], f"row {i}"
         assert _inverse_cdf(logits[i : i + 1], uniform[i : i + 1]) == plain[i]
     assert 1 < head.keep[0].sum() < 5000
+
+
+def test_lora_deltas_do_not_depend_on_the_grouping():
+    """A row's LoRA delta is the same bits whether its group is a view of the step's rows
+    (even groups back to back), a padded gather (uneven groups), or alone."""
+    from engine.lora.adapter import ModuleLoRA
+    from engine.lora.slots import LoRABatch, LoRASlots
+
+    torch.manual_seed(0)
+    dtype = torch.bfloat16
+    layer = Linear(64, 96, bias=False).to(dtype)
+    layer.prepack()
+    batch = LoRABatch()
+    slots = LoRASlots(layer, [64, 32], num_slots=3, max_rank=8, batch=batch, dtype=dtype, device=torch.device("cpu"))
+    for slot in range(3):
+        slots.load(slot, [ModuleLoRA(torch.randn(8, 64).to(dtype), torch.randn(64, 8).to(dtype)),
+                          ModuleLoRA(torch.randn(4, 64).to(dtype), torch.randn(32, 4).to(dtype))])
+    x = torch.randn(40, 64).to(dtype)
+
+    def deltas(ranges, rows):
+        batch.set(ranges, rows, torch.device("cpu"))
+        return slots.add_deltas(x[:rows], torch.zeros(rows, 96, dtype=dtype))
+
+    even = deltas([(2, 0, 16), (0, 16, 32)], 32)
+    assert batch.block == (0, 16)
+    uneven = deltas([(2, 0, 16), (0, 16, 31), (1, 31, 40)], 40)
+    assert batch.block is None
+    alone = deltas([(0, 16, 31)], 31)
+    assert torch.equal(even[:31], uneven[:31]) and torch.equal(alone[16:31], even[16:31])
+    assert not torch.equal(even[:16], torch.zeros_like(even[:16]))
