@@ -33,18 +33,18 @@ class LoRABatch:
     def set(self, ranges: list[tuple[int, int, int]], num_rows: int, device: torch.device) -> None:
         """`ranges` are (slot, first row, end row), one per slot in use."""
         self.slot_list = [slot for slot, _, _ in ranges]
+        self.slots = self.gather = self.scatter = self.block = None
         if not ranges:
-            self.slots = self.gather = self.scatter = None
             return
+        self.slots = torch.tensor(self.slot_list, device=device)
         width = max(_MIN_GROUP_ROWS, max(end - start for _, start, end in ranges))
         first = ranges[0][1]
-        self.block = (first, width) if all(
-            (start, end) == (first + i * width, first + (i + 1) * width) for i, (_, start, end) in enumerate(ranges)
-        ) else None
+        if all((start, end) == (first + i * width, first + (i + 1) * width) for i, (_, start, end) in enumerate(ranges)):
+            self.block = (first, width)
+            return
         gather = torch.full((len(ranges), width), num_rows, dtype=torch.long)
         for group, (_, start, end) in enumerate(ranges):
             gather[group, : end - start] = torch.arange(start, end)
-        self.slots = torch.tensor(self.slot_list, device=device)
         self.gather = gather.to(device)
         self.scatter = torch.where(gather == num_rows, 0, gather).to(device)
 
