@@ -87,11 +87,12 @@ class Attention(nn.Module):
                     # faster than advanced indexing for this gather.
                     keys = self.k_cache.index_select(1, slots.flatten()).unflatten(1, slots.shape)
                     values = self.v_cache.index_select(1, slots.flatten()).unflatten(1, slots.shape)
+                    rows = group.query_index[queries]
                     attended = self._matmul_attention(
-                        q[group.query_index[queries]], keys, values, group.mask[first:last, :, query_start:query_end, :context]
+                        q[rows], keys, values, group.mask[first:last, :, query_start:query_end, :context]
                     )
                     valid = group.valid[queries]
-                    out[group.query_index[queries][valid]] = attended[valid]
+                    out[rows[valid]] = attended[valid]
         return out
 
     def _matmul_attention(

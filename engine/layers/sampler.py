@@ -143,6 +143,7 @@ class Sampler:
                 uniform[i] = torch.rand((), generator=gen, device=device)
         return uniform
 
+
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_logprobs: list[int | None]) -> list[SampledToken]:
     """Each row's token with its log-probability under `logits`, its rank (1 = most
     likely) and the row's `num_logprobs[i]` most likely tokens (None: no logprobs)."""
@@ -231,11 +232,16 @@ def _inverse_cdf(logits: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     block = torch.searchsorted(block_cdf, target.unsqueeze(1), right=True).clamp(max=blocks - 1)
     before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)), 0.0)
     inner_cdf = weights.gather(1, block.unsqueeze(2).expand(-1, -1, _CDF_BLOCK)).squeeze(1).cumsum(dim=-1)
-    inner = torch.searchsorted(inner_cdf, (target.unsqueeze(1) - before), right=True)
-    # Rounding can leave the target past the block's total: take its last nonzero token.
-    last_nonzero = (inner_cdf < inner_cdf[:, -1:]).sum(dim=-1, keepdim=True)
-    inner = torch.minimum(inner, last_nonzero)
+    inner = _search_cdf(inner_cdf, target.unsqueeze(1) - before)
     return (block * _CDF_BLOCK + inner).squeeze(1).clamp(max=vocab - 1)
+
+
+def _search_cdf(cdf: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Per row, the first column of `cdf` [rows, n] above `target` [rows, 1]. Rounding can
+    leave the target at or past the row's total: then its last column of nonzero weight,
+    so that a draw never lands on a zero-probability token."""
+    last_nonzero = (cdf < cdf[:, -1:]).sum(dim=-1, keepdim=True)
+    return torch.minimum(torch.searchsorted(cdf, target, right=True), last_nonzero)
 
 
 @dataclass
@@ -257,9 +263,7 @@ class SortedHead:
         weights = (self.values - self.values[:, :1]).exp_().masked_fill_(~self.keep, 0.0).gather(1, order)
         cdf = weights.cumsum(dim=-1)
         target = (uniform * cdf[:, -1] * (1 - 1e-6)).unsqueeze(1)
-        last_kept = self.keep.sum(dim=-1, keepdim=True) - 1
-        index = torch.minimum(torch.searchsorted(cdf, target, right=True), last_kept)
-        return by_id.gather(1, index).squeeze(1)
+        return by_id.gather(1, _search_cdf(cdf, target)).squeeze(1)
 
 
 def top_k_top_p_head(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> SortedHead:

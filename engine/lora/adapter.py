@@ -39,13 +39,8 @@ class LoRAAdapter:
     its config and weights, what changes when the adapter does."""
 
     request: LoRARequest
-    rank: int
     modules: dict[str, ModuleLoRA]
     digest: str
-
-    @property
-    def num_bytes(self) -> int:
-        return sum(m.a.numel() * m.a.element_size() + m.b.numel() * m.b.element_size() for m in self.modules.values())
 
 
 def describe(request: LoRARequest) -> str:
@@ -153,7 +148,7 @@ def load_adapter(
         modules[module] = ModuleLoRA(a.to(torch.float32).to(dtype), (b.to(torch.float32) * scaling).to(dtype))
     if not modules:
         raise LoRAError(f"{where}: {WEIGHTS_FILE} holds no LoRA weights")
-    return LoRAAdapter(request, max(m.a.shape[0] for m in modules.values()), modules, digest.hexdigest())
+    return LoRAAdapter(request, modules, digest.hexdigest())
 
 
 def _scaling(config: dict, module: str, rank: int) -> float:

@@ -54,16 +54,16 @@ class LoRAManager:
         self.max_lora_rank = max_lora_rank
         self.dtype = dtype
         self.base_model = base_model
-        self.batch = LoRABatch()
+        self.batch = LoRABatch(max_loras)
         self.stats = LoRAStats()
         self._shapes = {path: (layer.in_features, sizes[shard]) for path, (layer, shard, sizes) in targets.items()}
-        self._slots_of: dict[Linear, LoRASlots] = {}
-        self._shards: dict[Linear, list[str]] = {}
+        # Each projection's slots, with the Hugging Face path of each of its shards.
+        self._layers: dict[Linear, tuple[LoRASlots, list[str]]] = {}
         for path, (layer, shard, sizes) in targets.items():
-            if layer not in self._slots_of:
-                self._slots_of[layer] = LoRASlots(layer, sizes, max_loras, max_lora_rank, self.batch, dtype, device)
-                self._shards[layer] = [""] * len(sizes)
-            self._shards[layer][shard] = path
+            if layer not in self._layers:
+                slots = LoRASlots(layer, sizes, max_loras, max_lora_rank, self.batch, dtype, device)
+                self._layers[layer] = (slots, [""] * len(sizes))
+            self._layers[layer][1][shard] = path
         self._known: dict[int, LoRARequest] = {}
         self._host: OrderedDict[int, LoRAAdapter] = OrderedDict()
         self._slot_of: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, least recent first
@@ -121,7 +121,7 @@ class LoRAManager:
         return {lora_id: self._slot_of[lora_id] for lora_id in wanted}
 
     def _load_slot(self, slot: int, adapter: LoRAAdapter) -> None:
-        for layer, paths in self._shards.items():
-            self._slots_of[layer].load(slot, [adapter.modules.get(p) for p in paths])
+        for slots, paths in self._layers.values():
+            slots.load(slot, [adapter.modules.get(p) for p in paths])
         self.stats.num_slot_loads += 1
         logger.debug("LoRA adapter %r in slot %d", adapter.request.lora_name, slot)

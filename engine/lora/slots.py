@@ -22,8 +22,12 @@ class LoRABatch:
     rows' zero deltas leave unchanged. When the groups are back to back and of one length
     (one adapter, or an even mix), `block` is (first row, length): the groups are then a
     view of the rows, with the same shapes and so the same results, and no copies.
+    `every_slot` says the groups are all `num_slots` slots in order, so that the stacked
+    weights serve as they are.
     """
 
+    num_slots: int
+    every_slot: bool = False
     slots: torch.Tensor | None = None
     slot_list: list[int] = field(default_factory=list)
     gather: torch.Tensor | None = None
@@ -33,6 +37,7 @@ class LoRABatch:
     def set(self, ranges: list[tuple[int, int, int]], num_rows: int, device: torch.device) -> None:
         """`ranges` are (slot, first row, end row), one per slot in use."""
         self.slot_list = [slot for slot, _, _ in ranges]
+        self.every_slot = self.slot_list == list(range(self.num_slots))
         self.slots = self.gather = self.scatter = self.block = None
         if not ranges:
             return
@@ -90,7 +95,7 @@ class LoRASlots:
         batch = self.batch
         if not any(self.occupied[slot] for slot in batch.slot_list):
             return out
-        if batch.slot_list == list(range(len(self.occupied))):
+        if batch.every_slot:
             a, b = self.a, self.b
         else:
             a, b = self.a.index_select(0, batch.slots), self.b.index_select(0, batch.slots)

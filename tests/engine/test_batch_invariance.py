@@ -95,7 +95,7 @@ def test_lora_deltas_do_not_depend_on_the_grouping():
     dtype = torch.bfloat16
     layer = Linear(64, 96, bias=False).to(dtype)
     layer.prepack()
-    batch = LoRABatch()
+    batch = LoRABatch(num_slots=3)
     slots = LoRASlots(layer, [64, 32], num_slots=3, max_rank=8, batch=batch, dtype=dtype, device=torch.device("cpu"))
     for slot in range(3):
         slots.load(slot, [ModuleLoRA(torch.randn(8, 64).to(dtype), torch.randn(64, 8).to(dtype)),
