@@ -1,6 +1,9 @@
 """The Dagster code location: every pipeline under example_pipelines/defs.
 
     dagster dev -f definitions.py
+
+The engine's model and dtype come from DAGSTER_LLM_MODEL (a model folder, default the
+embedded SmolLM2-135M-Instruct) and DAGSTER_LLM_DTYPE ("auto", "float32", "bfloat16").
 """
 
 import os
@@ -16,7 +19,10 @@ defs = dg.Definitions.merge(
     dg.load_from_defs_folder(path_within_project=Path(__file__).parent),
     dg.Definitions(
         resources={
-            "llm": LLMResource(model_id=os.environ.get("DAGSTER_LLM_MODEL", "smollm2-135m-instruct")),
+            "llm": LLMResource(
+                model_id=os.environ.get("DAGSTER_LLM_MODEL", "smollm2-135m-instruct"),
+                dtype=os.environ.get("DAGSTER_LLM_DTYPE", "auto"),
+            ),
             "io_manager": ParquetIOManager(base_path=str(OUTPUT_DIR / "tables")),
         }
     ),

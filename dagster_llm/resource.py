@@ -25,7 +25,7 @@ class LLMResource(dg.ConfigurableResource):
             summaries = build_generation_asset("summaries", upstream="tickets", prompt_column="text")
             defs = dg.Definitions(
                 assets=[summaries],
-                resources={"llm": LLMResource(model_id="smollm2-135m-instruct", dtype="bfloat16")},
+                resources={"llm": LLMResource(model_id="smollm2-135m-instruct")},
             )
     """
 
@@ -33,7 +33,11 @@ class LLMResource(dg.ConfigurableResource):
         default="smollm2-135m-instruct",
         description="A local Hugging Face model folder, or 'smollm2-135m-instruct' for the embedded model.",
     )
-    dtype: str = Field(default="auto", description="'auto', 'float32', 'bfloat16' or 'float16'.")
+    dtype: str = Field(
+        default="auto",
+        description="'auto' (on a CPU: bfloat16 where it has native bfloat16, else float32; on a GPU: the "
+        "checkpoint's own), 'float32', 'bfloat16' or 'float16'.",
+    )
     device: str = Field(default="auto", description="'auto' (a GPU if present), 'cpu' or 'cuda'.")
     seed: int = Field(default=0, description="Seed for rows without a seed of their own.")
     max_model_len: int | None = Field(default=None, description="Longest prompt plus completion; the model's context if unset.")
@@ -46,6 +50,10 @@ class LLMResource(dg.ConfigurableResource):
     max_loras: int = Field(default=1, ge=1, description="Most distinct adapters in one engine step.")
     max_lora_rank: int = Field(default=16, ge=1, description="Highest adapter rank accepted.")
     max_cpu_loras: int | None = Field(default=None, ge=1, description="Adapters kept in host memory (default max_loras).")
+    num_threads: int | None = Field(
+        default=None, ge=1,
+        description="CPU threads of the step process (default: OMP_NUM_THREADS if set, else the cores it may use).",
+    )
 
     _llm: LLM | None = PrivateAttr(default=None)
 
@@ -64,6 +72,7 @@ class LLMResource(dg.ConfigurableResource):
             max_loras=self.max_loras,
             max_lora_rank=self.max_lora_rank,
             max_cpu_loras=self.max_cpu_loras,
+            num_threads=self.num_threads,
         )
 
     def get_llm(self) -> LLM:

@@ -7,6 +7,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from engine.hardware import cpu_dtype, detect_cpu
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 DEFAULT_KV_CACHE_MEMORY = 4 << 30
@@ -26,6 +28,8 @@ class EngineConfig:
     fraction of the GPU's memory the engine may fill, weights included) on a GPU.
     `max_num_batched_tokens` is one step's token budget. With `enable_lora`, up to
     `max_loras` adapters run in one step and `max_cpu_loras` stay in host memory.
+    `num_threads` is the CPU threads of the process's PyTorch operators (None: the
+    `OMP_NUM_THREADS` environment variable if set, else the cores this process may use).
     """
 
     model: str | None = None
@@ -47,6 +51,7 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    num_threads: int | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -57,7 +62,7 @@ class EngineConfig:
         for name in ("max_num_seqs", "block_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 problems.append(f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory"):
+        for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory", "num_threads"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 problems.append(f"{name} must be a positive integer or None, got {value!r}")
@@ -107,14 +112,15 @@ class ModelConfig:
 
 
 def _resolve_dtype(dtype: str, hf_config: PretrainedConfig, device: torch.device) -> torch.dtype:
-    if dtype != "auto":
-        return _DTYPES[dtype]
-    native = getattr(hf_config, "dtype", None) or torch.float32
-    if isinstance(native, str):
-        native = _DTYPES.get(native, torch.float32)
-    if native == torch.float16 and device.type == "cpu":
-        return torch.bfloat16  # float16 matrix products are slow on CPUs; bfloat16 has AMX
-    return native
+    """The compute dtype: on a CPU by what it can do (see `cpu_dtype`); elsewhere the
+    requested one, or the checkpoint's own for "auto"."""
+    checkpoint = getattr(hf_config, "dtype", None) or torch.float32
+    if isinstance(checkpoint, str):
+        checkpoint = _DTYPES.get(checkpoint, torch.float32)
+    requested = None if dtype == "auto" else _DTYPES[dtype]
+    if device.type == "cpu":
+        return cpu_dtype(requested, checkpoint, detect_cpu())
+    return requested or checkpoint
 
 
 def _max_model_len(hf_config: PretrainedConfig, requested: int | None) -> int:

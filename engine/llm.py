@@ -36,8 +36,9 @@ class LLM:
         model: A local Hugging Face model folder, or "smollm2-135m-instruct" (the default)
             for the embedded SmolLM2-135M-Instruct.
         tokenizer: A folder with the tokenizer, when it is not in the model folder.
-        dtype: "auto" (the model's own, bfloat16 for float16 models on a CPU), "float32",
-            "bfloat16" or "float16".
+        dtype: "auto", "float32", "bfloat16" or "float16". "auto" is the checkpoint's own on
+            a GPU; on a CPU, bfloat16 for a 16-bit checkpoint where the CPU has native
+            bfloat16 (AVX512-BF16, AMX, ARM BF16) and float32 elsewhere.
         device: "auto" (a GPU when there is one), "cpu" or "cuda".
         seed: Seed of the random draws of requests that have no seed of their own.
         max_model_len: Longest prompt plus completion, at most the model's context.
@@ -54,6 +55,8 @@ class LLM:
         max_loras: Most distinct adapters in one step (device slots).
         max_lora_rank: Highest adapter rank accepted.
         max_cpu_loras: Adapters kept in host memory (default: max_loras).
+        num_threads: CPU threads for PyTorch's operators, set for the whole process
+            (default: OMP_NUM_THREADS if set, else the cores this process may use).
 
     Examples:
         >>> from engine import LLM, SamplingParams
@@ -84,6 +87,7 @@ class LLM:
         max_loras: int = 1,
         max_lora_rank: int = 16,
         max_cpu_loras: int | None = None,
+        num_threads: int | None = None,
     ) -> None:
         config = EngineConfig(
             model=model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed,
@@ -93,6 +97,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=enable_chunked_prefill,
             scheduling_policy=scheduling_policy, enforce_eager=enforce_eager, enable_lora=enable_lora,
             max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
+            num_threads=num_threads,
         )
         self.llm_engine: LLMEngine | None = LLMEngine(config)
         self._request_ids = itertools.count()

@@ -1,33 +1,54 @@
-"""A linear layer that hands its weight to oneDNN prepacked, for bfloat16 on CPUs, and
+"""Linear layers whose matrix products run through the kernel this CPU does best, and
 may add per-request LoRA deltas."""
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.hardware import detect_cpu
+
 if TYPE_CHECKING:
     from engine.lora.slots import LoRASlots
 
-# oneDNN takes another kernel for a single row, whose sums round differently from the
-# many-row kernel's: a token's result would depend on how many others share its step.
-# Padding to this many rows keeps it the same (measured: from two rows up, a row's bits
-# do not depend on the others).
+logger = logging.getLogger(__name__)
+
+# oneDNN may take another kernel for very few rows, whose sums could round differently
+# from the many-row kernel's (measured in bfloat16 on AVX-512: a single row did): a
+# token's result would depend on how many others share its step. Padding to this many
+# rows keeps it the same.
 _MIN_ROWS = 8
 
 
+def linear_kernel(dtype: torch.dtype, device: torch.device) -> str:
+    """"onednn" (the weight prepacked once into oneDNN's blocked layout) or "aten"
+    (`F.linear`, MKL's sgemm for float32 on x86).
+
+    oneDNN serves float32 on every CPU, and bfloat16 where the CPU has native bfloat16
+    (its bfloat16 kernels refuse other CPUs). Measured on an AVX2 EPYC in float32: a
+    row's result is the same bits whatever the batch's size and the row's place in it,
+    where MKL's differs for batches under 4 or 9 rows; and it is 1.1-1.8x faster at
+    the language-model head's shape.
+    """
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return "aten"
+    if dtype == torch.float32 or (dtype == torch.bfloat16 and detect_cpu().native_bf16):
+        return "onednn"
+    return "aten"
+
+
 def prepack(weight: torch.Tensor) -> torch.Tensor | None:
-    """`weight` [out, in] reordered into oneDNN's blocked layout, where that helps (bfloat16
-    on a CPU); None elsewhere."""
-    if (
-        weight.device.type == "cpu"
-        and weight.dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    ):
+    """`weight` [out, in] reordered for oneDNN where `linear_kernel` picks it; None
+    where the plain product is used (or oneDNN refuses this CPU after all)."""
+    if linear_kernel(weight.dtype, weight.device) != "onednn":
+        return None
+    try:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-    return None
+    except RuntimeError as error:
+        logger.warning("oneDNN refused to prepack a %s weight (%s); using F.linear", weight.dtype, error)
+        return None
 
 
 def project(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
@@ -44,11 +65,11 @@ def project(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
 class Linear(nn.Linear):
     """`nn.Linear` whose weight may be reordered once into oneDNN's blocked layout.
 
-    On a CPU in bfloat16 the prepacked product runs 1.2-1.8x faster at decode shapes
-    (measured here: 64x576 by 576x3072, 0.60 ms against 1.10 ms) because oneDNN skips
-    reordering the weight on every call, and a row's result is the same bits whatever
-    else is in the batch. Other devices and dtypes use `F.linear`, so the float32 path
-    stays the reference computation (MKL's float32 rounding does depend on the batch).
+    On a CPU the prepacked product skips reordering the weight on every call (bfloat16
+    at decode shapes: 64x576 by 576x3072, 0.60 ms against 1.10 ms) and gives a row the
+    same bits whatever else is in the batch, so a seeded request's output does not
+    depend on its neighbours. Other devices, and bfloat16 on CPUs without native
+    support, use `F.linear`.
 
     With LoRA enabled, `lora` holds this projection's adapter slots and adds each
     adapter's delta to the rows of the requests that use it.

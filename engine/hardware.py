@@ -1,0 +1,139 @@
+"""What this machine's CPU can do, and the choices that follow from it.
+
+CPUs differ in ways that decide both speed and whether a path runs at all: oneDNN's
+bfloat16 kernels need AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT and refuse to prepack a
+weight elsewhere, and bfloat16 arithmetic without AVX512-BF16, AMX or ARM's BF16 is
+emulated and several times slower than float32. Everything hardware-specific asks
+here instead of assuming an instruction set.
+"""
+
+import functools
+import logging
+import math
+import os
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# x86 flags (/proc/cpuinfo "flags") of native bfloat16 matrix arithmetic, and those that
+# oneDNN's bfloat16 kernels need at the least (its own check, as its error message says).
+_X86_NATIVE_BF16 = frozenset({"avx512_bf16", "amx_bf16"})
+_X86_ONEDNN_BF16 = (frozenset({"avx512bw", "avx512vl", "avx512dq"}), frozenset({"avx_ne_convert"}))
+
+
+@dataclass(frozen=True)
+class CpuInfo:
+    """The CPU's name, PyTorch's vector capability ("AVX2", "AVX512", ...) and feature flags."""
+
+    model_name: str
+    architecture: str
+    capability: str
+    flags: frozenset[str]
+
+    @property
+    def native_bf16(self) -> bool:
+        """Whether bfloat16 matrix products run in hardware (AVX512-BF16 or AMX on x86,
+        the BF16 extension on ARM) and through oneDNN's fast kernels."""
+        if self.architecture in ("x86_64", "AMD64", "i686"):
+            return bool(self.flags & _X86_NATIVE_BF16) and any(need <= self.flags for need in _X86_ONEDNN_BF16)
+        if self.architecture in ("aarch64", "arm64"):
+            return "bf16" in self.flags
+        return False
+
+    def describe(self) -> str:
+        """One line for logs and benchmark headers."""
+        bf16 = "native bf16" if self.native_bf16 else "no native bf16"
+        extras = sorted(self.flags & {"avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni", "avx_vnni"})
+        return f"{self.model_name} ({self.architecture}, {self.capability}, {bf16}" + (
+            f"; {' '.join(extras)})" if extras else ")")
+
+
+def _read_cpuinfo() -> tuple[str, frozenset[str]]:
+    """(model name, flags) from /proc/cpuinfo; empty where there is none (macOS, Windows)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or "unknown CPU", frozenset()
+    name, flags = "", frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip().lower()
+        if key in ("model name", "cpu model") and not name:
+            name = value.strip()
+        elif key in ("flags", "features") and not flags:
+            flags = frozenset(value.split())
+    return name or platform.processor() or "unknown CPU", flags
+
+
+@functools.cache
+def detect_cpu() -> CpuInfo:
+    """This machine's CPU, read once per process."""
+    name, flags = _read_cpuinfo()
+    return CpuInfo(name, platform.machine(), torch.backends.cpu.get_cpu_capability(), flags)
+
+
+def available_cpus() -> int:
+    """Cores this process may use: its CPU affinity, capped by a cgroup CPU quota."""
+    try:
+        count = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        count = os.cpu_count() or 1
+    quota = _cgroup_cpu_quota()
+    return max(1, min(count, math.ceil(quota))) if quota else count
+
+
+def _cgroup_cpu_quota() -> float | None:
+    """The cgroup's CPU limit in cores (cgroup v2 cpu.max, or v1 cfs quota), if one is set."""
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        quota = int(Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").read_text())
+        period = int(Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us").read_text())
+        return quota / period if quota > 0 else None
+    except (OSError, ValueError):
+        return None
+
+
+def default_num_threads() -> int:
+    """`OMP_NUM_THREADS` when it is set to a positive number, else the cores this process may use."""
+    value = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if value.isdigit() and int(value) > 0:
+        return int(value)
+    return available_cpus()
+
+
+def set_num_threads(requested: int | None) -> int:
+    """Sets the threads of PyTorch's CPU operators for this process: `requested`, or
+    `default_num_threads()`. Returns the number set."""
+    count = requested or default_num_threads()
+    if torch.get_num_threads() != count:
+        torch.set_num_threads(count)
+    return count
+
+
+def cpu_dtype(requested: torch.dtype | None, checkpoint: torch.dtype, cpu: CpuInfo) -> torch.dtype:
+    """The dtype to compute in on this CPU.
+
+    `requested` None means "auto": bfloat16 for a 16-bit checkpoint where the CPU has
+    native bfloat16, float32 otherwise (float16 products are slow on CPUs, and
+    emulated bfloat16 is several times slower than float32). An explicit bfloat16 on a
+    CPU without native support is honoured, with a warning.
+    """
+    if requested is None:
+        if checkpoint in (torch.bfloat16, torch.float16) and cpu.native_bf16:
+            return torch.bfloat16
+        return torch.float32
+    if requested == torch.bfloat16 and not cpu.native_bf16:
+        logger.warning(
+            "dtype='bfloat16' on %s: this CPU has no native bfloat16 matrix instructions (AVX512-BF16 or "
+            "AMX), so bfloat16 runs on a slower emulated path; dtype='auto' picks float32 here, which is faster",
+            cpu.describe(),
+        )
+    return requested
