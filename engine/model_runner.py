@@ -6,7 +6,9 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig, ModelConfig
-from engine.layers.attention import Attention, AttentionGroup, AttentionMetadata
+from engine.hardware import detect_cpu, set_num_threads
+from engine.layers.attention import Attention, AttentionGroup, AttentionMetadata, padded_context
+from engine.layers.linear import linear_kernel
 from engine.layers.sampler import Penalties, SampledToken, Sampler, SamplingMetadata, token_logprobs
 from engine.lora.manager import LoRAManager
 from engine.model_loader import load_model
@@ -38,6 +40,11 @@ class ModelRunner:
         self.model_config = model_config
         self.device = model_config.device
         self.block_size = config.block_size
+        if self.device.type == "cpu":
+            threads = set_num_threads(config.num_threads)
+            logger.info("CPU: %s; dtype %s, %s matrix products, %d threads", detect_cpu().describe(),
+                        str(model_config.dtype).removeprefix("torch."),
+                        linear_kernel(model_config.dtype, self.device), threads)
         self.model = load_model(model_config)
         self.num_blocks = self._plan_kv_cache()
         self._allocate_kv_cache()
@@ -206,7 +213,7 @@ class ModelRunner:
         num_new = torch.tensor([e[1] for e in entries], device=device)
         computed = torch.tensor([e[2] for e in entries], device=device)
         max_query = int(num_new.max())
-        max_context = int((computed + num_new).max())
+        max_context = padded_context(int((computed + num_new).max()))
         max_blocks = -(-max_context // self.block_size)
         tables = torch.tensor([e[3][:max_blocks] + [0] * (max_blocks - len(e[3][:max_blocks]))
                                for e in entries], device=device)

@@ -3,6 +3,7 @@
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -11,6 +12,20 @@ from torch import nn
 # bounded for long prompts, and each chunk reads only the keys its queries can see.
 _QUERY_CHUNK = 256
 _MAX_SCORES = 4 << 20
+
+# MKL's float32 products round a row differently when it is one of fewer than 4 rows,
+# when the key count is not a multiple of 16, and when the reduction is long enough to
+# be split (measured on AVX2: a sum over 448 keys differs once zeros pad it to 512). So
+# float32 attention runs at least 4 query rows, keys in chunks of this many, and adds
+# the chunks' value sums left to right: padding keys add exact zeros, and a row's bits
+# depend on nothing but its own keys.
+KEY_CHUNK = 64
+_MIN_QUERY_ROWS = 4
+
+
+def padded_context(length: int) -> int:
+    """`length` keys rounded up to whole key chunks."""
+    return -(-length // KEY_CHUNK) * KEY_CHUNK
 
 
 @dataclass
@@ -80,7 +95,8 @@ class Attention(nn.Module):
                 step = max(1, _MAX_SCORES // per_seq)
                 for first in range(0, seqs, step):
                     last = min(first + step, seqs)
-                    context = group.context_needed(first, last, query_end)
+                    context = min(padded_context(group.context_needed(first, last, query_end)),
+                                  group.key_slots.shape[1])
                     queries = slice(first, last), slice(query_start, query_end)
                     slots = group.key_slots[first:last, :context]
                     # [kv_heads, seqs, context, head_dim]; index_select is several times
@@ -98,7 +114,7 @@ class Attention(nn.Module):
     def _matmul_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     ) -> torch.Tensor:
-        """Attention as two batched matrix products per KV head and its query group.
+        """Attention as batched matrix products per KV head and its query group.
 
         `q` [seqs, queries, heads, dim]; `k`, `v` [kv_heads, seqs, context, dim]; `mask`
         [seqs, 1, queries, context]. At decode and short-prefill shapes this is several
@@ -106,13 +122,29 @@ class Attention(nn.Module):
         overhead. It is also the only attention used, at every shape: a query row's result
         here does not depend on the other rows, sequences or padding in the batch (the
         fused kernel's blocking does), so a token's output is the same whether it runs in
-        a decode step, a prefill chunk or a recompute after preemption.
+        a decode step, a prefill chunk or a recompute after preemption. In float32 the
+        keys go in `KEY_CHUNK`s (see there); other dtypes take the whole context at once.
         """
         seqs, queries = q.shape[0], q.shape[1]
         kv_heads, group, dim = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
-        q = q.view(seqs, queries, kv_heads, group, dim).permute(2, 0, 3, 1, 4).reshape(kv_heads, seqs, group * queries, dim)
-        scores = torch.matmul(q, k.transpose(2, 3)).float() * self.scale
+        rows = group * queries
+        q = q.view(seqs, queries, kv_heads, group, dim).permute(2, 0, 3, 1, 4).reshape(kv_heads, seqs, rows, dim)
+        if rows < _MIN_QUERY_ROWS:
+            q = F.pad(q, (0, 0, 0, _MIN_QUERY_ROWS - rows))
+        chunk = k.shape[2]
+        if v.dtype == torch.float32:
+            chunk = KEY_CHUNK
+            if k.shape[2] % chunk:
+                extra = padded_context(k.shape[2]) - k.shape[2]
+                k, v, mask = F.pad(k, (0, 0, 0, extra)), F.pad(v, (0, 0, 0, extra)), F.pad(mask, (0, extra))
+        scores = torch.cat([torch.matmul(q, part.transpose(2, 3)) for part in k.split(chunk, dim=2)], dim=3)
+        scores = scores[:, :, :rows].float() * self.scale
         scores = scores.view(kv_heads, seqs, group, queries, -1).masked_fill_(~mask.unsqueeze(0), float("-inf"))
-        probs = scores.softmax(dim=-1).to(v.dtype).view(kv_heads, seqs, group * queries, -1)
-        out = torch.matmul(probs, v).view(kv_heads, seqs, group, queries, dim)
+        probs = scores.softmax(dim=-1).to(v.dtype).view(kv_heads, seqs, rows, -1)
+        if rows < _MIN_QUERY_ROWS:
+            probs = F.pad(probs, (0, 0, 0, _MIN_QUERY_ROWS - rows))
+        out = None
+        for p, part in zip(probs.split(chunk, dim=3), v.split(chunk, dim=2)):
+            out = torch.matmul(p, part) if out is None else out.add_(torch.matmul(p, part))
+        out = out[:, :, :rows].reshape(kv_heads, seqs, group, queries, dim)
         return out.permute(1, 3, 0, 2, 4).reshape(seqs, queries, self.num_heads, dim)

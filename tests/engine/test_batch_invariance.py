@@ -1,4 +1,4 @@
-"""A row's numbers do not depend on the rest of the batch, bit for bit (CPU, bfloat16).
+"""A row's numbers do not depend on the rest of the batch, bit for bit (CPU, float32 and bfloat16).
 
 These are the layers a seeded request's output runs through; the end-to-end check is
 `test_sampling.py::test_seeded_requests_do_not_depend_on_the_batch`.
@@ -10,17 +10,23 @@ import pytest
 import torch
 
 from engine.layers.attention import Attention
-from engine.layers.linear import Linear
+from engine.layers.linear import Linear, linear_kernel
 from engine.layers.sampler import _inverse_cdf, top_k_top_p_head
 
 
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(576, 960), (1536, 576), (64, 320)])
-def test_linear_rows_do_not_depend_on_the_batch(shape):
+def test_linear_rows_do_not_depend_on_the_batch(shape, dtype):
+    """Through whichever kernel this CPU gets: oneDNN's (float32 everywhere, bfloat16
+    where native), or the plain emulated bfloat16 product."""
     torch.manual_seed(0)
-    layer = Linear(*shape, bias=False).to(torch.bfloat16)
+    layer = Linear(*shape, bias=False).to(dtype)
     layer.prepack()
-    assert layer.packed_weight is not None
-    x = torch.randn(256, shape[0]).to(torch.bfloat16)
+    assert (layer.packed_weight is not None) == (linear_kernel(dtype, torch.device("cpu")) == "onednn")
+    x = torch.randn(256, shape[0]).to(dtype)
     whole = layer(x)
     for rows in (1, 2, 3, 5, 8, 13, 64):
         pieces = torch.cat([layer(x[i : i + rows]) for i in range(0, len(x), rows)])
@@ -43,16 +49,16 @@ def pad_group(queries, keys, values, context_lens):
     return q, k, v, mask
 
 
-def test_attention_rows_do_not_depend_on_the_batch():
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_rows_do_not_depend_on_the_batch(dtype):
     """Each sequence attended alone, as one query row (a decode step), or in a padded group
     of sequences with other lengths gives the same bits."""
     rng = random.Random(0)
     torch.manual_seed(0)
     attention = Attention(num_heads=9, head_dim=64, num_kv_heads=3)
-    dtype = torch.bfloat16
-    for _ in range(6):
+    for _ in range(8):
         new = [rng.choice([1, 3, 17, 64, 200]) for _ in range(rng.choice([2, 5, 16]))]
-        contexts = [n + rng.choice([0, 5, 100, 300]) for n in new]
+        contexts = [n + rng.choice([0, 5, 100, 300, 700]) for n in new]
         queries = [torch.randn(n, 9, 64).to(dtype) for n in new]
         keys = [torch.randn(3, c, 64).to(dtype) for c in contexts]
         values = [torch.randn(3, c, 64).to(dtype) for c in contexts]
