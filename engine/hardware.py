@@ -7,6 +7,8 @@ emulated and several times slower than float32. Everything hardware-specific ask
 here instead of assuming an instruction set.
 """
 
+import ctypes
+import ctypes.util
 import functools
 import logging
 import math
@@ -116,6 +118,45 @@ def set_num_threads(requested: int | None) -> int:
     if torch.get_num_threads() != count:
         torch.set_num_threads(count)
     return count
+
+
+# glibc's mallopt parameters.
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+
+
+@functools.cache
+def _glibc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        return libc if libc is not None and hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
+
+
+def keep_freed_memory() -> bool:
+    """Makes glibc's malloc keep freed memory for reuse instead of returning it to the OS.
+
+    A step's activations are tensors of a few MB, allocated and freed every step. By
+    default glibc serves such sizes with fresh mmap pages and gives them back on free,
+    so every step pays page faults to touch zeroed memory again: measured on a 2-core
+    AVX2 EPYC, gathering a step's keys took 30 ms into fresh memory and 8.5 ms into
+    reused memory, and generation ran 1.15-1.2x faster with this. Allocations above 32 MB
+    (the KV cache, weights) still get their own mapping. `release_freed_memory` hands the
+    kept memory back when the engine closes. Returns False where malloc is not glibc's.
+    """
+    libc = _glibc()
+    if libc is None:
+        return False
+    return all(libc.mallopt(param, value) == 1 for param, value in (
+        (_M_MMAP_THRESHOLD, 32 << 20), (_M_TRIM_THRESHOLD, 1 << 30), (_M_TOP_PAD, 64 << 20)))
+
+
+def release_freed_memory() -> None:
+    """Returns the memory malloc kept for reuse to the OS (glibc's malloc_trim)."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
 
 
 def cpu_dtype(requested: torch.dtype | None, checkpoint: torch.dtype, cpu: CpuInfo) -> torch.dtype:

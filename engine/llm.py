@@ -11,6 +11,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from engine.config import EngineConfig
+from engine.hardware import release_freed_memory
 from engine.llm_engine import LLMEngine
 from engine.lora.request import LoRARequest
 from engine.model_loader import weights_fingerprint
@@ -330,6 +331,7 @@ class LLM:
             self.llm_engine.release()
             self.llm_engine = None
             gc.collect()
+            release_freed_memory()
 
     def __enter__(self) -> "LLM":
         return self

