@@ -55,6 +55,11 @@ class LLMResource(dg.ConfigurableResource):
         description="CPU threads of the step process (default: OMP_NUM_THREADS if set, else the cores it may use).",
     )
 
+    attention_backend: str = Field(
+        default="auto",
+        description="'auto' (on a CPU the compiled paged-attention kernel where it builds), 'cpu' or 'torch'.",
+    )
+
     _llm: LLM | None = PrivateAttr(default=None)
 
     def engine_kwargs(self) -> dict[str, Any]:
@@ -73,6 +78,7 @@ class LLMResource(dg.ConfigurableResource):
             max_lora_rank=self.max_lora_rank,
             max_cpu_loras=self.max_cpu_loras,
             num_threads=self.num_threads,
+            attention_backend=self.attention_backend,
         )
 
     def get_llm(self) -> LLM:

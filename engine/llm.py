@@ -58,6 +58,9 @@ class LLM:
         max_cpu_loras: Adapters kept in host memory (default: max_loras).
         num_threads: CPU threads for PyTorch's operators, set for the whole process
             (default: OMP_NUM_THREADS if set, else the cores this process may use).
+        attention_backend: "auto" (on a CPU the compiled paged-attention kernel where it
+            builds, else PyTorch's products), "cpu" (that kernel; an error where it cannot
+            be built) or "torch".
 
     Examples:
         >>> from engine import LLM, SamplingParams
@@ -89,6 +92,7 @@ class LLM:
         max_lora_rank: int = 16,
         max_cpu_loras: int | None = None,
         num_threads: int | None = None,
+        attention_backend: str = "auto",
     ) -> None:
         config = EngineConfig(
             model=model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed,
@@ -98,7 +102,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=enable_chunked_prefill,
             scheduling_policy=scheduling_policy, enforce_eager=enforce_eager, enable_lora=enable_lora,
             max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
-            num_threads=num_threads,
+            num_threads=num_threads, attention_backend=attention_backend,
         )
         self.llm_engine: LLMEngine | None = LLMEngine(config)
         self._request_ids = itertools.count()

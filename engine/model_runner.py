@@ -7,7 +7,8 @@ import torch
 
 from engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig, ModelConfig
 from engine.hardware import detect_cpu, keep_freed_memory, set_num_threads
-from engine.layers.attention import Attention, AttentionGroup, AttentionMetadata, padded_context
+from engine.kernels import cpu_attention
+from engine.layers.attention import Attention, AttentionGroup, AttentionMetadata, PagedRows, padded_context
 from engine.layers.linear import linear_kernel
 from engine.layers.sampler import Penalties, SampledToken, Sampler, SamplingMetadata, token_logprobs
 from engine.lora.manager import LoRAManager
@@ -40,12 +41,14 @@ class ModelRunner:
         self.model_config = model_config
         self.device = model_config.device
         self.block_size = config.block_size
+        self.paged_kernel = self._choose_attention()
         if self.device.type == "cpu":
             keep_freed_memory()
             threads = set_num_threads(config.num_threads)
-            logger.info("CPU: %s; dtype %s, %s matrix products, %d threads", detect_cpu().describe(),
+            logger.info("CPU: %s; dtype %s, %s matrix products, %s attention, %d threads", detect_cpu().describe(),
                         str(model_config.dtype).removeprefix("torch."),
-                        linear_kernel(model_config.dtype, self.device), threads)
+                        linear_kernel(model_config.dtype, self.device),
+                        "compiled paged" if self.paged_kernel else "PyTorch batched", threads)
         self.model = load_model(model_config)
         self.num_blocks = self._plan_kv_cache()
         self._allocate_kv_cache()
@@ -57,6 +60,18 @@ class ModelRunner:
                 max_lora_rank=config.max_lora_rank, dtype=model_config.dtype, device=self.device,
                 base_model=str(config.model or model_config.path),
             )
+
+    def _choose_attention(self) -> bool:
+        """Whether attention runs on the compiled CPU kernel (else PyTorch's products)."""
+        backend = self.config.attention_backend
+        if backend == "torch" or self.device.type != "cpu":
+            return False
+        if cpu_attention.load() is not None:
+            return True
+        if backend == "cpu":
+            raise RuntimeError("attention_backend='cpu': the CPU attention kernel could not be built (see the "
+                               "warning above: it needs a C++ compiler and ninja); use 'auto' or 'torch'")
+        return False
 
     # -- KV cache ------------------------------------------------------------------------
 
@@ -168,10 +183,11 @@ class ModelRunner:
         if self.lora_manager is not None:
             self.lora_manager.batch.set(lora_ranges, len(input_ids), self.device)
         to_device = dict(dtype=torch.long, device=self.device)
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, **to_device),
-            groups=[self._attention_group(g) for g in (decode, prefill) if g],
-        )
+        if self.paged_kernel:
+            meta = AttentionMetadata(torch.tensor(slots, **to_device), [], self._paged_rows(decode + prefill))
+        else:
+            meta = AttentionMetadata(torch.tensor(slots, **to_device),
+                                     [self._attention_group(g) for g in (decode, prefill) if g])
         hidden = self.model(torch.tensor(input_ids, **to_device), torch.tensor(positions, **to_device), meta)
         output = StepOutput({}, {})
         for seq, row, start, count in prompt_rows:
@@ -206,6 +222,19 @@ class ModelRunner:
         entries = token_logprobs(self.model.compute_logits(hidden), targets,
                                  [seq.sampling_params.prompt_logprobs] * hidden.shape[0])
         return [(start + 1 + i, entry) for i, entry in enumerate(entries)]
+
+    def _paged_rows(self, entries: list[tuple[int, int, int, list[int]]]) -> PagedRows:
+        """Per-row metadata of (first row, new tokens, computed tokens, block table) entries."""
+        num_rows = sum(e[1] for e in entries)
+        row_seq, row_keys = [0] * num_rows, [0] * num_rows
+        width = max(len(e[3]) for e in entries)
+        for index, (row, num_new, computed, _) in enumerate(entries):
+            row_seq[row : row + num_new] = [index] * num_new
+            row_keys[row : row + num_new] = range(computed + 1, computed + num_new + 1)
+        tables = [e[3] + [0] * (width - len(e[3])) for e in entries]
+        to_device = dict(dtype=torch.long, device=self.device)
+        return PagedRows(torch.tensor(tables, **to_device), torch.tensor(row_seq, **to_device),
+                         torch.tensor(row_keys, **to_device), self.block_size)
 
     def _attention_group(self, entries: list[tuple[int, int, int, list[int]]]) -> AttentionGroup:
         """Padded batch of (first row, new tokens, computed tokens, block table) entries."""

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels import cpu_attention
+
 
 # Queries attend in chunks of at most this many rows per sequence, and sequences in
 # sub-batches whose scores fit in this many elements (16 MiB in float32): memory stays
@@ -53,11 +55,25 @@ class AttentionGroup:
 
 
 @dataclass
+class PagedRows:
+    """Who attends to what, row by row, for the compiled CPU kernel: row i of the step
+    sees the first `row_keys[i]` keys of sequence `row_seq[i]`, whose blocks are row
+    `row_seq[i]` of `block_tables` [seqs, max_blocks]."""
+
+    block_tables: torch.Tensor
+    row_seq: torch.Tensor
+    row_keys: torch.Tensor
+    block_size: int
+
+
+@dataclass
 class AttentionMetadata:
-    """Where this step's new keys and values go, and who attends to what."""
+    """Where this step's new keys and values go, and who attends to what: padded
+    `groups` for PyTorch's products, or `rows` for the compiled CPU kernel."""
 
     slot_mapping: torch.Tensor
     groups: list[AttentionGroup]
+    rows: PagedRows | None = None
 
 
 class Attention(nn.Module):
@@ -88,6 +104,10 @@ class Attention(nn.Module):
         """`q` [tokens, heads, head_dim], `k`/`v` [tokens, kv_heads, head_dim]."""
         self.k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
         self.v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+        if meta.rows is not None:
+            rows = meta.rows
+            return cpu_attention.paged_attention(q, self.k_cache, self.v_cache, rows.block_tables, rows.row_seq,
+                                                 rows.row_keys, rows.block_size, self.scale)
         out = torch.empty_like(q)
         for group in meta.groups:
             seqs, max_query = group.query_index.shape

@@ -1,0 +1,138 @@
+"""The compiled CPU paged-attention kernel against PyTorch's attention, and the choice
+between them.
+
+The kernel is built on first use (about a minute, then cached); where this machine
+cannot build it the kernel tests skip and say why, and the fallback tests still run.
+"""
+
+import random
+
+import pytest
+import torch
+
+import engine.model_runner as model_runner
+from engine import LLM, SamplingParams
+from engine.kernels import cpu_attention
+from engine.layers.attention import Attention
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    if cpu_attention.load() is None:
+        pytest.skip("the CPU attention kernel cannot be built on this machine (no C++ compiler or ninja)")
+    return cpu_attention
+
+
+def paged_case(rng: random.Random, dtype: torch.dtype, num_blocks: int = 64):
+    """A random paged cache and a step of sequences with random new and cached tokens."""
+    k_cache = torch.randn(3, num_blocks * BLOCK, 64).to(dtype)
+    v_cache = torch.randn(3, num_blocks * BLOCK, 64).to(dtype)
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    seqs = []
+    for _ in range(rng.choice([1, 3, 7])):
+        new = rng.choice([1, 1, 2, 17, 40])
+        context = new + rng.choice([0, 5, 33, 90])
+        blocks = [free.pop() for _ in range(-(-context // BLOCK))]
+        seqs.append((new, context, blocks))
+    return k_cache, v_cache, seqs
+
+
+def torch_reference(attention, q, k_cache, v_cache, seqs):
+    """Each sequence attended by the PyTorch path (padded, masked), rows in step order."""
+    outs, row = [], 0
+    for new, context, blocks in seqs:
+        positions = torch.arange(context)
+        slots = torch.tensor(blocks)[positions // BLOCK] * BLOCK + positions % BLOCK
+        keys = k_cache[:, slots].unsqueeze(1)
+        values = v_cache[:, slots].unsqueeze(1)
+        mask = positions.view(1, -1) <= (context - new + torch.arange(new)).view(-1, 1)
+        outs.append(attention._matmul_attention(q[row : row + new].unsqueeze(0), keys, values,
+                                                mask.view(1, 1, new, context))[0])
+        row += new
+    return torch.cat(outs)
+
+
+def kernel_rows(seqs):
+    width = max(len(blocks) for _, _, blocks in seqs)
+    tables = torch.tensor([blocks + [0] * (width - len(blocks)) for _, _, blocks in seqs])
+    row_seq = torch.cat([torch.full((new,), i) for i, (new, _, _) in enumerate(seqs)])
+    row_keys = torch.cat([torch.arange(context - new + 1, context + 1) for new, context, _ in seqs])
+    return tables, row_seq, row_keys
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_pytorch_attention(kernel, dtype):
+    rng = random.Random(0)
+    torch.manual_seed(0)
+    attention = Attention(num_heads=9, head_dim=64, num_kv_heads=3)
+    for _ in range(6):
+        k_cache, v_cache, seqs = paged_case(rng, dtype)
+        q = torch.randn(sum(new for new, _, _ in seqs), 9, 64).to(dtype)
+        got = kernel.paged_attention(q, k_cache, v_cache, *kernel_rows(seqs), BLOCK, attention.scale)
+        expected = torch_reference(attention, q, k_cache, v_cache, seqs)
+        tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(got, expected, **tolerance)
+
+
+def test_kernel_rows_do_not_depend_on_the_batch(kernel):
+    """A row computed alone, as a decode step, or inside any batch gives the same bits."""
+    rng = random.Random(1)
+    torch.manual_seed(1)
+    k_cache, v_cache, seqs = paged_case(rng, torch.float32)
+    q = torch.randn(sum(new for new, _, _ in seqs), 9, 64)
+    tables, row_seq, row_keys = kernel_rows(seqs)
+    together = kernel.paged_attention(q, k_cache, v_cache, tables, row_seq, row_keys, BLOCK, 0.125)
+    order = list(range(len(q)))
+    rng.shuffle(order)
+    shuffled = kernel.paged_attention(q[order], k_cache, v_cache, tables, row_seq[order], row_keys[order], BLOCK, 0.125)
+    assert torch.equal(shuffled, together[order])
+    for row in range(len(q)):
+        alone = kernel.paged_attention(q[row : row + 1], k_cache, v_cache, tables[row_seq[row]].unsqueeze(0),
+                                       torch.zeros(1, dtype=torch.long), row_keys[row : row + 1], BLOCK, 0.125)
+        assert torch.equal(alone[0], together[row])
+
+
+def test_engine_backends_agree(kernel, tiny_models):
+    """Greedy outputs are the same tokens on the compiled kernel and on PyTorch's path,
+    with chunked prefill and prefix-cache hits in the mix."""
+    prompts = [{"prompt_token_ids": [random.Random(i).randrange(3, 300) for _ in range(5 + 23 * i)]} for i in range(6)]
+    prompts += prompts[:2]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outputs = {}
+    for backend in ("torch", "cpu"):
+        with LLM(str(tiny_models["llama"]), dtype="float32", attention_backend=backend,
+                 max_num_batched_tokens=64) as llm:
+            assert llm.llm_engine.model_runner.paged_kernel is (backend == "cpu")
+            outputs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert outputs["cpu"] == outputs["torch"]
+
+
+def test_auto_falls_back_to_pytorch_where_the_kernel_cannot_build(tiny_models, monkeypatch):
+    monkeypatch.setattr(model_runner.cpu_attention, "load", lambda: None)
+    with LLM(str(tiny_models["llama"]), dtype="float32") as llm:
+        assert llm.llm_engine.model_runner.paged_kernel is False
+        out = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 3
+    with pytest.raises(RuntimeError, match="attention_backend='cpu'"):
+        LLM(str(tiny_models["llama"]), dtype="float32", attention_backend="cpu")
+
+
+def test_a_failed_build_is_reported_and_not_raised(monkeypatch, caplog):
+    def broken_build(**kwargs):
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    monkeypatch.setattr("torch.utils.cpp_extension.load", broken_build)
+    cpu_attention.load.cache_clear()
+    try:
+        assert cpu_attention.load() is None
+        assert "could not be built" in caplog.text and "Ninja is required" in caplog.text
+    finally:
+        cpu_attention.load.cache_clear()
+
+
+def test_unknown_backend_is_refused():
+    with pytest.raises(ValueError, match="attention_backend"):
+        LLM(attention_backend="flash")
