@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run ui test test-quick bench clean
+.PHONY: run ui test test-quick bench bench-openvino clean
 
 # Runs and their history persist here, so that `make ui` shows what `make run` did.
 export DAGSTER_HOME := $(CURDIR)/.dagster_home
@@ -34,11 +34,34 @@ test: $(STAMP)
 test-quick: $(STAMP)
 	$(PY) -m pytest -m "not slow"
 
+# BENCH_ARGS go to the throughput suite, e.g. `make bench BENCH_ARGS="--scale 0.25 --rounds 2"`.
+BENCH_ARGS ?=
+
 bench: $(STAMP)
-	$(PY) benchmarks/throughput.py
+	$(PY) benchmarks/throughput.py $(BENCH_ARGS)
 	$(PY) benchmarks/sampling_throughput.py
 	$(PY) benchmarks/lora_throughput.py
 	$(PY) benchmarks/dagster_overhead.py
+
+# OpenVINO GenAI as a throughput peer, from its own virtualenv: not a dependency of the project.
+OV_VENV := .venv-openvino
+OV_STAMP := $(OV_VENV)/.installed
+
+$(OV_STAMP): Makefile
+	$(PYTHON) -m venv $(OV_VENV)
+	# torch first and pinned, and kept pinned below: an unpinned torch pulls several GB of CUDA packages.
+	$(OV_VENV)/bin/python -m pip install torch==2.13.0
+	# optimum-intel brings the transformers it supports (older than the project's), in this venv only.
+	$(OV_VENV)/bin/python -m pip install torch==2.13.0 openvino-genai==2026.4.1.0 'optimum-intel[openvino]==2.2.0'
+	# optimum-intel also pulls torchvision, whose PyPI wheel is built for the CUDA torch and fails to load
+	# beside the CPU one (transformers imports it when present); exporting a text model needs none.
+	$(OV_VENV)/bin/python -m pip uninstall -y torchvision
+	touch $(OV_STAMP)
+
+# Exports the model to OpenVINO IR once (into the model cache), then runs the suite with OpenVINO as a peer.
+bench-openvino: $(STAMP) $(OV_STAMP)
+	$(PY) benchmarks/openvino_export.py --optimum-cli $(OV_VENV)/bin/optimum-cli
+	$(PY) benchmarks/throughput.py --openvino-python $(OV_VENV)/bin/python $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV)

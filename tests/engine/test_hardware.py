@@ -130,3 +130,13 @@ def test_engine_sets_the_threads(tiny_models):
             assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_freed_memory_is_kept_for_reuse_where_malloc_is_glibc(monkeypatch):
+    if hardware._glibc() is None:
+        pytest.skip("this process's malloc is not glibc's")
+    assert hardware.keep_freed_memory() is True
+    hardware.release_freed_memory()
+    monkeypatch.setattr(hardware, "_glibc", lambda: None)
+    assert hardware.keep_freed_memory() is False
+    hardware.release_freed_memory()  # a no-op without glibc

@@ -1,0 +1,55 @@
+"""Exports the benchmark model to OpenVINO IR (fp16 weights) once, for the throughput suite's OpenVINO peer.
+
+    .venv/bin/python benchmarks/openvino_export.py --optimum-cli .venv-openvino/bin/optimum-cli
+
+The export lands in `<cache>/openvino/<model folder name>-fp16` (the cache is the engine's:
+`$DAGSTER_LLM_CACHE`, else `~/.cache/dagster-llm`); a later call finds it and does nothing.
+The model folder's name carries the embedded model's hash, so a new model gets a new export.
+"""
+
+import argparse
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine.embedded_model import default_cache_dir  # noqa: E402
+from engine.model_loader import resolve_model_path  # noqa: E402
+
+MARKER = "openvino_model.xml"
+
+
+def export_dir(model_path: Path) -> Path:
+    """Where the OpenVINO export of the Hugging Face folder `model_path` lives."""
+    return default_cache_dir() / "openvino" / f"{model_path.name}-fp16"
+
+
+def ensure_export(model_path: Path, optimum_cli: Path) -> Path:
+    """Exports `model_path` with `optimum-cli export openvino --weight-format fp16` unless done already."""
+    target = export_dir(model_path)
+    if (target / MARKER).exists():
+        return target
+    staging = target.with_name(target.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run([str(optimum_cli), "export", "openvino", "--model", str(model_path),
+                    "--task", "text-generation-with-past", "--weight-format", "fp16", str(staging)], check=True)
+    if not (staging / MARKER).exists():
+        raise RuntimeError(f"optimum-cli wrote no {MARKER} into {staging}")
+    shutil.rmtree(target, ignore_errors=True)
+    staging.rename(target)
+    return target
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--optimum-cli", type=Path, default=Path(".venv-openvino/bin/optimum-cli"))
+    args = parser.parse_args()
+    print(ensure_export(resolve_model_path(args.model), args.optimum_cli))
+
+
+if __name__ == "__main__":
+    main()

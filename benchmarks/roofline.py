@@ -1,0 +1,171 @@
+"""The machine the suite runs on, and a roofline estimate of what a workload could reach on it.
+
+The roofline takes the faster of two bounds per workload: compute (the workload's FLOPs at the
+measured matrix-product rate) and memory (the weights read once per decode step plus the KV cache
+read by each decode token, at the measured copy bandwidth). Tokens per second at the bound that
+takes longer is the ceiling an engine can approach.
+"""
+
+import json
+import platform
+import re
+import struct
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+@dataclass
+class MachineInfo:
+    """What the header prints: CPU, torch's kernel level, the relevant flags, threads."""
+
+    cpu_model: str
+    cpu_capability: str
+    flags: dict[str, bool]
+    threads: int
+
+    @property
+    def native_bf16(self) -> bool:
+        return any(self.flags[f] for f in BF16_FLAGS)
+
+    def describe(self) -> str:
+        flags = " ".join(f"{name}={'yes' if present else 'no'}" for name, present in self.flags.items())
+        return (f"CPU: {self.cpu_model} | torch CPU capability: {self.cpu_capability} | {flags} | "
+                f"threads: {self.threads}")
+
+
+@dataclass
+class MachineRates:
+    """Measured peak rates: matrix products (FLOP/s) per dtype and memory copy bandwidth (bytes/s)."""
+
+    matmul_flops: dict[str, float]
+    bandwidth: float
+
+    def describe(self) -> str:
+        rates = ", ".join(f"{dtype} {rate / 1e9:.1f} GFLOP/s" for dtype, rate in self.matmul_flops.items())
+        return f"matmul [256,576]x[576,3072]: {rates} | memory copy: {self.bandwidth / 1e9:.1f} GB/s"
+
+
+@dataclass
+class ModelShape:
+    """The model facts the roofline needs, read from config.json and the safetensors headers."""
+
+    matmul_params: int  # every weight a token multiplies through, lm_head included (tied or not)
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+    def kv_bytes_per_token(self, element_size: int) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * element_size
+
+    def attention_flops(self, contexts: int) -> int:
+        """FLOPs of attention (scores and weighted sum) over `contexts` tokens in all, all layers."""
+        return 4 * self.layers * self.heads * self.head_dim * contexts
+
+
+@dataclass
+class Roofline:
+    """One workload's ceiling in output tokens per second and the bound that sets it."""
+
+    output_tokens_per_s: float
+    bound: str  # "compute" or "memory"
+    compute_s: float
+    memory_s: float
+
+
+def machine_info(threads: int) -> MachineInfo:
+    flags = set()
+    model = platform.processor() or "unknown"
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+        flags = set(re.search(r"^flags\s*:(.*)$", cpuinfo, re.MULTILINE).group(1).split())
+        model = re.search(r"^model name\s*:\s*(.*)$", cpuinfo, re.MULTILINE).group(1).strip()
+    except (OSError, AttributeError):
+        pass
+    return MachineInfo(model, torch.backends.cpu.get_cpu_capability(),
+                       {name: name in flags for name in ("avx512f", *BF16_FLAGS)}, threads)
+
+
+def measure_rates(native_bf16: bool, repeats: int = 10) -> MachineRates:
+    """Best-of-`repeats` rates of a [256,576]x[576,3072] product (float32, and bfloat16 if native)
+    and of a 256 MiB tensor copy (bytes read plus bytes written)."""
+    dtypes = [torch.float32] + ([torch.bfloat16] if native_bf16 else [])
+    matmul = {}
+    for dtype in dtypes:
+        a, b = torch.randn(256, 576, dtype=dtype), torch.randn(576, 3072, dtype=dtype)
+        seconds = _best_time(lambda a=a, b=b: torch.mm(a, b), repeats)
+        matmul[str(dtype).removeprefix("torch.")] = 2 * 256 * 576 * 3072 / seconds
+    src = torch.ones(64 << 20, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    seconds = _best_time(lambda: dst.copy_(src), max(3, repeats // 2))
+    return MachineRates(matmul, 2 * src.numel() * src.element_size() / seconds)
+
+
+def model_shape(path: Path) -> ModelShape:
+    """Parameter count from the safetensors headers (no weights read) and attention sizes from config.json."""
+    config = json.loads((path / "config.json").read_text())
+    shapes = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with open(file, "rb") as f:
+            header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+        shapes.update({name: meta["shape"] for name, meta in header.items() if name != "__metadata__"})
+    numel = {name: _product(shape) for name, shape in shapes.items()}
+    embedding = sum(n for name, n in numel.items() if "embed_tokens" in name)
+    has_lm_head = any("lm_head" in name for name in numel)
+    # Tied: the embedding is also lm_head's matrix, so it counts once, as lm_head.
+    matmul_params = sum(numel.values()) - (embedding if has_lm_head else 0)
+    heads = config["num_attention_heads"]
+    return ModelShape(matmul_params, config["num_hidden_layers"], heads,
+                      config.get("num_key_value_heads", heads),
+                      config.get("head_dim") or config["hidden_size"] // heads)
+
+
+def roofline(shape: ModelShape, rates: MachineRates, prompts: list[int], outputs: list[int],
+             shared_prefix: int, element_size: int, max_num_seqs: int) -> Roofline:
+    """The ceiling for prompts of the given lengths each generating `outputs[i]` tokens.
+
+    Compute: 2 x matmul parameters per token fed through the model (a shared prefix counted once,
+    as prefix caching allows) plus attention. Memory: the weights read once per decode step, at
+    least max(longest output, total outputs / max_num_seqs) steps, plus each decode token's read of
+    the KV cache before it. The faster of the measured matmul rates stands for the compute peak.
+    """
+    flops, kv_read = 0, 0
+    for i, (prompt, output) in enumerate(zip(prompts, outputs)):
+        computed_from = shared_prefix if i > 0 else 0  # prompt tokens a cache hit skips
+        fed = prompt + output - 1  # the last output token is never fed back
+        flops += 2 * shape.matmul_params * (fed - computed_from)
+        flops += shape.attention_flops(_sum_range(computed_from, fed))  # token t attends to t tokens
+        kv_read += _sum_range(prompt, fed) * shape.kv_bytes_per_token(element_size)
+    steps = max(max(outputs), -(-sum(outputs) // max_num_seqs))
+    compute_s = flops / max(rates.matmul_flops.values())
+    memory_s = (steps * shape.matmul_params * element_size + kv_read) / rates.bandwidth
+    seconds = max(compute_s, memory_s)
+    return Roofline(sum(outputs) / seconds, "compute" if compute_s >= memory_s else "memory",
+                    compute_s, memory_s)
+
+
+def _best_time(fn, repeats: int) -> float:
+    fn()  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _sum_range(after: int, last: int) -> int:
+    """after+1 + after+2 + ... + last."""
+    return (last * (last + 1) - after * (after + 1)) // 2
+
+
+def _product(shape: list[int]) -> int:
+    result = 1
+    for n in shape:
+        result *= n
+    return result
