@@ -14,39 +14,17 @@
 #include <immintrin.h>
 #endif
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
 constexpr int kLanes = 8;  // partial sums per dot product: one AVX2 register of floats
 
-// scores[c * stride] = scale * (q . keys[c]) for c < n, each dot in kLanes partial sums
-// added in lane order.
-template <typename scalar_t>
-void dots(const float* q, const scalar_t* const* keys, int64_t n, int64_t dim, float scale, float* scores,
-          int64_t stride) {
-  for (int64_t c = 0; c < n; ++c) {
-    float acc[kLanes] = {0.f};
-    for (int64_t d = 0; d < dim; ++d) acc[d % kLanes] += q[d] * static_cast<float>(keys[c][d]);
-    float sum = 0.f;
-    for (int j = 0; j < kLanes; ++j) sum += acc[j];
-    scores[c * stride] = sum * scale;
-  }
-}
-
-// out[0:dim] = sum over c < n of p[c] * values[c][0:dim], added in key order.
-template <typename scalar_t>
-void weighted_sum(const float* p, const scalar_t* const* values, int64_t n, int64_t dim, float* out) {
-  std::fill(out, out + dim, 0.f);
-  for (int64_t c = 0; c < n; ++c)
-    for (int64_t d = 0; d < dim; ++d) out[d] += p[c] * static_cast<float>(values[c][d]);
-}
-
 #if defined(__AVX2__) && defined(__FMA__)
-// The same sums as the generic versions, lane for lane, with the accumulators in AVX2
-// registers, for head sizes of 8 * V floats.
+// Head sizes of 8 * V floats, with the accumulators in AVX2 registers.
 template <int V>
-void dots_avx2(const float* q, const float* const* keys, int64_t n, float scale, float* scores, int64_t stride) {
+void dots_avx2(const float* q, const float* const* keys, int64_t n, float scale, float* scores) {
   alignas(32) float lanes[kLanes];
   for (int64_t c = 0; c < n; ++c) {
     __m256 acc = _mm256_setzero_ps();
@@ -54,7 +32,7 @@ void dots_avx2(const float* q, const float* const* keys, int64_t n, float scale,
     _mm256_store_ps(lanes, acc);
     float sum = 0.f;
     for (int j = 0; j < kLanes; ++j) sum += lanes[j];
-    scores[c * stride] = sum * scale;
+    scores[c] = sum * scale;
   }
 }
 
@@ -68,32 +46,42 @@ void weighted_sum_avx2(const float* p, const float* const* values, int64_t n, fl
   }
   for (int i = 0; i < V; ++i) _mm256_storeu_ps(out + i * kLanes, acc[i]);
 }
+#endif
 
-template <>
-void dots<float>(const float* q, const float* const* keys, int64_t n, int64_t dim, float scale, float* scores,
-                 int64_t stride) {
-  if (dim == 64) return dots_avx2<8>(q, keys, n, scale, scores, stride);
-  if (dim == 128) return dots_avx2<16>(q, keys, n, scale, scores, stride);
+// scores[c] = scale * (q . keys[c]) for c < n, each dot in kLanes partial sums added in
+// lane order.
+template <typename scalar_t>
+void dots(const float* q, const scalar_t* const* keys, int64_t n, int64_t dim, float scale, float* scores) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    if (dim == 64) return dots_avx2<8>(q, keys, n, scale, scores);
+    if (dim == 128) return dots_avx2<16>(q, keys, n, scale, scores);
+  }
+#endif
   for (int64_t c = 0; c < n; ++c) {
     float acc[kLanes] = {0.f};
-    for (int64_t d = 0; d < dim; ++d) acc[d % kLanes] += q[d] * keys[c][d];
+    for (int64_t d = 0; d < dim; ++d) acc[d % kLanes] += q[d] * static_cast<float>(keys[c][d]);
     float sum = 0.f;
     for (int j = 0; j < kLanes; ++j) sum += acc[j];
-    scores[c * stride] = sum * scale;
+    scores[c] = sum * scale;
   }
 }
 
-template <>
-void weighted_sum<float>(const float* p, const float* const* values, int64_t n, int64_t dim, float* out) {
-  if (dim == 64) return weighted_sum_avx2<8>(p, values, n, out);
-  if (dim == 128) return weighted_sum_avx2<16>(p, values, n, out);
+// out[0:dim] = sum over c < n of p[c] * values[c][0:dim], added in key order.
+template <typename scalar_t>
+void weighted_sum(const float* p, const scalar_t* const* values, int64_t n, int64_t dim, float* out) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    if (dim == 64) return weighted_sum_avx2<8>(p, values, n, out);
+    if (dim == 128) return weighted_sum_avx2<16>(p, values, n, out);
+  }
+#endif
   std::fill(out, out + dim, 0.f);
   for (int64_t c = 0; c < n; ++c)
-    for (int64_t d = 0; d < dim; ++d) out[d] += p[c] * values[c][d];
+    for (int64_t d = 0; d < dim; ++d) out[d] += p[c] * static_cast<float>(values[c][d]);
 }
-#endif
 
-// Softmax of s[0:n] in place, in key order; returns nothing, the row sums to 1.
+// Softmax of s[0:n] in place, in key order.
 inline void softmax(float* s, int64_t n) {
   float top = -std::numeric_limits<float>::infinity();
   for (int64_t c = 0; c < n; ++c) top = std::max(top, s[c]);
@@ -144,7 +132,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       for (int64_t g = 0; g < group; ++g) {
         const int64_t head = h * group + g;
         for (int64_t d = 0; d < dim; ++d) query[d] = static_cast<float>(qp[(row * heads + head) * dim + d]);
-        dots(query.data(), key_rows.data(), n, dim, fscale, scores.data(), 1);
+        dots(query.data(), key_rows.data(), n, dim, fscale, scores.data());
         softmax(scores.data(), n);
         weighted_sum(scores.data(), value_rows.data(), n, dim, acc.data());
         scalar_t* o = op + (row * heads + head) * dim;
