@@ -225,13 +225,13 @@ class ModelRunner:
 
     def _paged_rows(self, entries: list[tuple[int, int, int, list[int]]]) -> PagedRows:
         """Per-row metadata of (first row, new tokens, computed tokens, block table) entries."""
-        num_rows = sum(e[1] for e in entries)
-        row_seq, row_keys = [0] * num_rows, [0] * num_rows
-        width = max(len(e[3]) for e in entries)
-        for index, (row, num_new, computed, _) in enumerate(entries):
+        num_rows = sum(num_new for _, num_new, _, _ in entries)
+        row_seq, row_keys, tables = [0] * num_rows, [0] * num_rows, []
+        width = max(len(table) for _, _, _, table in entries)
+        for index, (row, num_new, computed, table) in enumerate(entries):
             row_seq[row : row + num_new] = [index] * num_new
             row_keys[row : row + num_new] = range(computed + 1, computed + num_new + 1)
-        tables = [e[3] + [0] * (width - len(e[3])) for e in entries]
+            tables.append(table + [0] * (width - len(table)))
         to_device = dict(dtype=torch.long, device=self.device)
         return PagedRows(torch.tensor(tables, **to_device), torch.tensor(row_seq, **to_device),
                          torch.tensor(row_keys, **to_device), self.block_size)
