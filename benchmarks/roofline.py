@@ -7,36 +7,12 @@ takes longer is the ceiling an engine can approach.
 """
 
 import json
-import platform
-import re
 import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-BF16_FLAGS = ("avx512_bf16", "amx_bf16")
-
-
-@dataclass
-class MachineInfo:
-    """What the header prints: CPU, torch's kernel level, the relevant flags, threads."""
-
-    cpu_model: str
-    cpu_capability: str
-    flags: dict[str, bool]
-    threads: int
-
-    @property
-    def native_bf16(self) -> bool:
-        return any(self.flags[f] for f in BF16_FLAGS)
-
-    def describe(self) -> str:
-        flags = " ".join(f"{name}={'yes' if present else 'no'}" for name, present in self.flags.items())
-        return (f"CPU: {self.cpu_model} | torch CPU capability: {self.cpu_capability} | {flags} | "
-                f"threads: {self.threads}")
-
 
 @dataclass
 class MachineRates:
@@ -76,19 +52,6 @@ class Roofline:
     bound: str  # "compute" or "memory"
     compute_s: float
     memory_s: float
-
-
-def machine_info(threads: int) -> MachineInfo:
-    flags = set()
-    model = platform.processor() or "unknown"
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-        flags = set(re.search(r"^flags\s*:(.*)$", cpuinfo, re.MULTILINE).group(1).split())
-        model = re.search(r"^model name\s*:\s*(.*)$", cpuinfo, re.MULTILINE).group(1).strip()
-    except (OSError, AttributeError):
-        pass
-    return MachineInfo(model, torch.backends.cpu.get_cpu_capability(),
-                       {name: name in flags for name in ("avx512f", *BF16_FLAGS)}, threads)
 
 
 def measure_rates(native_bf16: bool, repeats: int = 10) -> MachineRates:

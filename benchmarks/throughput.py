@@ -41,6 +41,8 @@ import torch  # noqa: E402
 from benchmarks import roofline as rl  # noqa: E402
 from benchmarks.throughput_workers import RESULT_PREFIX, WorkerOptions, WorkerResult  # noqa: E402
 from benchmarks.workloads import Workload, build_workloads  # noqa: E402
+from engine.config import EngineConfig, ModelConfig  # noqa: E402
+from engine.hardware import detect_cpu  # noqa: E402
 
 LABELS = {
     "ours": "ours",
@@ -90,8 +92,8 @@ def parse_args() -> argparse.Namespace:
                         help="comma-separated engines (openvino is added by --openvino-python)")
     parser.add_argument("--dtype", default="auto", help="our engine's dtype (default: its own 'auto')")
     parser.add_argument("--hf-dtype", default="auto", choices=["auto", "probe", "float32", "bfloat16"],
-                        help="transformers' dtype; auto: float32 on CPUs without native bf16 (avx512_bf16/amx_bf16), "
-                             "else what our engine's dtype='auto' picks; probe: the faster of both in a short run")
+                        help="transformers' dtype; auto: what our engine's dtype='auto' picks on this CPU (float32 "
+                             "without native bf16); probe: the faster of both in a short run")
     parser.add_argument("--hf-batch-size", type=int, default=64, help="batch size of transformers' static generate")
     parser.add_argument("--kv-cache-gib", type=float, default=4.0,
                         help="KV cache budget for every engine that takes one (ours, transformers CB, OpenVINO)")
@@ -112,13 +114,13 @@ def main() -> None:
 
     model_path = resolve_model_path(args.model)
     engines = select_engines(args, model_path)
-    machine, rates, shape = print_header(args, model_path)
+    rates, shape = print_header(args, model_path)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     workloads = build_workloads(args.workloads.split(","), tokenizer, args.scale, args.seed)
     opts = WorkerOptions(args.model, str(model_path), args.threads, args.dtype, "float32", args.hf_batch_size,
                          int(args.kv_cache_gib * 2**30), str(args.openvino_model) if args.openvino_model else None)
     with tempfile.TemporaryDirectory(prefix="throughput-") as tmp:
-        opts.hf_dtype = choose_hf_dtype(args, machine, model_path, tokenizer, opts, Path(tmp))
+        opts.hf_dtype = choose_hf_dtype(args, model_path, tokenizer, opts, Path(tmp))
         print(f"transformers dtype: {opts.hf_dtype} | scale {args.scale} | best of {args.rounds} round(s) | "
               f"KV cache budget {args.kv_cache_gib:g} GiB\n")
         for workload in workloads:
@@ -143,25 +145,26 @@ def select_engines(args: argparse.Namespace, model_path: Path) -> list[str]:
     return engines
 
 
-def print_header(args: argparse.Namespace, model_path: Path) -> tuple[rl.MachineInfo, rl.MachineRates, rl.ModelShape]:
+def print_header(args: argparse.Namespace, model_path: Path) -> tuple[rl.MachineRates, rl.ModelShape]:
     """Prints the CPU, its measured rates and the model's size; returns them for the rooflines."""
-    machine = rl.machine_info(args.threads)
-    print(machine.describe())
-    rates = rl.measure_rates(machine.native_bf16)
+    cpu = detect_cpu()
+    print(f"CPU: {cpu.describe()} | threads: {args.threads}")
+    rates = rl.measure_rates(cpu.native_bf16)
     print(rates.describe())
     shape = rl.model_shape(model_path)
     print(f"model: {model_path.name}: {shape.matmul_params / 1e6:.1f}M parameters in matrix products (lm_head "
           f"included), {2 * shape.matmul_params / 1e9:.2f} GFLOP/token + attention")
-    return machine, rates, shape
+    return rates, shape
 
 
-def choose_hf_dtype(args: argparse.Namespace, machine: rl.MachineInfo, model_path: Path, tokenizer,
-                    opts: WorkerOptions, tmp: Path) -> str:
-    """--hf-dtype resolved: as given; auto by the CPU's flags; probe by a short timed run of each."""
+def choose_hf_dtype(args: argparse.Namespace, model_path: Path, tokenizer, opts: WorkerOptions, tmp: Path) -> str:
+    """--hf-dtype resolved: as given; auto as our engine's dtype='auto' on this CPU; probe by a
+    short timed run of each."""
     if args.hf_dtype in ("float32", "bfloat16"):
         return args.hf_dtype
     if args.hf_dtype == "auto":
-        return _engine_auto_dtype(model_path) if machine.native_bf16 else "float32"
+        dtype = ModelConfig.resolve(model_path, EngineConfig(model=str(model_path)), None).dtype
+        return str(dtype).removeprefix("torch.")
     probe = build_workloads(["a"], tokenizer, scale=8 / 256)[0]  # 8 chat prompts x 4 new tokens
     file = tmp / "probe.json"
     probe.save(file)
@@ -237,19 +240,6 @@ def print_roofline(workload: Workload, ours: Measurement | None, shape: rl.Model
     if ours and not ours.error:
         line += f"; ours at {ours.output_tokens_per_s / bound.output_tokens_per_s:.1%} of it"
     print(line)
-
-
-def _engine_auto_dtype(model_path: Path) -> str:
-    """The dtype our engine's dtype='auto' picks for this model on this machine."""
-    try:
-        from engine.config import EngineConfig, ModelConfig
-
-        dtype = ModelConfig.resolve(model_path, EngineConfig(model=str(model_path)), None).dtype
-        return str(dtype).removeprefix("torch.")
-    except (ImportError, AttributeError, TypeError, ValueError):  # the engine's internals moved
-        # Fall back to the model's own dtype.
-        native = json.loads((model_path / "config.json").read_text()).get("dtype")
-        return native if native in ("float32", "bfloat16") else "float32"
 
 
 def _default_openvino_export(model_path: Path) -> Path:
