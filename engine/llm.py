@@ -44,7 +44,8 @@ class LLM:
         seed: Seed of the random draws of requests that have no seed of their own.
         max_model_len: Longest prompt plus completion, at most the model's context.
         max_num_seqs: Most sequences in one step.
-        max_num_batched_tokens: Most tokens computed in one step (default 4096).
+        max_num_batched_tokens: Most tokens computed in one step (default 1024 on a CPU,
+            4096 on a GPU).
         block_size: Tokens per KV-cache block.
         kv_cache_memory: Bytes of KV cache on a CPU (default 4 GiB).
         gpu_memory_utilization: Fraction of GPU memory for weights, activations and cache.

