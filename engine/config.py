@@ -28,9 +28,10 @@ class EngineConfig:
     fraction of the GPU's memory the engine may fill, weights included) on a GPU.
     `max_num_batched_tokens` is one step's token budget. With `enable_lora`, up to
     `max_loras` adapters run in one step and `max_cpu_loras` stay in host memory.
-    `attention_backend` picks the attention kernels: "cpu" (the compiled paged-attention
-    kernel of `engine.kernels.cpu_attention`), "torch" (PyTorch's batched products), or
-    "auto" (the compiled kernel on a CPU where it builds, else torch).
+    `attention_backend` picks the attention kernels (`engine.layers.attention_selector`):
+    "triton" (Triton kernels, on a GPU), "cpu" (the compiled paged-attention kernel of
+    `engine.kernels.cpu_attention`), "torch" (PyTorch's batched products, any device), or
+    "auto" (triton on a GPU, the compiled kernel on a CPU where it builds, else torch).
     `num_threads` is the CPU threads of the process's PyTorch operators (None: the
     `OMP_NUM_THREADS` environment variable if set, else the cores this process may use).
     """
@@ -79,8 +80,9 @@ class EngineConfig:
             self.max_cpu_loras = self.max_loras
         elif not isinstance(self.max_cpu_loras, int) or self.max_cpu_loras < self.max_loras:
             problems.append(f"max_cpu_loras must be at least max_loras={self.max_loras}, got {self.max_cpu_loras!r}")
-        if self.attention_backend not in ("auto", "torch", "cpu"):
-            problems.append(f"attention_backend must be 'auto', 'torch' or 'cpu', got {self.attention_backend!r}")
+        if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
+            problems.append("attention_backend must be 'auto', 'torch', 'cpu' or 'triton', "
+                            f"got {self.attention_backend!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             problems.append(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if problems:

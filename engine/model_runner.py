@@ -1,14 +1,16 @@
 """Runs the model for one scheduled step: builds its inputs, owns the KV cache, samples."""
 
+import itertools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig, ModelConfig
 from engine.hardware import detect_cpu, keep_freed_memory, set_num_threads
-from engine.kernels import cpu_attention
-from engine.layers.attention import Attention, AttentionGroup, AttentionMetadata, PagedRows, padded_context
+from engine.layers.attention import Attention, AttentionMetadata
+from engine.layers.attention_selector import make_backend, resolve_backend_name
+from engine.layers.kernels import use_triton_kernels
 from engine.layers.linear import linear_kernel
 from engine.layers.sampler import Penalties, SampledToken, Sampler, SamplingMetadata, token_logprobs
 from engine.lora.manager import LoRAManager
@@ -18,6 +20,32 @@ from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PromptRows:
+    """A sequence's rows in the step whose next prompt token needs its logprobs."""
+
+    seq: Sequence
+    first_row: int
+    first_position: int
+    count: int
+
+
+@dataclass
+class StepInputs:
+    """One step's rows, flattened: each sequence's new tokens back to back."""
+
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    query_lens: list[int] = field(default_factory=list)
+    context_lens: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)
+    sample_seqs: list[Sequence] = field(default_factory=list)
+    prompt_rows: list[PromptRows] = field(default_factory=list)
+    lora_ranges: list[tuple[int, int, int]] = field(default_factory=list)  # (slot, first row, end row)
 
 
 @dataclass
@@ -41,15 +69,19 @@ class ModelRunner:
         self.model_config = model_config
         self.device = model_config.device
         self.block_size = config.block_size
-        self.paged_kernel = self._choose_attention()
+        self.attention_backend = resolve_backend_name(config.attention_backend, self.device)
         if self.device.type == "cpu":
             keep_freed_memory()
             threads = set_num_threads(config.num_threads)
             logger.info("CPU: %s; dtype %s, %s matrix products, %s attention, %d threads", detect_cpu().describe(),
                         str(model_config.dtype).removeprefix("torch."),
-                        linear_kernel(model_config.dtype, self.device),
-                        "compiled paged" if self.paged_kernel else "PyTorch batched", threads)
+                        linear_kernel(model_config.dtype, self.device), self.attention_backend, threads)
+        else:
+            logger.info("GPU: %s; dtype %s, %s attention", torch.cuda.get_device_name(self.device),
+                        str(model_config.dtype).removeprefix("torch."), self.attention_backend)
         self.model = load_model(model_config)
+        if self.attention_backend == "triton":
+            use_triton_kernels(self.model)
         self.num_blocks = self._plan_kv_cache()
         self._allocate_kv_cache()
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
@@ -60,18 +92,6 @@ class ModelRunner:
                 max_lora_rank=config.max_lora_rank, dtype=model_config.dtype, device=self.device,
                 base_model=str(config.model or model_config.path),
             )
-
-    def _choose_attention(self) -> bool:
-        """Whether attention runs on the compiled CPU kernel (else PyTorch's products)."""
-        backend = self.config.attention_backend
-        if backend == "torch" or self.device.type != "cpu":
-            return False
-        if cpu_attention.load() is not None:
-            return True
-        if backend == "cpu":
-            raise RuntimeError("attention_backend='cpu': the CPU attention kernel could not be built (see the "
-                               "warning above: it needs a C++ compiler and ninja); use 'auto' or 'torch'")
-        return False
 
     # -- KV cache ------------------------------------------------------------------------
 
@@ -122,12 +142,14 @@ class ModelRunner:
         positions point to, so attention never reads memory nothing has written."""
         num_slots = (self.num_blocks + 1) * self.block_size
         self.null_slot = self.num_blocks * self.block_size
+        self.backend = make_backend(self.attention_backend, self.block_size, self.null_slot)
         for attn in self._attention_layers():
-            shape = (attn.num_kv_heads, num_slots, attn.head_dim)
+            shape = self.backend.cache_shape(num_slots, self.block_size, attn.num_kv_heads, attn.head_dim)
             for name in ("k_cache", "v_cache"):
                 cache = torch.empty(shape, dtype=self.model_config.dtype, device=self.device)
-                cache[:, self.null_slot :].zero_()
+                self.backend.slot_major(cache)[self.null_slot :].zero_()
                 setattr(attn, name, cache)
+            attn.backend = self.backend
 
     def release(self) -> None:
         """Drops the model and the KV cache so that their memory can be returned."""
@@ -145,58 +167,76 @@ class ModelRunner:
         """Runs the step: the sampled token of each sequence whose tokens are all computed
         (forked children sample from their parent's logits), and prompt logprobs."""
         self._copy_blocks(batch.block_copies)
+        step = self._prepare_step(batch)
+        if self.lora_manager is not None:
+            self.lora_manager.batch.set(step.lora_ranges, len(step.input_ids), self.device)
+        hidden = self._forward(step)
+        output = StepOutput({}, {})
+        for rows in step.prompt_rows:
+            output.prompt_logprobs[rows.seq] = self._prompt_logprobs(
+                rows.seq, hidden[rows.first_row : rows.first_row + rows.count], rows.first_position)
+        if step.sample_seqs:
+            logits = self.model.compute_logits(hidden[torch.tensor(step.sample_rows, device=self.device)])
+            sampled = self.sampler(logits, self._sampling_metadata(step.sample_seqs))
+            output.sampled = dict(zip(step.sample_seqs, sampled))
+        return output
+
+    def _prepare_step(self, batch: ScheduledBatch) -> "StepInputs":
+        """The step's rows in a flat layout: each sequence's new tokens back to back (grouped
+        by LoRA slot, so that an adapter's delta is one product per projection)."""
         entries = list(zip(batch.seqs, batch.num_new_tokens))
         lora_slots = self._activate_adapters(batch.seqs)
         if lora_slots:
-            # Each adapter's rows contiguous, so that its delta is one product per projection.
-            entries.sort(key=lambda e: lora_slots.get(e[0].lora_int_id, -1))
-        lora_ranges: list[tuple[int, int, int]] = []
-        input_ids, positions, slots = [], [], []
-        decode, prefill, sample_rows, sample_seqs = [], [], [], []
-        prompt_rows: list[tuple[Sequence, int, int, int]] = []  # seq, first row, first position, count
+            entries.sort(key=lambda entry: lora_slots.get(entry[0].lora_int_id, -1))
+        step = StepInputs()
         row_of = {}
         for seq, num_new in entries:
-            start = seq.num_computed_tokens
-            row = len(input_ids)
+            start, row = seq.num_computed_tokens, len(step.input_ids)
             slot = lora_slots.get(seq.lora_int_id)
             if slot is not None:
-                if lora_ranges and lora_ranges[-1][0] == slot:
-                    lora_ranges[-1] = (slot, lora_ranges[-1][1], row + num_new)
+                if step.lora_ranges and step.lora_ranges[-1][0] == slot:
+                    step.lora_ranges[-1] = (slot, step.lora_ranges[-1][1], row + num_new)
                 else:
-                    lora_ranges.append((slot, row, row + num_new))
-            input_ids.extend(seq.token_ids[start : start + num_new])
-            positions.extend(range(start, start + num_new))
+                    step.lora_ranges.append((slot, row, row + num_new))
+            step.input_ids.extend(seq.token_ids[start : start + num_new])
+            step.positions.extend(range(start, start + num_new))
             table, size = seq.block_table, self.block_size
-            slots.extend(table[p // size] * size + p % size for p in range(start, start + num_new))
-            (decode if num_new == 1 else prefill).append((row, num_new, start, table))
+            step.slots.extend(table[p // size] * size + p % size for p in range(start, start + num_new))
+            step.query_lens.append(num_new)
+            step.context_lens.append(start + num_new)
+            step.block_tables.append(table)
             if start + num_new == seq.num_tokens:
                 row_of[seq] = row + num_new - 1
-                sample_rows.append(row_of[seq])
-                sample_seqs.append(seq)
+                step.sample_rows.append(row_of[seq])
+                step.sample_seqs.append(seq)
             if seq.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
                 count = min(start + num_new, seq.num_prompt_tokens - 1) - start
-                prompt_rows.append((seq, row, start, count))
+                step.prompt_rows.append(PromptRows(seq, row, start, count))
         for child, parent in batch.forks:
-            sample_rows.append(row_of[parent])
-            sample_seqs.append(child)
+            step.sample_rows.append(row_of[parent])
+            step.sample_seqs.append(child)
+        return step
 
-        if self.lora_manager is not None:
-            self.lora_manager.batch.set(lora_ranges, len(input_ids), self.device)
+    def attention_metadata(self, step: "StepInputs") -> AttentionMetadata:
+        """The step's attention metadata, prepared by the backend."""
+        device = self.device
+        width = max(len(table) for table in step.block_tables)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(step.slots, dtype=torch.long, device=device),
+            query_start_loc=torch.tensor([0, *itertools.accumulate(step.query_lens)], dtype=torch.int32,
+                                         device=device),
+            seq_lens=torch.tensor(step.context_lens, dtype=torch.int32, device=device),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in step.block_tables], dtype=torch.int32,
+                                      device=device),
+            query_lens=step.query_lens, context_lens=step.context_lens, block_size=self.block_size)
+        self.backend.prepare(meta)
+        return meta
+
+    def _forward(self, step: "StepInputs") -> torch.Tensor:
+        """Hidden states [tokens, hidden] of the step's rows."""
+        meta = self.attention_metadata(step)
         to_device = dict(dtype=torch.long, device=self.device)
-        if self.paged_kernel:
-            meta = AttentionMetadata(torch.tensor(slots, **to_device), [], self._paged_rows(decode + prefill))
-        else:
-            meta = AttentionMetadata(torch.tensor(slots, **to_device),
-                                     [self._attention_group(g) for g in (decode, prefill) if g])
-        hidden = self.model(torch.tensor(input_ids, **to_device), torch.tensor(positions, **to_device), meta)
-        output = StepOutput({}, {})
-        for seq, row, start, count in prompt_rows:
-            output.prompt_logprobs[seq] = self._prompt_logprobs(seq, hidden[row : row + count], start)
-        if sample_seqs:
-            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, **to_device)])
-            sampled = self.sampler(logits, self._sampling_metadata(sample_seqs))
-            output.sampled = dict(zip(sample_seqs, sampled))
-        return output
+        return self.model(torch.tensor(step.input_ids, **to_device), torch.tensor(step.positions, **to_device), meta)
 
     def _activate_adapters(self, seqs: list[Sequence]) -> dict[int, int]:
         """Puts the step's LoRA adapters into device slots: slot by adapter id."""
@@ -213,8 +253,9 @@ class ModelRunner:
         src = torch.cat([torch.arange(s * size, (s + 1) * size) for s, _ in copies]).to(self.device)
         dst = torch.cat([torch.arange(d * size, (d + 1) * size) for _, d in copies]).to(self.device)
         for attn in self._attention_layers():
-            attn.k_cache[:, dst] = attn.k_cache[:, src]
-            attn.v_cache[:, dst] = attn.v_cache[:, src]
+            for cache in (attn.k_cache, attn.v_cache):
+                slots = self.backend.slot_major(cache)
+                slots[dst] = slots[src]
 
     def _prompt_logprobs(self, seq: Sequence, hidden: torch.Tensor, start: int) -> list[tuple[int, SampledToken]]:
         """(position, logprobs of that prompt token) for the prompt tokens after `start`."""
@@ -222,41 +263,6 @@ class ModelRunner:
         entries = token_logprobs(self.model.compute_logits(hidden), targets,
                                  [seq.sampling_params.prompt_logprobs] * hidden.shape[0])
         return [(start + 1 + i, entry) for i, entry in enumerate(entries)]
-
-    def _paged_rows(self, entries: list[tuple[int, int, int, list[int]]]) -> PagedRows:
-        """Per-row metadata of (first row, new tokens, computed tokens, block table) entries."""
-        num_rows = sum(num_new for _, num_new, _, _ in entries)
-        row_seq, row_keys, tables = [0] * num_rows, [0] * num_rows, []
-        width = max(len(table) for _, _, _, table in entries)
-        for index, (row, num_new, computed, table) in enumerate(entries):
-            row_seq[row : row + num_new] = [index] * num_new
-            row_keys[row : row + num_new] = range(computed + 1, computed + num_new + 1)
-            tables.append(table + [0] * (width - len(table)))
-        to_device = dict(dtype=torch.long, device=self.device)
-        return PagedRows(torch.tensor(tables, **to_device), torch.tensor(row_seq, **to_device),
-                         torch.tensor(row_keys, **to_device), self.block_size)
-
-    def _attention_group(self, entries: list[tuple[int, int, int, list[int]]]) -> AttentionGroup:
-        """Padded batch of (first row, new tokens, computed tokens, block table) entries."""
-        device = self.device
-        rows = torch.tensor([e[0] for e in entries], device=device)
-        num_new = torch.tensor([e[1] for e in entries], device=device)
-        computed = torch.tensor([e[2] for e in entries], device=device)
-        max_query = int(num_new.max())
-        max_context = padded_context(int((computed + num_new).max()))
-        max_blocks = -(-max_context // self.block_size)
-        tables = torch.tensor([e[3][:max_blocks] + [0] * (max_blocks - len(e[3][:max_blocks]))
-                               for e in entries], device=device)
-        query = torch.arange(max_query, device=device)
-        valid = query.unsqueeze(0) < num_new.unsqueeze(1)
-        query_index = torch.where(valid, rows.unsqueeze(1) + query, 0)
-        key_pos = torch.arange(max_context, device=device)
-        key_slots = tables[:, key_pos // self.block_size] * self.block_size + key_pos % self.block_size
-        key_slots = torch.where(key_pos < (computed + num_new).unsqueeze(1), key_slots, self.null_slot)
-        query_pos = computed.unsqueeze(1) + query  # [seqs, max_query]
-        mask = key_pos.view(1, 1, -1) <= query_pos.unsqueeze(2)
-        return AttentionGroup(query_index, key_slots, mask.unsqueeze(1), valid,
-                              num_computed=[e[2] for e in entries], num_new=[e[1] for e in entries])
 
     def _sampling_metadata(self, seqs: list[Sequence]) -> SamplingMetadata:
         params = [s.sampling_params for s in seqs]

@@ -4,10 +4,15 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.tiny_models import FAMILIES, build_tiny_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors. It is chosen
+# when a kernel is defined, so it must be set before any engine module imports Triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

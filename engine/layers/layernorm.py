@@ -1,11 +1,18 @@
 """RMSNorm with the residual add fused in, computed in float32 like the reference models."""
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 
 class RMSNorm(nn.Module):
+    """`kernel`, when set (see `engine.layers.kernels`), computes the same thing in one
+    fused launch: kernel(x, weight, eps, residual)."""
+
+    kernel: Callable | None = None
+
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
@@ -15,6 +22,13 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Normalizes `x`; given `residual`, normalizes `x + residual` and returns the sum too."""
+        if self.kernel is not None and x.dim() == 2:
+            return self.kernel(x, self.weight, self.eps, residual)
+        return self.torch_forward(x, residual)
+
+    def torch_forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is not None:
             x = x + residual
             residual = x

@@ -1,6 +1,7 @@
 """Rotary position embeddings, with the "linear" and "llama3" frequency scalings."""
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -33,8 +34,11 @@ class RotaryEmbedding(nn.Module):
     """Rotates queries and keys by their positions, from a cos/sin table built once.
 
     The table's sine carries the sign of the rotation (-sin on the first half), so a
-    rotation is x * cos + roll(x, half) * signed_sin.
+    rotation is x * cos + roll(x, half) * signed_sin. `kernel`, when set (see
+    `engine.layers.kernels`), does it in one launch: kernel(positions, x, cos, sin).
     """
+
+    kernel: Callable | None = None
 
     def __init__(self, head_dim: int, max_position: int, rope_parameters: dict) -> None:
         super().__init__()
@@ -45,6 +49,11 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Rotates `x` [tokens, heads, head_dim]; pass queries and keys together."""
+        if self.kernel is not None:
+            return self.kernel(positions, x, self.cos, self.sin)
+        return self.torch_forward(positions, x)
+
+    def torch_forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         cos = self.cos[positions].unsqueeze(1).to(x.dtype)
         sin = self.sin[positions].unsqueeze(1).to(x.dtype)
         return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin

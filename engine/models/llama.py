@@ -4,7 +4,7 @@ Weights load straight from safetensors. q/k/v and gate/up projections are fused 
 one matrix each, so a layer runs two matrix products where the checkpoint has five.
 """
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +60,11 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    """SwiGLU. `activation`, when set (see `engine.layers.kernels`), computes silu(gate) *
+    up from the fused gate/up output in one launch."""
+
+    activation: Callable | None = None
+
     def __init__(self, config: PretrainedConfig):
         super().__init__()
         if config.hidden_act != "silu":
@@ -70,7 +75,10 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj.shard_sizes = [config.intermediate_size, config.intermediate_size]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.activation is not None:
+            return self.down_proj(self.activation(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 

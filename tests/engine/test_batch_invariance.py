@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from engine.layers.attention import Attention
+from engine.layers.attention_torch import matmul_attention
 from engine.layers.linear import Linear, linear_kernel
 from engine.layers.sampler import _inverse_cdf, top_k_top_p_head
 
@@ -62,11 +63,11 @@ def test_attention_rows_do_not_depend_on_the_batch(dtype):
         queries = [torch.randn(n, 9, 64).to(dtype) for n in new]
         keys = [torch.randn(3, c, 64).to(dtype) for c in contexts]
         values = [torch.randn(3, c, 64).to(dtype) for c in contexts]
-        together = attention._matmul_attention(*pad_group(queries, keys, values, contexts))
+        together = matmul_attention(attention, *pad_group(queries, keys, values, contexts))
         for i in range(len(new)):
-            alone = attention._matmul_attention(*pad_group([queries[i]], [keys[i]], [values[i]], [contexts[i]]))
+            alone = matmul_attention(attention, *pad_group([queries[i]], [keys[i]], [values[i]], [contexts[i]]))
             assert torch.equal(alone[0, : new[i]], together[i, : new[i]])
-            last = attention._matmul_attention(*pad_group([queries[i][-1:]], [keys[i]], [values[i]], [contexts[i]]))
+            last = matmul_attention(attention, *pad_group([queries[i][-1:]], [keys[i]], [values[i]], [contexts[i]]))
             assert torch.equal(last[0, 0], together[i, new[i] - 1])
 
 

@@ -10,10 +10,11 @@ import random
 import pytest
 import torch
 
-import engine.model_runner as model_runner
+import engine.layers.attention_selector as attention_selector
 from engine import LLM, SamplingParams
 from engine.kernels import cpu_attention
 from engine.layers.attention import Attention
+from engine.layers.attention_torch import matmul_attention
 
 BLOCK = 16
 
@@ -49,7 +50,7 @@ def torch_reference(attention, q, k_cache, v_cache, seqs):
         keys = k_cache[:, slots].unsqueeze(1)
         values = v_cache[:, slots].unsqueeze(1)
         mask = positions.view(1, -1) <= (context - new + torch.arange(new)).view(-1, 1)
-        outs.append(attention._matmul_attention(q[row : row + new].unsqueeze(0), keys, values,
+        outs.append(matmul_attention(attention, q[row : row + new].unsqueeze(0), keys, values,
                                                 mask.view(1, 1, new, context))[0])
         row += new
     return torch.cat(outs)
@@ -95,25 +96,10 @@ def test_kernel_rows_do_not_depend_on_the_batch(kernel):
         assert torch.equal(alone[0], together[row])
 
 
-def test_engine_backends_agree(kernel, tiny_models):
-    """Greedy outputs are the same tokens on the compiled kernel and on PyTorch's path,
-    with chunked prefill and prefix-cache hits in the mix."""
-    prompts = [{"prompt_token_ids": [random.Random(i).randrange(3, 300) for _ in range(5 + 23 * i)]} for i in range(6)]
-    prompts += prompts[:2]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    outputs = {}
-    for backend in ("torch", "cpu"):
-        with LLM(str(tiny_models["llama"]), dtype="float32", attention_backend=backend,
-                 max_num_batched_tokens=64) as llm:
-            assert llm.llm_engine.model_runner.paged_kernel is (backend == "cpu")
-            outputs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert outputs["cpu"] == outputs["torch"]
-
-
 def test_auto_falls_back_to_pytorch_where_the_kernel_cannot_build(tiny_models, monkeypatch):
-    monkeypatch.setattr(model_runner.cpu_attention, "load", lambda: None)
+    monkeypatch.setattr(attention_selector.cpu_attention, "load", lambda: None)
     with LLM(str(tiny_models["llama"]), dtype="float32") as llm:
-        assert llm.llm_engine.model_runner.paged_kernel is False
+        assert llm.llm_engine.model_runner.attention_backend == "torch"
         out = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 3
     with pytest.raises(RuntimeError, match="attention_backend='cpu'"):

@@ -1,0 +1,42 @@
+"""The CPU attention backend: the compiled paged-attention kernel of
+`engine.kernels.cpu_attention`, reading keys and values straight from the cache through
+the block table, one (row tile, KV head) task at a time; a row's result does not depend on
+the rest of the step."""
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.kernels import cpu_attention
+from engine.layers.attention import Attention, AttentionMetadata
+from engine.layers.attention_torch import TorchAttentionBackend
+
+
+@dataclass
+class PagedRows:
+    """Row i of the step sees the first `row_keys[i]` keys of sequence `row_seq[i]`,
+    whose blocks are row `row_seq[i]` of `block_tables` (int64, as the kernel takes them)."""
+
+    block_tables: torch.Tensor
+    row_seq: torch.Tensor
+    row_keys: torch.Tensor
+
+
+class CpuAttentionBackend(TorchAttentionBackend):
+    """The compiled kernel; the cache layout and the writes are the PyTorch backend's."""
+
+    name = "cpu"
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        row_seq, row_keys = [], []
+        for index, (new, context) in enumerate(zip(meta.query_lens, meta.context_lens)):
+            row_seq += [index] * new
+            row_keys += range(context - new + 1, context + 1)
+        to_device = dict(dtype=torch.long, device=meta.slot_mapping.device)
+        meta.backend_data = PagedRows(meta.block_tables.long(), torch.tensor(row_seq, **to_device),
+                                      torch.tensor(row_keys, **to_device))
+
+    def forward(self, layer: Attention, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        rows = meta.backend_data
+        return cpu_attention.paged_attention(q, layer.k_cache, layer.v_cache, rows.block_tables, rows.row_seq,
+                                             rows.row_keys, meta.block_size, layer.scale)

@@ -1,0 +1,49 @@
+"""Picks the attention backend for a device and the `attention_backend` setting."""
+
+import logging
+
+import torch
+
+from engine.kernels import cpu_attention
+from engine.kernels import triton as triton_kernels
+from engine.layers.attention import AttentionBackend
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "torch", "cpu", "triton")
+
+
+def resolve_backend_name(setting: str, device: torch.device) -> str:
+    """"auto" is triton on a GPU and the compiled kernel on a CPU where each can run, else
+    torch; an explicit choice that cannot run here raises, saying why."""
+    if setting == "auto":
+        if device.type == "cuda":
+            return "triton" if triton_kernels.installed() else "torch"
+        return "cpu" if cpu_attention.load() is not None else "torch"
+    if setting == "cpu":
+        if device.type != "cpu":
+            raise ValueError("attention_backend='cpu' is the compiled CPU kernel; this engine runs on "
+                             f"{device}: use 'auto', 'triton' or 'torch'")
+        if cpu_attention.load() is None:
+            raise RuntimeError("attention_backend='cpu': the CPU attention kernel could not be built (see the "
+                               "warning above: it needs a C++ compiler and ninja); use 'auto' or 'torch'")
+    if setting == "triton" and not triton_kernels.available(device):
+        why = ("triton is not installed" if not triton_kernels.installed() else
+               "on a CPU its kernels run only under Triton's interpreter (TRITON_INTERPRET=1), for tests")
+        raise RuntimeError(f"attention_backend='triton' cannot run on {device}: {why}; use 'auto' or 'torch'")
+    return setting
+
+
+def make_backend(name: str, block_size: int, null_slot: int) -> AttentionBackend:
+    """The backend called `name` (as `resolve_backend_name` returns it)."""
+    if name == "triton":
+        from engine.layers.attention_triton import TritonAttentionBackend
+
+        return TritonAttentionBackend(block_size)
+    if name == "cpu":
+        from engine.layers.attention_cpu import CpuAttentionBackend
+
+        return CpuAttentionBackend(null_slot)
+    from engine.layers.attention_torch import TorchAttentionBackend
+
+    return TorchAttentionBackend(null_slot)

@@ -1,0 +1,182 @@
+"""The PyTorch attention backend: each sequence's keys gathered from the paged cache into a
+padded batch, then batched matrix products. Runs on any device; the reference for the others."""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.layers.attention import Attention, AttentionBackend, AttentionMetadata
+
+
+# Queries attend in chunks of at most this many rows per sequence, and sequences in
+# sub-batches whose scores fit in this many elements (16 MiB in float32): memory stays
+# bounded for long prompts, and each chunk reads only the keys its queries can see.
+_QUERY_CHUNK = 256
+_MAX_SCORES = 4 << 20
+
+# MKL's float32 products round a row differently when it is one of fewer than 4 rows,
+# when the key count is not a multiple of 16, and when the reduction is long enough to
+# be split (measured on AVX2: a sum over 448 keys differs once zeros pad it to 512). So
+# float32 attention runs at least 4 query rows, keys in chunks of this many, and adds
+# the chunks' value sums left to right: padding keys add exact zeros, and a row's bits
+# depend on nothing but its own keys.
+KEY_CHUNK = 64
+_MIN_QUERY_ROWS = 4
+
+
+def padded_context(length: int) -> int:
+    """`length` keys rounded up to whole key chunks."""
+    return -(-length // KEY_CHUNK) * KEY_CHUNK
+
+
+@dataclass
+class AttentionGroup:
+    """Sequences attended together as one padded batch.
+
+    `query_index` [seqs, max_query] picks each sequence's query rows out of the step's
+    flat token rows (padding points at row 0); `key_slots` [seqs, max_context] are the
+    cache slots of each sequence's whole context; `mask` [seqs, 1, max_query,
+    max_context] is causal within that context and hides padding; `valid` [seqs,
+    max_query] marks the real queries. `num_computed` and `num_new` give, per sequence,
+    the tokens already in the cache before this step and the step's new ones.
+    """
+
+    query_index: torch.Tensor
+    key_slots: torch.Tensor
+    mask: torch.Tensor
+    valid: torch.Tensor
+    num_computed: list[int]
+    num_new: list[int]
+
+    def context_needed(self, first: int, last: int, query_end: int) -> int:
+        """Keys that queries before `query_end` of sequences [first, last) can see."""
+        return max(c + min(query_end, n) for c, n in zip(self.num_computed[first:last], self.num_new[first:last]))
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Attention as PyTorch's batched products over gathered keys.
+
+    The caches are [kv_heads, slots, head_dim]: head-major, so that one gather yields
+    [kv_heads, seqs, context, head_dim], which batched matrix products take without
+    another copy. The gather indexes the cache as rows of head_dim (head * slots + slot),
+    which copies whole rows: measured 2-9x faster than indexing the slot dimension of the
+    3-d tensor. Decode steps (one query per sequence) and prefill chunks go in separate
+    groups so that short queries are not padded to a long chunk's length.
+    """
+
+    name = "torch"
+
+    def __init__(self, null_slot: int) -> None:
+        self.null_slot = null_slot  # zeros that padded key positions point to
+
+    def cache_shape(self, num_slots: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        return (num_kv_heads, num_slots, head_dim)
+
+    def slot_major(self, cache: torch.Tensor) -> torch.Tensor:
+        return cache.transpose(0, 1)
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 meta: AttentionMetadata) -> None:
+        k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+        v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        starts = meta.query_start_loc.tolist()
+        tables = meta.block_tables.tolist()
+        decode, prefill = [], []
+        for i, (new, context) in enumerate(zip(meta.query_lens, meta.context_lens)):
+            (decode if new == 1 else prefill).append((starts[i], new, context - new, tables[i]))
+        device = meta.slot_mapping.device
+        meta.backend_data = [self._group(g, meta.block_size, device) for g in (decode, prefill) if g]
+
+    def _group(self, entries: list[tuple[int, int, int, list[int]]], block_size: int,
+               device: torch.device) -> AttentionGroup:
+        """Padded batch of (first row, new tokens, computed tokens, block table) entries."""
+        rows = torch.tensor([e[0] for e in entries], device=device)
+        num_new = torch.tensor([e[1] for e in entries], device=device)
+        computed = torch.tensor([e[2] for e in entries], device=device)
+        max_query = int(num_new.max())
+        max_context = padded_context(int((computed + num_new).max()))
+        max_blocks = -(-max_context // block_size)
+        tables = torch.tensor([e[3][:max_blocks] + [0] * (max_blocks - len(e[3][:max_blocks]))
+                               for e in entries], device=device)
+        query = torch.arange(max_query, device=device)
+        valid = query.unsqueeze(0) < num_new.unsqueeze(1)
+        query_index = torch.where(valid, rows.unsqueeze(1) + query, 0)
+        key_pos = torch.arange(max_context, device=device)
+        key_slots = tables[:, key_pos // block_size] * block_size + key_pos % block_size
+        key_slots = torch.where(key_pos < (computed + num_new).unsqueeze(1), key_slots, self.null_slot)
+        query_pos = computed.unsqueeze(1) + query  # [seqs, max_query]
+        mask = key_pos.view(1, 1, -1) <= query_pos.unsqueeze(2)
+        return AttentionGroup(query_index, key_slots, mask.unsqueeze(1), valid,
+                              num_computed=[e[2] for e in entries], num_new=[e[1] for e in entries])
+
+    def forward(self, layer: Attention, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        out = torch.empty_like(q)
+        for group in meta.backend_data:
+            seqs, max_query = group.query_index.shape
+            for query_start in range(0, max_query, _QUERY_CHUNK):
+                query_end = min(query_start + _QUERY_CHUNK, max_query)
+                per_seq = layer.num_heads * (query_end - query_start) * group.context_needed(0, seqs, query_end)
+                step = max(1, _MAX_SCORES // per_seq)
+                for first in range(0, seqs, step):
+                    last = min(first + step, seqs)
+                    context = min(padded_context(group.context_needed(first, last, query_end)),
+                                  group.key_slots.shape[1])
+                    queries = slice(first, last), slice(query_start, query_end)
+                    slots = group.key_slots[first:last, :context]
+                    keys, values = gather(layer.k_cache, slots), gather(layer.v_cache, slots)
+                    rows = group.query_index[queries]
+                    attended = matmul_attention(
+                        layer, q[rows], keys, values, group.mask[first:last, :, query_start:query_end, :context]
+                    )
+                    valid = group.valid[queries]
+                    out[rows[valid]] = attended[valid]
+        return out
+
+
+def gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """[kv_heads, seqs, context, head_dim] from `cache` at `slots` [seqs, context]."""
+    kv_heads, num_slots, head_dim = cache.shape
+    rows = torch.arange(kv_heads, device=slots.device).unsqueeze(1) * num_slots + slots.flatten()
+    return cache.view(-1, head_dim).index_select(0, rows.flatten()).view(kv_heads, *slots.shape, head_dim)
+
+
+def matmul_attention(layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 mask: torch.Tensor) -> torch.Tensor:
+    """Attention as batched matrix products per KV head and its query group.
+
+    `q` [seqs, queries, heads, dim]; `k`, `v` [kv_heads, seqs, context, dim]; `mask`
+    [seqs, 1, queries, context]. At decode and short-prefill shapes this is several
+    times faster than PyTorch's fused CPU kernel, which pays per (sequence, head)
+    overhead. It is also the only attention used, at every shape: a query row's result
+    here does not depend on the other rows, sequences or padding in the batch (the
+    fused kernel's blocking does), so a token's output is the same whether it runs in
+    a decode step, a prefill chunk or a recompute after preemption. In float32 the
+    keys go in `KEY_CHUNK`s (see there); other dtypes take the whole context at once.
+    """
+    seqs, queries = q.shape[0], q.shape[1]
+    kv_heads, group, dim = layer.num_kv_heads, layer.num_heads // layer.num_kv_heads, layer.head_dim
+    rows = group * queries
+    q = q.view(seqs, queries, kv_heads, group, dim).permute(2, 0, 3, 1, 4).reshape(kv_heads, seqs, rows, dim)
+    if rows < _MIN_QUERY_ROWS:
+        q = F.pad(q, (0, 0, 0, _MIN_QUERY_ROWS - rows))
+    chunk = k.shape[2]
+    if v.dtype == torch.float32:
+        chunk = KEY_CHUNK
+        if k.shape[2] % chunk:
+            extra = padded_context(k.shape[2]) - k.shape[2]
+            k, v, mask = F.pad(k, (0, 0, 0, extra)), F.pad(v, (0, 0, 0, extra)), F.pad(mask, (0, extra))
+    scores = torch.cat([torch.matmul(q, part.transpose(2, 3)) for part in k.split(chunk, dim=2)], dim=3)
+    scores = scores[:, :, :rows].float() * layer.scale
+    scores = scores.view(kv_heads, seqs, group, queries, -1).masked_fill_(~mask.unsqueeze(0), float("-inf"))
+    probs = scores.softmax(dim=-1).to(v.dtype).view(kv_heads, seqs, rows, -1)
+    if rows < _MIN_QUERY_ROWS:
+        probs = F.pad(probs, (0, 0, 0, _MIN_QUERY_ROWS - rows))
+    out = None
+    for p, part in zip(probs.split(chunk, dim=3), v.split(chunk, dim=2)):
+        out = torch.matmul(p, part) if out is None else out.add_(torch.matmul(p, part))
+    out = out[:, :, :rows].reshape(kv_heads, seqs, group, queries, dim)
+    return out.permute(1, 3, 0, 2, 4).reshape(seqs, queries, layer.num_heads, dim)

@@ -1,0 +1,46 @@
+"""The Triton attention backend, for GPUs (and CPUs under Triton's interpreter, in tests).
+
+The caches are [num_blocks, block_size, kv_heads, head_dim]: a token's heads side by
+side, so that one block of keys for one KV head is a strided [block_size, head_dim] tile.
+Steps where every sequence has one new token run the split-K decode kernel; others run the
+variable-length prefill kernel, which also serves the decode rows among them.
+"""
+
+import torch
+
+from engine.kernels.triton.kv_store import store_kv
+from engine.kernels.triton.paged_attention import decode_attention, decode_splits, prefill_attention
+from engine.layers.attention import Attention, AttentionBackend, AttentionMetadata
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """`fixed_splits`, when set, is the decode kernel's context split count for every step
+    (CUDA graphs capture one launch shape; see `engine.cuda_graphs`)."""
+
+    name = "triton"
+
+    def __init__(self, block_size: int) -> None:
+        if block_size % 16:
+            raise ValueError(f"attention_backend='triton' needs a block_size that is a multiple of 16 (its "
+                             f"products take 16-key tiles), got {block_size}")
+        self.fixed_splits: int | None = None
+
+    def cache_shape(self, num_slots: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        return (num_slots // block_size, block_size, num_kv_heads, head_dim)
+
+    def slot_major(self, cache: torch.Tensor) -> torch.Tensor:
+        return cache.view(-1, *cache.shape[2:])
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        meta.backend_data = self.fixed_splits or decode_splits(meta.max_seq_len)
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 meta: AttentionMetadata) -> None:
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+
+    def forward(self, layer: Attention, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if meta.max_query_len == 1:
+            return decode_attention(q, layer.k_cache, layer.v_cache, meta.seq_lens, meta.block_tables,
+                                    meta.backend_data, layer.scale)
+        return prefill_attention(q, layer.k_cache, layer.v_cache, meta.query_start_loc, meta.seq_lens,
+                                 meta.block_tables, meta.max_query_len, layer.scale)

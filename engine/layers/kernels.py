@@ -1,0 +1,24 @@
+"""Which kernels the model's element-wise layers use: PyTorch's operators (the default) or
+fused Triton kernels, chosen once by the model runner for the whole model."""
+
+from torch import nn
+
+from engine.layers.layernorm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding
+
+
+def use_triton_kernels(model: nn.Module) -> None:
+    """Routes RMSNorm (with its residual add), the rotary embedding and SiLU-and-multiply
+    through the Triton kernels of `engine.kernels.triton`."""
+    from engine.kernels.triton.activation import silu_and_mul
+    from engine.kernels.triton.rms_norm import rms_norm
+    from engine.kernels.triton.rotary import rotary
+    from engine.models.llama import LlamaMLP
+
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.kernel = rms_norm
+        elif isinstance(module, RotaryEmbedding):
+            module.kernel = rotary
+        elif isinstance(module, LlamaMLP):
+            module.activation = silu_and_mul

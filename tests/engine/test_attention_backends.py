@@ -1,0 +1,62 @@
+"""The attention backends end to end: the same greedy tokens from each, and the choice
+between them. Without a GPU the Triton backend runs in Triton's interpreter (slow: tiny
+model, few tokens)."""
+
+import random
+
+import pytest
+import torch
+
+import engine.layers.attention_selector as selector
+from engine import LLM, SamplingParams
+from engine.kernels import cpu_attention
+from engine.kernels import triton as triton_kernels
+
+BACKENDS = ["torch"]
+if cpu_attention.load() is not None:
+    BACKENDS.append("cpu")
+if triton_kernels.installed():
+    BACKENDS.append("triton")
+
+
+def greedy_tokens(model_path: str, backend: str, dtype: str) -> list[list[int]]:
+    prompts = [{"prompt_token_ids": [random.Random(i).randrange(3, 300) for _ in range(5 + 23 * i)]}
+               for i in range(5)]
+    prompts += prompts[:2]  # prefix-cache hits
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with LLM(model_path, dtype=dtype, attention_backend=backend, max_num_batched_tokens=48) as llm:
+        assert llm.llm_engine.model_runner.attention_backend == backend
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "torch"])
+def test_backends_give_the_same_greedy_tokens(tiny_models, backend):
+    """Chunked prefill (48-token steps), prefix-cache hits, decode steps; on the Triton
+    backend also its fused RMSNorm, rotary and SiLU kernels."""
+    model = str(tiny_models["llama"])
+    assert greedy_tokens(model, backend, "float32") == greedy_tokens(model, "torch", "float32")
+
+
+def test_auto_picks_by_device(monkeypatch):
+    monkeypatch.setattr(selector.cpu_attention, "load", lambda: object())
+    assert selector.resolve_backend_name("auto", torch.device("cpu")) == "cpu"
+    monkeypatch.setattr(selector.triton_kernels, "installed", lambda: True)
+    assert selector.resolve_backend_name("auto", torch.device("cuda")) == "triton"
+    monkeypatch.setattr(selector.triton_kernels, "installed", lambda: False)
+    assert selector.resolve_backend_name("auto", torch.device("cuda")) == "torch"
+
+
+def test_impossible_choices_say_why(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(selector.triton_kernels, "installed", lambda: True)
+    with pytest.raises(RuntimeError, match="interpreter"):
+        selector.resolve_backend_name("triton", torch.device("cpu"))
+    with pytest.raises(ValueError, match="compiled CPU kernel"):
+        selector.resolve_backend_name("cpu", torch.device("cuda"))
+
+
+def test_triton_needs_16_token_blocks():
+    from engine.layers.attention_triton import TritonAttentionBackend
+
+    with pytest.raises(ValueError, match="multiple of 16"):
+        TritonAttentionBackend(block_size=8)
