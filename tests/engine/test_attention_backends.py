@@ -12,8 +12,9 @@ from engine import LLM, SamplingParams
 from engine.kernels import cpu_attention
 from engine.kernels import triton as triton_kernels
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BACKENDS = ["torch"]
-if cpu_attention.load() is not None:
+if DEVICE == "cpu" and cpu_attention.load() is not None:
     BACKENDS.append("cpu")
 if triton_kernels.installed():
     BACKENDS.append("triton")
