@@ -24,8 +24,9 @@ _GENERATION_DEFAULTS = {
 class EngineConfig:
     """Everything `LLM(...)` accepts; the meaning of each field follows vLLM's.
 
-    `kv_cache_memory` (bytes) sizes the KV cache on a CPU, `gpu_memory_utilization` (the
-    fraction of the GPU's memory the engine may fill, weights included) on a GPU.
+    `kv_cache_memory` (bytes) sizes the KV cache where it is set; otherwise 4 GiB on a CPU,
+    and on a GPU what `gpu_memory_utilization` (the fraction of the GPU's memory the engine
+    may fill, weights and activations included) leaves.
     `max_num_batched_tokens` is one step's token budget. With `enable_lora`, up to
     `max_loras` adapters run in one step and `max_cpu_loras` stay in host memory.
     `attention_backend` picks the attention kernels (`engine.layers.attention_selector`):
@@ -120,14 +121,17 @@ class ModelConfig:
 
 
 def _resolve_dtype(dtype: str, hf_config: PretrainedConfig, device: torch.device) -> torch.dtype:
-    """The compute dtype: on a CPU by what it can do (see `cpu_dtype`); elsewhere the
-    requested one, or the checkpoint's own for "auto"."""
+    """The compute dtype: on a CPU by what it can do (see `cpu_dtype`); on a GPU the
+    requested one, or for "auto" the checkpoint's own where it is 16-bit and bfloat16
+    otherwise (as vLLM does for float32 checkpoints)."""
     checkpoint = getattr(hf_config, "dtype", None) or torch.float32
     if isinstance(checkpoint, str):
         checkpoint = _DTYPES.get(checkpoint, torch.float32)
     requested = None if dtype == "auto" else _DTYPES[dtype]
     if device.type == "cpu":
         return cpu_dtype(requested, checkpoint, detect_cpu())
+    if requested is None and checkpoint == torch.float32:
+        return torch.bfloat16
     return requested or checkpoint
 
 

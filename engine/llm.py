@@ -47,8 +47,10 @@ class LLM:
         max_num_batched_tokens: Most tokens computed in one step (default 1024 on a CPU,
             4096 on a GPU).
         block_size: Tokens per KV-cache block.
-        kv_cache_memory: Bytes of KV cache on a CPU (default 4 GiB).
-        gpu_memory_utilization: Fraction of GPU memory for weights, activations and cache.
+        kv_cache_memory: Bytes of KV cache (vLLM's kv_cache_memory_bytes); default 4 GiB on a
+            CPU, and on a GPU what gpu_memory_utilization leaves.
+        gpu_memory_utilization: Fraction of GPU memory for weights, activations and cache,
+            planned from a measured forward pass at max_num_batched_tokens.
         enable_prefix_caching: Reuse the KV blocks of prompt prefixes already computed.
         enable_chunked_prefill: Split long prompts over several steps.
         scheduling_policy: "fcfs", or "priority" (lower `priority` values run first).

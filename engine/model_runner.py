@@ -79,6 +79,10 @@ class ModelRunner:
         else:
             logger.info("GPU: %s; dtype %s, %s attention", torch.cuda.get_device_name(self.device),
                         str(model_config.dtype).removeprefix("torch."), self.attention_backend)
+        if self.device.type == "cuda":
+            torch.cuda.init()
+            free, total = torch.cuda.mem_get_info(self.device)
+            self._gpu_used_at_start = total - free
         self.model = load_model(model_config)
         if self.attention_backend == "triton":
             use_triton_kernels(self.model)
@@ -92,6 +96,16 @@ class ModelRunner:
                 max_lora_rank=config.max_lora_rank, dtype=model_config.dtype, device=self.device,
                 base_model=str(config.model or model_config.path),
             )
+        self.cuda_graphs = None
+        if self.attention_backend == "triton" and self.device.type == "cuda" and not config.enforce_eager:
+            if config.enable_lora:
+                logger.info("CUDA graphs are off with enable_lora (adapter slots change between steps)")
+            else:
+                from engine.cuda_graphs import CUDAGraphRunner
+
+                self.cuda_graphs = CUDAGraphRunner(self.model, self.backend, config.max_num_seqs,
+                                                   model_config.max_model_len, self.block_size, self.device)
+                self.cuda_graphs.capture()
 
     # -- KV cache ------------------------------------------------------------------------
 
@@ -108,21 +122,14 @@ class ModelRunner:
     def _plan_kv_cache(self) -> int:
         """Number of blocks that fit the memory budget, logged with how it was computed."""
         block_bytes = self.kv_bytes_per_token * self.block_size
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            # Room for one step's activations and logits, estimated from the step budget.
-            hf = self.model_config.hf_config
-            element = torch.empty(0, dtype=self.model_config.dtype).element_size()
-            activations = self.config.max_num_batched_tokens * (
-                4 * hf.intermediate_size + 8 * hf.hidden_size) * element
-            logits = self.config.max_num_seqs * hf.vocab_size * 4 * 3
-            budget = int(total * self.config.gpu_memory_utilization) - (total - free) - activations - logits
-            how = (f"gpu_memory_utilization={self.config.gpu_memory_utilization} of "
-                   f"{total / 2**30:.1f} GiB, less {(total - free) / 2**30:.2f} GiB in use and "
-                   f"{(activations + logits) / 2**30:.2f} GiB for activations")
-        else:
-            budget = self.config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
+        if self.config.kv_cache_memory is not None:
+            budget = self.config.kv_cache_memory
             how = f"kv_cache_memory={budget / 2**30:.2f} GiB"
+        elif self.device.type == "cuda":
+            budget, how = self._gpu_cache_budget()
+        else:
+            budget = DEFAULT_KV_CACHE_MEMORY
+            how = f"kv_cache_memory={budget / 2**30:.2f} GiB (the CPU default)"
         num_blocks = budget // block_bytes
         if num_blocks < 1:
             raise ValueError(f"the KV cache budget ({how}) holds no block of {block_bytes} bytes; raise it")
@@ -136,6 +143,49 @@ class ModelRunner:
             num_blocks * block_bytes / 2**30, self.kv_bytes_per_token, how,
         )
         return num_blocks
+
+    def _gpu_cache_budget(self) -> tuple[int, str]:
+        """Bytes for the KV cache as vLLM counts them: `gpu_memory_utilization` of the GPU,
+        less the weights, the peak activations of a measured forward pass at the step
+        budget, and the memory this process holds outside PyTorch's allocator (CUDA
+        context, library workspaces)."""
+        weights = torch.cuda.memory_allocated(self.device)
+        activations = self._profile_step()
+        free, total = torch.cuda.mem_get_info(self.device)
+        non_torch = max(0, (total - free) - self._gpu_used_at_start - torch.cuda.memory_reserved(self.device))
+        budget = int(total * self.config.gpu_memory_utilization) - weights - activations - non_torch
+        how = (f"gpu_memory_utilization={self.config.gpu_memory_utilization} of {total / 2**30:.1f} GiB, less "
+               f"weights {weights / 2**30:.2f} GiB, activations {activations / 2**30:.2f} GiB (measured at "
+               f"{self.config.max_num_batched_tokens} tokens) and {non_torch / 2**30:.2f} GiB outside PyTorch")
+        if budget <= 0:
+            raise ValueError(f"no GPU memory is left for the KV cache ({how}); raise gpu_memory_utilization or "
+                             "lower max_num_batched_tokens")
+        return budget, how
+
+    def _profile_step(self) -> int:
+        """Peak bytes above the weights of a forward pass over `max_num_batched_tokens`
+        tokens (sequences of at most max_model_len) and the sampler's logits for
+        max_num_seqs rows, on a one-block scratch cache."""
+        tokens, longest = self.config.max_num_batched_tokens, self.model_config.max_model_len
+        lengths = [min(longest, tokens - start) for start in range(0, tokens, longest)]
+        self.num_blocks = 1
+        self._allocate_kv_cache()
+        step = StepInputs(input_ids=[0] * tokens, positions=[p for n in lengths for p in range(n)],
+                          slots=[self.null_slot] * tokens, query_lens=lengths, context_lens=lengths,
+                          block_tables=[[0] * -(-n // self.block_size) for n in lengths])
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        weights = torch.cuda.memory_allocated(self.device)
+        with torch.inference_mode():
+            hidden = self.model(torch.zeros(tokens, dtype=torch.long, device=self.device),
+                                torch.tensor(step.positions, device=self.device), self.attention_metadata(step))
+            rows = min(self.config.max_num_seqs, tokens)
+            self.model.compute_logits(hidden[:rows]).float().sort(dim=-1)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - weights
+        for attn in self._attention_layers():
+            attn.k_cache = attn.v_cache = torch.empty(0)
+        return peak
 
     def _allocate_kv_cache(self) -> None:
         """One extra block past the managed ones is the null block: zeros that padded key
@@ -233,7 +283,11 @@ class ModelRunner:
         return meta
 
     def _forward(self, step: "StepInputs") -> torch.Tensor:
-        """Hidden states [tokens, hidden] of the step's rows."""
+        """Hidden states [tokens, hidden] of the step's rows: a CUDA graph's replay for a
+        decode step that fits one, else the model run eagerly."""
+        graphs = self.cuda_graphs
+        if graphs is not None and max(step.query_lens) == 1 and graphs.fits(len(step.query_lens)):
+            return graphs.run(step.input_ids, step.positions, step.slots, step.context_lens, step.block_tables)
         meta = self.attention_metadata(step)
         to_device = dict(dtype=torch.long, device=self.device)
         return self.model(torch.tensor(step.input_ids, **to_device), torch.tensor(step.positions, **to_device), meta)
