@@ -14,6 +14,7 @@ cache) at the measured copy bandwidth, against our measured decode step.
 """
 
 import argparse
+import logging
 import random
 import sys
 import tempfile
@@ -137,6 +138,7 @@ def main() -> None:
     parser.add_argument("--peer-prompts", type=int, default=128, help="prompts the transformers peers run")
     parser.add_argument("--peers", default="hf-generate,hf-continuous")
     args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     with tempfile.TemporaryDirectory() as tmp:
         folder = build_model(Path(tmp) / "llama-1b-random")
