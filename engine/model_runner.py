@@ -192,7 +192,7 @@ class ModelRunner:
         positions point to, so attention never reads memory nothing has written."""
         num_slots = (self.num_blocks + 1) * self.block_size
         self.null_slot = self.num_blocks * self.block_size
-        self.backend = make_backend(self.attention_backend, self.block_size, self.null_slot)
+        self.backend = make_backend(self.attention_backend, self.null_slot)
         for attn in self._attention_layers():
             shape = self.backend.cache_shape(num_slots, self.block_size, attn.num_kv_heads, attn.head_dim)
             for name in ("k_cache", "v_cache"):

@@ -34,12 +34,12 @@ def resolve_backend_name(setting: str, device: torch.device) -> str:
     return setting
 
 
-def make_backend(name: str, block_size: int, null_slot: int) -> AttentionBackend:
+def make_backend(name: str, null_slot: int) -> AttentionBackend:
     """The backend called `name` (as `resolve_backend_name` returns it)."""
     if name == "triton":
         from engine.layers.attention_triton import TritonAttentionBackend
 
-        return TritonAttentionBackend(block_size)
+        return TritonAttentionBackend()
     if name == "cpu":
         from engine.layers.attention_cpu import CpuAttentionBackend
 

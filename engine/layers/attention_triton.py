@@ -19,10 +19,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     name = "triton"
 
-    def __init__(self, block_size: int) -> None:
-        if block_size % 16:
-            raise ValueError(f"attention_backend='triton' needs a block_size that is a multiple of 16 (its "
-                             f"products take 16-key tiles), got {block_size}")
+    def __init__(self) -> None:
         self.fixed_splits: int | None = None
 
     def cache_shape(self, num_slots: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:

@@ -54,10 +54,3 @@ def test_impossible_choices_say_why(monkeypatch):
         selector.resolve_backend_name("triton", torch.device("cpu"))
     with pytest.raises(ValueError, match="compiled CPU kernel"):
         selector.resolve_backend_name("cpu", torch.device("cuda"))
-
-
-def test_triton_needs_16_token_blocks():
-    from engine.layers.attention_triton import TritonAttentionBackend
-
-    with pytest.raises(ValueError, match="multiple of 16"):
-        TritonAttentionBackend(block_size=8)

@@ -116,12 +116,13 @@ def test_untied_embeddings_and_text_prompts(tmp_path):
 
 def test_bfloat16_projections_match_float32(tiny_models):
     """The bfloat16 CPU path computes what float32 computes: through oneDNN's prepacked
-    weights where the CPU has native bfloat16, the plain product elsewhere."""
+    weights where the CPU has native bfloat16, the plain product elsewhere (on the CPU also
+    where there is a GPU)."""
     from engine.hardware import detect_cpu
     from engine.layers.linear import Linear
 
     prompts = mixed_prompts(seed=1, count=16)
-    with LLM(str(tiny_models["qwen2"]), dtype="bfloat16") as llm:
+    with LLM(str(tiny_models["qwen2"]), dtype="bfloat16", device="cpu") as llm:
         linears = [m for m in llm.llm_engine.model_runner.model.modules() if isinstance(m, Linear)]
         assert linears and all((m.packed_weight is not None) == detect_cpu().native_bf16 for m in linears)
         layer = linears[0]
@@ -132,7 +133,7 @@ def test_bfloat16_projections_match_float32(tiny_models):
                                                         layer.packed_weight, None, "none", [], "").t()
         torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, weight, layer.bias))
         low = engine_greedy(llm, prompts)
-    with LLM(str(tiny_models["qwen2"]), dtype="float32") as llm:
+    with LLM(str(tiny_models["qwen2"]), dtype="float32", device="cpu") as llm:
         high = engine_greedy(llm, prompts)
     # A random tiny model's logits are flat, so bfloat16 rounding flips a few first tokens
     # (14 of 16 agree, measured); a broken path would agree by chance (1 in 320).

@@ -35,17 +35,17 @@ def reference_attention(q, k, v, first_position):
     return torch.einsum("hqk,khd->qhd", probs, v)
 
 
-def paged_case(rng, dtype, seq_shapes, heads=6, kv_heads=2, dim=32, num_blocks=48):
+def paged_case(rng, dtype, seq_shapes, heads=6, kv_heads=2, dim=32, num_blocks=48, block=BLOCK):
     """A paged cache holding each sequence's context and the step's queries.
     `seq_shapes` are (new tokens, cached tokens before them) per sequence."""
-    k_cache = torch.randn(num_blocks, BLOCK, kv_heads, dim, device=DEVICE).to(dtype)
+    k_cache = torch.randn(num_blocks, block, kv_heads, dim, device=DEVICE).to(dtype)
     v_cache = torch.randn_like(k_cache)
     free = list(range(num_blocks))
     rng.shuffle(free)
     tables, seq_lens, starts = [], [], [0]
     for new, cached in seq_shapes:
         context = new + cached
-        tables.append([free.pop() for _ in range(-(-context // BLOCK))])
+        tables.append([free.pop() for _ in range(-(-context // block))])
         seq_lens.append(context)
         starts.append(starts[-1] + new)
     width = max(len(t) for t in tables)
@@ -55,19 +55,22 @@ def paged_case(rng, dtype, seq_shapes, heads=6, kv_heads=2, dim=32, num_blocks=4
 
 
 def gathered(cache, table, context):
+    block = cache.shape[1]
     positions = torch.arange(context)
-    slots = torch.tensor(table)[positions // BLOCK] * BLOCK + positions % BLOCK
+    slots = torch.tensor(table)[positions // block] * block + positions % block
     return cache.view(-1, *cache.shape[2:])[slots.to(cache.device)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_prefill_attention_matches_reference(dtype):
+@pytest.mark.parametrize("block", [16, 8])
+def test_prefill_attention_matches_reference(dtype, block):
     from engine.kernels.triton.paged_attention import prefill_attention
 
     rng = random.Random(0)
     torch.manual_seed(0)
     shapes = [(1, 0), (17, 0), (5, 40), (33, 3), (1, 70)]  # new prompts, prefix hits, chunks, a decode row
-    q, k_cache, v_cache, tables_t, seq_lens, starts, tables = paged_case(rng, dtype, shapes)
+    q, k_cache, v_cache, tables_t, seq_lens, starts, tables = paged_case(rng, dtype, shapes, num_blocks=96,
+                                                                         block=block)
     out = prefill_attention(q, k_cache, v_cache, torch.tensor(starts, dtype=torch.int32, device=DEVICE),
                             torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), tables_t,
                             max(n for n, _ in shapes), q.shape[-1] ** -0.5)

@@ -15,15 +15,26 @@ import torch
 import triton
 import triton.language as tl
 
-# Keys per split of a decode sequence's context.
+# Keys per split of a decode sequence's context (a multiple of KEY_TILE).
 DECODE_PARTITION = 512
+# Keys per loop iteration, gathered through the block table whatever the block size.
+KEY_TILE = 64
+
+
+@triton.jit
+def _kv_offsets(table_ptr, key_positions, key_ok, kv_head, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                BLOCK_SIZE: tl.constexpr, dims):
+    """Offsets [keys, dims] of one KV head's keys at `key_positions`, through a block table row."""
+    blocks = tl.load(table_ptr + key_positions // BLOCK_SIZE, mask=key_ok, other=0)
+    slots = blocks * BLOCK_SIZE + key_positions % BLOCK_SIZE
+    return (slots[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + dims[None, :]
 
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_ptr, seq_lens_ptr, block_tables_ptr,
                     scale, table_stride, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+                    TILE_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
     seq = tl.program_id(0)
     m_block = tl.program_id(1)
     head = tl.program_id(2)
@@ -44,20 +55,21 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_ptr, s
         total = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         key_end = tl.minimum(context, computed + (m_block + 1) * BLOCK_M)
-        offsets = tl.arange(0, BLOCK_SIZE)
-        for start in range(0, key_end, BLOCK_SIZE):
-            block = tl.load(block_tables_ptr + seq * table_stride + start // BLOCK_SIZE)
-            kv_offsets = ((block * BLOCK_SIZE + offsets)[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + dims[None, :]
-            k = tl.load(k_cache_ptr + kv_offsets, mask=dim_ok[None, :], other=0.0)
-            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        offsets = tl.arange(0, TILE_N)
+        for start in range(0, key_end, TILE_N):
             key_positions = start + offsets
-            visible = (key_positions[None, :] <= positions[:, None]) & (key_positions[None, :] < context)
+            key_ok = key_positions < key_end
+            kv_offsets = _kv_offsets(block_tables_ptr + seq * table_stride, key_positions, key_ok, kv_head,
+                                     NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, dims)
+            k = tl.load(k_cache_ptr + kv_offsets, mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            visible = (key_positions[None, :] <= positions[:, None]) & key_ok[None, :]
             scores = tl.where(visible, scores, float("-inf"))
             new_top = tl.maximum(top, tl.max(scores, 1))
             p = tl.exp(scores - new_top[:, None])
             alpha = tl.exp(top - new_top)
             total = total * alpha + tl.sum(p, 1)
-            v = tl.load(v_cache_ptr + kv_offsets, mask=dim_ok[None, :], other=0.0)
+            v = tl.load(v_cache_ptr + kv_offsets, mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             top = new_top
         out = acc / total[:, None]
@@ -69,7 +81,7 @@ def _decode_partition_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_acc_ptr, part
                              seq_lens_ptr, block_tables_ptr, scale, table_stride, num_splits,
                              NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                              BLOCK_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
-                             PARTITION: tl.constexpr, PRECISION: tl.constexpr):
+                             PARTITION: tl.constexpr, TILE_N: tl.constexpr, PRECISION: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -87,19 +99,21 @@ def _decode_partition_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_acc_ptr, part
         top = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         total = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
-        offsets = tl.arange(0, BLOCK_SIZE)
+        offsets = tl.arange(0, TILE_N)
         end = tl.minimum(context, start + PARTITION)
-        for key_start in range(start, end, BLOCK_SIZE):
-            block = tl.load(block_tables_ptr + seq * table_stride + key_start // BLOCK_SIZE)
-            kv_offsets = ((block * BLOCK_SIZE + offsets)[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + dims[None, :]
-            k = tl.load(k_cache_ptr + kv_offsets, mask=dim_ok[None, :], other=0.0)
+        for key_start in range(start, end, TILE_N):
+            key_positions = key_start + offsets
+            key_ok = key_positions < end
+            kv_offsets = _kv_offsets(block_tables_ptr + seq * table_stride, key_positions, key_ok, kv_head,
+                                     NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, dims)
+            k = tl.load(k_cache_ptr + kv_offsets, mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-            scores = tl.where((key_start + offsets)[None, :] < end, scores, float("-inf"))
+            scores = tl.where(key_ok[None, :], scores, float("-inf"))
             new_top = tl.maximum(top, tl.max(scores, 1))
             p = tl.exp(scores - new_top[:, None])
             alpha = tl.exp(top - new_top)
             total = total * alpha + tl.sum(p, 1)
-            v = tl.load(v_cache_ptr + kv_offsets, mask=dim_ok[None, :], other=0.0)
+            v = tl.load(v_cache_ptr + kv_offsets, mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             top = new_top
         stat = (seq * NUM_HEADS + heads) * num_splits + split
@@ -149,8 +163,8 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     grid = (seqs, triton.cdiv(max_query_len, block_m), heads)
     _prefill_kernel[grid](q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale,
                           block_tables.stride(0), NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HEAD_DIM=head_dim,
-                          BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_D=triton.next_power_of_2(head_dim),
-                          PRECISION=_precision(q.dtype))
+                          BLOCK_SIZE=block_size, BLOCK_M=block_m, TILE_N=KEY_TILE,
+                          BLOCK_D=triton.next_power_of_2(head_dim), PRECISION=_precision(q.dtype))
     return out
 
 
@@ -176,7 +190,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q, k_cache, v_cache, part_acc, part_top, part_total, seq_lens, block_tables, scale, block_tables.stride(0),
         num_splits, NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         GROUP_PAD=max(16, triton.next_power_of_2(heads // kv_heads)), BLOCK_D=block_d, PARTITION=DECODE_PARTITION,
-        PRECISION=_precision(q.dtype))
+        TILE_N=KEY_TILE, PRECISION=_precision(q.dtype))
     out = torch.empty_like(q)
     _decode_merge_kernel[(seqs, heads)](part_acc, part_top, part_total, out, seq_lens, num_splits, NUM_HEADS=heads,
                                         HEAD_DIM=head_dim, BLOCK_D=block_d,
