@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from engine import LLM, LoRARequest, SamplingParams
+from engine.kernels import triton as triton_kernels
 from tests.lora_adapters import build_lora_adapter, peft_greedy
 from tests.tiny_models import build_tiny_model
 
@@ -26,7 +27,8 @@ def prompts_of(count: int, vocab: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(3, 40))] for _ in range(count)]
 
 
-def check_mixed_batch_matches_peft(base: Path, root: Path, vocab: int, num_prompts: int, new_tokens: int) -> None:
+def check_mixed_batch_matches_peft(base: Path, root: Path, vocab: int, num_prompts: int, new_tokens: int,
+                                   **settings) -> None:
     """Every prompt with each of three adapters and with none, all in one call, equals
     PEFT's greedy output for that prompt and adapter."""
     adapters = [build_lora_adapter(base, root / f"adapter{i}", seed=i, **spec) for i, spec in enumerate(ADAPTER_SPECS)]
@@ -38,7 +40,7 @@ def check_mixed_batch_matches_peft(base: Path, root: Path, vocab: int, num_promp
     requests = [LoRARequest(f"adapter{i}", i + 1, str(folder)) for i, folder in enumerate(adapters)]
     choice = [None, 0, 1, 2] * num_prompts
     rows = [{"prompt_token_ids": prompts[j // 4]} for j in range(len(choice))]
-    with LLM(str(base), dtype="float32", enable_lora=True, max_loras=4, max_lora_rank=16) as llm:
+    with LLM(str(base), dtype="float32", enable_lora=True, max_loras=4, max_lora_rank=16, **settings) as llm:
         outs = llm.generate(rows, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True),
                             lora_request=[None if c is None else requests[c] for c in choice], use_tqdm=False)
         assert llm.llm_engine.lora_manager.stats.num_slot_loads == 3
@@ -50,6 +52,13 @@ def check_mixed_batch_matches_peft(base: Path, root: Path, vocab: int, num_promp
 def test_mixed_adapters_match_peft_on_a_tiny_qwen2(tmp_path):
     base = build_tiny_model(tmp_path / "qwen2", "qwen2")
     check_mixed_batch_matches_peft(base, tmp_path, vocab=300, num_prompts=6, new_tokens=12)
+
+
+@pytest.mark.skipif(not triton_kernels.installed(), reason="triton is not installed")
+def test_mixed_adapters_on_the_triton_backend(tmp_path):
+    """Under Triton's interpreter where there is no GPU."""
+    base = build_tiny_model(tmp_path / "qwen2", "qwen2")
+    check_mixed_batch_matches_peft(base, tmp_path, vocab=300, num_prompts=3, new_tokens=8, attention_backend="triton")
 
 
 @pytest.mark.slow
