@@ -1,0 +1,41 @@
+"""Checks that need a GPU (CUDA); skipped on machines without one, where the Triton
+kernels are checked under Triton's interpreter instead (test_triton_kernels.py)."""
+
+import os
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+TOPICS = ["photosynthesis", "the French revolution", "binary search", "volcanoes", "the stock market",
+          "black holes", "the immune system", "jazz music"]
+ASKS = ["Explain {} in two sentences.", "Write a short poem about {}.", "List three facts about {}.",
+        "Why does {} matter?", "Give a one-line summary of {}.", "What is a common myth about {}?",
+        "How would you teach {} to a child?", "Write a question a student might ask about {}."]
+
+
+def test_embedded_model_bfloat16_matches_float32_greedy():
+    """The default GPU path (bfloat16, Triton kernels, CUDA graphs) against float32 on the
+    embedded model: the first 16 greedy tokens agree on at least 60 of 64 chat prompts
+    (bfloat16 rounding may flip a near-tie now and then). DAGSTER_LLM_TEST_MODEL names a
+    model folder where the embedded model's package is not installed."""
+    from engine.embedded_model import ensure_embedded_model
+
+    path = os.environ.get("DAGSTER_LLM_TEST_MODEL") or str(ensure_embedded_model())
+    conversations = [[{"role": "user", "content": ask.format(topic)}] for topic in TOPICS for ask in ASKS]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    tokens = {}
+    for dtype in ("float32", "auto"):
+        with LLM(path, dtype=dtype, gpu_memory_utilization=0.4) as llm:
+            assert llm.llm_engine.model_runner.attention_backend == "triton"
+            if dtype == "auto":
+                assert llm.llm_engine.model_config.dtype == torch.bfloat16
+                assert llm.llm_engine.model_runner.cuda_graphs is not None
+            tokens[dtype] = [o.outputs[0].token_ids for o in llm.chat(conversations, params, use_tqdm=False)]
+    agree = sum(a == b for a, b in zip(tokens["auto"], tokens["float32"]))
+    print(f"bfloat16 agrees with float32 on the first 16 tokens of {agree} of 64 prompts")
+    assert agree >= 60
