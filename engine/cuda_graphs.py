@@ -55,7 +55,6 @@ class CUDAGraphRunner:
     def capture(self) -> None:
         """Captures every bucket, largest first, sharing one memory pool."""
         start = time.monotonic()
-        before = torch.cuda.memory_reserved()
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.buckets):
             args = (self.input_ids[:size], self.positions[:size], self._metadata(size))
@@ -66,9 +65,8 @@ class CUDAGraphRunner:
                 self.outputs[size] = self.model(*args)
             self.graphs[size] = graph
         torch.cuda.synchronize()
-        logger.info("CUDA graphs: %d decode batch sizes up to %d captured in %.1f s, %.2f GiB",
-                    len(self.buckets), self.buckets[-1], time.monotonic() - start,
-                    (torch.cuda.memory_reserved() - before) / 2**30)
+        logger.info("CUDA graphs: %d decode batch sizes up to %d captured in %.1f s",
+                    len(self.buckets), self.buckets[-1], time.monotonic() - start)
 
     def fits(self, num_seqs: int) -> bool:
         return num_seqs <= self.buckets[-1]

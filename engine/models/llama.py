@@ -98,7 +98,7 @@ class LlamaDecoderLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
-            residual = hidden
+            residual = hidden.float()  # the residual stream stays in float32 (see RMSNorm)
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
@@ -159,8 +159,8 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [rows, vocab] in the model's dtype."""
-        return self.lm_head(hidden)
+        """Logits [rows, vocab] in float32 (see `Linear.forward_float32`)."""
+        return self.lm_head.forward_float32(hidden)
 
     def prepack(self) -> None:
         """Prepares every projection for fast products once the weights are in."""

@@ -13,7 +13,7 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
     ok = cols < HIDDEN
     x = tl.load(x_ptr + row * x_stride + cols, mask=ok, other=0.0)
     if HAS_RESIDUAL:
-        # The sum rounded to the model's dtype, as the residual stream keeps it.
+        # The sum rounded to the residual stream's dtype.
         x = (x.to(tl.float32) + tl.load(residual_ptr + row * HIDDEN + cols, mask=ok, other=0.0).to(tl.float32))
         x = x.to(residual_out_ptr.dtype.element_ty)
         tl.store(residual_out_ptr + row * HIDDEN + cols, x, mask=ok)
@@ -26,11 +26,12 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """weight * rms_norm(x) for x [rows, hidden], computed in float32; given `residual`,
-    of x + residual, and that sum is returned too (as the next residual)."""
+    """weight * rms_norm(x) for x [rows, hidden], computed in float32, in x's dtype; given
+    `residual`, of x + residual, and that sum is returned too, in residual's dtype (the
+    next residual)."""
     rows, hidden = x.shape
     out = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
-    residual_out = torch.empty_like(out) if residual is not None else out
+    residual_out = torch.empty_like(residual) if residual is not None else out
     if rows:
         _rms_norm_kernel[(rows,)](x, residual.contiguous() if residual is not None else x, weight, out, residual_out,
                                   x.stride(0), eps, HIDDEN=hidden, BLOCK=triton.next_power_of_2(hidden),
