@@ -43,8 +43,13 @@ class LLMResource(dg.ConfigurableResource):
     max_model_len: int | None = Field(default=None, description="Longest prompt plus completion; the model's context if unset.")
     max_num_seqs: int = Field(default=256, ge=1, description="Most sequences decoded together in one step.")
     max_num_batched_tokens: int | None = Field(default=None, ge=1, description="Token budget of one engine step.")
-    kv_cache_memory_gb: float | None = Field(default=None, gt=0, description="KV cache size on a CPU, in GiB (default 4).")
-    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1, description="Fraction of GPU memory the engine may use.")
+    kv_cache_memory_gb: float | None = Field(
+        default=None, gt=0,
+        description="KV cache size in GiB (default: 4 on a CPU; on a GPU what gpu_memory_utilization leaves).")
+    gpu_memory_utilization: float = Field(
+        default=0.9, gt=0, le=1,
+        description="Fraction of GPU memory for weights, activations (measured at start-up) and KV cache.")
+    enforce_eager: bool = Field(default=False, description="On a GPU, run decode steps without CUDA graphs.")
     enable_prefix_caching: bool = Field(default=True, description="Reuse the KV cache of shared prompt prefixes.")
     enable_lora: bool = Field(default=False, description="Accept LoRA adapters (needed by assets that declare adapters).")
     max_loras: int = Field(default=1, ge=1, description="Most distinct adapters in one engine step.")
@@ -57,7 +62,8 @@ class LLMResource(dg.ConfigurableResource):
 
     attention_backend: str = Field(
         default="auto",
-        description="'auto' (on a CPU the compiled paged-attention kernel where it builds), 'cpu' or 'torch'.",
+        description="'auto' (Triton kernels on a GPU; on a CPU the compiled paged-attention kernel where it "
+                    "builds), 'triton', 'cpu' or 'torch'.",
     )
 
     _llm: LLM | None = PrivateAttr(default=None)
@@ -72,6 +78,7 @@ class LLMResource(dg.ConfigurableResource):
             max_num_batched_tokens=self.max_num_batched_tokens,
             kv_cache_memory=int(self.kv_cache_memory_gb * 2**30) if self.kv_cache_memory_gb else None,
             gpu_memory_utilization=self.gpu_memory_utilization,
+            enforce_eager=self.enforce_eager,
             enable_prefix_caching=self.enable_prefix_caching,
             enable_lora=self.enable_lora,
             max_loras=self.max_loras,

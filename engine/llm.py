@@ -54,16 +54,18 @@ class LLM:
         enable_prefix_caching: Reuse the KV blocks of prompt prefixes already computed.
         enable_chunked_prefill: Split long prompts over several steps.
         scheduling_policy: "fcfs", or "priority" (lower `priority` values run first).
-        enforce_eager: Never capture CUDA graphs.
+        enforce_eager: Never capture CUDA graphs (on a GPU with the Triton backend, decode
+            steps otherwise replay graphs captured at start-up; they are off with enable_lora).
         enable_lora: Accept `lora_request` in `generate` and `chat`.
         max_loras: Most distinct adapters in one step (device slots).
         max_lora_rank: Highest adapter rank accepted.
         max_cpu_loras: Adapters kept in host memory (default: max_loras).
         num_threads: CPU threads for PyTorch's operators, set for the whole process
             (default: OMP_NUM_THREADS if set, else the cores this process may use).
-        attention_backend: "auto" (on a CPU the compiled paged-attention kernel where it
-            builds, else PyTorch's products), "cpu" (that kernel; an error where it cannot
-            be built) or "torch".
+        attention_backend: "auto" (Triton kernels on a GPU; on a CPU the compiled
+            paged-attention kernel where it builds, else PyTorch's products), "triton" (a GPU,
+            or Triton's interpreter under TRITON_INTERPRET=1), "cpu" (the compiled kernel; an
+            error where it cannot be built) or "torch".
 
     Examples:
         >>> from engine import LLM, SamplingParams
