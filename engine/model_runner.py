@@ -96,6 +96,10 @@ class ModelRunner:
                 max_lora_rank=config.max_lora_rank, dtype=model_config.dtype, device=self.device,
                 base_model=str(config.model or model_config.path),
             )
+            if self.attention_backend == "triton":
+                from engine.kernels.triton.lora import sgmv
+
+                self.lora_manager.batch.kernel = sgmv
         self.cuda_graphs = None
         if self.attention_backend == "triton" and self.device.type == "cuda" and not config.enforce_eager:
             if config.enable_lora:

@@ -1,5 +1,6 @@
 """Adapter weights in device slots, one stack per projection, applied to a mixed batch."""
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -27,19 +28,27 @@ class LoRABatch:
     """
 
     num_slots: int
+    kernel: Callable | None = None  # the Triton SGMV product (see engine.kernels.triton.lora), when set
     every_slot: bool = False
     slots: torch.Tensor | None = None
     slot_list: list[int] = field(default_factory=list)
     gather: torch.Tensor | None = None
     scatter: torch.Tensor | None = None
     block: tuple[int, int] | None = None
+    segments: torch.Tensor | None = None
+    max_rows: int = 0
 
     def set(self, ranges: list[tuple[int, int, int]], num_rows: int, device: torch.device) -> None:
         """`ranges` are (slot, first row, end row), one per slot in use."""
         self.slot_list = [slot for slot, _, _ in ranges]
         self.every_slot = self.slot_list == list(range(self.num_slots))
-        self.slots = self.gather = self.scatter = self.block = None
+        self.slots = self.gather = self.scatter = self.block = self.segments = None
         if not ranges:
+            return
+        if self.kernel is not None:
+            columns = [[start for _, start, _ in ranges], [end - start for _, start, end in ranges], self.slot_list]
+            self.segments = torch.tensor(columns, dtype=torch.int32, device=device)
+            self.max_rows = max(end - start for _, start, end in ranges)
             return
         self.slots = torch.tensor(self.slot_list, device=device)
         width = max(_MIN_GROUP_ROWS, max(end - start for _, start, end in ranges))
@@ -95,6 +104,9 @@ class LoRASlots:
         batch = self.batch
         if not any(self.occupied[slot] for slot in batch.slot_list):
             return out
+        if batch.segments is not None:
+            shrunk = batch.kernel(x, self.a, batch.segments, batch.max_rows)
+            return batch.kernel(shrunk, self.b, batch.segments, batch.max_rows, out=out)
         if batch.every_slot:
             a, b = self.a, self.b
         else:

@@ -44,6 +44,8 @@ def check_mixed_batch_matches_peft(base: Path, root: Path, vocab: int, num_promp
         outs = llm.generate(rows, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True),
                             lora_request=[None if c is None else requests[c] for c in choice], use_tqdm=False)
         assert llm.llm_engine.lora_manager.stats.num_slot_loads == 3
+        if settings.get("attention_backend") == "triton":
+            assert llm.llm_engine.lora_manager.batch.kernel is not None  # the SGMV kernel ran
     for j, (out, c) in enumerate(zip(outs, choice)):
         assert out.outputs[0].token_ids == expected[c][j // 4], f"prompt {j // 4}, adapter {c}"
         assert out.lora_request == (None if c is None else requests[c])

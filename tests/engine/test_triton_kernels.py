@@ -164,3 +164,23 @@ def test_silu_and_mul_matches_reference(dtype):
     x = torch.randn(6, 2 * 40, device=DEVICE).to(dtype)
     gate, up = x.chunk(2, dim=-1)
     torch.testing.assert_close(silu_and_mul(x), torch.nn.functional.silu(gate) * up, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sgmv_shrink_and_expand_match_per_group_products(dtype):
+    from engine.kernels.triton.lora import sgmv
+
+    torch.manual_seed(5)
+    x = torch.randn(23, 40, device=DEVICE).to(dtype)
+    a = torch.randn(3, 40, 24, device=DEVICE).to(dtype)  # 3 slots, in 40, width 24
+    b = torch.randn(3, 24, 48, device=DEVICE).to(dtype)
+    groups = [(0, 5, 2), (5, 17, 0), (22, 1, 1)]  # (first row, rows, slot); an odd group of one row
+    segments = torch.tensor([[g[0] for g in groups], [g[1] for g in groups], [g[2] for g in groups]],
+                            dtype=torch.int32, device=DEVICE)
+    base = torch.randn(23, 48, device=DEVICE).to(dtype)
+    shrunk = sgmv(x, a, segments, max_rows=17)
+    out = sgmv(shrunk, b, segments, max_rows=17, out=base.clone())
+    expected_shrunk = torch.cat([x[s : s + n].float() @ a[slot].float() for s, n, slot in groups])
+    torch.testing.assert_close(shrunk.float(), expected_shrunk, **tolerance(dtype))
+    expected = base.float() + torch.cat([shrunk[s : s + n].float() @ b[slot].float() for s, n, slot in groups])
+    torch.testing.assert_close(out.float(), expected, **tolerance(dtype))
