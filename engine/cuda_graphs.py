@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from engine.layers.attention import AttentionMetadata
-from engine.layers.attention_triton import TritonAttentionBackend
 from engine.kernels.triton.paged_attention import decode_splits
 
 logger = logging.getLogger(__name__)
@@ -29,10 +28,9 @@ def decode_buckets(max_num_seqs: int) -> list[int]:
 class CUDAGraphRunner:
     """Captured decode forwards of `model` and the static buffers they read and write."""
 
-    def __init__(self, model: nn.Module, backend: TritonAttentionBackend, max_num_seqs: int, max_model_len: int,
-                 block_size: int, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, max_num_seqs: int, max_model_len: int, block_size: int,
+                 device: torch.device) -> None:
         self.model = model
-        self.backend = backend
         self.block_size = block_size
         self.buckets = decode_buckets(max_num_seqs)
         size, max_blocks = self.buckets[-1], -(-max_model_len // block_size)
@@ -50,7 +48,8 @@ class CUDAGraphRunner:
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:size], query_start_loc=self.query_start_loc[: size + 1],
             seq_lens=self.seq_lens[:size], block_tables=self.block_tables[:size], query_lens=[1] * size,
-            context_lens=[0] * size, block_size=self.block_size, backend_data=self.splits)
+            context_lens=[0] * size, host_block_tables=[[] for _ in range(size)], block_size=self.block_size,
+            backend_data=self.splits)
 
     def capture(self) -> None:
         """Captures every bucket, largest first, sharing one memory pool."""

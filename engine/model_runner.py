@@ -79,8 +79,6 @@ class ModelRunner:
         else:
             logger.info("GPU: %s; dtype %s, %s attention", torch.cuda.get_device_name(self.device),
                         str(model_config.dtype).removeprefix("torch."), self.attention_backend)
-        if self.device.type == "cuda":
-            torch.cuda.init()
             free, total = torch.cuda.mem_get_info(self.device)
             self._gpu_used_at_start = total - free
         self.model = load_model(model_config)
@@ -107,8 +105,8 @@ class ModelRunner:
             else:
                 from engine.cuda_graphs import CUDAGraphRunner
 
-                self.cuda_graphs = CUDAGraphRunner(self.model, self.backend, config.max_num_seqs,
-                                                   model_config.max_model_len, self.block_size, self.device)
+                self.cuda_graphs = CUDAGraphRunner(self.model, config.max_num_seqs, model_config.max_model_len,
+                                                   self.block_size, self.device)
                 self.cuda_graphs.capture()
 
     # -- KV cache ------------------------------------------------------------------------
@@ -181,8 +179,7 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         weights = torch.cuda.memory_allocated(self.device)
         with torch.inference_mode():
-            hidden = self.model(torch.zeros(tokens, dtype=torch.long, device=self.device),
-                                torch.tensor(step.positions, device=self.device), self.attention_metadata(step))
+            hidden = self._run_eager(step)
             rows = min(self.config.max_num_seqs, tokens)
             self.model.compute_logits(hidden[:rows]).float().sort(dim=-1)
         torch.cuda.synchronize(self.device)
@@ -271,7 +268,7 @@ class ModelRunner:
             step.sample_seqs.append(child)
         return step
 
-    def attention_metadata(self, step: "StepInputs") -> AttentionMetadata:
+    def _attention_metadata(self, step: "StepInputs") -> AttentionMetadata:
         """The step's attention metadata, prepared by the backend."""
         device = self.device
         width = max(len(table) for table in step.block_tables)
@@ -282,7 +279,8 @@ class ModelRunner:
             seq_lens=torch.tensor(step.context_lens, dtype=torch.int32, device=device),
             block_tables=torch.tensor([t + [0] * (width - len(t)) for t in step.block_tables], dtype=torch.int32,
                                       device=device),
-            query_lens=step.query_lens, context_lens=step.context_lens, block_size=self.block_size)
+            query_lens=step.query_lens, context_lens=step.context_lens, host_block_tables=step.block_tables,
+            block_size=self.block_size)
         self.backend.prepare(meta)
         return meta
 
@@ -292,7 +290,10 @@ class ModelRunner:
         graphs = self.cuda_graphs
         if graphs is not None and max(step.query_lens) == 1 and graphs.fits(len(step.query_lens)):
             return graphs.run(step.input_ids, step.positions, step.slots, step.context_lens, step.block_tables)
-        meta = self.attention_metadata(step)
+        return self._run_eager(step)
+
+    def _run_eager(self, step: "StepInputs") -> torch.Tensor:
+        meta = self._attention_metadata(step)
         to_device = dict(dtype=torch.long, device=self.device)
         return self.model(torch.tensor(step.input_ids, **to_device), torch.tensor(step.positions, **to_device), meta)
 

@@ -1,11 +1,11 @@
 """The PyTorch attention backend: each sequence's keys gathered from the paged cache into a
 padded batch, then batched matrix products. Runs on any device; the reference for the others."""
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from engine.layers.attention import Attention, AttentionBackend, AttentionMetadata
 
@@ -83,11 +83,10 @@ class TorchAttentionBackend(AttentionBackend):
         v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        starts = meta.query_start_loc.tolist()
-        tables = meta.block_tables.tolist()
         decode, prefill = [], []
-        for i, (new, context) in enumerate(zip(meta.query_lens, meta.context_lens)):
-            (decode if new == 1 else prefill).append((starts[i], new, context - new, tables[i]))
+        starts = itertools.accumulate(meta.query_lens, initial=0)
+        for start, new, context, table in zip(starts, meta.query_lens, meta.context_lens, meta.host_block_tables):
+            (decode if new == 1 else prefill).append((start, new, context - new, table))
         device = meta.slot_mapping.device
         meta.backend_data = [self._group(g, meta.block_size, device) for g in (decode, prefill) if g]
 

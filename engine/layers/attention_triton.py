@@ -14,13 +14,10 @@ from engine.layers.attention import Attention, AttentionBackend, AttentionMetada
 
 
 class TritonAttentionBackend(AttentionBackend):
-    """`fixed_splits`, when set, is the decode kernel's context split count for every step
-    (CUDA graphs capture one launch shape; see `engine.cuda_graphs`)."""
+    """`backend_data` is the decode kernel's context split count: from the step's longest
+    context here, fixed for every step where CUDA graphs replay (see `engine.cuda_graphs`)."""
 
     name = "triton"
-
-    def __init__(self) -> None:
-        self.fixed_splits: int | None = None
 
     def cache_shape(self, num_slots: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         return (num_slots // block_size, block_size, num_kv_heads, head_dim)
@@ -29,7 +26,7 @@ class TritonAttentionBackend(AttentionBackend):
         return cache.view(-1, *cache.shape[2:])
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        meta.backend_data = self.fixed_splits or decode_splits(meta.max_seq_len)
+        meta.backend_data = decode_splits(meta.max_seq_len)
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  meta: AttentionMetadata) -> None:

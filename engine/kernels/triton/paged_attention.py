@@ -31,6 +31,26 @@ def _kv_offsets(table_ptr, key_positions, key_ok, kv_head, NUM_KV_HEADS: tl.cons
 
 
 @triton.jit
+def _attend_tile(q, k_cache_ptr, v_cache_ptr, table_ptr, key_positions, key_ok, visible, kv_head, dims, dim_ok,
+                 scale, top, total, acc, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr):
+    """One tile of keys folded into the queries' running softmax (online softmax): returns
+    the new running maximum, sum of weights and weighted value sum. `visible` [queries,
+    keys] masks the scores."""
+    kv_offsets = _kv_offsets(table_ptr, key_positions, key_ok, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, dims)
+    kv_mask = key_ok[:, None] & dim_ok[None, :]
+    k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    scores = tl.where(visible, scores, float("-inf"))
+    new_top = tl.maximum(top, tl.max(scores, 1))
+    p = tl.exp(scores - new_top[:, None])
+    alpha = tl.exp(top - new_top)
+    v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return new_top, total * alpha + tl.sum(p, 1), acc
+
+
+@triton.jit
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_ptr, seq_lens_ptr, block_tables_ptr,
                     scale, table_stride, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -59,19 +79,10 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_ptr, s
         for start in range(0, key_end, TILE_N):
             key_positions = start + offsets
             key_ok = key_positions < key_end
-            kv_offsets = _kv_offsets(block_tables_ptr + seq * table_stride, key_positions, key_ok, kv_head,
-                                     NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, dims)
-            k = tl.load(k_cache_ptr + kv_offsets, mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
-            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             visible = (key_positions[None, :] <= positions[:, None]) & key_ok[None, :]
-            scores = tl.where(visible, scores, float("-inf"))
-            new_top = tl.maximum(top, tl.max(scores, 1))
-            p = tl.exp(scores - new_top[:, None])
-            alpha = tl.exp(top - new_top)
-            total = total * alpha + tl.sum(p, 1)
-            v = tl.load(v_cache_ptr + kv_offsets, mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            top = new_top
+            top, total, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * table_stride,
+                                           key_positions, key_ok, visible, kv_head, dims, dim_ok, scale, top, total,
+                                           acc, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, PRECISION)
         out = acc / total[:, None]
         tl.store(out_ptr + q_offsets, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
 
@@ -104,18 +115,9 @@ def _decode_partition_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_acc_ptr, part
         for key_start in range(start, end, TILE_N):
             key_positions = key_start + offsets
             key_ok = key_positions < end
-            kv_offsets = _kv_offsets(block_tables_ptr + seq * table_stride, key_positions, key_ok, kv_head,
-                                     NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, dims)
-            k = tl.load(k_cache_ptr + kv_offsets, mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
-            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-            scores = tl.where(key_ok[None, :], scores, float("-inf"))
-            new_top = tl.maximum(top, tl.max(scores, 1))
-            p = tl.exp(scores - new_top[:, None])
-            alpha = tl.exp(top - new_top)
-            total = total * alpha + tl.sum(p, 1)
-            v = tl.load(v_cache_ptr + kv_offsets, mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            top = new_top
+            top, total, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * table_stride,
+                                           key_positions, key_ok, key_ok[None, :], kv_head, dims, dim_ok, scale, top,
+                                           total, acc, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, PRECISION)
         stat = (seq * NUM_HEADS + heads) * num_splits + split
         tl.store(part_top_ptr + stat, top, mask=member_ok)
         tl.store(part_total_ptr + stat, total, mask=member_ok)
