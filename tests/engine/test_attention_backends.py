@@ -54,3 +54,11 @@ def test_impossible_choices_say_why(monkeypatch):
         selector.resolve_backend_name("triton", torch.device("cpu"))
     with pytest.raises(ValueError, match="compiled CPU kernel"):
         selector.resolve_backend_name("cpu", torch.device("cuda"))
+
+
+def test_cuda_graph_buckets():
+    from engine.cuda_graphs import decode_buckets
+
+    assert decode_buckets(256) == [1, 2, 4, 8, *range(16, 257, 16)]
+    assert decode_buckets(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert decode_buckets(1) == [1]
