@@ -3,7 +3,7 @@
 import gc
 import itertools
 import time
-from collections.abc import Callable, Sequence as SequenceABC
+from collections.abc import Callable, Iterator, Sequence as SequenceABC
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -197,27 +197,57 @@ class LLM:
             ValueError: before any work starts, listing every bad row (index, field,
                 reason and what to do).
         """
-        engine = self.engine
+        finished = self.generate_as_completed(prompts, sampling_params, use_tqdm=use_tqdm,
+                                              lora_request=lora_request, priority=priority)
+        outputs: list[RequestOutput | None] = [None] * len(finished)
+        for index, output in finished:
+            outputs[index] = output
+        return outputs
+
+    def generate_as_completed(
+        self,
+        prompts: PromptType | SequenceABC[PromptType],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool | Callable[..., Any] = True,
+        lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None = None,
+        priority: int | SequenceABC[int] | None = None,
+    ) -> "CompletedRequests":
+        """Like `generate`, but hands each request's output over as soon as it finishes.
+
+        Validates every row at once before anything runs (raising as `generate` does) and
+        returns an iterable of `(index, RequestOutput)` pairs, `index` being the prompt's
+        position, in the order the requests finish; `len()` of it is the number of
+        prompts. Requests are queued when iteration starts; stopping early (closing the
+        iterator, or an exception in the progress callback) aborts those still queued or
+        running, and their KV blocks return to the cache.
+        """
         requests = self._validate(prompts, sampling_params, lora_request, priority)
+        return CompletedRequests(self._run(requests, use_tqdm), len(requests))
+
+    def _run(self, requests: list[_Request], use_tqdm: bool | Callable[..., Any]) -> Iterator[tuple[int, RequestOutput]]:
         if not requests:
-            return []
+            return
+        engine = self.engine
         seqs = [
             engine.add_request(str(next(self._request_ids)), r.prompt, r.prompt_token_ids,
                                r.sampling_params, r.priority, r.lora_request)
             for r in requests
         ]
+        index_of = {seq.request_id: i for i, seq in enumerate(seqs)}
         progress = _Progress(use_tqdm, len(seqs))
         try:
             while engine.has_unfinished_requests():
-                finished = engine.step()
                 # Completions of one request may finish in the same step: count it once.
-                progress.update(list({s.group[0] for s in finished if s.request_finished}))
-        except BaseException:
+                done = list({s.group[0] for s in engine.step() if s.request_finished})
+                progress.update(done)
+                for seq in done:
+                    yield index_of[seq.request_id], engine.request_output(seq)
+        except BaseException:  # GeneratorExit included: the caller stopped early
             engine.abort_all()
             raise
         finally:
             progress.close()
-        return [engine.request_output(seq) for seq in seqs]
 
     def validate(
         self,
@@ -347,6 +377,24 @@ class LLM:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+class CompletedRequests:
+    """The `(index, RequestOutput)` pairs of `LLM.generate_as_completed`, as requests finish."""
+
+    def __init__(self, pairs: Iterator[tuple[int, RequestOutput]], count: int) -> None:
+        self._pairs = pairs
+        self._count = count
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __iter__(self) -> Iterator[tuple[int, RequestOutput]]:
+        return self._pairs
+
+    def close(self) -> None:
+        """Stops early: aborts the requests that have not finished."""
+        self._pairs.close()
 
 
 def _per_prompt(name: str, value: Any, count: int, problems: list[str]) -> list[Any]:

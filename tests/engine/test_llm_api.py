@@ -46,6 +46,33 @@ def test_every_bad_row_is_reported_before_any_work(llm):
     assert not engine.has_unfinished_requests()
 
 
+def test_generate_as_completed_hands_over_each_output_as_it_finishes(llm):
+    prompts = [f"Count to {i}:" for i in range(6)]
+    params = [SamplingParams(temperature=0, max_tokens=2 + 3 * i, ignore_eos=True) for i in range(6)]
+    expected = llm.generate(prompts, params, use_tqdm=False)
+    finished = llm.generate_as_completed(prompts, params, use_tqdm=False)
+    assert len(finished) == 6
+    pairs = list(finished)
+    # Shorter completions finish first; each pair carries its prompt's position.
+    assert [index for index, _ in pairs] == list(range(6))
+    for index, output in pairs:
+        assert output.outputs[0].token_ids == expected[index].outputs[0].token_ids
+
+
+def test_generate_as_completed_validates_before_iteration_and_aborts_when_closed(llm):
+    with pytest.raises(ValueError, match="row 1, prompt: is empty"):
+        llm.generate_as_completed(["fine", ""], SamplingParams(max_tokens=2))
+    engine = llm.llm_engine
+    free = engine.block_manager.num_free_blocks
+    params = [SamplingParams(temperature=0, max_tokens=2)] + [SamplingParams(temperature=0, max_tokens=40)] * 3
+    finished = iter(llm.generate_as_completed(["a b", "c d", "e f", "g h"], params, use_tqdm=False))
+    index, _ = next(finished)
+    assert index == 0 and engine.has_unfinished_requests()
+    finished.close()
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_blocks == free
+
+
 def test_per_prompt_lists_must_match_the_prompts(llm):
     with pytest.raises(ValueError, match="sampling_params: got 1 values for 2 prompts"):
         llm.generate(["a", "b"], [SamplingParams()], use_tqdm=False)
