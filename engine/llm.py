@@ -145,6 +145,10 @@ class LLM:
         template already holds any BOS token: a second one would change the output.
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        problems = [f"conversation {i}, {problem}" for i, conversation in enumerate(conversations)
+                    if (problem := chat_messages_problem(conversation)) is not None]
+        if problems:
+            raise ValueError(f"{len(problems)} invalid conversation(s); nothing was run:\n  " + "\n  ".join(problems))
         tokenizer = self.engine.tokenizer
         prompts = []
         for conversation in conversations:
@@ -322,6 +326,10 @@ class LLM:
                 found.append(f"priority: expected an integer, got {prio!r}")
             elif prio != 0 and self.engine.config.scheduling_policy != "priority":
                 found.append("priority: priorities need LLM(scheduling_policy='priority')")
+            if (bad_text := _invalid_unicode(prompt)) is not None:
+                found.append(bad_text)
+                rows.append("; ".join(found))
+                continue
             text, ids = self._tokenize(prompt)
             needed = min(len(ids or []) + params.max_tokens, max_len)
             if ids is None:
@@ -395,6 +403,36 @@ class CompletedRequests:
     def close(self) -> None:
         """Stops early: aborts the requests that have not finished."""
         self._pairs.close()
+
+
+def chat_messages_problem(messages: object) -> str | None:
+    """Why `messages` is not a conversation a chat template can render (a list of
+    {"role": str, "content": str} with valid Unicode), or None."""
+    if not isinstance(messages, list) or not messages:
+        return f"messages: expected a non-empty list of {{'role', 'content'}} dicts, got {type(messages).__name__}"
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            return f"message {i}: expected a dict with 'role' and 'content', got {message!r:.80}"
+        for field in ("role", "content"):
+            if not isinstance(message[field], str):
+                return (f"message {i}: {field} must be a string, got {type(message[field]).__name__} "
+                        f"({message[field]!r:.40}): convert it upstream")
+            if (problem := _invalid_unicode(message[field], f"message {i} {field}")) is not None:
+                return problem
+    return None
+
+
+def _invalid_unicode(prompt: object, field: str = "prompt") -> str | None:
+    """Why the prompt's text cannot be encoded as UTF-8 (a lone surrogate), or None."""
+    text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
+    if not isinstance(text, str):
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return (f"{field}: holds a lone surrogate {text[exc.start]!r} at character {exc.start}, which is not "
+                "valid Unicode: fix the text's encoding upstream (e.g. decode the source bytes as UTF-8)")
+    return None
 
 
 def _per_prompt(name: str, value: Any, count: int, problems: list[str]) -> list[Any]:

@@ -1,6 +1,8 @@
 """Per-request sampling settings, validated on construction (vLLM's `SamplingParams`)."""
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -65,50 +67,30 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        self.bad_words = list(self.bad_words or [])
-        if self.logit_bias:
-            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        for name in ("stop", "stop_token_ids", "bad_words"):
+            value = getattr(self, name)
+            # A wrong type (stop=5) stays as given, for problems() to name.
+            if value is None or isinstance(value, (list, tuple)):
+                setattr(self, name, list(value or []))
+        if isinstance(self.logit_bias, dict):
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError):
+                pass
         problems = self.problems()
         if problems:
             raise ValueError("Invalid SamplingParams: " + "; ".join(problems))
 
+    @staticmethod
+    def rule(name: str) -> str:
+        """The allowed values of a field, in words (e.g. ">= 0 (0 = greedy)")."""
+        return _RULES[name][0]
+
     def problems(self) -> list[str]:
-        """Every invalid field, as `field: reason` strings (empty when all are valid)."""
-        found = []
-
-        def number(value: object) -> bool:
-            return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-        def check(ok: bool, name: str, rule: str) -> None:
-            if not ok:
-                found.append(f"{name} must be {rule}, got {getattr(self, name)!r}")
-
-        check(isinstance(self.n, int) and self.n >= 1, "n", "a positive integer")
-        check(number(self.temperature) and self.temperature >= 0, "temperature", ">= 0 (0 = greedy)")
-        check(number(self.top_p) and 0 < self.top_p <= 1, "top_p", "in (0, 1]")
-        check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k", "-1, 0 (both off) or a positive integer")
-        check(number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "in [0, 1]")
-        check(self.seed is None or isinstance(self.seed, int), "seed", "an integer or None")
-        check(number(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty", "in [-2, 2]")
-        check(number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty", "in [-2, 2]")
-        check(number(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty", "> 0 (1 = off)")
-        check(all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings")
-        check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-              "non-negative integers")
-        check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "a positive integer")
-        check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= (self.max_tokens if isinstance(
-            self.max_tokens, int) else 0), "min_tokens", "an integer in [0, max_tokens]")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            check(value is None or (isinstance(value, int) and value >= 0), name, "None or a non-negative integer")
-        check(all(number(v) for v in (self.logit_bias or {}).values()), "logit_bias", "token id -> number")
-        check(self.allowed_token_ids is None or (len(self.allowed_token_ids) > 0 and all(
-            isinstance(t, int) and t >= 0 for t in self.allowed_token_ids)), "allowed_token_ids",
-            "None or a non-empty list of token ids")
-        check(all(isinstance(w, str) and w.strip() for w in self.bad_words), "bad_words", "non-empty strings")
-        return found
+        """Every invalid field, as `field must be <rule>, got <value>` strings (empty when
+        all are valid)."""
+        return [f"{name} must be {rule}, got {getattr(self, name)!r}"
+                for name, (rule, valid) in _RULES.items() if not _holds(valid, getattr(self, name), self)]
 
     @property
     def greedy(self) -> bool:
@@ -122,3 +104,56 @@ class SamplingParams:
     def token_ids(self) -> list[int]:
         """Every token id these settings name, for checking against the vocabulary."""
         return [*self.stop_token_ids, *(self.logit_bias or {}), *(self.allowed_token_ids or [])]
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _integer(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _strings(value: object, *, blank_ok: bool = True) -> bool:
+    """A list of non-empty strings; `blank_ok=False` also refuses whitespace-only ones."""
+    return isinstance(value, list) and all(isinstance(s, str) and (s if blank_ok else s.strip()) for s in value)
+
+
+def _token_ids(value: object) -> bool:
+    return isinstance(value, list) and all(_integer(t) and t >= 0 for t in value)
+
+
+def _holds(valid: "Callable[[Any, SamplingParams], bool]", value: object, params: "SamplingParams") -> bool:
+    try:
+        return bool(valid(value, params))
+    except TypeError:
+        return False
+
+
+# Each field's rule: words for messages and documentation, and the test of a value.
+_RULES: dict[str, tuple[str, "Callable[[Any, SamplingParams], bool]"]] = {
+    "n": ("a positive integer", lambda v, p: _integer(v) and v >= 1),
+    "temperature": (">= 0 (0 = greedy)", lambda v, p: _number(v) and v >= 0),
+    "top_p": ("in (0, 1] (1 = off)", lambda v, p: _number(v) and 0 < v <= 1),
+    "top_k": ("-1, 0 (both off) or a positive integer", lambda v, p: _integer(v) and v >= -1),
+    "min_p": ("in [0, 1] (0 = off)", lambda v, p: _number(v) and 0 <= v <= 1),
+    "seed": ("an integer or None", lambda v, p: v is None or _integer(v)),
+    "presence_penalty": ("in [-2, 2] (0 = off)", lambda v, p: _number(v) and -2 <= v <= 2),
+    "frequency_penalty": ("in [-2, 2] (0 = off)", lambda v, p: _number(v) and -2 <= v <= 2),
+    "repetition_penalty": ("> 0 (1 = off)", lambda v, p: _number(v) and v > 0),
+    "stop": ("a list of non-empty strings", lambda v, p: _strings(v)),
+    "stop_token_ids": ("a list of non-negative integers", lambda v, p: _token_ids(v)),
+    "include_stop_str_in_output": ("true or false", lambda v, p: isinstance(v, bool)),
+    "ignore_eos": ("true or false", lambda v, p: isinstance(v, bool)),
+    "max_tokens": ("a positive integer", lambda v, p: _integer(v) and v >= 1),
+    "min_tokens": ("an integer in [0, max_tokens]",
+                   lambda v, p: _integer(v) and 0 <= v <= (p.max_tokens if _integer(p.max_tokens) else 0)),
+    "logprobs": ("None or a non-negative integer", lambda v, p: v is None or (_integer(v) and v >= 0)),
+    "prompt_logprobs": ("None or a non-negative integer", lambda v, p: v is None or (_integer(v) and v >= 0)),
+    "skip_special_tokens": ("true or false", lambda v, p: isinstance(v, bool)),
+    "spaces_between_special_tokens": ("true or false", lambda v, p: isinstance(v, bool)),
+    "logit_bias": ("None or a mapping of token id to number",
+                   lambda v, p: v is None or (isinstance(v, dict) and all(_integer(k) and _number(x) for k, x in v.items()))),
+    "allowed_token_ids": ("None or a non-empty list of token ids", lambda v, p: v is None or (_token_ids(v) and len(v) > 0)),
+    "bad_words": ("a list of words that are not blank", lambda v, p: _strings(v, blank_ok=False)),
+}

@@ -222,3 +222,18 @@ def test_broken_model_folders_name_the_path(tiny_models, tmp_path, damage, messa
 def test_unknown_model_name_is_not_downloaded():
     with pytest.raises(ModelLoadError, match="never downloads"):
         LLM("meta-llama/Llama-3-8B")
+
+
+def test_wrongly_typed_or_encoded_input_is_a_row_problem_not_a_type_error(llm):
+    with pytest.raises(ValueError, match="stop must be a list of non-empty strings, got 5"):
+        SamplingParams(stop=5)
+    with pytest.raises(ValueError, match="bad_words must be a list of words that are not blank"):
+        SamplingParams(bad_words=["  "])
+    assert SamplingParams(stop="\n").stop == ["\n"]
+    problems = llm.validate(["fine", "bad \ud800 text", {"prompt": "also \udfff"}], SamplingParams(max_tokens=2))
+    assert problems[0] is None
+    assert problems[1].startswith("prompt: holds a lone surrogate '\\ud800' at character 4")
+    assert "lone surrogate" in problems[2]
+    with pytest.raises(ValueError, match=r"conversation 1, message 0: content must be a string, got int"):
+        llm.chat([[{"role": "user", "content": "hi"}], [{"role": "user", "content": 5}]], use_tqdm=False)
+    assert SamplingParams.rule("temperature") == ">= 0 (0 = greedy)"
