@@ -214,6 +214,10 @@ class LLMEngine:
         elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.model_config.max_model_len:
             seq.finish_reason = "length"
 
+    def abort_request(self, request_id: str) -> list[Sequence]:
+        """Drops one request's queued and running sequences, returning their blocks."""
+        return self.scheduler.abort_seq_group(request_id)
+
     def abort_all(self) -> None:
         """Drops every queued and running request, returning their blocks."""
         self.scheduler.abort_all()

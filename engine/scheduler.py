@@ -90,10 +90,12 @@ class Scheduler:
                 i += 1
 
         adapters = {s.lora_int_id for s in self.running} - {None}
+        # Running parents fork their other completions once their prompts are computed.
+        num_seqs = sum(1 + s.num_pending_children for s in self.running)
         index = 0
         while index < len(self.waiting) and budget > 0 and not preempted:
             seq = self.waiting[index]
-            if self.running and len(self.running) + 1 + seq.num_pending_children > self.config.max_num_seqs:
+            if num_seqs and num_seqs + 1 + seq.num_pending_children > self.config.max_num_seqs:
                 break
             if seq.lora_int_id is not None and seq.lora_int_id not in adapters and len(adapters) >= self.config.max_loras:
                 index += 1
@@ -117,6 +119,7 @@ class Scheduler:
                 seq.num_cached_tokens = seq.num_computed_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            num_seqs += 1 + seq.num_pending_children
             scheduled[seq] = num_new
             budget -= num_new
 
@@ -154,10 +157,32 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
 
+    def abort_seq_group(self, request_id: str) -> list[Sequence]:
+        """Drops every sequence of one request, waiting or running, freeing the blocks of
+        the running ones; returns them, finished with finish_reason "abort"."""
+        aborted = [s for s in (*self.waiting, *self.running) if s.request_id == request_id]
+        for seq in aborted:
+            if seq.status is SequenceStatus.RUNNING:
+                self.running.remove(seq)
+                self.block_manager.free(seq)
+            else:
+                self.waiting.remove(seq)
+            _mark_aborted(seq)
+        return aborted
+
     def abort_all(self) -> None:
-        """Forgets every request, freeing the blocks of the running ones."""
+        """Forgets every request, freeing the blocks of the running ones; all of their
+        sequences end finished (finish_reason "abort"), the waiting ones included."""
         for seq in self.running:
             self.block_manager.free(seq)
-            seq.status = SequenceStatus.FINISHED
+        for seq in (*self.waiting, *self.running):
+            _mark_aborted(seq)
         self.running.clear()
         self.waiting.clear()
+
+
+def _mark_aborted(seq: Sequence) -> None:
+    """Finishes a sequence that was dropped; a parent not yet forked forks no more."""
+    seq.status = SequenceStatus.FINISHED
+    seq.finish_reason = "abort"
+    seq.num_pending_children = 0
