@@ -1,0 +1,299 @@
+"""Property-based tests of scheduling: random workloads, with invariants checked after every step.
+
+Two levels:
+
+* The engine's own step loop (`LLMEngine.step`: scheduling, forks of n > 1 requests, token
+  appends, finishes) over the real Scheduler and BlockManager, with a stand-in model runner
+  that writes a fingerprint of each token's prefix into a simulated KV cache and checks
+  that every slot a sequence attends to holds its own prefix. Fast: hundreds of workloads.
+* `engine.LLM` end to end on a tiny llama with a KV cache small enough to force preemption,
+  against an unconstrained LLM: same tokens, every block back afterwards.
+"""
+
+import itertools
+import random
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine import LLM, SamplingParams
+from engine.block_manager import BlockManager
+from engine.layers.sampler import SampledToken
+from engine.llm_engine import EngineStats, LLMEngine
+from engine.model_runner import StepOutput
+from engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from engine.sequence import Sequence, SequenceStatus
+
+# ----------------------------------------------------------------------------------------
+# Level 1: the engine loop over the real Scheduler and BlockManager, with a stand-in model.
+# ----------------------------------------------------------------------------------------
+
+_VOCAB = 50_000
+# A few base token streams; prompts are prefixes of them, so that prefixes are shared.
+_BASES = [[1000 * (k + 1) + i for i in range(64)] for k in range(3)]
+
+
+def fake_next_token(token_ids: list[int], index: int) -> int:
+    """The stand-in model's "greedy" token: a function of the whole sequence (so equal
+    sequences continue equally) and of the completion index (so n > 1 completions diverge)."""
+    return (hash(tuple(token_ids)) + 7919 * index) % _VOCAB
+
+
+def expected_completion(prompt: list[int], index: int, max_tokens: int) -> list[int]:
+    """What completion `index` of a prompt must be, computed without any scheduling."""
+    tokens = list(prompt)
+    for _ in range(max_tokens):
+        tokens.append(fake_next_token(tokens, index))
+    return tokens[len(prompt):]
+
+
+class _FakeTokenizer:
+    """Just enough of a fast tokenizer for the engine's detokenizer: ids as words."""
+
+    clean_up_tokenization_spaces = False
+
+    def __init__(self) -> None:
+        self.backend_tokenizer = self
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return " ".join(map(str, ids))
+
+
+class FakeModelRunner:
+    """Stands in for `ModelRunner.execute`: checks the step against the scheduler's
+    limits, simulates the paged KV cache and samples `fake_next_token`.
+
+    The simulated cache holds, for every slot written, the hash of the token prefix that
+    ends there. Before a step's writes the block copies are applied; after them every
+    position a scheduled sequence attends to must hold that sequence's own prefix: that is
+    what makes prefix-cache hits, copy on write and recompute after preemption correct.
+    """
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.block_size = scheduler.block_manager.block_size
+        self.kv: dict[int, list[int | None]] = {}
+        self.num_steps = 0
+
+    def execute(self, batch: ScheduledBatch) -> StepOutput:
+        self.num_steps += 1
+        config = self.scheduler.config
+        assert batch.seqs, "an empty step (the model runner cannot run one)"
+        assert len(set(batch.seqs)) == len(batch.seqs)
+        assert all(n >= 1 for n in batch.num_new_tokens)
+        assert batch.num_tokens <= config.max_num_batched_tokens
+        assert len(batch.seqs) <= config.max_num_seqs
+        # Forked children join the running set in this step.
+        assert len(self.scheduler.running) <= config.max_num_seqs
+        assert not self.scheduler.block_manager.pending_copies
+        for src, dst in batch.block_copies:
+            self.kv[dst] = list(self.kv.get(src, [None] * self.block_size))
+        sampled = {}
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+            assert seq.status is SequenceStatus.RUNNING and seq in self.scheduler.running
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
+            assert end <= seq.num_tokens
+            assert len(seq.block_table) * self.block_size >= end
+            prefix_hashes = [hash(tuple(seq.token_ids[: p + 1])) for p in range(end)]
+            for p in range(start, end):
+                block = self.kv.setdefault(seq.block_table[p // self.block_size], [None] * self.block_size)
+                block[p % self.block_size] = prefix_hashes[p]
+            for p in range(end):
+                slot = self.kv.get(seq.block_table[p // self.block_size], [None] * self.block_size)[p % self.block_size]
+                assert slot == prefix_hashes[p], f"{seq} reads a foreign key/value at position {p}"
+            if end == seq.num_tokens:
+                sampled[seq] = SampledToken(fake_next_token(seq.token_ids, seq.index))
+        for child, parent in batch.forks:
+            assert parent in sampled and child.token_ids == parent.token_ids
+            sampled[child] = SampledToken(fake_next_token(child.token_ids, child.index))
+        return StepOutput(sampled, {})
+
+
+def make_engine(num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+                enable_chunked_prefill: bool, policy: str, enable_prefix_caching: bool) -> LLMEngine:
+    """An LLMEngine whose step loop is the real one, over a stand-in model runner."""
+    engine = LLMEngine.__new__(LLMEngine)
+    engine.tokenizer = _FakeTokenizer()
+    engine.model_config = SimpleNamespace(eos_token_ids=set(), max_model_len=1 << 20, device=torch.device("cpu"))
+    engine.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+    engine.scheduler = Scheduler(
+        SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, policy),
+        engine.block_manager,
+    )
+    engine.model_runner = FakeModelRunner(engine.scheduler)
+    engine.stats = EngineStats()
+    engine._seq_ids = itertools.count()
+    return engine
+
+
+def check_invariants(engine: LLMEngine, live: list[Sequence]) -> None:
+    """Block accounting after a step.
+
+    Every block is either free (reference count 0, in the free queue, possibly still
+    holding a cached prefix) or held by running sequences, with a reference count equal
+    to the number of their block tables that hold it; waiting and finished sequences hold
+    none; every cached key points at a block that carries that key.
+    """
+    scheduler, bm = engine.scheduler, engine.block_manager
+    holders: dict[int, int] = {}
+    for seq in scheduler.running:
+        assert seq.status is SequenceStatus.RUNNING
+        assert len(seq.block_table) * bm.block_size >= seq.num_computed_tokens
+        assert seq.num_computed_tokens < seq.num_tokens
+        assert len(set(seq.block_table)) == len(seq.block_table)
+        for block_id in seq.block_table:
+            holders[block_id] = holders.get(block_id, 0) + 1
+    for seq in scheduler.waiting:
+        assert seq.status is SequenceStatus.WAITING
+        assert seq.block_table == [] and seq.num_computed_tokens == 0
+    for seq in live:
+        if seq.is_finished:
+            assert seq.block_table == [] and seq not in scheduler.running and seq not in scheduler.waiting
+    free = set(bm.free_queue)
+    assert len(free) == len(bm.free_queue) == bm.num_free_blocks
+    assert free.isdisjoint(holders), "a block is both free and held"
+    assert len(free) + len(holders) == bm.num_blocks, "blocks leaked"
+    for block in bm.blocks:
+        assert block.ref_count == holders.get(block.block_id, 0)
+    for key, block_id in bm.cached_blocks.items():
+        assert bm.blocks[block_id].key == key
+    ranks = [scheduler._rank(s) for s in scheduler.waiting]
+    assert ranks == sorted(ranks), "the waiting queue is out of order"
+
+
+@dataclass
+class FuzzRequest:
+    """One request of a random workload."""
+
+    arrival_step: int
+    base: int
+    prompt_len: int
+    suffix: list[int]
+    max_tokens: int
+    n: int
+    priority: int
+    abort_after: int | None  # steps after arrival; None: never aborted
+
+    @property
+    def prompt(self) -> list[int]:
+        return _BASES[self.base][: self.prompt_len] + self.suffix
+
+
+@dataclass
+class FuzzWorkload:
+    num_blocks: int
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    enable_chunked_prefill: bool
+    policy: str
+    enable_prefix_caching: bool
+    abort_all_at: int | None
+    requests: list[FuzzRequest] = field(default_factory=list)
+
+
+@st.composite
+def workloads(draw: st.DrawFn) -> FuzzWorkload:
+    """Small KV caches (4-24 blocks), tight step budgets and up to 12 requests."""
+    block_size = draw(st.sampled_from([1, 2, 4, 8]))
+    num_blocks = draw(st.integers(4, 24))
+    capacity = num_blocks * block_size
+    max_num_seqs = draw(st.integers(1, 6))
+    chunked = draw(st.booleans())
+    max_len = min(capacity, 48)
+    count = draw(st.integers(1, 12))
+    requests = []
+    for _ in range(count):
+        prompt_len = draw(st.integers(1, max(1, min(24, max_len - 1))))
+        suffix = draw(st.lists(st.integers(0, 9), max_size=2))
+        prompt_len = max(1, prompt_len - len(suffix))
+        total_prompt = prompt_len + len(suffix)
+        # As LLM validation requires: prompt plus max_tokens fits the whole cache.
+        max_tokens = draw(st.integers(1, max(1, min(12, max_len - total_prompt))))
+        requests.append(FuzzRequest(
+            arrival_step=draw(st.integers(0, 15)),
+            base=draw(st.integers(0, len(_BASES) - 1)),
+            prompt_len=prompt_len,
+            suffix=suffix,
+            max_tokens=max_tokens,
+            n=draw(st.integers(1, min(3, max_num_seqs))),
+            priority=draw(st.integers(0, 3)),
+            abort_after=draw(st.none() | st.integers(0, 20)),
+        ))
+    longest = max(len(r.prompt) + r.max_tokens for r in requests)
+    # Without chunked prefill a recomputed sequence must fit one step (the engine requires
+    # max_num_batched_tokens >= max_model_len then).
+    low = 1 if chunked else longest
+    budget = draw(st.integers(low, max(low, 40)))
+    return FuzzWorkload(
+        num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget, enable_chunked_prefill=chunked,
+        policy=draw(st.sampled_from(["fcfs", "priority"])), enable_prefix_caching=draw(st.booleans()),
+        abort_all_at=draw(st.none() | st.integers(0, 30)), requests=requests,
+    )
+
+
+def run_workload(workload: FuzzWorkload, max_steps: int = 20_000) -> tuple[LLMEngine, dict[int, list[Sequence]], set[int]]:
+    """Feeds the requests in at their arrival steps, aborting some, until all are done.
+
+    Returns the engine, each request's sequences and the requests that were aborted.
+    """
+    engine = make_engine(workload.num_blocks, workload.block_size, workload.max_num_seqs,
+                         workload.max_num_batched_tokens, workload.enable_chunked_prefill, workload.policy,
+                         workload.enable_prefix_caching)
+    pending = sorted(range(len(workload.requests)), key=lambda i: workload.requests[i].arrival_step)
+    parents: dict[int, Sequence] = {}
+    aborted: set[int] = set()
+    arrived: dict[int, int] = {}
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        if not engine.has_unfinished_requests():
+            step = max(step, workload.requests[pending[0]].arrival_step)  # idle: skip ahead
+        while pending and workload.requests[pending[0]].arrival_step <= step:
+            i = pending.pop(0)
+            r = workload.requests[i]
+            params = SamplingParams(max_tokens=r.max_tokens, n=r.n, temperature=0, ignore_eos=True)
+            parents[i] = engine.add_request(str(i), None, r.prompt, params, r.priority)
+            arrived[i] = step
+        for i, r in enumerate(workload.requests):
+            if i in arrived and r.abort_after is not None and arrived[i] + r.abort_after == step:
+                if not parents[i].request_finished:
+                    engine.abort_request(str(i))
+                    aborted.add(i)
+        if workload.abort_all_at == step and engine.has_unfinished_requests():
+            aborted |= {i for i in arrived if not parents[i].request_finished}
+            engine.abort_all()
+        live = [s for p in parents.values() for s in p.group]
+        check_invariants(engine, live)
+        if engine.has_unfinished_requests():
+            engine.step()
+            check_invariants(engine, [s for p in parents.values() for s in p.group])
+        step += 1
+        assert step < max_steps, "the workload did not finish"
+    return engine, {i: p.group for i, p in parents.items()}, aborted
+
+
+@settings(max_examples=400, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads())
+def test_random_workloads_keep_the_scheduler_invariants(workload: FuzzWorkload):
+    engine, groups, aborted = run_workload(workload)
+    bm = engine.block_manager
+    for i, group in groups.items():
+        r = workload.requests[i]
+        assert all(s.is_finished for s in group)
+        if i in aborted:
+            assert all(s.num_output_tokens <= r.max_tokens for s in group)
+            continue
+        assert sorted(s.index for s in group) == list(range(r.n))
+        for seq in group:
+            assert seq.finish_reason == "length"
+            assert seq.output_token_ids == expected_completion(r.prompt, seq.index, r.max_tokens)
+    # Everything is free again; freed blocks may still hold cached prefixes.
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+    assert bm.num_free_blocks == bm.num_blocks
+    assert all(block.ref_count == 0 for block in bm.blocks)
+    assert bm.reset_prefix_cache()
