@@ -13,8 +13,6 @@ import dagster as dg
 
 from dagster_llm import LLMResource, ParquetIOManager
 
-OUTPUT_DIR = Path(os.environ.get("DAGSTER_LLM_OUTPUT_DIR", "output"))
-
 defs = dg.Definitions.merge(
     dg.load_from_defs_folder(path_within_project=Path(__file__).parent),
     dg.Definitions(
@@ -23,7 +21,8 @@ defs = dg.Definitions.merge(
                 model_id=os.environ.get("DAGSTER_LLM_MODEL", "smollm2-135m-instruct"),
                 dtype=os.environ.get("DAGSTER_LLM_DTYPE", "auto"),
             ),
-            "io_manager": ParquetIOManager(base_path=str(OUTPUT_DIR / "tables")),
+            # Tables under $DAGSTER_LLM_OUTPUT_DIR/tables (default output/tables), one file per partition.
+            "io_manager": ParquetIOManager(),
         }
     ),
 )

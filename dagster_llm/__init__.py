@@ -3,18 +3,25 @@
 from dagster_llm.assets import build_generation_asset
 from dagster_llm.checks import CheckThresholds
 from dagster_llm.components import GenerationComponent
-from dagster_llm.config import GenerationRunConfig, SamplingConfig, SamplingOverrides
-from dagster_llm.progress import EventLogProgress
+from dagster_llm.generation import GenerationRun, PartitionResult, PartitionStats, RunOptions
 from dagster_llm.resource import LLMResource
-from dagster_llm.storage import ParquetIOManager, partition_file, write_parquet_atomically
+from dagster_llm.sampling import SAMPLING_FIELDS, GenerationRunConfig, SamplingConfig, SamplingOverrides
+from dagster_llm.storage import ParquetIOManager
+from dagster_llm.store import PartitionFiles, PartitionLockedError, partition_file, write_parquet_atomically
 
 __all__ = [
+    "SAMPLING_FIELDS",
     "CheckThresholds",
-    "EventLogProgress",
     "GenerationComponent",
+    "GenerationRun",
     "GenerationRunConfig",
     "LLMResource",
     "ParquetIOManager",
+    "PartitionFiles",
+    "PartitionLockedError",
+    "PartitionResult",
+    "PartitionStats",
+    "RunOptions",
     "SamplingConfig",
     "SamplingOverrides",
     "build_generation_asset",

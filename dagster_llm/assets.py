@@ -1,36 +1,49 @@
-"""`build_generation_asset`: a prompt table in, a generation table out, per partition."""
+"""`build_generation_asset`: a prompt table in, a generation table out, per partition.
 
-import collections
-import hashlib
-import json
-import os
-import time
-from collections.abc import Mapping
+The asset body is glue: run config and resources in, `dagster_llm.generation` does the
+work, and each committed partition becomes a materialization with its checks.
+"""
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import dagster as dg
 import pandas as pd
 import pyarrow as pa
-import pyarrow.compute as pc
 
 import engine
 from dagster_llm import checks
-from engine.lora.adapter import read_adapter_config
-from dagster_llm.config import GenerationRunConfig, PartitionChoice, SamplingConfig
-from dagster_llm.progress import EventLogProgress
-from dagster_llm.prompts import (
-    COLUMN_DESCRIPTIONS,
-    GENERATION_SCHEMA,
-    PromptRow,
-    check_columns,
-    generation_table,
-    render_rows,
-    to_dataframe,
-)
+from dagster_llm.generation import GenerationRun, PartitionResult, RunOptions, digest
+from dagster_llm.partitions import PartitionChoice
+from dagster_llm.prompts import PromptTableError, TableSpec, check_columns, read_rows, to_dataframe
 from dagster_llm.resource import LLMResource
-from dagster_llm.storage import partition_file, write_parquet_atomically
+from dagster_llm.sampling import GenerationRunConfig, SamplingConfig
+from dagster_llm.schema import COLUMN_DESCRIPTIONS, GENERATION_SCHEMA
+from dagster_llm.storage import ParquetIOManager
+from dagster_llm.store import PartitionFiles, PartitionLockedError
+from dagster_llm.watch import LaunchingProcessDied, ParentWatch
 
-DEFAULT_OUTPUT_DIR = "output/generations"
+
+@dataclass(frozen=True)
+class _Definition:
+    """What the factory resolved once, at definition time."""
+
+    name: str
+    asset_key: dg.AssetKey
+    upstream_key: dg.AssetKey
+    spec: TableSpec
+    sampling: PartitionChoice[SamplingConfig]
+    adapter: PartitionChoice[str | None]
+    lora_requests: Mapping[str, engine.LoRARequest]
+    resource_key: str
+    io_manager_key: str
+    thresholds: checks.CheckThresholds
+    code_version: str
+    progress_interval_s: float
+    shard_rows: int
+    partitioned: bool
 
 
 def build_generation_asset(
@@ -46,9 +59,10 @@ def build_generation_asset(
     adapter: str | None = None,
     adapter_by_partition: Mapping[str, str | None] | None = None,
     adapter_column: str = "adapter",
+    duplicate_ids: str = "error",
     partitions_def: dg.PartitionsDefinition | None = None,
-    output_dir: str | Path | None = None,
     resource_key: str = "llm",
+    io_manager_key: str = "io_manager",
     pool: str | None = "llm",
     max_partitions_per_run: int | None = None,
     thresholds: checks.CheckThresholds = checks.CheckThresholds(),
@@ -57,29 +71,29 @@ def build_generation_asset(
     code_version: str = "1",
     description: str | None = None,
     progress_interval_s: float = 5.0,
+    shard_rows: int = 64,
 ) -> dg.AssetsDefinition:
     """Builds an asset that runs the LLM over an upstream prompt table.
 
-    The upstream asset gives a pandas DataFrame or pyarrow Table per partition with an id
-    column and a prompt column: text, or chat messages ([{"role", "content"}, ...])
-    rendered with the model's chat template (`chat=True` also wraps plain text as one
-    user message). Optional columns named like `SamplingConfig` fields override the
-    partition's sampling for their row. The asset writes one Parquet file per partition
-    under `output_dir` (atomically) and records lineage metadata per partition. Its data
-    version digests the rows read (id, prompt, effective sampling, adapter and its
-    fingerprint), the model weights and the code version: unchanged inputs keep it, any
-    change moves it. In a single-run backfill one data version covers the run's
-    partitions (Dagster records one per run).
+    The upstream asset gives a pandas DataFrame or pyarrow Table per partition (a
+    `{partition_key: table}` dict for a range) with an id column and a prompt column:
+    text, or chat messages ([{"role", "content"}, ...]) rendered with the model's chat
+    template (`chat=True` also wraps plain text as one user message). Optional columns
+    named like `SamplingConfig` fields override the partition's sampling for their row.
 
-    LoRA adapters (PEFT folders) are declared by name in `adapters`; each partition runs
-    with `adapter`, or the one `adapter_by_partition` gives it, and a row may name
-    another in `adapter_column`. Rows with different adapters run in the same batches
-    on one base model (the resource needs `enable_lora=True`).
+    The generation table goes through the IO manager (`ParquetIOManager`: one Parquet file
+    per partition), so downstream assets take it as an input. With that IO manager, rows
+    are saved in shards as they finish, each partition of a range commits (file,
+    materialization, checks) as soon as its rows are done, and a rerun after a crash
+    generates only the rows that are missing (`resumed_rows` in the metadata). A
+    partition's data version digests its rows (id, prompt, effective sampling, adapter
+    and its fingerprint), the model weights and the code version.
 
-    A single-run backfill loads the model once and batches every partition's rows
-    together. The asset carries three checks per partition (error rows, empty
-    generations, truncation rate) and claims a slot of `pool`, so that GPU steps do not
-    pile up across runs.
+    A row that cannot run (null or bad prompt, bad override, unknown or broken adapter,
+    repeated id, too long) gets its `error` and the others run. The asset carries four
+    checks per partition (error rows, empty generations, truncation rate, unique ids),
+    claims a slot of `pool`, and holds a lock per partition so that two runs never write
+    one partition at once.
 
     Args:
         name: The asset's name.
@@ -97,15 +111,16 @@ def build_generation_asset(
             for the base model), matched like `sampling_by_partition`.
         adapter_column: Optional prompt-table column naming a row's adapter; empty or
             null cells keep the partition's.
+        duplicate_ids: "error" (a repeated id is an error row and fails the unique_ids
+            check) or "keep" (every copy is generated).
         partitions_def: The asset's partitions (default: the upstream asset's).
-        output_dir: Root folder of the Parquet files (default `$DAGSTER_LLM_OUTPUT_DIR/generations`
-            or `output/generations`).
         resource_key: Key of the `LLMResource`.
+        io_manager_key: Key of the IO manager of the generation table.
         pool: Concurrency pool of the step; None claims no pool.
         max_partitions_per_run: None (default) runs a whole backfill as one run
             (`BackfillPolicy.single_run()`, which `dagster asset materialize
             --partition-range` needs); N splits daemon and UI backfills into runs of at
-            most N partitions each (`BackfillPolicy.multi_run(N)`), bounding a run's memory.
+            most N partitions each.
         thresholds: Highest acceptable error, empty and truncation rates.
         key_prefix: Prefix of the asset key.
         group_name: Dagster asset group.
@@ -113,68 +128,76 @@ def build_generation_asset(
             to it, so changing them marks the asset stale.
         description: Asset description.
         progress_interval_s: Seconds between progress lines in the event log.
+        shard_rows: Finished rows per shard (a shard is also written every 30 s).
 
     Examples:
         .. code-block:: python
 
             import dagster as dg
+            import pandas as pd
             from dagster_llm import LLMResource, ParquetIOManager, SamplingConfig, build_generation_asset
 
             days = dg.DailyPartitionsDefinition(start_date="2024-06-01")
 
-            @dg.asset(partitions_def=days)
-            def questions(context) -> pd.DataFrame: ...
+            @dg.asset(partitions_def=days, backfill_policy=dg.BackfillPolicy.single_run())
+            def questions(context: dg.AssetExecutionContext) -> pd.DataFrame: ...
 
             answers = build_generation_asset(
                 "answers", upstream=questions, chat=True,
                 sampling=SamplingConfig(temperature=0, max_tokens=64),
             )
+
+            @dg.asset(partitions_def=days)
+            def answer_lengths(answers: pd.DataFrame) -> pd.DataFrame:
+                return answers.assign(chars=answers["generated_text"].str.len())
+
             defs = dg.Definitions(
-                assets=[questions, answers],
+                assets=[questions, answers, answer_lengths],
                 resources={"llm": LLMResource(), "io_manager": ParquetIOManager()},
             )
     """
     upstream_key = upstream.key if isinstance(upstream, dg.AssetsDefinition) else dg.AssetKey.from_coercible(upstream)
     if partitions_def is None and isinstance(upstream, dg.AssetsDefinition):
         partitions_def = upstream.partitions_def
+    if duplicate_ids not in ("error", "keep"):
+        raise dg.DagsterInvalidDefinitionError(f"{name}: duplicate_ids must be 'error' or 'keep', got {duplicate_ids!r}")
     prefix = [key_prefix] if isinstance(key_prefix, str) else list(key_prefix or [])
     asset_key = dg.AssetKey([*prefix, name])
     default_sampling = sampling or SamplingConfig()
-    chooser = PartitionChoice(default_sampling, sampling_by_partition, partitions_def, name, "sampling_by_partition")
     adapters = {adapter_name: str(path) for adapter_name, path in (adapters or {}).items()}
     undeclared = sorted({a for a in [adapter, *(adapter_by_partition or {}).values()] if a is not None} - set(adapters))
     if undeclared:
         raise dg.DagsterInvalidDefinitionError(
             f"{name}: adapter(s) {undeclared} are not declared; add them to adapters={{name: folder}}"
         )
-    adapter_chooser = PartitionChoice(adapter, adapter_by_partition, partitions_def, name, "adapter_by_partition")
-    # Ids by sorted name: stable across runs and processes.
-    lora_requests = {adapter_name: engine.LoRARequest(adapter_name, i + 1, path)
-                     for i, (adapter_name, path) in enumerate(sorted(adapters.items()))}
-    settings_hash = _digest({
+    spec = TableSpec(id_column, prompt_column, chat, adapter_column, tuple(adapters), duplicate_ids)
+    settings_hash = digest({
         "sampling": default_sampling.model_dump(),
         "by_partition": {k: v.model_dump() for k, v in (sampling_by_partition or {}).items()},
-        "prompt_column": prompt_column, "id_column": id_column, "chat": chat,
-        "adapter": adapter, "adapter_by_partition": dict(adapter_by_partition or {}), "adapter_column": adapter_column,
+        "spec": [id_column, prompt_column, chat, adapter_column, duplicate_ids],
+        "adapter": adapter, "adapter_by_partition": dict(adapter_by_partition or {}),
     })
-    full_code_version = f"{code_version}+{settings_hash[:12]}"
-    schema = dg.TableSchema(columns=[
-        dg.TableColumn(f.name, str(f.type), description=COLUMN_DESCRIPTIONS.get(f.name, "Sampling setting used."))
-        for f in GENERATION_SCHEMA
-    ])
-    lineage = dg.TableColumnLineage(deps_by_column={
-        "generated_text": [dg.TableColumnDep(asset_key=upstream_key, column_name=prompt_column)],
-        "prompt": [dg.TableColumnDep(asset_key=upstream_key, column_name=prompt_column)],
-        "id": [dg.TableColumnDep(asset_key=upstream_key, column_name=id_column)],
-    })
+    definition = _Definition(
+        name=name, asset_key=asset_key, upstream_key=upstream_key, spec=spec,
+        sampling=PartitionChoice(default_sampling, sampling_by_partition, partitions_def, name, "sampling_by_partition"),
+        adapter=PartitionChoice(adapter, adapter_by_partition, partitions_def, name, "adapter_by_partition"),
+        # Ids by sorted name: stable across runs and processes.
+        lora_requests={a: engine.LoRARequest(a, i + 1, path) for i, (a, path) in enumerate(sorted(adapters.items()))},
+        resource_key=resource_key, io_manager_key=io_manager_key,
+        thresholds=checks.CheckThresholds(thresholds.max_error_rate, thresholds.max_empty_rate,
+                                          thresholds.max_truncation_rate, duplicate_ids == "keep"),
+        code_version=f"{code_version}+{settings_hash[:12]}", progress_interval_s=progress_interval_s,
+        shard_rows=shard_rows, partitioned=partitions_def is not None,
+    )
 
     @dg.multi_asset(
         name=name if not prefix else "__".join([*prefix, name]),
-        specs=[dg.AssetSpec(
-            asset_key, deps=[upstream_key], code_version=full_code_version, group_name=group_name,
+        outs={asset_key.to_python_identifier(): dg.AssetOut(
+            key=asset_key, code_version=definition.code_version, group_name=group_name,
             description=description or f"LLM completions of {upstream_key.to_user_string()}.{prompt_column}",
-            kinds={"parquet"},
-        )],
+            kinds={"parquet"}, is_required=False, io_manager_key=io_manager_key,
+            metadata={"dagster/column_schema": _column_schema()},
+        )},
         ins={"prompts": dg.AssetIn(key=upstream_key)},
         check_specs=checks.check_specs(asset_key, partitions_def),
         can_subset=True,
@@ -183,131 +206,172 @@ def build_generation_asset(
         else dg.BackfillPolicy.single_run() if max_partitions_per_run is None
         else dg.BackfillPolicy.multi_run(max_partitions_per_run),
         pool=pool,
-        required_resource_keys={resource_key},
+        required_resource_keys={resource_key, io_manager_key},
     )
     def _generate(context: dg.AssetExecutionContext, config: GenerationRunConfig, prompts: object):
-        resource: LLMResource = getattr(context.resources, resource_key)
-        keys = list(context.partition_keys) if partitions_def is not None else [None]
-        frames = prompts if isinstance(prompts, dict) and len(keys) > 1 else {keys[0]: prompts}
-        sampling_of = {key: config.sampling.apply(chooser.for_partition(key)) for key in keys}
-        adapter_of = {key: adapter_chooser.for_partition(key) for key in keys}
-        tables = {}
-        for key in keys:
-            where = f"of partition {key!r}" if key is not None else ""
-            frame = to_dataframe(frames[key], name, upstream_key.to_user_string())
-            check_columns(frame, id_column, prompt_column, name, where)
-            tables[key] = frame
-        if adapters and not resource.enable_lora:
-            raise dg.Failure(f"{name} declares LoRA adapters ({', '.join(sorted(adapters))}), but the resource "
-                             f"{resource_key!r} has enable_lora=False: set LLMResource(enable_lora=True, max_loras=..., "
-                             f"max_lora_rank=...)")
-        for request in lora_requests.values():
-            try:
-                read_adapter_config(request, resource.max_lora_rank)
-            except ValueError as exc:
-                raise dg.Failure(f"{name}: {exc}") from exc
-
-        llm = resource.get_llm()
-        rows: list[PromptRow] = []
-        for key in keys:
-            rows += render_rows(tables[key], key, sampling_of[key], id_column=id_column,
-                                prompt_column=prompt_column, chat=chat, tokenizer=llm.get_tokenizer(),
-                                adapter=adapter_of[key], adapters=list(adapters), adapter_column=adapter_column)
-        fingerprints = {}
-        for adapter_name in sorted({r.adapter for r in rows if r.adapter is not None and r.error is None}):
-            try:
-                fingerprints[adapter_name] = llm.add_lora(lora_requests[adapter_name])
-            except ValueError as exc:
-                raise dg.Failure(f"{name}: {exc}") from exc
-        params = [row.sampling.to_sampling_params() for row in rows]
-        lora = [lora_requests[r.adapter] if r.adapter in fingerprints else None for r in rows]
-        for row, problem in zip(rows, llm.validate([r.rendered for r in rows], params, lora)):
-            row.error = row.error or problem
-        todo = [i for i, row in enumerate(rows) if row.error is None]
-        context.log.info(f"generating {len(todo)} rows ({len(rows) - len(todo)} with errors) "
-                         f"for {len(keys)} partition(s) with {resource.model_id}")
-        stats = llm.llm_engine.stats
-        started = time.perf_counter()
-        results = llm.generate([rows[i].rendered for i in todo], [params[i] for i in todo],
-                               lora_request=[lora[i] for i in todo],
-                               use_tqdm=EventLogProgress(context.log, lambda: stats.num_generated_tokens,
-                                                         progress_interval_s))
-        elapsed = time.perf_counter() - started
-        outputs: list[engine.RequestOutput | None] = [None] * len(rows)
-        for i, out in zip(todo, results):
-            outputs[i] = out
-
-        fingerprint = llm.model_fingerprint
-        root = Path(output_dir or Path(os.environ.get("DAGSTER_LLM_OUTPUT_DIR", "output")) / "generations")
-        generated_tokens = sum(len(o.outputs[0].token_ids) for o in results)
-        run_metadata = {
-            "model_id": resource.model_id,
-            "model_fingerprint": fingerprint,
-            "engine_version": engine.__version__,
-            "elapsed_s": round(elapsed, 3),
-            "generated_tokens_per_s": round(generated_tokens / elapsed, 1) if elapsed > 0 else 0.0,
-            "partitions_in_run": len(keys),
-        }
-        versions = {}
-        for key in keys:
-            part_rows = [(r, o) for r, o in zip(rows, outputs) if r.partition == key]
-            table = generation_table([r for r, _ in part_rows], [o for _, o in part_rows], resource.model_id)
-            path = partition_file(root, asset_key, key)
-            write_parquet_atomically(table, path)
-            upstream_version = _upstream_data_version(context, upstream_key, key)
-            versions[key] = _digest([(r.id, r.prompt_text, r.sampling.model_dump(), r.adapter,
-                                      fingerprints.get(r.adapter)) for r, _ in part_rows])
-            used = sorted({r.adapter for r, _ in part_rows if r.adapter in fingerprints})
-            metadata = {
-                **_table_metadata(table, path, schema, lineage),
-                **run_metadata,
-                "adapter": adapter_of[key] or "none",
-                "adapter_fingerprints": dg.MetadataValue.json({a: fingerprints[a] for a in used}),
-                "sampling_config": dg.MetadataValue.json(sampling_of[key].model_dump()),
-                "upstream_data_version": upstream_version or "unknown",
-            }
-            if key is None:
-                run_metadata = metadata
-            else:
-                context.add_asset_metadata(metadata, partition_key=key)
-            for check_name, (passed, check_metadata) in checks.evaluate(table, thresholds).items():
-                # A one-partition run reports plain results, which Dagster counts as the check
-                # outputs; a range needs one evaluation per partition.
-                if len(keys) == 1:
-                    yield dg.AssetCheckResult(asset_key=asset_key, check_name=check_name, passed=passed,
-                                              metadata=check_metadata)
-                else:
-                    yield dg.AssetCheckEvaluation(asset_key=asset_key, check_name=check_name, passed=passed,
-                                                  partition=key, metadata=check_metadata)
-        # Over what was read, not the upstream's data version, which an upstream without
-        # versioning of its own changes on every materialization even when the rows do not.
-        data_version = _digest({"code_version": full_code_version, "model": fingerprint, "partitions": versions})
-        yield dg.MaterializeResult(
-            asset_key=asset_key,
-            metadata={**run_metadata, "data_version_scope": "per run" if len(keys) > 1 else "per partition"},
-            data_version=dg.DataVersion(data_version[:24]),
-        )
+        yield from _GenerationStep(definition, context, config).execute(prompts)
 
     return _generate
 
 
-def _table_metadata(table: pa.Table, path: Path, schema: dg.TableSchema, lineage: dg.TableColumnLineage) -> dict:
-    ok = table.filter(pc.is_null(table["error"]))
-    reasons = collections.Counter(ok["finish_reason"].to_pylist())
+class _GenerationStep:
+    """One execution of a generation asset: checks, locks, the run, and its events."""
+
+    def __init__(self, definition: _Definition, context: dg.AssetExecutionContext,
+                 config: GenerationRunConfig) -> None:
+        self.d = definition
+        self.context = context
+        self.config = config
+        self.resource: LLMResource = getattr(context.resources, definition.resource_key)
+        io_manager = getattr(context.resources, definition.io_manager_key)
+        self.store = io_manager if isinstance(io_manager, ParquetIOManager) else None
+        self.keys = list(context.partition_keys) if definition.partitioned else [None]
+        self.output_metadata: dict[str, object] = {}
+
+    def execute(self, prompts: object) -> Iterator[object]:
+        sampling = self._sampling()
+        frames = self._frames(prompts)
+        if self.d.lora_requests and not self.resource.enable_lora:
+            raise dg.Failure(f"{self.d.name} declares LoRA adapters ({', '.join(sorted(self.d.lora_requests))}), but "
+                             f"the resource {self.d.resource_key!r} has enable_lora=False: set "
+                             "LLMResource(enable_lora=True, max_loras=..., max_lora_rank=...)")
+        files = {key: self.store.partition_files(self.d.asset_key, key) if self.store else None for key in self.keys}
+        with self._locks(files):
+            llm = self.resource.get_llm()
+            tokenizer = llm.get_tokenizer()
+            parts = [(key, read_rows(frames[key], key, sampling[key], self.d.adapter.for_partition(key), self.d.spec,
+                                     tokenizer), files[key]) for key in self.keys]
+            run = GenerationRun(llm, self.d.lora_requests, self._options(), self.context.log.info, ParentWatch().check)
+            results = {}
+            try:
+                for result in run.generate(parts):
+                    results[result.key] = result
+                    yield from self._committed(result, sampling[result.key])
+            except LaunchingProcessDied as exc:
+                raise dg.Failure(str(exc)) from None
+        yield from self._output(results)
+
+    def _sampling(self) -> dict[str | None, SamplingConfig]:
+        """Each partition's sampling with the run's overrides; every bad field at once."""
+        try:
+            return {key: self.config.sampling.apply(self.d.sampling.for_partition(key)) for key in self.keys}
+        except ValueError as exc:
+            raise dg.Failure(f"{self.d.name}: invalid run config, nothing was run: {exc}") from None
+
+    def _frames(self, prompts: object) -> dict[str | None, pd.DataFrame]:
+        given = prompts if isinstance(prompts, dict) and len(self.keys) > 1 else {self.keys[0]: prompts}
+        frames = {}
+        try:
+            for key in self.keys:
+                where = f"of partition {key!r}" if key is not None else ""
+                frames[key] = to_dataframe(given[key], self.d.upstream_key.to_user_string(), where)
+                check_columns(frames[key], self.d.spec, where)
+        except PromptTableError as exc:
+            raise dg.Failure(f"{self.d.name}: {exc}") from None
+        return frames
+
+    @contextlib.contextmanager
+    def _locks(self, files: dict[str | None, PartitionFiles | None]) -> Iterator[None]:
+        owner = f"run {self.context.run.run_id} of {self.d.asset_key.to_user_string()}"
+        with contextlib.ExitStack() as stack:
+            try:
+                for key, partition_files in files.items():
+                    if partition_files is not None:
+                        stack.enter_context(partition_files.lock(owner))
+            except PartitionLockedError as exc:
+                raise dg.Failure(f"{self.d.name}: partition {exc}") from None
+            yield
+
+    def _options(self) -> RunOptions:
+        return RunOptions(model_id=self.resource.model_id, code_version=self.d.code_version,
+                          resume=self.config.resume, shard_rows=self.d.shard_rows,
+                          progress_interval_s=self.d.progress_interval_s)
+
+    def _committed(self, result: PartitionResult, sampling: SamplingConfig) -> Iterator[object]:
+        """A range's partition is recorded as it commits; a single partition with the output."""
+        metadata = self._metadata(result, sampling)
+        outcomes = checks.evaluate(result.table, self.d.thresholds)
+        if len(self.keys) == 1:
+            self.output_metadata = metadata
+            for check_name, outcome in outcomes.items():
+                yield dg.AssetCheckResult(asset_key=self.d.asset_key, check_name=check_name, passed=outcome.passed,
+                                          metadata=outcome.metadata)
+            return
+        self.context.add_asset_metadata(metadata, partition_key=result.key)  # for the output, if it is yielded
+        if self.store is not None:
+            self.context.log_event(dg.AssetMaterialization(
+                self.d.asset_key, partition=result.key, metadata=metadata,
+                tags={"dagster/data_version": result.data_version, "dagster/code_version": self.d.code_version}))
+        for check_name, outcome in outcomes.items():
+            self.context.log_event(dg.AssetCheckEvaluation(
+                asset_key=self.d.asset_key, check_name=check_name, passed=outcome.passed, partition=result.key,
+                metadata=outcome.metadata))
+
+    def _output(self, results: dict[str | None, PartitionResult]) -> Iterator[object]:
+        """The table (or dict of tables) for the IO manager and downstream steps."""
+        if len(self.keys) == 1:
+            result = results[self.keys[0]]
+            yield dg.Output(result.table, output_name=self.d.asset_key.to_python_identifier(),
+                            metadata=self.output_metadata, data_version=dg.DataVersion(result.data_version))
+        elif self.store is None or self._consumed_in_run():
+            # With our IO manager each partition was recorded as it committed, and the files
+            # are not rewritten: this output only feeds the downstream steps of this run.
+            yield dg.Output({key: r.table for key, r in results.items()},
+                            output_name=self.d.asset_key.to_python_identifier(),
+                            data_version=dg.DataVersion(digest({k: r.data_version for k, r in results.items()})[:24]))
+
+    def _consumed_in_run(self) -> bool:
+        layer = self.context.job_def.asset_layer
+        children = layer.asset_graph.get(self.d.asset_key).child_keys
+        return bool(children & set(layer.executable_asset_keys))
+
+    def _metadata(self, result: PartitionResult, sampling: SamplingConfig) -> dict[str, object]:
+        stats, table = result.stats, result.table
+        llm = self.resource.get_llm()
+        return {
+            **_table_metadata(table, self.d.upstream_key, self.d.spec),
+            "path": dg.MetadataValue.path(str(self.store.path_for(self.d.asset_key, result.key).resolve()))
+            if self.store else "(stored by the IO manager)",
+            "model_id": self.resource.model_id,
+            "model_fingerprint": llm.model_fingerprint,
+            "engine_version": engine.__version__,
+            "partitions_in_run": len(self.keys),
+            "elapsed_s": stats.elapsed_s,
+            "prompt_tokens": stats.prompt_tokens,
+            "completion_tokens": stats.completion_tokens,
+            "generated_rows": stats.generated_rows,
+            "resumed_rows": stats.resumed_rows,
+            "error_rows": stats.error_rows,
+            "finish_reasons": dg.MetadataValue.json(stats.finish_reasons),
+            "adapter": self.d.adapter.for_partition(result.key) or "none",
+            "adapter_fingerprints": dg.MetadataValue.json(stats.adapter_fingerprints),
+            "sampling_config": dg.MetadataValue.json(sampling.model_dump()),
+            "data_version": result.data_version,
+            "upstream_data_version": _upstream_data_version(self.context, self.d.upstream_key, result.key) or "unknown",
+        }
+
+
+def _column_schema() -> dg.TableSchema:
+    return dg.TableSchema(columns=[
+        dg.TableColumn(f.name, str(f.type), description=COLUMN_DESCRIPTIONS[f.name]) for f in GENERATION_SCHEMA
+    ])
+
+
+def _table_metadata(table: pa.Table, upstream_key: dg.AssetKey, spec: TableSpec) -> dict[str, object]:
+    lineage = dg.TableColumnLineage(deps_by_column={
+        "generated_text": [dg.TableColumnDep(asset_key=upstream_key, column_name=spec.prompt_column)],
+        "prompt": [dg.TableColumnDep(asset_key=upstream_key, column_name=spec.prompt_column)],
+        "id": [dg.TableColumnDep(asset_key=upstream_key, column_name=spec.id_column)],
+    })
+    preview = table.slice(0, 5)
+    texts = [(t or "")[:80] for t in preview["generated_text"].to_pylist()]
     return {
         "dagster/row_count": table.num_rows,
-        "dagster/column_schema": schema,
+        "dagster/column_schema": _column_schema(),
         "dagster/column_lineage": lineage,
-        "path": dg.MetadataValue.path(str(path.resolve())),
-        "prompt_tokens": int(pc.sum(ok["prompt_tokens"]).as_py() or 0),
-        "completion_tokens": int(pc.sum(ok["completion_tokens"]).as_py() or 0),
-        "finish_reasons": dg.MetadataValue.json(dict(reasons)),
-        "error_rows": table.num_rows - ok.num_rows,
         "preview": dg.MetadataValue.md(
-            pd.DataFrame({"id": table["id"].to_pylist()[:5],
-                          "generated_text": [(t or "")[:80] for t in table["generated_text"].to_pylist()[:5]]})
-            .to_markdown(index=False) if table.num_rows else "(no rows)"
-        ),
+            pd.DataFrame({"id": preview["id"].to_pylist(), "generated_text": texts}).to_markdown(index=False)
+            if table.num_rows else "(no rows)"),
     }
 
 
@@ -318,7 +382,3 @@ def _upstream_data_version(context: dg.AssetExecutionContext, key: dg.AssetKey, 
         return None
     event = record.event_log_entry.asset_materialization or record.event_log_entry.asset_observation
     return (event.tags or {}).get("dagster/data_version") if event else None
-
-
-def _digest(value: object) -> str:
-    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()

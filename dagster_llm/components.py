@@ -5,11 +5,11 @@ from pydantic import Field
 
 from dagster_llm.assets import build_generation_asset
 from dagster_llm.checks import CheckThresholds
-from dagster_llm.config import SamplingConfig
+from dagster_llm.sampling import SamplingConfig
 
 
 class GenerationComponent(dg.Component, dg.Model, dg.Resolvable):
-    """Runs the LLM resource over an upstream prompt table, one Parquet file per partition.
+    """Runs the LLM resource over an upstream prompt table; the table goes through the IO manager.
 
     Examples:
         .. code-block:: yaml
@@ -46,6 +46,7 @@ class GenerationComponent(dg.Component, dg.Model, dg.Resolvable):
         default_factory=dict, description="Partition key or glob pattern to an adapter name (null: base model)."
     )
     adapter_column: str = Field(default="adapter", description="Prompt-table column that names a row's adapter.")
+    duplicate_ids: str = Field(default="error", description="'error' (repeated ids are error rows) or 'keep'.")
     max_error_rate: float = Field(default=0.0, ge=0, le=1, description="Error rows above this share fail the check.")
     max_empty_rate: float = Field(default=0.0, ge=0, le=1, description="Empty generations above this share fail.")
     max_truncation_rate: float = Field(default=0.5, ge=0, le=1, description="Truncated rows above this share fail.")
@@ -74,6 +75,7 @@ class GenerationComponent(dg.Component, dg.Model, dg.Resolvable):
             adapter=self.adapter,
             adapter_by_partition=self.adapter_by_partition,
             adapter_column=self.adapter_column,
+            duplicate_ids=self.duplicate_ids,
             partitions_def=partitions_def,
             resource_key=self.resource_key,
             pool=self.pool,

@@ -1,191 +1,161 @@
-"""Prompt tables in, generation tables out: column checks, chat rendering, output schema."""
+"""Prompt tables in: column checks, per-row overrides, chat rendering and every row's
+problem found before the model runs. Free of Dagster: rows in, `PromptRow`s out."""
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
-import dagster as dg
 import pandas as pd
 import pyarrow as pa
 
-from dagster_llm.config import SamplingConfig
-from engine import RequestOutput
+from dagster_llm.sampling import SAMPLING_FIELD_NAMES, SamplingConfig, merge_sampling
+from engine.llm import chat_messages_problem
 
-# Optional columns of a prompt table that override the partition's sampling per row.
-OVERRIDE_COLUMNS = tuple(SamplingConfig.model_fields)
 
-GENERATION_SCHEMA = pa.schema([
-    pa.field("id", pa.string()),
-    pa.field("prompt", pa.string()),
-    pa.field("generated_text", pa.string()),
-    pa.field("finish_reason", pa.string()),
-    pa.field("prompt_tokens", pa.int32()),
-    pa.field("completion_tokens", pa.int32()),
-    pa.field("model", pa.string()),
-    pa.field("adapter", pa.string()),
-    pa.field("temperature", pa.float64()),
-    pa.field("top_p", pa.float64()),
-    pa.field("top_k", pa.int32()),
-    pa.field("min_p", pa.float64()),
-    pa.field("presence_penalty", pa.float64()),
-    pa.field("frequency_penalty", pa.float64()),
-    pa.field("repetition_penalty", pa.float64()),
-    pa.field("max_tokens", pa.int32()),
-    pa.field("min_tokens", pa.int32()),
-    pa.field("seed", pa.int64()),
-    pa.field("stop", pa.list_(pa.string())),
-    pa.field("ignore_eos", pa.bool_()),
-    pa.field("error", pa.string()),
-])
+class PromptTableError(ValueError):
+    """The prompt table as a whole cannot be read (a missing column, a wrong type)."""
 
-COLUMN_DESCRIPTIONS = {
-    "id": "The prompt row's id, from the upstream table.",
-    "prompt": "The prompt as given: text, or chat messages as JSON.",
-    "generated_text": "The completion (null when the row has an error).",
-    "finish_reason": "'stop' (EOS or a stop string) or 'length' (max_tokens reached).",
-    "prompt_tokens": "Tokens in the rendered prompt.",
-    "completion_tokens": "Tokens generated.",
-    "model": "The model id.",
-    "adapter": "The LoRA adapter used, or null for the base model.",
-    "error": "Why the row was not generated, or null.",
-}
+
+@dataclass(frozen=True)
+class TableSpec:
+    """How a generation asset reads its prompt tables."""
+
+    id_column: str = "id"
+    prompt_column: str = "prompt"
+    chat: bool = False
+    adapter_column: str = "adapter"
+    adapters: Sequence[str] = ()
+    duplicate_ids: str = "error"
 
 
 @dataclass
 class PromptRow:
-    """One row to generate, with where it came from."""
+    """One row of a partition's prompt table, ready to generate unless `error` is set."""
 
     partition: str | None
-    id: str
-    prompt_text: str
-    rendered: dict
+    position: int
+    id: str | None
+    prompt_text: str | None
     sampling: SamplingConfig
-    error: str | None = None
     adapter: str | None = None
+    prompt: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+    def fail(self, problem: str) -> None:
+        """Records a problem; the first one found is the row's error."""
+        self.error = self.error or problem
 
 
-def to_dataframe(value: object, asset_name: str, upstream: str) -> pd.DataFrame:
+def to_dataframe(value: object, upstream: str, where: str) -> pd.DataFrame:
     if isinstance(value, pa.Table):
         return value.to_pandas()
     if isinstance(value, pd.DataFrame):
         return value
-    raise dg.Failure(
-        description=f"{asset_name}: upstream asset {upstream!r} gave a {type(value).__name__}; "
-        "it must be a pandas DataFrame or a pyarrow Table"
-    )
+    raise PromptTableError(f"upstream asset {upstream!r} gave a {type(value).__name__} {where}; it must be a "
+                           "pandas DataFrame or a pyarrow Table (a {partition: table} dict for a range)")
 
 
-def check_columns(frame: pd.DataFrame, id_column: str, prompt_column: str, asset_name: str, where: str) -> None:
-    missing = [c for c in (id_column, prompt_column) if c not in frame.columns]
+def check_columns(frame: pd.DataFrame, spec: TableSpec, where: str) -> None:
+    missing = [c for c in (spec.id_column, spec.prompt_column) if c not in frame.columns]
     if missing:
-        raise dg.Failure(
-            description=(
-                f"{asset_name}: the prompt table {where} has no column {missing[0]!r} "
-                f"(it has {list(frame.columns)}). Rename the column upstream or pass "
-                f"{'id_column' if missing[0] == id_column else 'prompt_column'}= to the generation asset."
-            )
-        )
+        argument = "id_column" if missing[0] == spec.id_column else "prompt_column"
+        raise PromptTableError(f"the prompt table {where} has no column {missing[0]!r} (it has "
+                               f"{list(frame.columns)}). Rename the column upstream or pass {argument}= "
+                               "to the generation asset.")
 
 
-def _messages(value: object) -> list[dict] | None:
-    """Chat messages from a cell: a list of {role, content} (Parquet gives an array)."""
-    if hasattr(value, "tolist"):
-        value = value.tolist()
-    if isinstance(value, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in value):
-        return [{"role": m["role"], "content": m["content"]} for m in value]
-    return None
-
-
-def render_rows(
-    frame: pd.DataFrame,
-    partition: str | None,
-    base_sampling: SamplingConfig,
-    *,
-    id_column: str,
-    prompt_column: str,
-    chat: bool,
-    tokenizer,
-    adapter: str | None = None,
-    adapters: Sequence[str] = (),
-    adapter_column: str = "adapter",
-) -> list[PromptRow]:
-    """Turns table rows into engine prompts; a row that cannot be used gets an error.
-
-    `adapter` is the partition's LoRA adapter (None: the base model); a non-empty value
-    in `adapter_column` names another one of the declared `adapters` for its row.
-    """
-    overrides = [c for c in OVERRIDE_COLUMNS if c in frame.columns]
+def read_rows(frame: pd.DataFrame, partition: str | None, sampling: SamplingConfig, adapter: str | None,
+              spec: TableSpec, tokenizer: Any) -> list[PromptRow]:
+    """The partition's rows, rendered to token ids; a row that cannot run gets its error."""
+    overrides = [c for c in SAMPLING_FIELD_NAMES if c in frame.columns]
+    first_position: dict[str, int] = {}
     rows = []
-    for _, record in frame.iterrows():
-        row_id = str(record[id_column])
-        value = record[prompt_column]
-        messages = _messages(value)
-        error = None
-        row_adapter = adapter
-        if adapter_column in frame.columns and _present(record[adapter_column]) and record[adapter_column] != "":
-            row_adapter = str(record[adapter_column])
-            if row_adapter not in adapters:
-                declared = ", ".join(sorted(adapters)) or "none are declared"
-                error = (f"{adapter_column}: {row_adapter!r} is not a declared adapter ({declared}); "
-                         f"declare it in adapters= or fix the row")
-        sampling = base_sampling
-        changes = {c: record[c] for c in overrides if _present(record[c])}
-        if changes:
-            try:
-                sampling = SamplingConfig(**{**base_sampling.model_dump(), **_plain(changes)})
-            except Exception as exc:  # pydantic's message names the field and the rule
-                error = error or f"sampling override columns: {exc}".replace("\n", " ")
-        if messages is not None:
-            text = json.dumps(messages, ensure_ascii=False)
-        elif isinstance(value, str):
-            text = value
-            if chat:
-                messages = [{"role": "user", "content": value}]
-        else:
-            text = "" if value is None else str(value)
-            error = error or (f"{prompt_column}: expected text or chat messages, got "
-                              f"{'null' if not _present(value) else type(value).__name__}: fill in the prompt or drop the row")
-        rendered = {"prompt": text}
-        if messages is not None and error is None:
-            try:
-                chat_text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            except Exception as exc:
-                error = f"{prompt_column}: the model's chat template rejected the messages ({exc})"
-            else:
-                # The template already holds any BOS token: do not add a second one.
-                rendered = {"prompt_token_ids": tokenizer(chat_text, add_special_tokens=False).input_ids}
-        rows.append(PromptRow(partition, row_id, text, rendered, sampling, error, row_adapter))
+    for position, record in enumerate(frame.to_dict("records")):
+        raw_id = record[spec.id_column]
+        row = PromptRow(partition, position, None if _missing(raw_id) else str(raw_id), None, sampling, adapter)
+        _check_id(row, first_position, spec)
+        _apply_adapter(row, record, spec)
+        changes = {c: _plain(record[c]) for c in overrides if not _missing(record[c])}
+        try:
+            row.sampling = merge_sampling(sampling, changes, "column ")
+        except ValueError as exc:
+            row.fail(f"sampling override {exc}: fix the cell or drop the column")
+        _render(row, record[spec.prompt_column], spec, tokenizer)
+        rows.append(row)
     return rows
 
 
-def _present(value: object) -> bool:
-    if isinstance(value, (list, tuple)) or hasattr(value, "tolist"):
-        return True
-    return value is not None and not pd.isna(value)
+def _check_id(row: PromptRow, first_position: dict[str, int], spec: TableSpec) -> None:
+    if row.id is None:
+        row.fail(f"{spec.id_column}: is null: give every row an id")
+    elif row.id in first_position and spec.duplicate_ids == "error":
+        row.fail(f"{spec.id_column}: {row.id!r} repeats the id of row {first_position[row.id]}; ids must be "
+                 "unique: fix the table upstream, or pass duplicate_ids='keep' to generate every copy")
+    else:
+        first_position.setdefault(row.id, row.position)
 
 
-def _plain(changes: dict) -> dict:
+def _apply_adapter(row: PromptRow, record: dict, spec: TableSpec) -> None:
+    value = record.get(spec.adapter_column)
+    if spec.adapter_column not in record or _missing(value) or value == "":
+        return
+    row.adapter = str(value)
+    if row.adapter not in spec.adapters:
+        declared = ", ".join(sorted(spec.adapters)) or "none are declared"
+        row.fail(f"{spec.adapter_column}: {row.adapter!r} is not a declared adapter ({declared}); "
+                 "declare it in adapters= or fix the row")
+
+
+def _render(row: PromptRow, value: object, spec: TableSpec, tokenizer: Any) -> None:
+    """Sets the row's prompt text (as stored) and the engine prompt (token ids)."""
+    value = _plain(value)
+    column = spec.prompt_column
+    if _missing(value):
+        row.fail(f"{column}: is null: fill in the prompt or drop the row")
+        return
+    if isinstance(value, list):
+        row.prompt_text = json.dumps(value, ensure_ascii=False, default=str)
+        problem = chat_messages_problem(value)
+        if problem is not None:
+            row.fail(f"{column}: {problem}")
+            return
+        messages = [{"role": m["role"], "content": m["content"]} for m in value]
+    elif isinstance(value, str):
+        row.prompt_text = value
+        messages = [{"role": "user", "content": value}] if spec.chat else None
+    else:
+        row.prompt_text = str(value)
+        row.fail(f"{column}: expected text or chat messages, got {type(value).__name__}: fix the column upstream")
+        return
+    try:
+        row.prompt_text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        row.prompt_text = row.prompt_text.encode("utf-8", "replace").decode("utf-8")
+        row.fail(f"{column}: holds a lone surrogate at character {exc.start}, which is not valid Unicode: fix "
+                 "the text's encoding upstream (e.g. decode the source bytes as UTF-8)")
+        return
+    if row.error is not None:
+        return
+    if messages is None:
+        row.prompt = {"prompt": value, "prompt_token_ids": tokenizer(value).input_ids}
+        return
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception as exc:  # a template may raise anything for messages it does not accept
+        row.fail(f"{column}: the model's chat template rejected the messages ({exc})")
+        return
+    # The template already holds any BOS token: do not add a second one.
+    row.prompt = {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids}
+
+
+def _missing(value: object) -> bool:
+    if isinstance(value, (list, tuple, dict)) or hasattr(value, "tolist"):
+        return False
+    return value is None or bool(pd.isna(value))
+
+
+def _plain(value: object) -> object:
     """numpy scalars and arrays from pandas as plain Python values."""
-    return {k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in changes.items()}
+    return value.tolist() if hasattr(value, "tolist") else value
 
-
-def generation_table(rows: Sequence[PromptRow], outputs: Sequence[RequestOutput | None], model_id: str) -> pa.Table:
-    """The generation table of `rows`; `outputs[i]` is None where row i has an error."""
-    columns: dict[str, list] = {field.name: [] for field in GENERATION_SCHEMA}
-    for row, out in zip(rows, outputs):
-        completion = out.outputs[0] if out is not None else None
-        values = {
-            "id": row.id,
-            "prompt": row.prompt_text,
-            "generated_text": completion.text if completion else None,
-            "finish_reason": completion.finish_reason if completion else None,
-            "prompt_tokens": len(out.prompt_token_ids) if out else None,
-            "completion_tokens": len(completion.token_ids) if completion else None,
-            "model": model_id,
-            "adapter": row.adapter,
-            **row.sampling.model_dump(),
-            "error": row.error,
-        }
-        for name in columns:
-            columns[name].append(values[name])
-    return pa.table(columns, schema=GENERATION_SCHEMA)

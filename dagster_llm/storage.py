@@ -1,54 +1,76 @@
-"""Parquet storage: atomic per-partition files and an IO manager for prompt tables."""
+"""`ParquetIOManager`: tables as Parquet files, one per partition, for any asset; the
+generation assets also commit partitions and shards through it as rows finish."""
 
 import os
-import tempfile
 from pathlib import Path
 
 import dagster as dg
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
+from pydantic import Field
 
+from dagster_llm.store import (
+    DATA_VERSION_KEY,
+    PartitionFiles,
+    data_version_of,
+    partition_file,
+    write_parquet_atomically,
+)
 
-def write_parquet_atomically(table: pa.Table, path: Path) -> None:
-    """Writes beside the target and renames, so that readers never see half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        pq.write_table(table, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def partition_file(root: Path, asset_key: dg.AssetKey, partition_key: str | None) -> Path:
-    """`root/<asset key path>/<partition>.parquet`; multi-dimensional keys become
-    Hive-style folders (`dim=value/...`), an unpartitioned asset is `data.parquet`."""
-    folder = root.joinpath(*asset_key.path)
-    if partition_key is None:
-        return folder / "data.parquet"
-    if isinstance(partition_key, dg.MultiPartitionKey):
-        parts = [f"{dim}={value}" for dim, value in sorted(partition_key.keys_by_dimension.items())]
-        return folder.joinpath(*parts[:-1]) / f"{parts[-1]}.parquet"
-    return folder / f"{partition_key}.parquet"
+Table = pd.DataFrame | pa.Table
 
 
 class ParquetIOManager(dg.ConfigurableIOManager):
-    """Stores pandas DataFrames or pyarrow Tables as Parquet, one file per partition.
+    """Stores pandas DataFrames or pyarrow Tables as Parquet, one file per partition
+    (`<base_path>/<asset key>/<partition>.parquet`, written atomically).
 
-    A run over several partitions (a single-run backfill) returns and receives a dict
-    {partition_key: DataFrame}; a run over one partition, the table itself.
+    A run over several partitions (a single-run backfill) hands over and receives a
+    `{partition_key: table}` dict; a run over one partition, the table itself. Inputs load
+    as a pandas DataFrame, or as a pyarrow Table where the input is annotated `pa.Table`.
+    A table that carries a data version (the generation assets' do) is not rewritten when
+    its file already holds that version.
+
+    Examples:
+        .. code-block:: python
+
+            import dagster as dg
+            import pandas as pd
+            from dagster_llm import LLMResource, ParquetIOManager, build_generation_asset
+
+            answers = build_generation_asset("answers", upstream="questions", chat=True)
+
+            @dg.asset
+            def answer_lengths(answers: pd.DataFrame) -> pd.DataFrame:
+                return answers.assign(chars=answers["generated_text"].str.len())
+
+            defs = dg.Definitions(
+                assets=[answers, answer_lengths],
+                resources={"llm": LLMResource(), "io_manager": ParquetIOManager(base_path="data")},
+            )
     """
 
-    base_path: str = "output/tables"
+    base_path: str | None = Field(
+        default=None,
+        description="Root folder of the tables (default: $DAGSTER_LLM_OUTPUT_DIR/tables, or output/tables).",
+    )
 
-    def _path(self, context: dg.OutputContext | dg.InputContext, key: str | None) -> Path:
-        return partition_file(Path(self.base_path), context.asset_key, key)
+    @property
+    def root(self) -> Path:
+        return Path(self.base_path or Path(os.environ.get("DAGSTER_LLM_OUTPUT_DIR", "output")) / "tables")
 
-    def handle_output(self, context: dg.OutputContext, obj: pd.DataFrame | pa.Table | dict) -> None:
+    def path_for(self, asset_key: dg.AssetKey, partition_key: str | None) -> Path:
+        """The file of one partition (None: the unpartitioned asset's file)."""
+        return partition_file(self.root, asset_key, partition_key)
+
+    def partition_files(self, asset_key: dg.AssetKey, partition_key: str | None) -> PartitionFiles:
+        """The committed file, shards and lock of one partition."""
+        return PartitionFiles(self.path_for(asset_key, partition_key))
+
+    def handle_output(self, context: dg.OutputContext, obj: Table | dict[str, Table] | None) -> None:
         """Stores one table, or a {partition_key: table} dict when the run spans partitions."""
+        if obj is None:
+            return
         keys = context.asset_partition_keys if context.has_asset_partitions else [None]
         if len(keys) > 1 and not isinstance(obj, dict):
             raise dg.DagsterInvariantViolationError(
@@ -56,18 +78,32 @@ class ParquetIOManager(dg.ConfigurableIOManager):
                 "{partition_key: table} dict, one table per partition"
             )
         tables = obj if isinstance(obj, dict) else {keys[0]: obj}
-        rows = 0
         for key in keys:
             table = tables[key]
             table = table if isinstance(table, pa.Table) else pa.Table.from_pandas(table, preserve_index=False)
-            write_parquet_atomically(table, self._path(context, key))
-            rows += table.num_rows
-        context.add_output_metadata({"path": dg.MetadataValue.path(str(self._path(context, keys[0]).parent)),
-                                     "dagster/row_count": rows})
+            path = self.path_for(context.asset_key, key)
+            version = (table.schema.metadata or {}).get(DATA_VERSION_KEY)
+            if version is None or data_version_of(path) != version.decode():
+                write_parquet_atomically(table, path)
+        if len(keys) == 1:
+            # One materialization per partition carries these: a range's total would be wrong on each.
+            context.add_output_metadata({"path": dg.MetadataValue.path(str(self.path_for(context.asset_key, keys[0]))),
+                                         "dagster/row_count": tables[keys[0]].num_rows
+                                         if isinstance(tables[keys[0]], pa.Table) else len(tables[keys[0]])})
 
-    def load_input(self, context: dg.InputContext) -> pd.DataFrame | dict[str, pd.DataFrame]:
-        if not context.has_asset_partitions:
-            return pd.read_parquet(self._path(context, None))
-        keys = context.asset_partition_keys
-        frames = {key: pd.read_parquet(self._path(context, key)) for key in keys}
-        return frames[keys[0]] if len(keys) == 1 else frames
+    def load_input(self, context: dg.InputContext) -> Table | dict[str, Table]:
+        """One table, or a {partition_key: table} dict when the input spans partitions."""
+        arrow = context.dagster_type.typing_type is pa.Table or getattr(
+            context.dagster_type.typing_type, "__args__", None) == (str, pa.Table)
+        keys = context.asset_partition_keys if context.has_asset_partitions else [None]
+        tables = {key: self._read(context.asset_key, key, arrow) for key in keys}
+        return tables[keys[0]] if len(keys) == 1 else tables
+
+    def _read(self, asset_key: dg.AssetKey, key: str | None, arrow: bool) -> Table:
+        path = self.path_for(asset_key, key)
+        if not path.exists():
+            which = f"partition {key!r} of " if key is not None else ""
+            raise dg.Failure(f"{which}{asset_key.to_user_string()} has no table at {path}: materialize it first "
+                             f"(or point the IO manager's base_path at where it was written)")
+        table = pq.read_table(path)
+        return table if arrow else table.to_pandas()

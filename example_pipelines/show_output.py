@@ -4,13 +4,11 @@
 """
 
 import argparse
-import os
-from pathlib import Path
 
 import dagster as dg
 import pandas as pd
 
-from dagster_llm import partition_file
+from dagster_llm import ParquetIOManager
 
 
 def main() -> None:
@@ -19,8 +17,7 @@ def main() -> None:
     parser.add_argument("partition")
     parser.add_argument("--rows", type=int, default=5)
     args = parser.parse_args()
-    root = Path(os.environ.get("DAGSTER_LLM_OUTPUT_DIR", "output")) / "generations"
-    path = partition_file(root, dg.AssetKey(args.asset), args.partition)
+    path = ParquetIOManager().path_for(dg.AssetKey(args.asset), args.partition)
     table = pd.read_parquet(path)
     print(f"\n{args.asset} [{args.partition}]: {len(table)} rows in {path.resolve()}\n")
     preview = table[["id", "generated_text", "finish_reason"]].head(args.rows).copy()

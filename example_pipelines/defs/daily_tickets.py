@@ -56,9 +56,36 @@ ticket_summaries = build_generation_asset(
     description="One-sentence summary and routing of each support ticket.",
 )
 
+TEAMS = ("billing", "technical", "account")
+
+
+@dg.asset(partitions_def=days, group_name="support", kinds={"pandas"},
+          backfill_policy=dg.BackfillPolicy.single_run())
+def ticket_summary_quality(context: dg.AssetExecutionContext, ticket_summaries) -> dg.MaterializeResult:
+    """Per day: how many summaries came back, how long they are, and which team each names.
+
+    Reads the generation table through the IO manager: one DataFrame for a day, a
+    {day: DataFrame} dict for a range of days.
+    """
+    frames = ticket_summaries if isinstance(ticket_summaries, dict) else {context.partition_key: ticket_summaries}
+    for day, table in frames.items():
+        ok = table[table["error"].isna()]
+        text = ok["generated_text"].str.lower()
+        routed = {team: int(text.str.contains(team).sum()) for team in TEAMS}
+        context.add_asset_metadata({
+            "rows": len(table),
+            "error_rows": len(table) - len(ok),
+            "mean_words": round(float(ok["generated_text"].str.split().str.len().mean() or 0), 1) if len(ok) else 0.0,
+            "truncated": int((ok["finish_reason"] == "length").sum()),
+            "routed_to": dg.MetadataValue.json(routed),
+            "unrouted": int(len(ok) - text.str.contains("|".join(TEAMS)).sum()),
+        }, partition_key=day)
+    return dg.MaterializeResult()
+
+
 daily_ticket_summaries_job = dg.define_asset_job(
     "daily_ticket_summaries_job",
-    selection=[raw_support_tickets, support_prompts, ticket_summaries],
+    selection=[raw_support_tickets, support_prompts, ticket_summaries, ticket_summary_quality],
     partitions_def=days,
 )
 daily_ticket_summaries_schedule = dg.build_schedule_from_partitioned_job(daily_ticket_summaries_job, hour_of_day=2)

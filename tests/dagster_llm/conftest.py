@@ -22,5 +22,5 @@ def env(tiny_models, tmp_path, monkeypatch):
         "llm": LLMResource(model_id=str(tiny_models["llama"]), dtype="float32", kv_cache_memory_gb=0.01),
         "io_manager": ParquetIOManager(base_path=str(tmp_path / "tables")),
     }
-    return {"root": tmp_path / "out" / "generations", "resources": resources, "loads": loads,
+    return {"root": tmp_path / "tables", "resources": resources, "loads": loads,
             "model": tiny_models["llama"]}

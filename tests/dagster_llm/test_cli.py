@@ -37,7 +37,7 @@ def assert_succeeded(result: subprocess.CompletedProcess[str]) -> None:
 
 
 def generations(output_dir: Path, partition: str) -> pd.DataFrame:
-    return pd.read_parquet(output_dir / "generations" / "ticket_summaries" / f"{partition}.parquet")
+    return pd.read_parquet(output_dir / "tables" / "ticket_summaries" / f"{partition}.parquet")
 
 
 def latest_metadata(instance: dg.DagsterInstance, partition: str) -> dict[str, object]:
@@ -117,4 +117,4 @@ def test_invalid_run_config_fails_before_generating(tmp_path: Path) -> None:
     output = result.stdout + result.stderr
     assert result.returncode != 0
     assert "sampling.temperature" in output and "greater than or equal to 0" in output
-    assert not (output_dir / "generations").exists()
+    assert not (output_dir / "tables" / "ticket_summaries").exists()

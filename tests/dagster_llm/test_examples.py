@@ -9,7 +9,12 @@ import pandas as pd
 import pytest
 
 from dagster_llm import LLMResource, ParquetIOManager, partition_file
-from example_pipelines.defs.daily_tickets import raw_support_tickets, support_prompts, ticket_summaries
+from example_pipelines.defs.daily_tickets import (
+    raw_support_tickets,
+    support_prompts,
+    ticket_summaries,
+    ticket_summary_quality,
+)
 from example_pipelines.defs.prompt_sets import prompt_sets
 from tests.dagster_llm.test_generation_asset import METADATA_KEYS, latest
 
@@ -21,7 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 def outputs(tmp_path, monkeypatch):
     monkeypatch.setenv("DAGSTER_LLM_OUTPUT_DIR", str(tmp_path))
     resources = {"llm": LLMResource(), "io_manager": ParquetIOManager(base_path=str(tmp_path / "tables"))}
-    return tmp_path / "generations", resources
+    return tmp_path / "tables", resources
 
 
 def _load_component() -> dg.AssetsDefinition:
@@ -31,7 +36,7 @@ def _load_component() -> dg.AssetsDefinition:
 
 def test_daily_pipeline_one_day_and_a_single_run_range(outputs):
     root, resources = outputs
-    assets = [raw_support_tickets, support_prompts, ticket_summaries]
+    assets = [raw_support_tickets, support_prompts, ticket_summaries, ticket_summary_quality]
     with dg.instance_for_test() as instance:
         assert dg.materialize(assets, partition_key="2024-06-01", resources=resources, instance=instance).success
         day = pd.read_parquet(partition_file(root, dg.AssetKey("ticket_summaries"), "2024-06-01"))
@@ -42,6 +47,8 @@ def test_daily_pipeline_one_day_and_a_single_run_range(outputs):
         assert METADATA_KEYS <= set(meta)
         assert meta["dagster/row_count"].value == 3 and meta["error_rows"].value == 0
         assert meta["prompt_tokens"].value == int(day["prompt_tokens"].sum()) > 3 * 40  # chat template applied
+        quality = latest(instance, "ticket_summary_quality", "2024-06-01").metadata  # read through the IO manager
+        assert quality["rows"].value == 3 and quality["error_rows"].value == 0
 
         tags = {"dagster/asset_partition_range_start": "2024-06-02", "dagster/asset_partition_range_end": "2024-06-04"}
         result = dg.materialize(assets, tags=tags, resources=resources, instance=instance)
@@ -52,6 +59,8 @@ def test_daily_pipeline_one_day_and_a_single_run_range(outputs):
             assert list(table["id"]) == ids
             meta = latest(instance, "ticket_summaries", day_key).metadata
             assert meta["dagster/row_count"].value == len(ids) and meta["partitions_in_run"].value == 3
+            # The downstream asset took the range as a {day: DataFrame} dict.
+            assert latest(instance, "ticket_summary_quality", day_key).metadata["rows"].value == len(ids)
         checks = {(e.check_name, e.partition) for e in result.get_asset_check_evaluations()}
         assert {p for _, p in checks} == {"2024-06-02", "2024-06-03", "2024-06-04"}
 

@@ -16,9 +16,9 @@ PROMPTS = {
 }
 METADATA_KEYS = {
     "dagster/row_count", "dagster/column_schema", "dagster/column_lineage", "path", "model_id",
-    "model_fingerprint", "engine_version", "elapsed_s", "generated_tokens_per_s", "partitions_in_run",
-    "prompt_tokens", "completion_tokens", "finish_reasons", "error_rows", "adapter", "sampling_config",
-    "upstream_data_version", "preview",
+    "model_fingerprint", "engine_version", "elapsed_s", "partitions_in_run", "prompt_tokens",
+    "completion_tokens", "finish_reasons", "error_rows", "generated_rows", "resumed_rows", "adapter",
+    "sampling_config", "data_version", "upstream_data_version", "preview",
 }
 
 
@@ -74,7 +74,7 @@ def test_partition_contents_equal_direct_generation_and_carry_full_metadata(env)
         assert sum(json.loads(json.dumps(meta["finish_reasons"].value)).values()) == 3
         checks = {(e.check_name, e.partition): e.passed for e in result.get_asset_check_evaluations()}
         assert checks == {("no_error_rows", "a"): True, ("no_empty_generations", "a"): True,
-                          ("truncation_rate", "a"): checks[("truncation_rate", "a")]}
+                          ("truncation_rate", "a"): checks[("truncation_rate", "a")], ("unique_ids", "a"): True}
 
 
 def test_single_run_backfill_loads_the_model_once_and_writes_each_partition(env):
@@ -162,9 +162,13 @@ def test_invalid_sampling_config_fails_before_the_model_loads(env):
     result = run([prompts, gen], env, partition="a", raise_on_error=False,
                  run_config={"ops": {"gen": {"config": {"sampling": {"temperature": -1}}}}})
     failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
-    assert "sampling.temperature" in str(failure.event_specific_data.error)
-    assert "greater than or equal to 0" in str(failure.event_specific_data.error)
+    assert "run config sampling.temperature must be >= 0 (0 = greedy), got -1" in str(failure.event_specific_data.error)
     assert not env["loads"]
+    result = run([prompts, gen], env, partition="a", raise_on_error=False,
+                 run_config={"ops": {"gen": {"config": {"sampling": {"top_p": 0, "max_tokens": 0}}}}})
+    message = str(next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE").event_specific_data.error)
+    assert "sampling.top_p must be in (0, 1]" in message and "sampling.max_tokens must be a positive integer" in message
+    assert "ValidationError" not in message and not env["loads"]
     with pytest.raises(Exception, match="top_p"):
         build_generation_asset("gen2", upstream=prompts, sampling=SamplingConfig(top_p=2.0))
 

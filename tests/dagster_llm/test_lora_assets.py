@@ -89,15 +89,19 @@ def test_adapters_need_a_lora_resource_and_declared_names(env, adapters):
         build_generation_asset("gen", upstream=prompts, adapters=adapters, adapter_by_partition={"a": "legal"})
 
 
-def test_a_missing_adapter_folder_fails_the_step_before_the_model_loads(lora_env, adapters, tmp_path):
-    prompts = prompts_asset()
+def test_a_missing_adapter_folder_fails_only_the_rows_that_use_it(lora_env, adapters, tmp_path):
+    frames = {"a": pd.DataFrame({"id": ["x", "y", "z"], "prompt": ["Paris is the", "The quick", "A paged"],
+                                 "adapter": ["gone", None, "sales"]}), "b": PROMPTS["b"]}
+    prompts = prompts_asset(frames)
     gen = build_generation_asset("gen", upstream=prompts, sampling=SAMPLING,
-                                 adapters={**adapters, "gone": tmp_path / "gone"}, adapter="gone")
+                                 adapters={**adapters, "gone": tmp_path / "gone"})
     result = run([prompts, gen], lora_env, partition="a", raise_on_error=False)
-    assert not result.success and not lora_env["loads"]
-    failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
-    assert "LoRA adapter 'gone'" in str(failure.event_specific_data.error) and "does not exist" in str(
-        failure.event_specific_data.error)
+    assert result.success
+    table = pd.read_parquet(partition_file(lora_env["root"], dg.AssetKey("gen"), "a"))
+    assert "adapter 'gone'" in table["error"][0] and "does not exist" in table["error"][0]
+    assert table["error"][1:].isna().all() and table["generated_text"][1:].notna().all()
+    checks = {e.check_name: e.passed for e in result.get_asset_check_evaluations()}
+    assert checks["no_error_rows"] is False and checks["unique_ids"] is True
 
 
 def test_the_component_declares_adapters(lora_env, adapters):

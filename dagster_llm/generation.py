@@ -1,0 +1,230 @@
+"""A generation run, free of Dagster: prompt rows of one or more partitions in, each
+partition's committed table and stats out as soon as its last row finishes.
+
+Finished rows are saved in shards as the run goes; a partition whose rows were already
+generated for its data version (committed, or in shards of an interrupted run) reuses
+them and generates only what is missing.
+"""
+
+import collections
+import hashlib
+import json
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+
+from dagster_llm.progress import GenerationProgress, WorkCounters
+from dagster_llm.prompts import PromptRow
+from dagster_llm.schema import records_table, result_record
+from dagster_llm.store import POSITION_COLUMN, PartitionFiles, with_data_version
+from engine import LLM, LoRARequest
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How a run generates, saves and reports."""
+
+    model_id: str
+    code_version: str
+    resume: bool = True
+    shard_rows: int = 64
+    shard_interval_s: float = 30.0
+    progress_interval_s: float = 5.0
+
+
+@dataclass
+class PartitionStats:
+    """What one partition's table holds and what this run did for it."""
+
+    rows: int = 0
+    error_rows: int = 0
+    resumed_rows: int = 0
+    generated_rows: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reasons: dict[str, int] = field(default_factory=dict)
+    adapter_fingerprints: dict[str, str] = field(default_factory=dict)
+    elapsed_s: float = 0.0
+
+
+@dataclass
+class PartitionResult:
+    """A committed partition: its table (data version in the schema metadata) and stats."""
+
+    key: str | None
+    table: pa.Table
+    data_version: str
+    stats: PartitionStats
+
+
+@dataclass
+class _Partition:
+    key: str | None
+    rows: list[PromptRow]
+    files: PartitionFiles | None
+    data_version: str = ""
+    records: dict[int, dict[str, Any]] = field(default_factory=dict)
+    resumed_rows: int = 0
+    pending: int = 0
+    unsaved: list[int] = field(default_factory=list)
+    last_shard: float = field(default_factory=time.monotonic)
+
+
+class GenerationRun:
+    """Generates the rows of several partitions in one engine call, committing each
+    partition when its rows are done.
+
+    `check_alive` runs after every engine step and before every write; it raises to stop
+    the run (for instance when the launching process died), after which nothing more is
+    written.
+    """
+
+    def __init__(self, llm: LLM, lora_requests: Mapping[str, LoRARequest], options: RunOptions,
+                 log: Callable[[str], None], check_alive: Callable[[], None] = lambda: None) -> None:
+        self.llm = llm
+        self.lora_requests = lora_requests
+        self.options = options
+        self.log = log
+        self.check_alive = check_alive
+        self.fingerprints: dict[str, str] = {}
+
+    def generate(self, partitions: Sequence[tuple[str | None, list[PromptRow], PartitionFiles | None]]
+                 ) -> Iterator[PartitionResult]:
+        """Yields each partition's result as it commits; partitions that need no new rows
+        first, the others roughly in the given order (their rows are queued in it)."""
+        started = time.monotonic()
+        parts = [_Partition(key, rows, files) for key, rows, files in partitions]
+        self._check_rows([row for part in parts for row in part.rows])
+        model = self.llm.model_fingerprint
+        for part in parts:
+            part.data_version = self._data_version(part, model)
+            self._resume(part)
+        todo = [row for part in parts for row in part.rows if row.error is None and row.position not in part.records]
+        by_key = {part.key: part for part in parts}
+        for row in todo:
+            by_key[row.partition].pending += 1
+        self.log(f"generating {len(todo)} rows for {len(parts)} partition(s) "
+                 f"({sum(p.resumed_rows for p in parts)} resumed, "
+                 f"{sum(r.error is not None for p in parts for r in p.rows)} with errors)")
+        for part in parts:
+            if part.pending == 0:
+                yield self._commit(part, started)
+        if todo:
+            yield from self._run(todo, by_key, started)
+
+    def _check_rows(self, rows: list[PromptRow]) -> None:
+        """Marks rows the engine cannot take (adapter, length, ids) with their errors."""
+        for name in sorted({r.adapter for r in rows if r.adapter is not None and r.error is None}):
+            try:
+                self.fingerprints[name] = self.llm.add_lora(self.lora_requests[name])
+            except ValueError as exc:
+                for row in rows:
+                    if row.adapter == name:
+                        row.fail(f"adapter {name!r}: {exc}")
+        ready = [row for row in rows if row.error is None]
+        problems = self.llm.validate([r.prompt for r in ready], [r.sampling.to_sampling_params() for r in ready],
+                                     [self._lora(r) for r in ready])
+        for row, problem in zip(ready, problems):
+            if problem is not None:
+                row.fail(problem)
+
+    def _lora(self, row: PromptRow) -> LoRARequest | None:
+        return self.lora_requests[row.adapter] if row.adapter is not None else None
+
+    def _data_version(self, part: _Partition, model_fingerprint: str) -> str:
+        """Digest of everything the partition's table depends on."""
+        rows = [(r.id, r.prompt_text, r.sampling.model_dump(), r.adapter, self.fingerprints.get(r.adapter), r.error)
+                for r in part.rows]
+        return digest({"code_version": self.options.code_version, "model": model_fingerprint, "rows": rows})[:24]
+
+    def _resume(self, part: _Partition) -> None:
+        """Takes the rows already generated for the partition's data version."""
+        if part.files is None or not self.options.resume:
+            return
+        finished = part.files.finished_rows(part.data_version)
+        if finished is None:
+            return
+        ok = {row.position for row in part.rows if row.error is None}
+        for record in finished.to_pylist():
+            position = record.pop(POSITION_COLUMN)
+            if position in ok and position not in part.records:
+                part.records[position] = record
+        part.resumed_rows = len(part.records)
+
+    def _run(self, todo: list[PromptRow], by_key: dict[str | None, _Partition], started: float
+             ) -> Iterator[PartitionResult]:
+        stats = self.llm.llm_engine.stats
+        prompt_start, output_start = stats.num_prompt_tokens_computed, stats.num_generated_tokens
+        params = [row.sampling.to_sampling_params() for row in todo]
+        counters = WorkCounters(
+            rows_total=len(todo),
+            prompt_tokens_total=sum(len(r.prompt["prompt_token_ids"]) for r in todo),
+            max_output_tokens_total=sum(p.max_tokens for p in params),
+        )
+        progress = GenerationProgress(
+            self.log, self.options.progress_interval_s, counters,
+            lambda: (stats.num_prompt_tokens_computed - prompt_start, stats.num_generated_tokens - output_start),
+            self.check_alive,
+        )
+        with progress:
+            finished = self.llm.generate_as_completed([r.prompt for r in todo], params, use_tqdm=progress.bar,
+                                                      lora_request=[self._lora(r) for r in todo])
+            for index, output in finished:
+                row = todo[index]
+                part = by_key[row.partition]
+                part.records[row.position] = result_record(row, output, self.options.model_id)
+                part.unsaved.append(row.position)
+                part.pending -= 1
+                progress.row_finished(len(output.outputs[0].token_ids), params[index].max_tokens)
+                if part.pending == 0:
+                    yield self._commit(part, started)
+                elif self._shard_due(part):
+                    self._save_shard(part)
+
+    def _shard_due(self, part: _Partition) -> bool:
+        return part.files is not None and (
+            len(part.unsaved) >= self.options.shard_rows
+            or time.monotonic() - part.last_shard >= self.options.shard_interval_s
+        )
+
+    def _save_shard(self, part: _Partition) -> None:
+        self.check_alive()
+        positions = sorted(part.unsaved)
+        table = records_table([part.records[p] for p in positions],
+                              {POSITION_COLUMN: pa.array(positions, pa.int32())})
+        part.files.append_shard(part.data_version, table)
+        part.unsaved.clear()
+        part.last_shard = time.monotonic()
+
+    def _commit(self, part: _Partition, started: float) -> PartitionResult:
+        """The partition's table in input order, committed to its files."""
+        self.check_alive()
+        records = [part.records.get(row.position) or result_record(row, None, self.options.model_id)
+                   for row in part.rows]
+        table = with_data_version(records_table(records), part.data_version)
+        if part.files is not None:
+            part.files.commit(table, part.data_version)
+        return PartitionResult(part.key, table, part.data_version, self._stats(part, records, started))
+
+    def _stats(self, part: _Partition, records: list[dict[str, Any]], started: float) -> PartitionStats:
+        ok = [r for r in records if r["error"] is None]
+        return PartitionStats(
+            rows=len(records),
+            error_rows=len(records) - len(ok),
+            resumed_rows=part.resumed_rows,
+            generated_rows=len(ok) - part.resumed_rows,
+            prompt_tokens=sum(r["prompt_tokens"] for r in ok),
+            completion_tokens=sum(r["completion_tokens"] for r in ok),
+            finish_reasons=dict(collections.Counter(r["finish_reason"] for r in ok)),
+            adapter_fingerprints={a: self.fingerprints[a] for a in sorted({r["adapter"] for r in ok} - {None})},
+            elapsed_s=round(time.monotonic() - started, 3),
+        )
+
+
+def digest(value: object) -> str:
+    """sha256 of a JSON-able value, independent of dict order."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
+

@@ -1,0 +1,58 @@
+"""The generation table: its columns (sampling columns from `SAMPLING_FIELDS`), their
+descriptions, and the table built from finished rows."""
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import pyarrow as pa
+
+from dagster_llm.prompts import PromptRow
+from dagster_llm.sampling import SAMPLING_FIELDS
+from engine import RequestOutput
+
+_RESULT_COLUMNS: tuple[tuple[str, pa.DataType, str], ...] = (
+    ("id", pa.string(), "The prompt row's id, from the upstream table."),
+    ("prompt", pa.string(), "The prompt as given: text, or chat messages as JSON (null when it was null)."),
+    ("generated_text", pa.string(), "The completion (null when the row has an error)."),
+    ("finish_reason", pa.string(), "'stop' (EOS or a stop string) or 'length' (max_tokens reached)."),
+    ("prompt_tokens", pa.int32(), "Tokens in the rendered prompt."),
+    ("completion_tokens", pa.int32(), "Tokens generated."),
+    ("model", pa.string(), "The model id."),
+    ("adapter", pa.string(), "The LoRA adapter used, or null for the base model."),
+)
+_ERROR_COLUMN = ("error", pa.string(), "Why the row was not generated, or null.")
+
+COLUMN_DESCRIPTIONS: dict[str, str] = {
+    **{name: text for name, _, text in (*_RESULT_COLUMNS, _ERROR_COLUMN)},
+    **{f.name: f"Sampling setting used. {f.documented}" for f in SAMPLING_FIELDS},
+}
+GENERATION_SCHEMA = pa.schema(
+    [pa.field(name, kind) for name, kind, _ in _RESULT_COLUMNS]
+    + [pa.field(f.name, f.arrow_type) for f in SAMPLING_FIELDS]
+    + [pa.field(_ERROR_COLUMN[0], _ERROR_COLUMN[1])]
+)
+
+
+def result_record(row: PromptRow, output: RequestOutput | None, model_id: str) -> dict[str, Any]:
+    """One row of the generation table; `output` is None where the row has an error."""
+    completion = output.outputs[0] if output is not None else None
+    return {
+        "id": row.id,
+        "prompt": row.prompt_text,
+        "generated_text": completion.text if completion else None,
+        "finish_reason": completion.finish_reason if completion else None,
+        "prompt_tokens": len(output.prompt_token_ids) if output else None,
+        "completion_tokens": len(completion.token_ids) if completion else None,
+        "model": model_id,
+        "adapter": row.adapter,
+        **row.sampling.model_dump(),
+        "error": row.error,
+    }
+
+
+def records_table(records: Sequence[Mapping[str, Any]], extra: Mapping[str, pa.Array] | None = None) -> pa.Table:
+    """The generation table of `records` (plus `extra` columns, such as shard positions)."""
+    table = pa.Table.from_pylist(list(records), schema=GENERATION_SCHEMA)
+    for name, values in (extra or {}).items():
+        table = table.append_column(name, values)
+    return table
