@@ -1,0 +1,234 @@
+"""The IO manager, shards, resume, locks and bad rows, on the tiny Llama."""
+
+import time
+
+import dagster as dg
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet
+import pytest
+
+import engine
+from dagster_llm import GenerationRun, PartitionFiles, RunOptions, SamplingConfig, build_generation_asset
+from dagster_llm.progress import GenerationProgress, WorkCounters
+from dagster_llm.prompts import TableSpec, read_rows
+from dagster_llm.store import POSITION_COLUMN, data_version_of
+from dagster_llm.watch import LaunchingProcessDied, ParentWatch
+from tests.dagster_llm.test_generation_asset import PROMPTS, latest, prompts_asset, run
+
+SAMPLING = SamplingConfig(max_tokens=5, ignore_eos=True)
+
+
+def test_downstream_assets_load_one_partition_and_a_range_through_the_io_manager(env):
+    prompts = prompts_asset()
+    gen = build_generation_asset("gen", upstream=prompts, sampling=SAMPLING)
+    seen = {}
+
+    @dg.asset(partitions_def=prompts.partitions_def, backfill_policy=dg.BackfillPolicy.single_run())
+    def lengths(context: dg.AssetExecutionContext, gen) -> None:
+        seen["lengths"] = gen
+
+    @dg.asset(partitions_def=prompts.partitions_def)
+    def arrow(gen: pa.Table) -> None:
+        seen["arrow"] = gen
+
+    @dg.asset(partitions_def=prompts.partitions_def, backfill_policy=dg.BackfillPolicy.single_run())
+    def arrow_range(gen: dict[str, pa.Table]) -> None:
+        seen["arrow_range"] = gen
+
+    run([prompts, gen, lengths, arrow], env, partition="a")
+    assert isinstance(seen["lengths"], pd.DataFrame) and list(seen["lengths"]["id"]) == ["a1", "a2", "a3"]
+    assert isinstance(seen["arrow"], pa.Table) and seen["arrow"].num_rows == 3
+    run([prompts, gen, lengths, arrow_range], env, partition_range=("a", "b"))
+    assert set(seen["lengths"]) == {"a", "b"} and list(seen["lengths"]["b"]["id"]) == ["b1", "b2"]
+    assert isinstance(seen["arrow_range"]["b"], pa.Table)
+    # A later run of the downstream asset alone loads the stored table.
+    assert dg.materialize([prompts, gen, lengths], selection=[lengths], partition_key="b",
+                          resources=env["resources"]).success
+    assert list(seen["lengths"]["generated_text"]) == list(
+        pd.read_parquet(env["root"] / "gen" / "b.parquet")["generated_text"])
+
+
+def test_a_range_commits_partitions_one_after_another_with_their_own_metadata(env):
+    prompts = prompts_asset()
+    gen = build_generation_asset("gen", upstream=prompts, sampling=SamplingConfig(max_tokens=4))
+    with dg.instance_for_test() as instance:
+        result = run([prompts, gen], env, partition_range=("a", "b"), instance=instance)
+        materializations = [e for e in result.all_events if e.event_type_value == "ASSET_MATERIALIZATION"
+                            and e.asset_key == dg.AssetKey("gen")]
+        assert sorted(m.partition for m in materializations) == ["a", "b"]  # each as it committed, once
+        for key, rows in (("a", 3), ("b", 2)):
+            meta = latest(instance, "gen", key).metadata
+            assert meta["dagster/row_count"].value == rows and meta["generated_rows"].value == rows
+            assert latest(instance, "gen", key).tags["dagster/data_version"] == meta["data_version"].value
+            assert data_version_of(env["root"] / "gen" / f"{key}.parquet") == meta["data_version"].value
+
+
+def test_a_rerun_reuses_the_committed_partition_unless_told_not_to(env):
+    prompts = prompts_asset()
+    gen = build_generation_asset("gen", upstream=prompts, sampling=SAMPLING)
+    with dg.instance_for_test() as instance:
+        run([prompts, gen], env, partition="a", instance=instance)
+        first = pd.read_parquet(env["root"] / "gen" / "a.parquet")
+        run([prompts, gen], env, partition="a", instance=instance)
+        meta = latest(instance, "gen", "a").metadata
+        assert meta["resumed_rows"].value == 3 and meta["generated_rows"].value == 0
+        pd.testing.assert_frame_equal(pd.read_parquet(env["root"] / "gen" / "a.parquet"), first)
+        run([prompts, gen], env, partition="a", instance=instance,
+            run_config={"ops": {"gen": {"config": {"resume": False}}}})
+        meta = latest(instance, "gen", "a").metadata
+        assert meta["resumed_rows"].value == 0 and meta["generated_rows"].value == 3
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_models):
+    with engine.LLM(str(tiny_models["llama"]), dtype="float32", max_num_seqs=2, kv_cache_memory=64 * 16 * 1024) as llm:
+        yield llm
+
+
+def rows_of(llm, frame, sampling=SAMPLING, key="p"):
+    return read_rows(frame, key, sampling, None, TableSpec(), llm.get_tokenizer())
+
+
+FRAME = pd.DataFrame({"id": [f"r{i}" for i in range(8)], "prompt": [f"Row {i} says" for i in range(8)]})
+
+
+class StopAfter:
+    """A check_alive that raises once `limit` calls have passed, like a parent dying."""
+
+    def __init__(self, limit: int) -> None:
+        self.calls, self.limit = 0, limit
+
+    def __call__(self) -> None:
+        self.calls += 1
+        if self.calls > self.limit:
+            raise LaunchingProcessDied("parent gone")
+
+
+def test_an_interrupted_partition_resumes_from_its_shards_and_generates_only_the_rest(llm, tmp_path):
+    files = PartitionFiles(tmp_path / "gen" / "p.parquet")
+    options = RunOptions(model_id="tiny", code_version="1", shard_rows=1)
+    stop = StopAfter(limit=15)
+    with pytest.raises(LaunchingProcessDied):
+        list(GenerationRun(llm, {}, options, lambda _: None, stop).generate([("p", rows_of(llm, FRAME), files)]))
+    assert not files.path.exists()  # nothing committed: readers see no partial table
+    [version] = [p.name for p in files.shard_root.iterdir()]
+    saved = files.finished_rows(version)
+    assert 0 < saved.num_rows < 8
+
+    tokens_before = llm.llm_engine.stats.num_generated_tokens
+    [result] = GenerationRun(llm, {}, options, lambda _: None).generate([("p", rows_of(llm, FRAME), files)])
+    assert result.stats.resumed_rows == saved.num_rows and result.stats.generated_rows == 8 - saved.num_rows
+    assert llm.llm_engine.stats.num_generated_tokens - tokens_before == 5 * (8 - saved.num_rows)
+    table = pd.read_parquet(files.path)
+    assert list(table["id"]) == list(FRAME["id"]) and table["id"].is_unique and POSITION_COLUMN not in table
+    assert not files.shard_root.exists()
+    straight = llm.generate(list(FRAME["prompt"]), SAMPLING.to_sampling_params(), use_tqdm=False)
+    assert list(table["generated_text"]) == [o.outputs[0].text for o in straight]
+
+
+def test_partitions_of_a_range_commit_one_after_another(llm, tmp_path):
+    options = RunOptions(model_id="tiny", code_version="1")
+    stats = llm.llm_engine.stats
+    start = stats.num_generated_tokens
+    parts = [(key, rows_of(llm, FRAME, key=key), PartitionFiles(tmp_path / f"{key}.parquet")) for key in "xyz"]
+    committed = [(r.key, stats.num_generated_tokens - start)
+                 for r in GenerationRun(llm, {}, options, lambda _: None).generate(parts)]
+    assert [key for key, _ in committed] == ["x", "y", "z"]
+    # With two sequences at a time, x is stored after about a third of the work, not at the end.
+    assert committed[0][1] <= 5 * 8 + 5 * 2 and committed[1][1] <= 5 * 16 + 5 * 2
+
+
+def test_shards_of_another_data_version_are_discarded_not_mixed(llm, tmp_path):
+    files = PartitionFiles(tmp_path / "gen" / "p.parquet")
+    options = RunOptions(model_id="tiny", code_version="1", shard_rows=1)
+    with pytest.raises(LaunchingProcessDied):
+        list(GenerationRun(llm, {}, options, lambda _: None, StopAfter(15)).generate(
+            [("p", rows_of(llm, FRAME), files)]))
+    other = SamplingConfig(max_tokens=3, ignore_eos=True)
+    [result] = GenerationRun(llm, {}, options, lambda _: None).generate([("p", rows_of(llm, FRAME, other), files)])
+    assert result.stats.resumed_rows == 0 and result.stats.generated_rows == 8
+    assert (pd.read_parquet(files.path)["completion_tokens"] == 3).all()
+
+
+def test_a_second_writer_of_a_partition_is_refused_with_a_clear_message(env):
+    prompts = prompts_asset()
+    gen = build_generation_asset("gen", upstream=prompts, sampling=SAMPLING)
+    files = env["resources"]["io_manager"].partition_files(dg.AssetKey("gen"), "a")
+    with files.lock("run 1234 of gen"):
+        result = run([prompts, gen], env, partition="a", raise_on_error=False)
+    message = str(next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE").event_specific_data.error)
+    assert "is being generated by run 1234 of gen (pid" in message and "wait for that run to finish" in message
+    assert not env["loads"]
+    assert run([prompts, gen], env, partition="a").success  # released
+
+
+@pytest.mark.parametrize("column,values,expected", [
+    ("id", ["x", "x", "y"], "id: 'x' repeats the id of row 0; ids must be unique"),
+    ("prompt", ["ok", None, "fine"], "prompt: is null: fill in the prompt or drop the row"),
+    ("prompt", ["ok", "bad \ud800 text", "fine"], "prompt: holds a lone surrogate at character 4"),
+    ("prompt", ["ok", [{"role": "user", "content": 5}], "fine"], "message 0: content must be a string, got int"),
+    ("stop", [None, 5, None], "sampling override column stop: input should be a valid list, got 5"),
+    ("temperature", [None, -1.0, None], "sampling override column temperature must be >= 0 (0 = greedy)"),
+])
+def test_each_bad_input_becomes_its_rows_error_with_a_message(env, column, values, expected):
+    frame = pd.DataFrame({"id": ["x", "y", "z"], "prompt": ["ok", "good", "fine"]})
+    frame[column] = pd.Series(values, dtype=object)
+
+    # Held in memory: Parquet itself refuses some of these cells (a lone surrogate).
+    @dg.asset(name="prompts", partitions_def=dg.StaticPartitionsDefinition(["a"]), io_manager_key="memory")
+    def prompts() -> pd.DataFrame:
+        return frame
+
+    gen = build_generation_asset("gen", upstream=prompts, sampling=SAMPLING)
+    result = dg.materialize([prompts, gen], partition_key="a",
+                            resources={**env["resources"], "memory": dg.InMemoryIOManager()})
+    table = pd.read_parquet(env["root"] / "gen" / "a.parquet")
+    assert table["error"][1].startswith(expected) or expected in table["error"][1], table["error"][1]
+    assert table["error"][[0, 2]].isna().all() and table["generated_text"][[0, 2]].notna().all()
+    if column == "prompt" and values[1] is None:
+        stored = pa.parquet.read_table(env["root"] / "gen" / "a.parquet")["prompt"]
+        assert stored[1].as_py() is None  # stays null, not 'nan'
+    checks = {e.check_name: e.passed for e in result.get_asset_check_evaluations()}
+    assert checks["no_error_rows"] is False
+    assert checks["unique_ids"] is (column != "id")
+
+
+def test_duplicate_ids_can_be_kept_by_the_definition(env):
+    frame = pd.DataFrame({"id": ["x", "x"], "prompt": ["one", "two"]})
+    prompts = prompts_asset({"a": frame, "b": PROMPTS["b"]})
+    gen = build_generation_asset("gen", upstream=prompts, sampling=SAMPLING, duplicate_ids="keep")
+    result = run([prompts, gen], env, partition="a")
+    assert pd.read_parquet(env["root"] / "gen" / "a.parquet")["error"].isna().all()
+    checks = {e.check_name: e.passed for e in result.get_asset_check_evaluations()}
+    assert checks["unique_ids"] and checks["no_error_rows"]
+
+
+def test_the_eta_comes_from_tokens_and_adapts_to_early_stops():
+    counters = WorkCounters(rows_total=10, prompt_tokens_total=1000, max_output_tokens_total=1000)
+    counters.prompt_tokens_done = 1000
+    counters.output_tokens_done = 100
+    # Half the rows finished using a fifth of their max_tokens: the rest are expected to as well.
+    counters.rows_done, counters.finished_output_tokens, counters.finished_max_tokens = 5, 100, 500
+    assert counters.expected_output_tokens() == pytest.approx(200)
+    assert counters.eta_seconds(elapsed_s=35.0) == pytest.approx(35.0 * 100 / 350)
+    assert WorkCounters(rows_total=1).eta_seconds(1.0) is None
+
+
+def test_progress_lines_keep_coming_while_one_step_blocks():
+    lines = []
+    progress = GenerationProgress(lines.append, 0.05, WorkCounters(rows_total=1, max_output_tokens_total=10),
+                                  lambda: (0, 0))
+    with progress:
+        time.sleep(0.3)  # one long prefill step: no callback from the engine meanwhile
+    assert len(lines) >= 4 and lines[0].startswith("generation progress: 0/1 rows")
+
+
+def test_the_parent_watch_raises_once_the_launching_process_is_gone(monkeypatch):
+    watch = ParentWatch()
+    watch.parent = 4242
+    monkeypatch.setattr("os.getppid", lambda: 4242)
+    watch.check()
+    monkeypatch.setattr("os.getppid", lambda: 1)
+    with pytest.raises(LaunchingProcessDied, match="pid 4242"):
+        watch.check()
