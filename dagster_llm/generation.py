@@ -43,6 +43,7 @@ class PartitionStats:
     error_rows: int = 0
     resumed_rows: int = 0
     generated_rows: int = 0
+    generated_tokens: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
     finish_reasons: dict[str, int] = field(default_factory=dict)
@@ -68,6 +69,7 @@ class _Partition:
     data_version: str = ""
     records: dict[int, dict[str, Any]] = field(default_factory=dict)
     resumed_rows: int = 0
+    resumed_tokens: int = 0
     pending: int = 0
     unsaved: list[int] = field(default_factory=list)
     last_shard: float = field(default_factory=time.monotonic)
@@ -153,6 +155,7 @@ class GenerationRun:
             if position in ok and position not in part.records:
                 part.records[position] = record
         part.resumed_rows = len(part.records)
+        part.resumed_tokens = sum(r["completion_tokens"] for r in part.records.values())
 
     def _run(self, todo: list[PromptRow], by_key: dict[str | None, _Partition], started: float
              ) -> Iterator[PartitionResult]:
@@ -216,6 +219,7 @@ class GenerationRun:
             error_rows=len(records) - len(ok),
             resumed_rows=part.resumed_rows,
             generated_rows=len(ok) - part.resumed_rows,
+            generated_tokens=sum(r["completion_tokens"] for r in ok) - part.resumed_tokens,
             prompt_tokens=sum(r["prompt_tokens"] for r in ok),
             completion_tokens=sum(r["completion_tokens"] for r in ok),
             finish_reasons=dict(collections.Counter(r["finish_reason"] for r in ok)),

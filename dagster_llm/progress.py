@@ -27,10 +27,14 @@ class WorkCounters:
 
     def expected_output_tokens(self) -> float:
         """Output tokens the run will generate in all: what finished rows generated, plus
-        the other rows' max_tokens scaled by the share of max_tokens finished rows used."""
+        the open rows' max_tokens scaled by the share of max_tokens finished rows used.
+        Open rows already past that are expected halfway from where they are to their max."""
         share = self.finished_output_tokens / self.finished_max_tokens if self.finished_max_tokens else 1.0
         open_max = self.max_output_tokens_total - self.finished_max_tokens
-        return max(self.finished_output_tokens + share * open_max, self.output_tokens_done)
+        open_generated = max(self.output_tokens_done - self.finished_output_tokens, 0)
+        typical = share * open_max
+        open_expected = typical if open_generated <= typical else (open_generated + open_max) / 2
+        return self.finished_output_tokens + open_expected
 
     def eta_seconds(self, elapsed_s: float) -> float | None:
         """Seconds left at the rate of the work done so far (None before any)."""

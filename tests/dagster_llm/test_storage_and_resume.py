@@ -212,6 +212,11 @@ def test_the_eta_comes_from_tokens_and_adapts_to_early_stops():
     counters.rows_done, counters.finished_output_tokens, counters.finished_max_tokens = 5, 100, 500
     assert counters.expected_output_tokens() == pytest.approx(200)
     assert counters.eta_seconds(elapsed_s=35.0) == pytest.approx(35.0 * 100 / 350)
+    # Open rows already longer than the finished ones: halfway from where they are to max_tokens.
+    counters.output_tokens_done = 250
+    assert counters.expected_output_tokens() == pytest.approx(100 + (150 + 500) / 2)
+    counters.output_tokens_done = 600  # every open row at its max_tokens: nothing left
+    assert counters.eta_seconds(elapsed_s=10.0) == pytest.approx(0.0)
     assert WorkCounters(rows_total=1).eta_seconds(1.0) is None
 
 

@@ -1,0 +1,37 @@
+"""A code location for the crash tests: three partitions of 24 prompts on a tiny model,
+two sequences at a time, so that a partition takes long enough to be killed in the middle.
+
+The model folder and the output folder come from CRASH_TEST_MODEL and DAGSTER_LLM_OUTPUT_DIR.
+"""
+
+import os
+
+import dagster as dg
+import pandas as pd
+
+from dagster_llm import LLMResource, ParquetIOManager, SamplingConfig, build_generation_asset
+
+ROWS = 24
+MAX_TOKENS = 48
+parts = dg.StaticPartitionsDefinition(["p1", "p2", "p3"])
+
+
+@dg.asset(partitions_def=parts, backfill_policy=dg.BackfillPolicy.single_run())
+def crash_prompts(context: dg.AssetExecutionContext):
+    frames = {key: pd.DataFrame({"id": [f"{key}-{i}" for i in range(ROWS)],
+                                 "prompt": [f"Story {i} of {key} begins" for i in range(ROWS)]})
+              for key in context.partition_keys}
+    return frames if len(frames) > 1 else frames[context.partition_key]
+
+
+crash_gen = build_generation_asset("crash_gen", upstream=crash_prompts, shard_rows=2, progress_interval_s=1.0,
+                                   sampling=SamplingConfig(max_tokens=MAX_TOKENS, ignore_eos=True))
+
+defs = dg.Definitions(
+    assets=[crash_prompts, crash_gen],
+    resources={
+        "llm": LLMResource(model_id=os.environ.get("CRASH_TEST_MODEL", "smollm2-135m-instruct"), dtype="float32",
+                           max_num_seqs=2, kv_cache_memory_gb=0.01, num_threads=1),
+        "io_manager": ParquetIOManager(),
+    },
+)
