@@ -7,6 +7,7 @@ emulated and several times slower than float32. Everything hardware-specific ask
 here instead of assuming an instruction set.
 """
 
+import contextlib
 import ctypes
 import ctypes.util
 import functools
@@ -14,6 +15,7 @@ import logging
 import math
 import os
 import platform
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -122,6 +124,11 @@ def set_num_threads(requested: int | None) -> int:
 
 # glibc's mallopt parameters.
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+# glibc's own starting mmap threshold, and the one `keep_freed_memory` sets.
+_GLIBC_MMAP_THRESHOLD = 128 << 10
+_KEPT_MMAP_THRESHOLD = 32 << 20
+# The mmap threshold this module last set for good (None: glibc's own, adjusted by glibc).
+_mmap_threshold: int | None = None
 
 
 @functools.cache
@@ -145,11 +152,40 @@ def keep_freed_memory() -> bool:
     (the KV cache, weights) still get their own mapping. `release_freed_memory` hands the
     kept memory back when the engine closes. Returns False where malloc is not glibc's.
     """
+    global _mmap_threshold
     libc = _glibc()
     if libc is None:
         return False
+    _mmap_threshold = _KEPT_MMAP_THRESHOLD
     return all(libc.mallopt(param, value) == 1 for param, value in (
-        (_M_MMAP_THRESHOLD, 32 << 20), (_M_TRIM_THRESHOLD, 1 << 30), (_M_TOP_PAD, 64 << 20)))
+        (_M_MMAP_THRESHOLD, _KEPT_MMAP_THRESHOLD), (_M_TRIM_THRESHOLD, 1 << 30), (_M_TOP_PAD, 64 << 20)))
+
+
+@contextlib.contextmanager
+def long_lived_allocations(threshold: int = 1 << 20) -> Iterator[None]:
+    """Makes allocations of at least `threshold` bytes made inside get mappings of their
+    own (those that malloc's free lists cannot already serve).
+
+    For the weights and the KV cache, which live as long as the engine. With
+    `keep_freed_memory` in effect glibc serves anything under 32 MB from its heap, and
+    heap memory freed under a trim threshold of 1 GiB stays in the process until
+    malloc_trim runs, which only close() calls: an LLM with the embedded model (weights
+    of a few MB per tensor) dropped without close() left 961 MiB resident, against 434
+    after close(). In mappings of their own they go back to the OS the moment they are
+    freed (535 MiB with this alone), and the load's temporary copies do not pile up in
+    the heap (the peak fell by about 50 MiB). Step activations, allocated after this,
+    still reuse the heap. Does nothing where malloc is not glibc's.
+    """
+    libc = _glibc()
+    if libc is None:
+        yield
+        return
+    libc.mallopt(_M_MMAP_THRESHOLD, threshold)
+    try:
+        yield
+    finally:
+        # glibc's adaptive threshold cannot be switched back on: its starting value it is.
+        libc.mallopt(_M_MMAP_THRESHOLD, _mmap_threshold or _GLIBC_MMAP_THRESHOLD)
 
 
 def release_freed_memory() -> None:

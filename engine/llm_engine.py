@@ -1,8 +1,10 @@
 """The engine loop: requests in, one scheduled step at a time, finished sequences out."""
 
+import gc
 import itertools
 import logging
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,6 +14,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.hardware import release_freed_memory
 from engine.model_loader import check_model_folder, resolve_model_path
 from engine.model_runner import ModelRunner
 from engine.layers.sampler import SampledToken
@@ -77,6 +80,8 @@ class LLMEngine:
         )
         self.stats = EngineStats()
         self._seq_ids = itertools.count()
+        if self.model_config.device.type == "cpu":
+            weakref.finalize(self, _free_dropped_engine, self.__dict__).atexit = False
 
     @property
     def lora_manager(self) -> LoRAManager | None:
@@ -251,6 +256,22 @@ class LLMEngine:
     def release(self) -> None:
         self.abort_all()
         self.model_runner.release()
+
+
+def _free_dropped_engine(attributes: dict) -> None:
+    """Finalizer of an engine on a CPU: when it is dropped without `LLM.close()`, frees
+    the model, the KV cache and the tokenizer, then hands the memory that malloc keeps
+    for reuse (`keep_freed_memory`) back to the OS.
+
+    A weak reference's callback runs before the dying object's attributes are freed, so
+    it clears them itself; a trim before that would leave resident whatever of theirs
+    sat in the heap (weights placed in the free space an earlier LLM left). The callback
+    holds the attributes, so none of them may refer back to the engine, or it would never
+    be freed (tests/engine/test_memory_release.py checks).
+    """
+    attributes.clear()
+    gc.collect()  # parts held in reference cycles (a no-op when this runs inside a collection)
+    release_freed_memory()
 
 
 def _find_stop(detokenizer: IncrementalDetokenizer, delta: str, params: SamplingParams) -> str | None:

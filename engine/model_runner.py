@@ -1,5 +1,6 @@
 """Runs the model for one scheduled step: builds its inputs, owns the KV cache, samples."""
 
+import contextlib
 import itertools
 import logging
 from dataclasses import dataclass, field
@@ -7,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig, ModelConfig
-from engine.hardware import detect_cpu, keep_freed_memory, set_num_threads
+from engine.hardware import detect_cpu, keep_freed_memory, long_lived_allocations, set_num_threads
 from engine.layers.attention import Attention, AttentionMetadata
 from engine.layers.attention_selector import make_backend, resolve_backend_name
 from engine.layers.kernels import use_triton_kernels
@@ -81,11 +82,13 @@ class ModelRunner:
                         str(model_config.dtype).removeprefix("torch."), self.attention_backend)
             free, total = torch.cuda.mem_get_info(self.device)
             self._gpu_used_at_start = total - free
-        self.model = load_model(model_config)
-        if self.attention_backend == "triton":
-            use_triton_kernels(self.model)
-        self.num_blocks = self._plan_kv_cache()
-        self._allocate_kv_cache()
+        # Weights and cache in mappings of their own on a CPU: freed, they leave the process.
+        with long_lived_allocations() if self.device.type == "cpu" else contextlib.nullcontext():
+            self.model = load_model(model_config)
+            if self.attention_backend == "triton":
+                use_triton_kernels(self.model)
+            self.num_blocks = self._plan_kv_cache()
+            self._allocate_kv_cache()
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
         self.lora_manager = None
         if config.enable_lora:
