@@ -1,7 +1,7 @@
 """Per-request sampling settings, validated on construction (vLLM's `SamplingParams`)."""
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 
@@ -65,6 +65,25 @@ class SamplingParams:
     bad_words: list[str] | None = None
 
     def __post_init__(self) -> None:
+        self._normalize()
+        problems = self.problems()
+        if problems:
+            raise ValueError("Invalid SamplingParams: " + "; ".join(problems))
+
+    @classmethod
+    def problems_in(cls, values: Mapping[str, Any]) -> list[str]:
+        """The problems `SamplingParams(**values)` would raise, without raising: one
+        `field must be <rule>, got <value>` string per invalid or unknown field."""
+        known = {f.name: f for f in fields(cls)}
+        unknown = [f"{name} is not a sampling field" for name in values if name not in known]
+        params = cls.__new__(cls)
+        for name, spec in known.items():
+            setattr(params, name, values[name] if name in values else
+                    spec.default_factory() if spec.default is MISSING else spec.default)
+        params._normalize()
+        return unknown + params.problems()
+
+    def _normalize(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         for name in ("stop", "stop_token_ids", "bad_words"):
@@ -77,9 +96,6 @@ class SamplingParams:
                 self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
             except (TypeError, ValueError):
                 pass
-        problems = self.problems()
-        if problems:
-            raise ValueError("Invalid SamplingParams: " + "; ".join(problems))
 
     @staticmethod
     def rule(name: str) -> str:
