@@ -1,7 +1,7 @@
 """Engine settings (`EngineConfig`) and what is derived from the model folder (`ModelConfig`)."""
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -20,44 +20,50 @@ _GENERATION_DEFAULTS = {
 }
 
 
+def _setting(default: object, help: str) -> object:
+    """A dataclass field whose `help` is its one description (the `LLM` docs and the
+    Dagster resource's fields are derived from it)."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class EngineConfig:
-    """Everything `LLM(...)` accepts; the meaning of each field follows vLLM's.
+    """Everything `LLM(...)` accepts; the meaning of each field follows vLLM's and is in
+    its `help` (`engine_settings()` lists them)."""
 
-    `kv_cache_memory` (bytes) sizes the KV cache where it is set; otherwise 4 GiB on a CPU,
-    and on a GPU what `gpu_memory_utilization` (the fraction of the GPU's memory the engine
-    may fill, weights and activations included) leaves.
-    `max_num_batched_tokens` is one step's token budget. With `enable_lora`, up to
-    `max_loras` adapters run in one step and `max_cpu_loras` stay in host memory.
-    `attention_backend` picks the attention kernels (`engine.layers.attention_selector`):
-    "triton" (Triton kernels, on a GPU), "cpu" (the compiled paged-attention kernel of
-    `engine.kernels.cpu_attention`), "torch" (PyTorch's batched products, any device), or
-    "auto" (triton on a GPU, the compiled kernel on a CPU where it builds, else torch).
-    `num_threads` is the CPU threads of the process's PyTorch operators (None: the
-    `OMP_NUM_THREADS` environment variable if set, else the cores this process may use).
-    """
-
-    model: str | None = None
-    tokenizer: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    seed: int = 0
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    block_size: int = 16
-    kv_cache_memory: int | None = None
-    gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    scheduling_policy: str = "fcfs"
-    enforce_eager: bool = False
-    enable_lora: bool = False
-    max_loras: int = 1
-    max_lora_rank: int = 16
-    max_cpu_loras: int | None = None
-    num_threads: int | None = None
-    attention_backend: str = "auto"
+    model: str | None = _setting(None, "A local Hugging Face model folder, or 'smollm2-135m-instruct' (the "
+                                       "default) for the embedded SmolLM2-135M-Instruct.")
+    tokenizer: str | None = _setting(None, "A folder with the tokenizer, when it is not in the model folder.")
+    dtype: str = _setting("auto", "'auto', 'float32', 'bfloat16' or 'float16'. 'auto' is the checkpoint's own on "
+                                  "a GPU (bfloat16 for a float32 one); on a CPU, bfloat16 for a 16-bit checkpoint "
+                                  "where the CPU has native bfloat16 (AVX512-BF16, AMX, ARM BF16), else float32.")
+    device: str = _setting("auto", "'auto' (a GPU when there is one), 'cpu' or 'cuda'.")
+    seed: int = _setting(0, "Seed of the random draws of requests that have no seed of their own.")
+    max_model_len: int | None = _setting(None, "Longest prompt plus completion, at most the model's context "
+                                               "(default: the model's context).")
+    max_num_seqs: int = _setting(256, "Most sequences in one step.")
+    max_num_batched_tokens: int | None = _setting(None, "Most tokens computed in one step (default 1024 on a "
+                                                        "CPU, 4096 on a GPU).")
+    block_size: int = _setting(16, "Tokens per KV-cache block.")
+    kv_cache_memory: int | None = _setting(None, "Bytes of KV cache (vLLM's kv_cache_memory_bytes); default 4 GiB "
+                                                 "on a CPU, and on a GPU what gpu_memory_utilization leaves.")
+    gpu_memory_utilization: float = _setting(0.9, "Fraction of GPU memory for weights, activations and KV cache, "
+                                                  "planned from a measured forward pass at max_num_batched_tokens.")
+    enable_prefix_caching: bool = _setting(True, "Reuse the KV blocks of prompt prefixes already computed.")
+    enable_chunked_prefill: bool = _setting(True, "Split long prompts over several steps.")
+    scheduling_policy: str = _setting("fcfs", "'fcfs', or 'priority' (lower `priority` values run first).")
+    enforce_eager: bool = _setting(False, "Never capture CUDA graphs (on a GPU with the Triton backend, decode "
+                                          "steps otherwise replay graphs captured at start-up; off with LoRA).")
+    enable_lora: bool = _setting(False, "Accept LoRA adapters (`lora_request` in generate and chat).")
+    max_loras: int = _setting(1, "Most distinct adapters in one step (device slots).")
+    max_lora_rank: int = _setting(16, "Highest adapter rank accepted.")
+    max_cpu_loras: int | None = _setting(None, "Adapters kept in host memory (default: max_loras).")
+    num_threads: int | None = _setting(None, "CPU threads for PyTorch's operators, set for the whole process "
+                                             "(default: OMP_NUM_THREADS if set, else the cores this process may use).")
+    attention_backend: str = _setting("auto", "'auto' (Triton kernels on a GPU; on a CPU the compiled "
+                                              "paged-attention kernel where it builds, else PyTorch's products), "
+                                              "'triton' (a GPU, or Triton's interpreter under TRITON_INTERPRET=1), "
+                                              "'cpu' (the compiled kernel) or 'torch'.")
 
     def __post_init__(self) -> None:
         problems = []
@@ -118,6 +124,11 @@ class ModelConfig:
             defaults = {name: generation[key] for key, name in _GENERATION_DEFAULTS.items() if key in generation}
         return cls(path, hf_config, _resolve_dtype(engine.dtype, hf_config, device), device, max_model_len, eos,
                    defaults)
+
+
+def engine_settings() -> list[Field]:
+    """The fields of `EngineConfig`, each with its type, default and `metadata["help"]`."""
+    return list(fields(EngineConfig))
 
 
 def _resolve_dtype(dtype: str, hf_config: PretrainedConfig, device: torch.device) -> torch.dtype:

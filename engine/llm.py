@@ -10,7 +10,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, engine_settings
 from engine.hardware import release_freed_memory
 from engine.llm_engine import LLMEngine
 from engine.lora.request import LoRARequest
@@ -33,39 +33,10 @@ class _Request:
 class LLM:
     """Generates text for batches of prompts with continuous batching and a paged KV cache.
 
-    Args:
-        model: A local Hugging Face model folder, or "smollm2-135m-instruct" (the default)
-            for the embedded SmolLM2-135M-Instruct.
-        tokenizer: A folder with the tokenizer, when it is not in the model folder.
-        dtype: "auto", "float32", "bfloat16" or "float16". "auto" is the checkpoint's own on
-            a GPU; on a CPU, bfloat16 for a 16-bit checkpoint where the CPU has native
-            bfloat16 (AVX512-BF16, AMX, ARM BF16) and float32 elsewhere.
-        device: "auto" (a GPU when there is one), "cpu" or "cuda".
-        seed: Seed of the random draws of requests that have no seed of their own.
-        max_model_len: Longest prompt plus completion, at most the model's context.
-        max_num_seqs: Most sequences in one step.
-        max_num_batched_tokens: Most tokens computed in one step (default 1024 on a CPU,
-            4096 on a GPU).
-        block_size: Tokens per KV-cache block.
-        kv_cache_memory: Bytes of KV cache (vLLM's kv_cache_memory_bytes); default 4 GiB on a
-            CPU, and on a GPU what gpu_memory_utilization leaves.
-        gpu_memory_utilization: Fraction of GPU memory for weights, activations and cache,
-            planned from a measured forward pass at max_num_batched_tokens.
-        enable_prefix_caching: Reuse the KV blocks of prompt prefixes already computed.
-        enable_chunked_prefill: Split long prompts over several steps.
-        scheduling_policy: "fcfs", or "priority" (lower `priority` values run first).
-        enforce_eager: Never capture CUDA graphs (on a GPU with the Triton backend, decode
-            steps otherwise replay graphs captured at start-up; they are off with enable_lora).
-        enable_lora: Accept `lora_request` in `generate` and `chat`.
-        max_loras: Most distinct adapters in one step (device slots).
-        max_lora_rank: Highest adapter rank accepted.
-        max_cpu_loras: Adapters kept in host memory (default: max_loras).
-        num_threads: CPU threads for PyTorch's operators, set for the whole process
-            (default: OMP_NUM_THREADS if set, else the cores this process may use).
-        attention_backend: "auto" (Triton kernels on a GPU; on a CPU the compiled
-            paged-attention kernel where it builds, else PyTorch's products), "triton" (a GPU,
-            or Triton's interpreter under TRITON_INTERPRET=1), "cpu" (the compiled kernel; an
-            error where it cannot be built) or "torch".
+    `LLM(model, **settings)` takes the model folder (or "smollm2-135m-instruct", the
+    default) and any `EngineConfig` setting by name (dtype, device, max_num_seqs,
+    kv_cache_memory, enable_lora, attention_backend, ...); `help(LLM.__init__)` lists them
+    with their meaning.
 
     Examples:
         >>> from engine import LLM, SamplingParams
@@ -74,41 +45,12 @@ class LLM:
         ...     print(outputs[0].outputs[0].text)
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        tokenizer: str | None = None,
-        dtype: str = "auto",
-        device: str = "auto",
-        seed: int = 0,
-        max_model_len: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int | None = None,
-        block_size: int = 16,
-        kv_cache_memory: int | None = None,
-        gpu_memory_utilization: float = 0.9,
-        enable_prefix_caching: bool = True,
-        enable_chunked_prefill: bool = True,
-        scheduling_policy: str = "fcfs",
-        enforce_eager: bool = False,
-        enable_lora: bool = False,
-        max_loras: int = 1,
-        max_lora_rank: int = 16,
-        max_cpu_loras: int | None = None,
-        num_threads: int | None = None,
-        attention_backend: str = "auto",
-    ) -> None:
-        config = EngineConfig(
-            model=model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed,
-            max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-            kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
-            enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=enable_chunked_prefill,
-            scheduling_policy=scheduling_policy, enforce_eager=enforce_eager, enable_lora=enable_lora,
-            max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
-            num_threads=num_threads, attention_backend=attention_backend,
-        )
+    def __init__(self, model: str | None = None, **settings: Any) -> None:
+        known = {f.name for f in engine_settings()}
+        unknown = sorted(set(settings) - known)
+        if unknown:
+            raise TypeError(f"LLM() got unknown setting(s) {unknown}; the settings are {sorted(known - {'model'})}")
+        config = EngineConfig(model=model, **settings)
         self.llm_engine: LLMEngine | None = LLMEngine(config)
         self._request_ids = itertools.count()
 
@@ -472,3 +414,14 @@ class _Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def _settings_doc() -> str:
+    """`LLM.__init__`'s docstring, from the settings' own descriptions."""
+    lines = ["Loads the model and sizes the KV cache.", "", "Args:"]
+    for setting in engine_settings():
+        lines.append(f"    {setting.name} (default {setting.default!r}): {setting.metadata['help']}")
+    return "\n".join(lines)
+
+
+LLM.__init__.__doc__ = _settings_doc()

@@ -19,7 +19,7 @@ def env(tiny_models, tmp_path, monkeypatch):
 
     monkeypatch.setattr(engine.LLM, "__init__", counting_init)
     resources = {
-        "llm": LLMResource(model_id=str(tiny_models["llama"]), dtype="float32", kv_cache_memory_gb=0.01),
+        "llm": LLMResource(model_id=str(tiny_models["llama"]), dtype="float32", kv_cache_memory=10 << 20),
         "io_manager": ParquetIOManager(base_path=str(tmp_path / "tables")),
     }
     return {"root": tmp_path / "tables", "resources": resources, "loads": loads,

@@ -31,7 +31,7 @@ defs = dg.Definitions(
     assets=[crash_prompts, crash_gen],
     resources={
         "llm": LLMResource(model_id=os.environ.get("CRASH_TEST_MODEL", "smollm2-135m-instruct"), dtype="float32",
-                           max_num_seqs=2, kv_cache_memory_gb=0.01, num_threads=1),
+                           max_num_seqs=2, kv_cache_memory=10 << 20, num_threads=1),
         "io_manager": ParquetIOManager(),
     },
 )

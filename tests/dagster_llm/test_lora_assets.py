@@ -23,7 +23,7 @@ def adapters(tiny_models, tmp_path):
 @pytest.fixture
 def lora_env(env, tiny_models):
     env["resources"]["llm"] = LLMResource(model_id=str(tiny_models["llama"]), dtype="float32",
-                                          kv_cache_memory_gb=0.01, enable_lora=True, max_loras=2, max_lora_rank=8)
+                                          kv_cache_memory=10 << 20, enable_lora=True, max_loras=2, max_lora_rank=8)
     return env
 
 
