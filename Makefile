@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run ui test test-quick bench bench-openvino clean
+.PHONY: run ui instance test test-quick bench bench-openvino clean
 
 # Runs and their history persist here, so that `make ui` shows what `make run` did.
 export DAGSTER_HOME := $(CURDIR)/.dagster_home
@@ -29,6 +29,8 @@ $(INSTANCE): $(STAMP) example_pipelines/dagster.yaml
 	$(VENV)/bin/dagster instance migrate
 	$(VENV)/bin/dagster instance concurrency set llm 1
 	touch $(INSTANCE)
+
+instance: $(INSTANCE)
 
 run: $(INSTANCE)
 	$(VENV)/bin/dagster asset materialize -f definitions.py --select '*ticket_summary_quality' --partition $(RUN_PARTITION)

@@ -117,3 +117,22 @@ def test_killed_in_the_second_partition_of_a_range_keeps_the_first(setup):
     resumed = {p: latest(env, p)["resumed_rows"] for p in ("p1", "p2", "p3")}
     assert resumed == {"p1": ROWS, "p2": saved, "p3": 0}
     assert latest(env, "p2")["generated_tokens"] == MAX_TOKENS * (ROWS - saved)
+
+
+def test_two_runs_of_one_partition_on_a_fresh_instance_take_turns(setup, tmp_path):
+    """The instance `make` sets up (migrated once, the llm pool at one slot): two runs
+    launched at once both succeed; the second waits for the slot, then reuses every row."""
+    env, folder = setup
+    home = tmp_path / "fresh_home"
+    subprocess.run(["make", "-s", "instance", f"DAGSTER_HOME={home}"], cwd=REPO, check=True, capture_output=True)
+    env = {**env, "DAGSTER_HOME": str(home)}
+    first, second = (materialize(env, ["--partition", "p1"]) for _ in range(2))
+    for cli in (first, second):
+        output, _ = cli.communicate(timeout=600)
+        assert cli.returncode == 0, output
+    assert_complete(folder, "p1")
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        records = instance.fetch_materializations(
+            dg.AssetRecordsFilter(asset_key=dg.AssetKey("crash_gen"), asset_partitions=["p1"]), limit=2).records
+    generated = sorted(r.asset_materialization.metadata["generated_rows"].value for r in records)
+    assert generated == [0, ROWS]  # one generated everything, the other reused it: never both at once
