@@ -351,8 +351,10 @@ class Reference:
 
 @pytest.fixture(scope="module")
 def reference(tiny_models) -> Reference:
+    threads = torch.get_num_threads()  # num_threads is the process's: put it back afterwards
     with LLM(str(tiny_models["llama"]), dtype="float32", max_model_len=_MAX_MODEL_LEN, num_threads=_THREADS) as llm:
         yield Reference(llm)
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
