@@ -290,6 +290,9 @@ class LLM:
             elif needed > capacity:
                 found.append(f"max_tokens: prompt plus max_tokens needs {needed} tokens of KV cache, which "
                              f"holds {capacity}: lower max_tokens or raise kv_cache_memory / gpu_memory_utilization")
+            elif params.n > engine.config.max_num_seqs:
+                found.append(f"sampling_params: n={params.n} completions run side by side, but max_num_seqs is "
+                             f"{engine.config.max_num_seqs}: lower n or raise max_num_seqs")
             rows.append("; ".join(found) if found else _Request(text, ids, params, prio, adapter))
         return rows
 

@@ -237,3 +237,10 @@ def test_wrongly_typed_or_encoded_input_is_a_row_problem_not_a_type_error(llm):
     with pytest.raises(ValueError, match=r"conversation 1, message 0: content must be a string, got int"):
         llm.chat([[{"role": "user", "content": "hi"}], [{"role": "user", "content": 5}]], use_tqdm=False)
     assert SamplingParams.rule("temperature") == ">= 0 (0 = greedy)"
+
+
+def test_more_completions_than_max_num_seqs_is_a_row_problem(tiny_models):
+    with LLM(str(tiny_models["llama"]), dtype="float32", max_num_seqs=2, kv_cache_memory=64 * 16 * 1024) as small:
+        assert small.validate(["a", "b"], [SamplingParams(n=2), SamplingParams(n=3)]) == [
+            None, "sampling_params: n=3 completions run side by side, but max_num_seqs is 2: lower n or raise "
+                  "max_num_seqs"]
