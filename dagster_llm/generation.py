@@ -160,7 +160,10 @@ class GenerationRun:
     def _run(self, todo: list[PromptRow], by_key: dict[str | None, _Partition], started: float
              ) -> Iterator[PartitionResult]:
         stats = self.llm.llm_engine.stats
-        prompt_start, output_start = stats.num_prompt_tokens_computed, stats.num_generated_tokens
+        def prompt_tokens() -> int:  # computed, or found in the prefix cache
+            return stats.num_prompt_tokens_computed + stats.num_cached_prompt_tokens
+
+        prompt_start, output_start, steps_start = prompt_tokens(), stats.num_generated_tokens, stats.num_steps
         params = [row.sampling.to_sampling_params() for row in todo]
         counters = WorkCounters(
             rows_total=len(todo),
@@ -169,8 +172,9 @@ class GenerationRun:
         )
         progress = GenerationProgress(
             self.log, self.options.progress_interval_s, counters,
-            lambda: (stats.num_prompt_tokens_computed - prompt_start, stats.num_generated_tokens - output_start),
-            self.check_alive,
+            lambda: (prompt_tokens() - prompt_start, stats.num_generated_tokens - output_start,
+                     stats.num_steps - steps_start),
+            self.check_alive, self.llm.llm_engine.unfinished_outputs,
         )
         with progress:
             finished = self.llm.generate_as_completed([r.prompt for r in todo], params, use_tqdm=progress.bar,

@@ -146,6 +146,7 @@ class LLMEngine:
     def step(self) -> list[Sequence]:
         """Schedules and runs one step; returns the sequences that finished in it."""
         batch = self.scheduler.schedule()
+        self.stats.num_cached_prompt_tokens += batch.cached_prompt_tokens
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             start = seq.num_computed_tokens
             self.stats.num_prompt_tokens_computed += max(0, min(start + num_new, seq.num_prompt_tokens) - start)
@@ -165,7 +166,6 @@ class LLMEngine:
             self._append_token(seq, token)
             if seq.finish_reason is not None:
                 seq.metrics.finished_time = time.monotonic()
-                self.stats.num_cached_prompt_tokens += seq.num_cached_tokens
                 self.scheduler.finish(seq)
                 finished.append(seq)
         return finished
@@ -222,6 +222,12 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> list[Sequence]:
         """Drops one request's queued and running sequences, returning their blocks."""
         return self.scheduler.abort_seq_group(request_id)
+
+    def unfinished_outputs(self) -> list[tuple[int, int]]:
+        """(tokens generated, max_tokens) of every completion still queued or running: what
+        a progress estimate needs. Safe to call from another thread (a snapshot)."""
+        seqs = list(self.scheduler.running) + list(self.scheduler.waiting)
+        return [(seq.num_output_tokens, seq.sampling_params.max_tokens) for seq in seqs]
 
     def abort_all(self) -> None:
         """Drops every queued and running request, returning their blocks."""

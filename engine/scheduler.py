@@ -30,6 +30,7 @@ class ScheduledBatch:
     num_new_tokens: list[int]
     forks: list[tuple[Sequence, Sequence]] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    cached_prompt_tokens: int = 0  # prefix-cache hits of the requests admitted for the first time
 
     @property
     def num_tokens(self) -> int:
@@ -70,6 +71,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: dict[Sequence, int] = {}
         preempted = False
+        cached_prompt_tokens = 0
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -117,6 +119,7 @@ class Scheduler:
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = time.monotonic()
                 seq.num_cached_tokens = seq.num_computed_tokens
+                cached_prompt_tokens += seq.num_cached_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             num_seqs += 1 + seq.num_pending_children
@@ -129,7 +132,8 @@ class Scheduler:
                 f"the next request ({self.waiting[0] if self.waiting else self.running[0]})"
             )
         copies, self.block_manager.pending_copies = self.block_manager.pending_copies, []
-        return ScheduledBatch(list(scheduled), list(scheduled.values()), block_copies=copies)
+        return ScheduledBatch(list(scheduled), list(scheduled.values()), block_copies=copies,
+                              cached_prompt_tokens=cached_prompt_tokens)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -10,7 +10,7 @@ import pytest
 
 import engine
 from dagster_llm import GenerationRun, PartitionFiles, RunOptions, SamplingConfig, build_generation_asset
-from dagster_llm.progress import GenerationProgress, WorkCounters
+from dagster_llm.progress import PROMPT_TOKEN_WEIGHT, GenerationProgress, WorkCounters
 from dagster_llm.prompts import TableSpec, read_rows
 from dagster_llm.store import POSITION_COLUMN, data_version_of
 from dagster_llm.watch import LaunchingProcessDied, ParentWatch
@@ -205,25 +205,31 @@ def test_duplicate_ids_can_be_kept_by_the_definition(env):
 
 
 def test_the_eta_comes_from_tokens_and_adapts_to_early_stops():
-    counters = WorkCounters(rows_total=10, prompt_tokens_total=1000, max_output_tokens_total=1000)
-    counters.prompt_tokens_done = 1000
-    counters.output_tokens_done = 100
-    # Half the rows finished using a fifth of their max_tokens: the rest are expected to as well.
-    counters.rows_done, counters.finished_output_tokens, counters.finished_max_tokens = 5, 100, 500
-    assert counters.expected_output_tokens() == pytest.approx(200)
-    assert counters.eta_seconds(elapsed_s=35.0) == pytest.approx(35.0 * 100 / 350)
-    # Open rows already longer than the finished ones: halfway from where they are to max_tokens.
-    counters.output_tokens_done = 250
-    assert counters.expected_output_tokens() == pytest.approx(100 + (150 + 500) / 2)
-    counters.output_tokens_done = 600  # every open row at its max_tokens: nothing left
-    assert counters.eta_seconds(elapsed_s=10.0) == pytest.approx(0.0)
+    counters = WorkCounters(rows_total=4, prompt_tokens_total=400, max_output_tokens_total=400,
+                            prompt_tokens_done=400, output_tokens_done=100, step_seconds=1.0)
+    # Two rows of 100 max_tokens are open with 20 tokens each; two finished, one at its max.
+    counters.open_outputs = [(20, 100), (20, 100)]
+    counters.rows_done, counters.finished_rows_at_max = 2, 1
+    reaching_max = 1.5 / 3
+    assert counters.share_reaching_max() == pytest.approx(reaching_max)
+    # Each open row: the rest of its max_tokens if it runs on, half of it if it stops early.
+    left = 80 * (1 + reaching_max) / 2
+    assert counters.expected_output_tokens() == pytest.approx(100 + 2 * left)
+    done, total = 400 * PROMPT_TOKEN_WEIGHT + 100, 400 * PROMPT_TOKEN_WEIGHT + 100 + 2 * left
+    assert counters.eta_seconds(elapsed_s=10.0) == pytest.approx(max(10.0 * (total - done) / done, left))
+    # Near the end, the steps the longest row needs bound the ETA from below.
+    counters.step_seconds = 10.0
+    assert counters.eta_seconds(elapsed_s=10.0) == pytest.approx(10.0 * left)
+    # A row still waiting to start keeps the estimate on tokens.
+    counters.open_outputs = [(0, 100), (20, 100)]
+    assert counters.eta_seconds(elapsed_s=10.0) < 10.0 * left
     assert WorkCounters(rows_total=1).eta_seconds(1.0) is None
 
 
 def test_progress_lines_keep_coming_while_one_step_blocks():
     lines = []
     progress = GenerationProgress(lines.append, 0.05, WorkCounters(rows_total=1, max_output_tokens_total=10),
-                                  lambda: (0, 0))
+                                  lambda: (0, 0, 0))
     with progress:
         time.sleep(0.3)  # one long prefill step: no callback from the engine meanwhile
     assert len(lines) >= 4 and lines[0].startswith("generation progress: 0/1 rows")
