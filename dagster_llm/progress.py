@@ -22,7 +22,9 @@ class WorkCounters:
     rows_done: int = 0
     prompt_tokens_done: int = 0
     output_tokens_done: int = 0
-    step_seconds: float = 0.0  # the recent mean time of one engine step
+    # Decode step time as overhead + per-token cost (seconds), once measured over batches of
+    # different sizes: see `StepTimes`.
+    step_cost: tuple[float, float] | None = None
     finished_output_tokens: int = 0
     finished_max_tokens: int = 0
     finished_rows_at_max: int = 0
@@ -52,10 +54,11 @@ class WorkCounters:
         return self.output_tokens_done + sum(self.expected_remaining(g, m) for g, m in self._open_rows())
 
     def eta_seconds(self, elapsed_s: float) -> float | None:
-        """Seconds left: the token work left at the rate of the work done so far, but no
-        less than the steps the longest open row still needs at the recent step time once
-        every open row runs (near the end few rows run, and tokens come slower than the
-        mean rate). None before any work."""
+        """Seconds left: the token work left at the rate of the work done so far. Once every
+        open row runs and decode steps were timed at batches of different sizes, the steps
+        left instead: each costs a fixed overhead plus a share per row still generating, so
+        the last steps of a shrinking batch are not taken at the full batch's rate. None
+        before any work."""
         prompt_done = min(self.prompt_tokens_done, self.prompt_tokens_total)
         done = prompt_done * PROMPT_TOKEN_WEIGHT + self.output_tokens_done
         if done <= 0:
@@ -63,11 +66,38 @@ class WorkCounters:
         total = self.prompt_tokens_total * PROMPT_TOKEN_WEIGHT + self.expected_output_tokens()
         by_tokens = elapsed_s * max(total - done, 0.0) / done
         open_rows = self._open_rows()
-        if not self.rows_done or any(done == 0 for done, _ in open_rows):
-            # Rows still waiting to start keep the batch full; early steps run cold.
-            return by_tokens
-        longest = max((self.expected_remaining(g, m) for g, m in open_rows), default=0.0)
-        return max(by_tokens, self.step_seconds * longest)
+        if self.step_cost is None or not self.rows_done or any(done == 0 for done, _ in open_rows):
+            return by_tokens  # rows still waiting keep the batch full
+        overhead, per_token = self.step_cost
+        remaining = [self.expected_remaining(g, m) for g, m in open_rows]
+        return overhead * max(remaining, default=0.0) + per_token * sum(remaining)
+
+
+class StepTimes:
+    """Decode step times by batch size, fitted as `overhead + per_token * batch`."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, float]] = []  # (rows per step, seconds per step)
+
+    def add(self, batch: float, step_s: float) -> None:
+        self.samples.append((batch, step_s))
+
+    def fit(self) -> tuple[float, float] | None:
+        """(overhead, per-token) seconds by least squares, once the batch sizes seen span
+        at least a factor of two; the overhead is kept within [0, fastest step]."""
+        if len(self.samples) < 3:
+            return None
+        batches = [b for b, _ in self.samples]
+        if max(batches) < 2 * min(batches):
+            return None
+        n = len(self.samples)
+        mean_b = sum(batches) / n
+        mean_t = sum(t for _, t in self.samples) / n
+        spread = sum((b - mean_b) ** 2 for b in batches)
+        slope = sum((b - mean_b) * (t - mean_t) for b, t in self.samples) / spread
+        overhead = min(max(mean_t - slope * mean_b, 0.0), min(t for _, t in self.samples))
+        per_token = sum(t - overhead for _, t in self.samples) / sum(batches)
+        return overhead, per_token
 
 
 class GenerationProgress:
@@ -91,12 +121,13 @@ class GenerationProgress:
         self.check = check
         self.started = time.monotonic()
         self._stop = threading.Event()
-        self._last_steps = (self.started, 0, 0)
+        self._last = (self.started, 0, 0, 0)  # time, steps, prompt tokens, output tokens
+        self._step_times = StepTimes()
         self._thread: threading.Thread | None = None
 
     def __enter__(self) -> "GenerationProgress":
         self.started = time.monotonic()
-        self._last_steps = (self.started, 0, 0)
+        self._last = (self.started, 0, 0, 0)
         self._thread = threading.Thread(target=self._tick, name="generation-progress", daemon=True)
         self._thread.start()
         return self
@@ -123,12 +154,15 @@ class GenerationProgress:
         counters = self.counters
         counters.prompt_tokens_done, counters.output_tokens_done, steps = self.sample()
         now = time.monotonic()
-        since, steps_then, prompt_then = self._last_steps
+        since, steps_then, prompt_then, output_then = self._last
         if steps > steps_then:
-            # Step time of decode-only stretches: a prefill step is many times longer.
-            decoding = counters.prompt_tokens_done == prompt_then
-            counters.step_seconds = (now - since) / (steps - steps_then) if decoding else 0.0
-            self._last_steps = (now, steps, counters.prompt_tokens_done)
+            # Decode-only stretches after the first row finished: a prefill step is many
+            # times longer, and the first steps of each batch shape run cold.
+            if counters.prompt_tokens_done == prompt_then and counters.rows_done:
+                self._step_times.add((counters.output_tokens_done - output_then) / (steps - steps_then),
+                                     (now - since) / (steps - steps_then))
+                counters.step_cost = self._step_times.fit()
+            self._last = (now, steps, counters.prompt_tokens_done, counters.output_tokens_done)
         counters.open_outputs = self.open_outputs()
         elapsed = max(now - self.started, 1e-9)
         eta = counters.eta_seconds(elapsed)

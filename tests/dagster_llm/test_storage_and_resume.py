@@ -10,7 +10,7 @@ import pytest
 
 import engine
 from dagster_llm import GenerationRun, PartitionFiles, RunOptions, SamplingConfig, build_generation_asset
-from dagster_llm.progress import PROMPT_TOKEN_WEIGHT, GenerationProgress, WorkCounters
+from dagster_llm.progress import PROMPT_TOKEN_WEIGHT, GenerationProgress, StepTimes, WorkCounters
 from dagster_llm.prompts import TableSpec, read_rows
 from dagster_llm.store import POSITION_COLUMN, data_version_of
 from dagster_llm.watch import LaunchingProcessDied, ParentWatch
@@ -206,7 +206,7 @@ def test_duplicate_ids_can_be_kept_by_the_definition(env):
 
 def test_the_eta_comes_from_tokens_and_adapts_to_early_stops():
     counters = WorkCounters(rows_total=4, prompt_tokens_total=400, max_output_tokens_total=400,
-                            prompt_tokens_done=400, output_tokens_done=100, step_seconds=1.0)
+                            prompt_tokens_done=400, output_tokens_done=100)
     # Two rows of 100 max_tokens are open with 20 tokens each; two finished, one at its max.
     counters.open_outputs = [(20, 100), (20, 100)]
     counters.rows_done, counters.finished_rows_at_max = 2, 1
@@ -216,14 +216,26 @@ def test_the_eta_comes_from_tokens_and_adapts_to_early_stops():
     left = 80 * (1 + reaching_max) / 2
     assert counters.expected_output_tokens() == pytest.approx(100 + 2 * left)
     done, total = 400 * PROMPT_TOKEN_WEIGHT + 100, 400 * PROMPT_TOKEN_WEIGHT + 100 + 2 * left
-    assert counters.eta_seconds(elapsed_s=10.0) == pytest.approx(max(10.0 * (total - done) / done, left))
-    # Near the end, the steps the longest row needs bound the ETA from below.
-    counters.step_seconds = 10.0
-    assert counters.eta_seconds(elapsed_s=10.0) == pytest.approx(10.0 * left)
+    assert counters.eta_seconds(elapsed_s=10.0) == pytest.approx(10.0 * (total - done) / done)
+    # With decode steps timed: the longest row's steps at the overhead, plus each token's share.
+    counters.step_cost = (0.05, 0.01)
+    assert counters.eta_seconds(elapsed_s=10.0) == pytest.approx(0.05 * left + 0.01 * 2 * left)
     # A row still waiting to start keeps the estimate on tokens.
     counters.open_outputs = [(0, 100), (20, 100)]
-    assert counters.eta_seconds(elapsed_s=10.0) < 10.0 * left
+    assert counters.eta_seconds(elapsed_s=10.0) == pytest.approx(10.0 * (100 * 0.75 + left) / done)
     assert WorkCounters(rows_total=1).eta_seconds(1.0) is None
+
+
+def test_step_times_fit_overhead_and_per_token_cost_once_batches_differ():
+    times = StepTimes()
+    for batch in (200, 180):
+        times.add(batch, 0.04 + 0.002 * batch)
+    times.add(190, 0.04 + 0.002 * 190)
+    assert times.fit() is None  # one batch size, more or less: nothing to separate
+    for batch in (90, 40, 10):
+        times.add(batch, 0.04 + 0.002 * batch)
+    overhead, per_token = times.fit()
+    assert overhead == pytest.approx(0.04) and per_token == pytest.approx(0.002)
 
 
 def test_progress_lines_keep_coming_while_one_step_blocks():
