@@ -10,7 +10,7 @@ import pandas as pd
 import pyarrow as pa
 
 from dagster_llm.sampling import SAMPLING_FIELD_NAMES, SamplingConfig, merge_sampling
-from engine.llm import chat_messages_problem
+from engine.llm import chat_messages_problem, invalid_unicode_problem
 
 
 class PromptTableError(ValueError):
@@ -114,27 +114,25 @@ def _render(row: PromptRow, value: object, spec: TableSpec, tokenizer: Any) -> N
     if _missing(value):
         row.fail(f"{column}: is null: fill in the prompt or drop the row")
         return
+    messages = None
     if isinstance(value, list):
         row.prompt_text = json.dumps(value, ensure_ascii=False, default=str)
         problem = chat_messages_problem(value)
-        if problem is not None:
+        if problem is None:
+            messages = [{"role": m["role"], "content": m["content"]} for m in value]
+        else:
             row.fail(f"{column}: {problem}")
-            return
-        messages = [{"role": m["role"], "content": m["content"]} for m in value]
     elif isinstance(value, str):
         row.prompt_text = value
-        messages = [{"role": "user", "content": value}] if spec.chat else None
+        if (problem := invalid_unicode_problem(value, column)) is not None:
+            row.fail(problem)
+        elif spec.chat:
+            messages = [{"role": "user", "content": value}]
     else:
         row.prompt_text = str(value)
         row.fail(f"{column}: expected text or chat messages, got {type(value).__name__}: fix the column upstream")
-        return
-    try:
-        row.prompt_text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        row.prompt_text = row.prompt_text.encode("utf-8", "replace").decode("utf-8")
-        row.fail(f"{column}: holds a lone surrogate at character {exc.start}, which is not valid Unicode: fix "
-                 "the text's encoding upstream (e.g. decode the source bytes as UTF-8)")
-        return
+    # Parquet holds UTF-8 only: a lone surrogate is stored as '?' (the row's error says where).
+    row.prompt_text = row.prompt_text.encode("utf-8", "replace").decode("utf-8")
     if row.error is not None:
         return
     if messages is None:

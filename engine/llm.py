@@ -268,7 +268,7 @@ class LLM:
                 found.append(f"priority: expected an integer, got {prio!r}")
             elif prio != 0 and self.engine.config.scheduling_policy != "priority":
                 found.append("priority: priorities need LLM(scheduling_policy='priority')")
-            if (bad_text := _invalid_unicode(prompt)) is not None:
+            if (bad_text := invalid_unicode_problem(prompt)) is not None:
                 found.append(bad_text)
                 rows.append("; ".join(found))
                 continue
@@ -362,13 +362,14 @@ def chat_messages_problem(messages: object) -> str | None:
             if not isinstance(message[field], str):
                 return (f"message {i}: {field} must be a string, got {type(message[field]).__name__} "
                         f"({message[field]!r:.40}): convert it upstream")
-            if (problem := _invalid_unicode(message[field], f"message {i} {field}")) is not None:
+            if (problem := invalid_unicode_problem(message[field], f"message {i} {field}")) is not None:
                 return problem
     return None
 
 
-def _invalid_unicode(prompt: object, field: str = "prompt") -> str | None:
-    """Why the prompt's text cannot be encoded as UTF-8 (a lone surrogate), or None."""
+def invalid_unicode_problem(prompt: object, field: str = "prompt") -> str | None:
+    """Why the prompt's text (a str, or the "prompt" of a dict) cannot be encoded as UTF-8
+    (a lone surrogate), as `<field>: ...`, or None."""
     text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
     if not isinstance(text, str):
         return None

@@ -166,7 +166,9 @@ def test_a_second_writer_of_a_partition_is_refused_with_a_clear_message(env):
 @pytest.mark.parametrize("column,values,expected", [
     ("id", ["x", "x", "y"], "id: 'x' repeats the id of row 0; ids must be unique"),
     ("prompt", ["ok", None, "fine"], "prompt: is null: fill in the prompt or drop the row"),
-    ("prompt", ["ok", "bad \ud800 text", "fine"], "prompt: holds a lone surrogate at character 4"),
+    ("prompt", ["ok", "bad \ud800 text", "fine"], "prompt: holds a lone surrogate '\\ud800' at character 4"),
+    ("prompt", ["ok", [{"role": "user", "content": "bad \ud800"}], "fine"],
+     "prompt: message 0 content: holds a lone surrogate '\\ud800' at character 4"),
     ("prompt", ["ok", [{"role": "user", "content": 5}], "fine"], "message 0: content must be a string, got int"),
     ("stop", [None, 5, None], "sampling override column stop: input should be a valid list, got 5"),
     ("temperature", [None, -1.0, None], "sampling override column temperature must be >= 0 (0 = greedy)"),
