@@ -127,7 +127,7 @@ class GenerationRun:
                     if row.adapter == name:
                         row.fail(f"adapter {name!r}: {exc}")
         ready = [row for row in rows if row.error is None]
-        problems = self.llm.validate([r.prompt for r in ready], [r.sampling.to_sampling_params() for r in ready],
+        problems = self.llm.validate([r.prompt for r in ready], [r.sampling_params for r in ready],
                                      [self._lora(r) for r in ready])
         for row, problem in zip(ready, problems):
             if problem is not None:
@@ -164,7 +164,7 @@ class GenerationRun:
             return stats.num_prompt_tokens_computed + stats.num_cached_prompt_tokens
 
         prompt_start, output_start, steps_start = prompt_tokens(), stats.num_generated_tokens, stats.num_steps
-        params = [row.sampling.to_sampling_params() for row in todo]
+        params = [row.sampling_params for row in todo]
         counters = WorkCounters(
             rows_total=len(todo),
             prompt_tokens_total=sum(len(r.prompt["prompt_token_ids"]) for r in todo),

@@ -1,6 +1,7 @@
 """Prompt tables in: column checks, per-row overrides, chat rendering and every row's
 problem found before the model runs. Free of Dagster: rows in, `PromptRow`s out."""
 
+import functools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -10,6 +11,7 @@ import pandas as pd
 import pyarrow as pa
 
 from dagster_llm.sampling import SAMPLING_FIELD_NAMES, SamplingConfig, merge_sampling
+from engine import SamplingParams
 from engine.llm import chat_messages_problem, invalid_unicode_problem
 
 
@@ -41,6 +43,11 @@ class PromptRow:
     adapter: str | None = None
     prompt: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
+
+    @functools.cached_property
+    def sampling_params(self) -> SamplingParams:
+        """The engine's params of the row's (final) sampling, built once."""
+        return self.sampling.to_sampling_params()
 
     def fail(self, problem: str) -> None:
         """Records a problem; the first one found is the row's error."""
