@@ -64,7 +64,8 @@ class _SamplingChecks(dg.Config):
     def _check_rules(self) -> "_SamplingChecks":
         problems = SamplingParams.problems_in(self.model_dump())
         if problems:
-            raise ValueError("; ".join(problems))
+            # One per line: a value's repr never holds a raw newline, so the lines split back.
+            raise ValueError("\n".join(problems))
         return self
 
 
@@ -129,8 +130,8 @@ def _validation_problems(exc: ValidationError, where: str) -> list[str]:
     for error in exc.errors():
         if error["loc"]:
             problems.append(f"{where}{error['loc'][0]}: {error['msg'].lower()}, got {error['input']!r}")
-        else:  # the rules check: "field must be ..., got ..." joined by "; "
-            problems += [f"{where}{line}" for line in str(error["ctx"]["error"]).split("; ")]
+        else:  # the rules check: one "field must be ..., got ..." per line
+            problems += [f"{where}{line}" for line in str(error["ctx"]["error"]).splitlines()]
     return problems
 
 
