@@ -63,13 +63,13 @@ class WorkCounters:
         done = prompt_done * PROMPT_TOKEN_WEIGHT + self.output_tokens_done
         if done <= 0:
             return None
-        total = self.prompt_tokens_total * PROMPT_TOKEN_WEIGHT + self.expected_output_tokens()
-        by_tokens = elapsed_s * max(total - done, 0.0) / done
         open_rows = self._open_rows()
-        if self.step_cost is None or not self.rows_done or any(done == 0 for done, _ in open_rows):
-            return by_tokens  # rows still waiting keep the batch full
+        remaining = [self.expected_remaining(generated, limit) for generated, limit in open_rows]
+        if self.step_cost is None or not self.rows_done or any(generated == 0 for generated, _ in open_rows):
+            # Rows still waiting keep the batch full: the rate so far holds.
+            left = (self.prompt_tokens_total - prompt_done) * PROMPT_TOKEN_WEIGHT + sum(remaining)
+            return elapsed_s * left / done
         overhead, per_token = self.step_cost
-        remaining = [self.expected_remaining(g, m) for g, m in open_rows]
         return overhead * max(remaining, default=0.0) + per_token * sum(remaining)
 
 

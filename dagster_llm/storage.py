@@ -87,9 +87,7 @@ class ParquetIOManager(dg.ConfigurableIOManager):
                 write_parquet_atomically(table, path)
         if len(keys) == 1:
             # One materialization per partition carries these: a range's total would be wrong on each.
-            context.add_output_metadata({"path": dg.MetadataValue.path(str(self.path_for(context.asset_key, keys[0]))),
-                                         "dagster/row_count": tables[keys[0]].num_rows
-                                         if isinstance(tables[keys[0]], pa.Table) else len(tables[keys[0]])})
+            context.add_output_metadata({"path": dg.MetadataValue.path(str(path)), "dagster/row_count": table.num_rows})
 
     def load_input(self, context: dg.InputContext) -> Table | dict[str, Table]:
         """One table, or a {partition_key: table} dict when the input spans partitions."""
