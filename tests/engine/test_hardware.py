@@ -140,3 +140,34 @@ def test_freed_memory_is_kept_for_reuse_where_malloc_is_glibc(monkeypatch):
     monkeypatch.setattr(hardware, "_glibc", lambda: None)
     assert hardware.keep_freed_memory() is False
     hardware.release_freed_memory()  # a no-op without glibc
+
+
+class _FakeLibc:
+    """Records mallopt calls, standing in for glibc."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int]] = []
+
+    def mallopt(self, param: int, value: int) -> int:
+        self.calls.append((param, value))
+        return 1
+
+
+def test_long_lived_allocations_set_and_restore_the_mmap_threshold_only_on_glibc(monkeypatch):
+    libc = _FakeLibc()
+    monkeypatch.setattr(hardware, "_glibc", lambda: libc)
+    monkeypatch.setattr(hardware, "_mmap_threshold", None)
+    with hardware.long_lived_allocations(threshold=1 << 20):
+        assert libc.calls == [(hardware._M_MMAP_THRESHOLD, 1 << 20)]
+    # Back to glibc's starting threshold, or to the one keep_freed_memory set.
+    assert libc.calls[-1] == (hardware._M_MMAP_THRESHOLD, hardware._GLIBC_MMAP_THRESHOLD)
+    monkeypatch.setattr(hardware, "_mmap_threshold", hardware._KEPT_MMAP_THRESHOLD)
+    with hardware.long_lived_allocations():
+        pass
+    assert libc.calls[-1] == (hardware._M_MMAP_THRESHOLD, hardware._KEPT_MMAP_THRESHOLD)
+    # Where malloc is not glibc's it does nothing and still runs the block.
+    monkeypatch.setattr(hardware, "_glibc", lambda: None)
+    ran = []
+    with hardware.long_lived_allocations():
+        ran.append(True)
+    assert ran == [True]
