@@ -8,6 +8,7 @@ from engine.lora import LoRARequest
 from engine.model_loader import ModelLoadError
 from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.structured_output.params import StructuredOutputsParams
 
 __version__ = "0.1.0"
 
@@ -20,4 +21,5 @@ __all__ = [
     "RequestMetrics",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
 ]

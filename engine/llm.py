@@ -293,8 +293,18 @@ class LLM:
             elif params.n > engine.config.max_num_seqs:
                 found.append(f"sampling_params: n={params.n} completions run side by side, but max_num_seqs is "
                              f"{engine.config.max_num_seqs}: lower n or raise max_num_seqs")
+            elif params.structured_outputs is not None and (problem := self._structured_problem(params)):
+                found.append(f"structured_outputs: {problem}")
             rows.append("; ".join(found) if found else _Request(text, ids, params, prio, adapter))
         return rows
+
+    def _structured_problem(self, params: SamplingParams) -> str | None:
+        """Why the request's structured output cannot run (compiling its grammar, once per
+        distinct constraint), or None."""
+        if params.min_tokens:
+            return (f"min_tokens={params.min_tokens} clashes with it (the grammar decides where the "
+                    "output ends): set min_tokens to 0")
+        return self.engine.structured_output.problem(params.structured_outputs)
 
     def _check_adapter(self, adapter: LoRARequest) -> str | None:
         """Why the adapter cannot run (reading it into host memory to find out), or None."""

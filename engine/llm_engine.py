@@ -23,6 +23,7 @@ from engine.lora.request import LoRARequest
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
+from engine.structured_output.manager import StructuredOutputManager
 from engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,8 @@ class LLMEngine:
                 f"run. Raise it, lower max_model_len, or enable_chunked_prefill=True"
             )
         self.config = config
+        self.structured_output = StructuredOutputManager(
+            self.tokenizer, self.model_config.hf_config.vocab_size, sorted(self.model_config.eos_token_ids))
         self.model_runner = ModelRunner(config, self.model_config)
         self.block_manager = BlockManager(
             self.model_runner.num_blocks, config.block_size, config.enable_prefix_caching
@@ -124,6 +127,8 @@ class LLMEngine:
             index=index,
             lora_request=lora_request,
         )
+        if params.structured_outputs is not None:
+            seq.grammar = self.structured_output.grammar(params.structured_outputs)
         if params.seed is not None:
             # Completion i of a seeded request has a generator of its own, derived from the seed.
             seed = params.seed if index == 0 else hash((params.seed, index)) & (2**63 - 1)
@@ -210,6 +215,8 @@ class LLMEngine:
         params = seq.sampling_params
         delta = seq.detokenizer.add_token(token)
         may_stop = seq.num_output_tokens >= params.min_tokens
+        if seq.grammar is not None and self._grammar_ends(seq, token):
+            return
         if not params.ignore_eos and token in self.model_config.eos_token_ids and may_stop:
             seq.finish_reason = "stop"
         elif token in params.stop_token_ids and may_stop:
@@ -218,6 +225,19 @@ class LLMEngine:
             seq.finish_reason, seq.stop_reason = "stop", stop
         elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.model_config.max_model_len:
             seq.finish_reason = "length"
+
+    @staticmethod
+    def _grammar_ends(seq: Sequence, token: int) -> bool:
+        """Advances the completion's grammar; finishes it ("stop") once the grammar is
+        complete. A token the grammar refuses (every token was masked: a clash with other
+        settings such as allowed_token_ids) ends it too, as "abort"."""
+        if not seq.grammar.accept(token):
+            logger.warning("request %s: its grammar refused token %d; the completion stops there",
+                           seq.request_id, token)
+            seq.finish_reason = "abort"
+        elif seq.grammar.is_terminated:
+            seq.finish_reason = "stop"
+        return seq.finish_reason is not None
 
     def abort_request(self, request_id: str) -> list[Sequence]:
         """Drops one request's queued and running sequences, returning their blocks."""

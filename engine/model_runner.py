@@ -19,6 +19,7 @@ from engine.model_loader import load_model
 from engine.models.llama import head_dim_of
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
+from engine.structured_output.manager import grammar_bitmask
 
 logger = logging.getLogger(__name__)
 
@@ -360,6 +361,7 @@ class ModelRunner:
             bias=(torch.tensor(bias_rows, device=device), torch.tensor(bias_ids, device=device),
                   floats(bias_values)) if bias_rows else None,
             num_logprobs=[p.logprobs for p in params],
+            grammar=grammar_bitmask([s.grammar for s in seqs]),
         )
 
     def _floats(self, values: list[float]) -> torch.Tensor:

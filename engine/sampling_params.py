@@ -4,6 +4,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
+from engine.structured_output.params import StructuredOutputsParams
+
 
 @dataclass
 class SamplingParams:
@@ -36,6 +38,8 @@ class SamplingParams:
         logit_bias: Token id to a value added to its logit.
         allowed_token_ids: Only these tokens may be generated.
         bad_words: Words that may not be generated (as any of their tokenizations).
+        structured_outputs: What the completion must match (a JSON schema, a regex, a
+            choice, a grammar); it finishes with "stop" once that is complete.
 
     Raises:
         ValueError: naming the field and its allowed range, on any invalid value.
@@ -63,6 +67,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self._normalize()
@@ -172,4 +177,6 @@ _RULES: dict[str, tuple[str, "Callable[[Any, SamplingParams], bool]"]] = {
                    lambda v, p: v is None or (isinstance(v, dict) and all(_integer(k) and _number(x) for k, x in v.items()))),
     "allowed_token_ids": ("None or a non-empty list of token ids", lambda v, p: v is None or (_token_ids(v) and len(v) > 0)),
     "bad_words": ("a list of words that are not blank", lambda v, p: _strings(v, blank_ok=False)),
+    "structured_outputs": ("None or a StructuredOutputsParams",
+                           lambda v, p: v is None or isinstance(v, StructuredOutputsParams)),
 }

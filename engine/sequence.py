@@ -2,6 +2,7 @@
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -9,6 +10,9 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.lora.request import LoRARequest
 from engine.outputs import RequestMetrics
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.structured_output.backend_xgrammar import Grammar
 
 
 class SequenceStatus(enum.Enum):
@@ -65,6 +69,8 @@ class Sequence:
         self.num_pending_children = sampling_params.n - 1 if index == 0 else 0
         self.group: list[Sequence] = [self]
         self.bad_words_ids: list[list[int]] = []
+        # Where the completion stands in its structured-output grammar, set by the engine.
+        self.grammar: "Grammar | None" = None
         self.logprobs: list[dict] | None = [] if sampling_params.logprobs is not None else None
         self.cumulative_logprob: float | None = 0.0 if sampling_params.logprobs is not None else None
         self.prompt_logprobs: list[dict | None] | None = (

@@ -4,6 +4,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.structured_output.manager import GrammarBitmask
+
 
 @dataclass
 class Penalties:
@@ -23,6 +25,7 @@ class SamplingMetadata:
 
     `generators[i]` is row i's own seeded generator, or None to draw from the engine's.
     `banned` and `allowed` list (row, token ids) pairs; `bias` is (rows, ids, values).
+    `grammar` holds the structured-output rows' allowed tokens.
     """
 
     temperatures: torch.Tensor
@@ -37,6 +40,7 @@ class SamplingMetadata:
     allowed: list[tuple[int, list[int]]] | None = None
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     num_logprobs: list[int | None] | None = None
+    grammar: GrammarBitmask | None = None
 
     @property
     def needs_processing(self) -> bool:
@@ -57,7 +61,8 @@ class SampledToken:
 class Sampler:
     """Processors, penalties, temperature, min-p, top-k and top-p for a whole batch.
 
-    Log-probabilities are those of the model's raw logits, as vLLM reports them. A
+    Log-probabilities are those of the model's raw logits, as vLLM reports them (with
+    the tokens a structured output's grammar forbids at -inf, as in vLLM). A
     token is drawn by inverse CDF from one uniform number; seeded rows take it from
     their own generator, advanced once per generated token, so their choices do not
     depend on the rest of the batch.
@@ -69,6 +74,9 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> list[SampledToken]:
         """One token per row from logits [rows, vocab] in the model's dtype."""
         raw = logits.float()
+        if meta.grammar is not None:
+            raw = raw.clone() if raw is logits else raw
+            meta.grammar.apply(raw)
         wants_logprobs = bool(meta.num_logprobs) and any(k is not None for k in meta.num_logprobs)
         processed = raw
         if meta.needs_processing:
