@@ -14,7 +14,7 @@ import time
 
 import pandas as pd
 
-from dagster_llm import GenerationRun, RunOptions, SamplingConfig
+from dagster_llm import GenerationRun, PartitionInput, RunOptions, SamplingConfig
 from dagster_llm.prompts import TableSpec, read_rows
 from engine import LLM
 
@@ -40,7 +40,7 @@ def main() -> None:
                                                 progress_interval_s=args.interval),
                             lambda line: lines.append((time.monotonic(), line)))
         started = time.monotonic()
-        list(run.generate([(None, rows, None)]))
+        list(run.generate([PartitionInput(None, rows)]))
         ended = time.monotonic()
     total = ended - started
     worst = 1.0

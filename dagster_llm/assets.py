@@ -5,9 +5,11 @@ work, and each committed partition becomes a materialization with its checks.
 """
 
 import contextlib
-from collections.abc import Iterator, Mapping
+import dataclasses
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import dagster as dg
 import pandas as pd
@@ -15,14 +17,15 @@ import pyarrow as pa
 
 import engine
 from dagster_llm import checks
-from dagster_llm.generation import GenerationRun, PartitionResult, RunOptions, digest
-from dagster_llm.partitions import PartitionChoice
+from dagster_llm.generation import GenerationRun, PartitionInput, PartitionResult, RunOptions, digest
+from dagster_llm.partitions import PartitionChoice, output_choice
 from dagster_llm.prompts import PromptTableError, TableSpec, check_columns, read_rows, to_dataframe
 from dagster_llm.resource import LLMResource
 from dagster_llm.sampling import GenerationRunConfig, SamplingConfig
-from dagster_llm.schema import COLUMN_DESCRIPTIONS, GENERATION_SCHEMA
+from dagster_llm.schema import column_descriptions, generation_schema, output_columns
 from dagster_llm.storage import ParquetIOManager
 from dagster_llm.store import PartitionFiles, PartitionLockedError
+from dagster_llm.structured import OutputSpecError, StructuredOutput
 from dagster_llm.watch import LaunchingProcessDied, ParentWatch
 
 
@@ -36,6 +39,8 @@ class _Definition:
     spec: TableSpec
     sampling: PartitionChoice[SamplingConfig]
     adapter: PartitionChoice[str | None]
+    output: PartitionChoice[StructuredOutput | None]
+    structured: bool  # some partition has a structured output: the asset has the parse_rate check
     lora_requests: Mapping[str, engine.LoRARequest]
     resource_key: str
     io_manager_key: str
@@ -59,6 +64,10 @@ def build_generation_asset(
     adapter: str | None = None,
     adapter_by_partition: Mapping[str, str | None] | None = None,
     adapter_column: str = "adapter",
+    output_schema: Mapping[str, Any] | type | None = None,
+    choices: Sequence[str] | None = None,
+    output_schema_by_partition: Mapping[str, Mapping[str, Any] | type | None] | None = None,
+    choices_by_partition: Mapping[str, Sequence[str] | None] | None = None,
     duplicate_ids: str = "error",
     partitions_def: dg.PartitionsDefinition | None = None,
     resource_key: str = "llm",
@@ -95,6 +104,14 @@ def build_generation_asset(
     claims a slot of `pool`, and holds a lock per partition so that two runs never write
     one partition at once.
 
+    Structured outputs: with `output_schema` (a pydantic model class or a JSON schema
+    dict) the engine constrains every completion to compact JSON of that schema, and the
+    table gains one typed column per top-level field, named as the field (see
+    `dagster_llm.structured` for the types), after `error`; `generated_text` keeps the raw
+    JSON. With `choices` each completion is one of the labels, in a `choice` column. A row
+    whose output does not parse or validate (for instance cut off by max_tokens) keeps its
+    text and gets an `error`; a fifth check, `parse_rate`, reports the share that parsed.
+
     Args:
         name: The asset's name.
         upstream: The prompt table asset (its partitions_def is reused when it has one).
@@ -111,6 +128,15 @@ def build_generation_asset(
             for the base model), matched like `sampling_by_partition`.
         adapter_column: Optional prompt-table column naming a row's adapter; empty or
             null cells keep the partition's.
+        output_schema: What every completion must be: a pydantic model class or a JSON
+            schema whose top level is an object; a field named like a column of the
+            generation table is a definition error.
+        choices: Labels of a classification: every completion is exactly one of them.
+        output_schema_by_partition: Partition key or glob pattern to its output schema
+            (None: free text), matched like `sampling_by_partition`.
+        choices_by_partition: Partition key or glob pattern to its choices (None: free
+            text); a partition named here and in `output_schema_by_partition` is a
+            definition error.
         duplicate_ids: "error" (a repeated id is an error row and fails the unique_ids
             check) or "keep" (every copy is generated).
         partitions_def: The asset's partitions (default: the upstream asset's).
@@ -121,7 +147,8 @@ def build_generation_asset(
             (`BackfillPolicy.single_run()`, which `dagster asset materialize
             --partition-range` needs); N splits daemon and UI backfills into runs of at
             most N partitions each.
-        thresholds: Highest acceptable error, empty and truncation rates.
+        thresholds: Highest acceptable error, empty and truncation rates; lowest
+            acceptable parse rate of a structured output.
         key_prefix: Prefix of the asset key.
         group_name: Dagster asset group.
         code_version: Your version of the prompt logic; the sampling settings are added
@@ -171,21 +198,25 @@ def build_generation_asset(
             f"{name}: adapter(s) {undeclared} are not declared; add them to adapters={{name: folder}}"
         )
     spec = TableSpec(id_column, prompt_column, chat, adapter_column, tuple(adapters), duplicate_ids)
+    output = output_choice(name, output_schema, choices, output_schema_by_partition, choices_by_partition,
+                           partitions_def)
     settings_hash = digest({
         "sampling": default_sampling.model_dump(),
         "by_partition": {k: v.model_dump() for k, v in (sampling_by_partition or {}).items()},
         "spec": [id_column, prompt_column, chat, adapter_column, duplicate_ids],
         "adapter": adapter, "adapter_by_partition": dict(adapter_by_partition or {}),
+        "output": _describe(output.default),
+        "output_by_partition": {k: _describe(v) for k, v in output.by_partition.items()},
     })
     definition = _Definition(
         name=name, asset_key=asset_key, upstream_key=upstream_key, spec=spec,
         sampling=PartitionChoice(default_sampling, sampling_by_partition, partitions_def, name, "sampling_by_partition"),
         adapter=PartitionChoice(adapter, adapter_by_partition, partitions_def, name, "adapter_by_partition"),
+        output=output, structured=any(o is not None for o in [output.default, *output.by_partition.values()]),
         # Ids by sorted name: stable across runs and processes.
         lora_requests={a: engine.LoRARequest(a, i + 1, path) for i, (a, path) in enumerate(sorted(adapters.items()))},
         resource_key=resource_key, io_manager_key=io_manager_key,
-        thresholds=checks.CheckThresholds(thresholds.max_error_rate, thresholds.max_empty_rate,
-                                          thresholds.max_truncation_rate, duplicate_ids == "keep"),
+        thresholds=dataclasses.replace(thresholds, allow_duplicate_ids=duplicate_ids == "keep"),
         code_version=f"{code_version}+{settings_hash[:12]}", progress_interval_s=progress_interval_s,
         shard_rows=shard_rows, partitioned=partitions_def is not None,
     )
@@ -196,10 +227,10 @@ def build_generation_asset(
             key=asset_key, code_version=definition.code_version, group_name=group_name,
             description=description or f"LLM completions of {upstream_key.to_user_string()}.{prompt_column}",
             kinds={"parquet"}, is_required=False, io_manager_key=io_manager_key,
-            metadata={"dagster/column_schema": _column_schema()},
+            metadata={"dagster/column_schema": _column_schema(output.default)},
         )},
         ins={"prompts": dg.AssetIn(key=upstream_key)},
-        check_specs=checks.check_specs(asset_key, partitions_def),
+        check_specs=checks.check_specs(asset_key, partitions_def, definition.structured),
         can_subset=True,
         partitions_def=partitions_def,
         backfill_policy=None if partitions_def is None
@@ -239,8 +270,7 @@ class _GenerationStep:
         with self._locks(files):
             llm = self.resource.get_llm()
             tokenizer = llm.get_tokenizer()
-            parts = [(key, read_rows(frames[key], key, sampling[key], self.d.adapter.for_partition(key), self.d.spec,
-                                     tokenizer), files[key]) for key in self.keys]
+            parts = [self._input(key, frames[key], sampling[key], files[key], tokenizer) for key in self.keys]
             run = GenerationRun(llm, self.d.lora_requests, self._options(), self.context.log.info, ParentWatch().check)
             results = {}
             try:
@@ -249,7 +279,16 @@ class _GenerationStep:
                     yield from self._committed(result, sampling[result.key])
             except LaunchingProcessDied as exc:
                 raise dg.Failure(str(exc)) from None
+            except OutputSpecError as exc:
+                raise dg.Failure(f"{self.d.name}: {exc}") from None
         yield from self._output(results)
+
+    def _input(self, key: str | None, frame: pd.DataFrame, sampling: SamplingConfig, files: PartitionFiles | None,
+               tokenizer: object) -> PartitionInput:
+        """One partition's rows with its adapter and structured output."""
+        output = self.d.output.for_partition(key)
+        rows = read_rows(frame, key, sampling, self.d.adapter.for_partition(key), self.d.spec, tokenizer, output)
+        return PartitionInput(key, rows, files, output)
 
     def _sampling(self) -> dict[str | None, SamplingConfig]:
         """Each partition's sampling with the run's overrides; every bad field at once."""
@@ -290,7 +329,9 @@ class _GenerationStep:
     def _committed(self, result: PartitionResult, sampling: SamplingConfig) -> Iterator[object]:
         """A range's partition is recorded as it commits; a single partition with the output."""
         metadata = self._metadata(result, sampling)
-        outcomes = checks.evaluate(result.table, self.d.thresholds)
+        output = self.d.output.for_partition(result.key)
+        outcomes = checks.evaluate(result.table, self.d.thresholds,
+                                   structured=(output is not None) if self.d.structured else None)
         if len(self.keys) == 1:
             self.output_metadata = metadata
             for check_name, outcome in outcomes.items():
@@ -328,8 +369,9 @@ class _GenerationStep:
     def _metadata(self, result: PartitionResult, sampling: SamplingConfig) -> dict[str, object]:
         stats, table = result.stats, result.table
         llm = self.resource.get_llm()
+        output = self.d.output.for_partition(result.key)
         return {
-            **_table_metadata(table, self.d.upstream_key, self.d.spec),
+            **_table_metadata(table, self.d.upstream_key, self.d.spec, output),
             "path": dg.MetadataValue.path(str(self.store.path_for(self.d.asset_key, result.key).resolve()))
             if self.store else "(stored by the IO manager)",
             "model_id": self.resource.model_id,
@@ -347,32 +389,45 @@ class _GenerationStep:
             "adapter": self.d.adapter.for_partition(result.key) or "none",
             "adapter_fingerprints": dg.MetadataValue.json(stats.adapter_fingerprints),
             "sampling_config": dg.MetadataValue.json(sampling.model_dump()),
+            **({"structured_output": dg.MetadataValue.json(output.describe())} if output is not None else {}),
             "data_version": result.data_version,
             "upstream_data_version": _upstream_data_version(self.context, self.d.upstream_key, result.key) or "unknown",
         }
 
 
-def _column_schema() -> dg.TableSchema:
+def _describe(output: StructuredOutput | None) -> dict[str, Any] | None:
+    return output.describe() if output is not None else None
+
+
+def _column_schema(output: StructuredOutput | None) -> dg.TableSchema:
+    """The generation table's columns (with a structured output's typed columns) and their descriptions."""
+    descriptions = column_descriptions(output)
     return dg.TableSchema(columns=[
-        dg.TableColumn(f.name, str(f.type), description=COLUMN_DESCRIPTIONS[f.name]) for f in GENERATION_SCHEMA
+        dg.TableColumn(f.name, str(f.type), description=descriptions[f.name]) for f in generation_schema(output)
     ])
 
 
-def _table_metadata(table: pa.Table, upstream_key: dg.AssetKey, spec: TableSpec) -> dict[str, object]:
+def _table_metadata(table: pa.Table, upstream_key: dg.AssetKey, spec: TableSpec,
+                    output: StructuredOutput | None) -> dict[str, object]:
+    def from_column(column: str) -> list[dg.TableColumnDep]:
+        return [dg.TableColumnDep(asset_key=upstream_key, column_name=column)]
+
     lineage = dg.TableColumnLineage(deps_by_column={
-        "generated_text": [dg.TableColumnDep(asset_key=upstream_key, column_name=spec.prompt_column)],
-        "prompt": [dg.TableColumnDep(asset_key=upstream_key, column_name=spec.prompt_column)],
-        "id": [dg.TableColumnDep(asset_key=upstream_key, column_name=spec.id_column)],
+        "generated_text": from_column(spec.prompt_column),
+        "prompt": from_column(spec.prompt_column),
+        "id": from_column(spec.id_column),
+        # Every output field is generated from the prompt.
+        **{column.name: from_column(spec.prompt_column) for column in output_columns(output)},
     })
-    preview = table.slice(0, 5)
-    texts = [(t or "")[:80] for t in preview["generated_text"].to_pylist()]
+    shown = [column.name for column in output_columns(output)] or ["generated_text"]
+    first = table.slice(0, 5)
+    preview = pd.DataFrame({name: ["" if v is None else str(v)[:80] for v in first[name].to_pylist()]
+                            for name in ["id", *shown]})
     return {
         "dagster/row_count": table.num_rows,
-        "dagster/column_schema": _column_schema(),
+        "dagster/column_schema": _column_schema(output),
         "dagster/column_lineage": lineage,
-        "preview": dg.MetadataValue.md(
-            pd.DataFrame({"id": preview["id"].to_pylist(), "generated_text": texts}).to_markdown(index=False)
-            if table.num_rows else "(no rows)"),
+        "preview": dg.MetadataValue.md(preview.to_markdown(index=False) if table.num_rows else "(no rows)"),
     }
 
 

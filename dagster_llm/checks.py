@@ -1,4 +1,5 @@
-"""Quality checks of a generation table: error rows, empty completions, truncation, ids."""
+"""Quality checks of a generation table: error rows, empty completions, truncation, ids,
+and the parse rate of a structured output."""
 
 from dataclasses import dataclass
 
@@ -9,21 +10,27 @@ import pyarrow.compute as pc
 
 @dataclass(frozen=True)
 class CheckThresholds:
-    """Highest acceptable share of rows (0 to 1) for each check before it fails, and
-    whether repeated ids pass (`duplicate_ids='keep'` sets it)."""
+    """Highest acceptable share of rows (0 to 1) for each check before it fails, the lowest
+    acceptable parse rate of a structured output, and whether repeated ids pass
+    (`duplicate_ids='keep'` sets it)."""
 
     max_error_rate: float = 0.0
     max_empty_rate: float = 0.0
     max_truncation_rate: float = 0.5
     allow_duplicate_ids: bool = False
+    min_parse_rate: float = 1.0
 
 
 DESCRIPTIONS = {
-    "no_error_rows": "Rows that could not be generated (bad prompt, too long, bad override or adapter).",
+    "no_error_rows": "Rows that could not be generated (bad prompt, too long, bad override or adapter); "
+                     "structured outputs that did not parse count in parse_rate instead.",
     "no_empty_generations": "Completions that are empty or only whitespace.",
     "truncation_rate": "Completions cut off by max_tokens (finish_reason 'length').",
     "unique_ids": "Rows whose id repeats an earlier row's id in the partition.",
 }
+PARSE_RATE = "parse_rate"
+PARSE_RATE_DESCRIPTION = ("Share of generated rows whose structured output parsed and matched its schema "
+                          "(or choices); the others have the reason in their error column.")
 
 
 @dataclass(frozen=True)
@@ -34,12 +41,14 @@ class CheckOutcome:
     metadata: dict
 
 
-def evaluate(table: pa.Table, thresholds: CheckThresholds) -> dict[str, CheckOutcome]:
-    """Each check's outcome for one partition's generation table."""
+def evaluate(table: pa.Table, thresholds: CheckThresholds, structured: bool | None = None
+             ) -> dict[str, CheckOutcome]:
+    """Each check's outcome for one partition's generation table. `structured`: None where
+    the asset has no structured output (no parse_rate check), else whether this partition has."""
     rows = table.num_rows
-    ok = pc.is_null(table["error"])
-    errors = rows - (pc.sum(ok.cast(pa.int64())).as_py() or 0) if rows else 0
-    generated = table.filter(ok)
+    ran = pc.is_valid(table["generated_text"])
+    errors = rows - (pc.sum(ran.cast(pa.int64())).as_py() or 0) if rows else 0
+    generated = table.filter(ran)
     empty = pc.sum(pc.equal(pc.utf8_trim_whitespace(generated["generated_text"]), "").cast(pa.int64())).as_py() or 0
     truncated = pc.sum(pc.equal(generated["finish_reason"], "length").cast(pa.int64())).as_py() or 0
     repeated = rows - len(pc.unique(table["id"])) if rows else 0
@@ -52,11 +61,27 @@ def evaluate(table: pa.Table, thresholds: CheckThresholds) -> dict[str, CheckOut
     ):
         rate = count / denominator if denominator else 0.0
         outcomes[name] = CheckOutcome(rate <= limit, {"rows": count, "rate": round(rate, 4), "max_rate": limit})
+    if structured is not None:
+        outcomes[PARSE_RATE] = _parse_rate(generated, thresholds.min_parse_rate, structured)
     return outcomes
 
 
-def check_specs(asset_key: dg.AssetKey, partitions_def: dg.PartitionsDefinition | None) -> list[dg.AssetCheckSpec]:
+def _parse_rate(generated: pa.Table, min_rate: float, structured: bool) -> CheckOutcome:
+    """Generated rows whose output parsed: a generated row with an error is one that did not."""
+    if not structured:
+        return CheckOutcome(True, {"structured_output": "none for this partition"})
+    failed = pc.sum(pc.is_valid(generated["error"]).cast(pa.int64())).as_py() or 0
+    parsed = generated.num_rows - failed
+    rate = parsed / generated.num_rows if generated.num_rows else 1.0
+    return CheckOutcome(rate >= min_rate, {"parse_rate": round(rate, 4), "parsed_rows": parsed,
+                                           "failed_rows": failed, "min_parse_rate": min_rate})
+
+
+def check_specs(asset_key: dg.AssetKey, partitions_def: dg.PartitionsDefinition | None,
+                structured: bool) -> list[dg.AssetCheckSpec]:
+    """The asset's checks; parse_rate where any partition has a structured output."""
+    descriptions = {**DESCRIPTIONS, **({PARSE_RATE: PARSE_RATE_DESCRIPTION} if structured else {})}
     return [
         dg.AssetCheckSpec(name, asset=asset_key, description=description, partitions_def=partitions_def)
-        for name, description in DESCRIPTIONS.items()
+        for name, description in descriptions.items()
     ]

@@ -20,6 +20,7 @@ from dagster_llm.progress import GenerationProgress, WorkCounters
 from dagster_llm.prompts import PromptRow
 from dagster_llm.schema import records_table, result_record
 from dagster_llm.store import POSITION_COLUMN, PartitionFiles, with_data_version
+from dagster_llm.structured import OutputSpecError, StructuredOutput
 from engine import LLM, LoRARequest
 
 
@@ -35,9 +36,21 @@ class RunOptions:
     progress_interval_s: float = 5.0
 
 
+@dataclass(frozen=True)
+class PartitionInput:
+    """One partition to generate: its prompt rows, its files (None: nothing is saved until
+    the caller stores the table) and what its completions must be (None: free text)."""
+
+    key: str | None
+    rows: list[PromptRow]
+    files: PartitionFiles | None = None
+    output: StructuredOutput | None = None
+
+
 @dataclass
 class PartitionStats:
-    """What one partition's table holds and what this run did for it."""
+    """What one partition's table holds and what this run did for it. `error_rows` counts
+    every row with an error, including generated rows whose structured output did not parse."""
 
     rows: int = 0
     error_rows: int = 0
@@ -66,6 +79,7 @@ class _Partition:
     key: str | None
     rows: list[PromptRow]
     files: PartitionFiles | None
+    output: StructuredOutput | None
     data_version: str = ""
     records: dict[int, dict[str, Any]] = field(default_factory=dict)
     resumed_rows: int = 0
@@ -93,12 +107,17 @@ class GenerationRun:
         self.check_alive = check_alive
         self.fingerprints: dict[str, str] = {}
 
-    def generate(self, partitions: Sequence[tuple[str | None, list[PromptRow], PartitionFiles | None]]
-                 ) -> Iterator[PartitionResult]:
+    def generate(self, partitions: Sequence[PartitionInput]) -> Iterator[PartitionResult]:
         """Yields each partition's result as it commits; partitions that need no new rows
-        first, the others roughly in the given order (their rows are queued in it)."""
+        first, the others roughly in the given order (their rows are queued in it).
+
+        Raises:
+            OutputSpecError: before any work, when the engine cannot compile a partition's
+                structured output.
+        """
         started = time.monotonic()
-        parts = [_Partition(key, rows, files) for key, rows, files in partitions]
+        parts = [_Partition(p.key, p.rows, p.files, p.output) for p in partitions]
+        self._check_outputs(parts)
         self._check_rows([row for part in parts for row in part.rows])
         model = self.llm.model_fingerprint
         for part in parts:
@@ -116,6 +135,17 @@ class GenerationRun:
                 yield self._commit(part, started)
         if todo:
             yield from self._run(todo, by_key, started)
+
+    def _check_outputs(self, parts: list[_Partition]) -> None:
+        """Compiles each partition's structured output (a partition's problem, not its rows')."""
+        for part in parts:
+            if part.output is None:
+                continue
+            problem = self.llm.llm_engine.structured_output.problem(part.output.params)
+            if problem is not None:
+                where = f"partition {part.key!r}: " if part.key is not None else ""
+                raise OutputSpecError(f"{where}{problem}; change the schema (or choices) to what the grammar "
+                                      "backend supports; nothing was generated")
 
     def _check_rows(self, rows: list[PromptRow]) -> None:
         """Marks rows the engine cannot take (adapter, length, ids) with their errors."""
@@ -140,7 +170,9 @@ class GenerationRun:
         """Digest of everything the partition's table depends on."""
         rows = [(r.id, r.prompt_text, r.sampling.model_dump(), r.adapter, self.fingerprints.get(r.adapter), r.error)
                 for r in part.rows]
-        return digest({"code_version": self.options.code_version, "model": model_fingerprint, "rows": rows})[:24]
+        output = part.output.describe() if part.output is not None else None
+        return digest({"code_version": self.options.code_version, "model": model_fingerprint, "rows": rows,
+                       "output": output})[:24]
 
     def _resume(self, part: _Partition) -> None:
         """Takes the rows already generated for the partition's data version."""
@@ -200,7 +232,7 @@ class GenerationRun:
     def _save_shard(self, part: _Partition) -> None:
         self.check_alive()
         positions = sorted(part.unsaved)
-        table = records_table([part.records[p] for p in positions],
+        table = records_table([part.records[p] for p in positions], part.output,
                               {POSITION_COLUMN: pa.array(positions, pa.int32())})
         part.files.append_shard(part.data_version, table)
         part.unsaved.clear()
@@ -211,23 +243,23 @@ class GenerationRun:
         self.check_alive()
         records = [part.records.get(row.position) or result_record(row, None, self.options.model_id)
                    for row in part.rows]
-        table = with_data_version(records_table(records), part.data_version)
+        table = with_data_version(records_table(records, part.output), part.data_version)
         if part.files is not None:
             part.files.commit(table, part.data_version)
         return PartitionResult(part.key, table, part.data_version, self._stats(part, records, started))
 
     def _stats(self, part: _Partition, records: list[dict[str, Any]], started: float) -> PartitionStats:
-        ok = [r for r in records if r["error"] is None]
+        ran = [r for r in records if r["generated_text"] is not None]  # with or without a parse error
         return PartitionStats(
             rows=len(records),
-            error_rows=len(records) - len(ok),
+            error_rows=sum(r["error"] is not None for r in records),
             resumed_rows=part.resumed_rows,
-            generated_rows=len(ok) - part.resumed_rows,
-            generated_tokens=sum(r["completion_tokens"] for r in ok) - part.resumed_tokens,
-            prompt_tokens=sum(r["prompt_tokens"] for r in ok),
-            completion_tokens=sum(r["completion_tokens"] for r in ok),
-            finish_reasons=dict(collections.Counter(r["finish_reason"] for r in ok)),
-            adapter_fingerprints={a: self.fingerprints[a] for a in sorted({r["adapter"] for r in ok} - {None})},
+            generated_rows=len(ran) - part.resumed_rows,
+            generated_tokens=sum(r["completion_tokens"] for r in ran) - part.resumed_tokens,
+            prompt_tokens=sum(r["prompt_tokens"] for r in ran),
+            completion_tokens=sum(r["completion_tokens"] for r in ran),
+            finish_reasons=dict(collections.Counter(r["finish_reason"] for r in ran)),
+            adapter_fingerprints={a: self.fingerprints[a] for a in sorted({r["adapter"] for r in ran} - {None})},
             elapsed_s=round(time.monotonic() - started, 3),
         )
 

@@ -1,10 +1,14 @@
-"""A value chosen per partition (its sampling, its adapter) by key or glob pattern."""
+"""A value chosen per partition (its sampling, its adapter, its structured output) by key
+or glob pattern."""
 
 import fnmatch
-from collections.abc import Mapping
-from typing import Generic, TypeVar
+from collections.abc import Mapping, Sequence
+from typing import Any, Generic, TypeVar
 
 import dagster as dg
+
+from dagster_llm.schema import output_columns_problem
+from dagster_llm.structured import OutputSpecError, StructuredOutput
 
 T = TypeVar("T")
 
@@ -43,11 +47,63 @@ class PartitionChoice(Generic[T]):
                 )
 
     def for_partition(self, key: str | None) -> T:
+        entry = self.entry_for(key)
+        return self.by_partition[entry] if entry is not None else self.default
+
+    def entry_for(self, key: str | None) -> str | None:
+        """The mapping key that names partition `key` (its own key, else the first matching
+        pattern), or None where the default applies."""
         if key is None:
-            return self.default
+            return None
         if key in self.by_partition:
-            return self.by_partition[key]
-        for pattern, value in self.by_partition.items():
-            if fnmatch.fnmatchcase(key, pattern):
-                return value
-        return self.default
+            return key
+        return next((pattern for pattern in self.by_partition if fnmatch.fnmatchcase(key, pattern)), None)
+
+
+def output_choice(
+    asset_name: str,
+    output_schema: Mapping[str, Any] | type | None,
+    choices: Sequence[str] | None,
+    output_schema_by_partition: Mapping[str, Mapping[str, Any] | type | None] | None,
+    choices_by_partition: Mapping[str, Sequence[str] | None] | None,
+    partitions_def: dg.PartitionsDefinition | None,
+) -> PartitionChoice[StructuredOutput | None]:
+    """Each partition's structured output: its entry in `output_schema_by_partition` or
+    `choices_by_partition` (None: free text), else the default schema or choices.
+
+    Raises:
+        DagsterInvalidDefinitionError: a bad schema or choices (naming the argument and the
+            partition), columns that clash with the generation table's, or a partition named
+            by both mappings.
+    """
+    default = _structured(asset_name, "output_schema/choices", output_schema, choices)
+    by_schema = {key: _structured(asset_name, f"output_schema_by_partition[{key!r}]", value, None)
+                 for key, value in (output_schema_by_partition or {}).items()}
+    by_choices = {key: _structured(asset_name, f"choices_by_partition[{key!r}]", None, value)
+                  for key, value in (choices_by_partition or {}).items()}
+    schemas = PartitionChoice(default, by_schema, partitions_def, asset_name, "output_schema_by_partition")
+    labels = PartitionChoice(default, by_choices, partitions_def, asset_name, "choices_by_partition")
+    enumerable = partitions_def is not None and not isinstance(partitions_def, dg.DynamicPartitionsDefinition)
+    keys = [*by_schema, *(partitions_def.get_partition_keys() if enumerable and by_schema and by_choices else [])]
+    for key in keys:
+        if schemas.entry_for(key) is not None and labels.entry_for(key) is not None:
+            raise dg.DagsterInvalidDefinitionError(
+                f"{asset_name}: partition {key!r} is named by output_schema_by_partition "
+                f"({schemas.entry_for(key)!r}) and by choices_by_partition ({labels.entry_for(key)!r}); "
+                "a partition takes a schema or choices: remove one of the two entries")
+    return PartitionChoice(default, {**by_schema, **by_choices}, partitions_def, asset_name,
+                           "output_schema_by_partition/choices_by_partition")
+
+
+def _structured(asset_name: str, argument: str, schema: Mapping[str, Any] | type | None,
+                choices: Sequence[str] | None) -> StructuredOutput | None:
+    if schema is None and choices is None:
+        return None
+    try:
+        output = StructuredOutput(schema, choices)
+    except OutputSpecError as exc:
+        raise dg.DagsterInvalidDefinitionError(f"{asset_name}: {argument}: {exc}") from None
+    problem = output_columns_problem(output)
+    if problem is not None:
+        raise dg.DagsterInvalidDefinitionError(f"{asset_name}: {argument}: {problem}")
+    return output

@@ -11,6 +11,7 @@ import pandas as pd
 import pyarrow as pa
 
 from dagster_llm.sampling import SAMPLING_FIELD_NAMES, SamplingConfig, merge_sampling
+from dagster_llm.structured import StructuredOutput
 from engine import SamplingParams
 from engine.llm import chat_messages_problem, invalid_unicode_problem
 
@@ -43,11 +44,12 @@ class PromptRow:
     adapter: str | None = None
     prompt: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
+    output: StructuredOutput | None = None
 
     @functools.cached_property
     def sampling_params(self) -> SamplingParams:
-        """The engine's params of the row's (final) sampling, built once."""
-        return self.sampling.to_sampling_params()
+        """The engine's params of the row's (final) sampling and output constraint, built once."""
+        return self.sampling.to_sampling_params(self.output.params if self.output is not None else None)
 
     def fail(self, problem: str) -> None:
         """Records a problem; the first one found is the row's error."""
@@ -73,14 +75,16 @@ def check_columns(frame: pd.DataFrame, spec: TableSpec, where: str) -> None:
 
 
 def read_rows(frame: pd.DataFrame, partition: str | None, sampling: SamplingConfig, adapter: str | None,
-              spec: TableSpec, tokenizer: Any) -> list[PromptRow]:
-    """The partition's rows, rendered to token ids; a row that cannot run gets its error."""
+              spec: TableSpec, tokenizer: Any, output: StructuredOutput | None = None) -> list[PromptRow]:
+    """The partition's rows, rendered to token ids; a row that cannot run gets its error.
+    `output` is what every completion of the partition must be (None: free text)."""
     overrides = [c for c in SAMPLING_FIELD_NAMES if c in frame.columns]
     first_position: dict[str, int] = {}
     rows = []
     for position, record in enumerate(frame.to_dict("records")):
         raw_id = record[spec.id_column]
-        row = PromptRow(partition, position, None if _missing(raw_id) else str(raw_id), None, sampling, adapter)
+        row = PromptRow(partition, position, None if _missing(raw_id) else str(raw_id), None, sampling, adapter,
+                        output=output)
         _check_id(row, first_position, spec)
         _apply_adapter(row, record, spec)
         changes = {c: _plain(record[c]) for c in overrides if not _missing(record[c])}

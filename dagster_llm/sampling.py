@@ -12,7 +12,7 @@ import dagster as dg
 import pyarrow as pa
 from pydantic import Field, ValidationError, create_model, model_validator
 
-from engine import SamplingParams
+from engine import SamplingParams, StructuredOutputsParams
 
 
 @dataclass(frozen=True)
@@ -81,8 +81,8 @@ class SamplingConfig(_SamplingFields):
     `build_generation_asset(sampling=...)`).
     """
 
-    def to_sampling_params(self) -> SamplingParams:
-        return SamplingParams(**self.model_dump())
+    def to_sampling_params(self, structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
+        return SamplingParams(**self.model_dump(), structured_outputs=structured_outputs)
 
 
 _OverrideFields = create_model(

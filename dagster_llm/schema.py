@@ -1,5 +1,6 @@
-"""The generation table: its columns (sampling columns from `SAMPLING_FIELDS`), their
-descriptions, and the table built from finished rows."""
+"""The generation table: its columns (sampling columns from `SAMPLING_FIELDS`, typed
+output columns from a `StructuredOutput`), their descriptions, and the table built from
+finished rows."""
 
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -8,19 +9,23 @@ import pyarrow as pa
 
 from dagster_llm.prompts import PromptRow
 from dagster_llm.sampling import SAMPLING_FIELDS
+from dagster_llm.store import POSITION_COLUMN
+from dagster_llm.structured import OutputColumn, StructuredOutput
 from engine import RequestOutput
 
 _RESULT_COLUMNS: tuple[tuple[str, pa.DataType, str], ...] = (
     ("id", pa.string(), "The prompt row's id, from the upstream table."),
     ("prompt", pa.string(), "The prompt as given: text, or chat messages as JSON (null when it was null)."),
-    ("generated_text", pa.string(), "The completion (null when the row has an error)."),
+    ("generated_text", pa.string(), "The completion (null when the row could not run); with a structured "
+                                    "output, the raw JSON or the chosen label."),
     ("finish_reason", pa.string(), "'stop' (EOS or a stop string) or 'length' (max_tokens reached)."),
     ("prompt_tokens", pa.int32(), "Tokens in the rendered prompt."),
     ("completion_tokens", pa.int32(), "Tokens generated."),
     ("model", pa.string(), "The model id."),
     ("adapter", pa.string(), "The LoRA adapter used, or null for the base model."),
 )
-_ERROR_COLUMN = ("error", pa.string(), "Why the row was not generated, or null.")
+_ERROR_COLUMN = ("error", pa.string(), "Why the row was not generated, or why its structured output did not "
+                                       "parse; null otherwise.")
 
 COLUMN_DESCRIPTIONS: dict[str, str] = {
     **{name: text for name, _, text in (*_RESULT_COLUMNS, _ERROR_COLUMN)},
@@ -33,10 +38,37 @@ GENERATION_SCHEMA = pa.schema(
 )
 
 
+def output_columns_problem(output: StructuredOutput) -> str | None:
+    """Why `output`'s columns cannot join the generation table (a name it already has), or None."""
+    taken = set(GENERATION_SCHEMA.names) | {POSITION_COLUMN}
+    clashes = [column.name for column in output.columns if column.name in taken]
+    if not clashes:
+        return None
+    return (f"output field(s) {clashes} would replace the generation table's column(s) of the same name; rename "
+            f"them in the schema (the table's columns: {', '.join(GENERATION_SCHEMA.names)})")
+
+
+def output_columns(output: StructuredOutput | None) -> tuple[OutputColumn, ...]:
+    return output.columns if output is not None else ()
+
+
+def generation_schema(output: StructuredOutput | None) -> pa.Schema:
+    """The generation table's schema; a structured output's columns come after `error`."""
+    schema = GENERATION_SCHEMA
+    for column in output_columns(output):
+        schema = schema.append(pa.field(column.name, column.arrow_type))
+    return schema
+
+
+def column_descriptions(output: StructuredOutput | None) -> dict[str, str]:
+    return {**COLUMN_DESCRIPTIONS, **{column.name: column.description for column in output_columns(output)}}
+
+
 def result_record(row: PromptRow, output: RequestOutput | None, model_id: str) -> dict[str, Any]:
-    """One row of the generation table; `output` is None where the row has an error."""
+    """One row of the generation table; `output` is None where the row has an error. With a
+    structured output, the completion is parsed into its columns, or the row gets the error."""
     completion = output.outputs[0] if output is not None else None
-    return {
+    record = {
         "id": row.id,
         "prompt": row.prompt_text,
         "generated_text": completion.text if completion else None,
@@ -48,11 +80,17 @@ def result_record(row: PromptRow, output: RequestOutput | None, model_id: str) -
         **row.sampling.model_dump(),
         "error": row.error,
     }
+    if row.output is not None:
+        parsed = row.output.parse(record["generated_text"], record["finish_reason"], row.sampling.max_tokens)
+        record.update(parsed.values)
+        record["error"] = record["error"] or parsed.error
+    return record
 
 
-def records_table(records: Sequence[Mapping[str, Any]], extra: Mapping[str, pa.Array] | None = None) -> pa.Table:
+def records_table(records: Sequence[Mapping[str, Any]], output: StructuredOutput | None = None,
+                  extra: Mapping[str, pa.Array] | None = None) -> pa.Table:
     """The generation table of `records` (plus `extra` columns, such as shard positions)."""
-    table = pa.Table.from_pylist(list(records), schema=GENERATION_SCHEMA)
+    table = pa.Table.from_pylist(list(records), schema=generation_schema(output))
     for name, values in (extra or {}).items():
         table = table.append_column(name, values)
     return table

@@ -9,7 +9,7 @@ import pyarrow.parquet
 import pytest
 
 import engine
-from dagster_llm import GenerationRun, PartitionFiles, RunOptions, SamplingConfig, build_generation_asset
+from dagster_llm import GenerationRun, PartitionFiles, PartitionInput, RunOptions, SamplingConfig, build_generation_asset
 from dagster_llm.progress import PROMPT_TOKEN_WEIGHT, GenerationProgress, StepTimes, WorkCounters
 from dagster_llm.prompts import TableSpec, read_rows
 from dagster_llm.store import POSITION_COLUMN, data_version_of
@@ -110,14 +110,16 @@ def test_an_interrupted_partition_resumes_from_its_shards_and_generates_only_the
     options = RunOptions(model_id="tiny", code_version="1", shard_rows=1)
     stop = StopAfter(limit=15)
     with pytest.raises(LaunchingProcessDied):
-        list(GenerationRun(llm, {}, options, lambda _: None, stop).generate([("p", rows_of(llm, FRAME), files)]))
+        list(GenerationRun(llm, {}, options, lambda _: None, stop).generate(
+            [PartitionInput("p", rows_of(llm, FRAME), files)]))
     assert not files.path.exists()  # nothing committed: readers see no partial table
     [version] = [p.name for p in files.shard_root.iterdir()]
     saved = files.finished_rows(version)
     assert 0 < saved.num_rows < 8
 
     tokens_before = llm.llm_engine.stats.num_generated_tokens
-    [result] = GenerationRun(llm, {}, options, lambda _: None).generate([("p", rows_of(llm, FRAME), files)])
+    [result] = GenerationRun(llm, {}, options, lambda _: None).generate(
+        [PartitionInput("p", rows_of(llm, FRAME), files)])
     assert result.stats.resumed_rows == saved.num_rows and result.stats.generated_rows == 8 - saved.num_rows
     assert llm.llm_engine.stats.num_generated_tokens - tokens_before == 5 * (8 - saved.num_rows)
     table = pd.read_parquet(files.path)
@@ -131,7 +133,8 @@ def test_partitions_of_a_range_commit_one_after_another(llm, tmp_path):
     options = RunOptions(model_id="tiny", code_version="1")
     stats = llm.llm_engine.stats
     start = stats.num_generated_tokens
-    parts = [(key, rows_of(llm, FRAME, key=key), PartitionFiles(tmp_path / f"{key}.parquet")) for key in "xyz"]
+    parts = [PartitionInput(key, rows_of(llm, FRAME, key=key), PartitionFiles(tmp_path / f"{key}.parquet"))
+             for key in "xyz"]
     committed = [(r.key, stats.num_generated_tokens - start)
                  for r in GenerationRun(llm, {}, options, lambda _: None).generate(parts)]
     assert [key for key, _ in committed] == ["x", "y", "z"]
@@ -144,9 +147,10 @@ def test_shards_of_another_data_version_are_discarded_not_mixed(llm, tmp_path):
     options = RunOptions(model_id="tiny", code_version="1", shard_rows=1)
     with pytest.raises(LaunchingProcessDied):
         list(GenerationRun(llm, {}, options, lambda _: None, StopAfter(15)).generate(
-            [("p", rows_of(llm, FRAME), files)]))
+            [PartitionInput("p", rows_of(llm, FRAME), files)]))
     other = SamplingConfig(max_tokens=3, ignore_eos=True)
-    [result] = GenerationRun(llm, {}, options, lambda _: None).generate([("p", rows_of(llm, FRAME, other), files)])
+    [result] = GenerationRun(llm, {}, options, lambda _: None).generate(
+        [PartitionInput("p", rows_of(llm, FRAME, other), files)])
     assert result.stats.resumed_rows == 0 and result.stats.generated_rows == 8
     assert (pd.read_parquet(files.path)["completion_tokens"] == 3).all()
 
