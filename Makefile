@@ -33,8 +33,9 @@ $(INSTANCE): $(STAMP) example_pipelines/dagster.yaml
 instance: $(INSTANCE)
 
 run: $(INSTANCE)
-	$(VENV)/bin/dagster asset materialize -f definitions.py --select '*ticket_summary_quality' --partition $(RUN_PARTITION)
+	$(VENV)/bin/dagster asset materialize -f definitions.py --select '*ticket_summary_quality,*ticket_triage' --partition $(RUN_PARTITION)
 	$(PY) -m example_pipelines.show_output ticket_summaries $(RUN_PARTITION)
+	$(PY) -m example_pipelines.show_output ticket_triage $(RUN_PARTITION)
 
 ui: $(INSTANCE)
 	$(VENV)/bin/dagster dev -f definitions.py

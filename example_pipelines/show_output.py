@@ -1,6 +1,8 @@
-"""Prints where a generation asset's partition was written and its first rows.
+"""Prints where a generation asset's partition was written and its first rows: the
+completions, or the typed columns of a structured output (and any errors).
 
     python -m example_pipelines.show_output ticket_summaries 2024-06-01
+    python -m example_pipelines.show_output ticket_triage 2024-06-01
 """
 
 import argparse
@@ -9,6 +11,7 @@ import dagster as dg
 import pandas as pd
 
 from dagster_llm import ParquetIOManager
+from dagster_llm.schema import GENERATION_SCHEMA
 
 
 def main() -> None:
@@ -20,10 +23,21 @@ def main() -> None:
     path = ParquetIOManager().path_for(dg.AssetKey(args.asset), args.partition)
     table = pd.read_parquet(path)
     print(f"\n{args.asset} [{args.partition}]: {len(table)} rows in {path.resolve()}\n")
-    preview = table[["id", "generated_text", "finish_reason"]].head(args.rows).copy()
-    text = preview["generated_text"].fillna("").str.replace("\n", " ", regex=False)
-    preview["generated_text"] = text.where(text.str.len() <= 90, text.str.slice(0, 87) + "...")
+    typed = [c for c in table.columns if c not in GENERATION_SCHEMA.names]  # a structured output's columns
+    shown = ["id", *typed] if typed else ["id", "generated_text", "finish_reason"]
+    preview = table[shown + (["error"] if table["error"].notna().any() else [])].head(args.rows).astype(object)
+    for column in preview.columns[1:]:
+        text = preview[column].map(_cell)
+        preview[column] = text.where(text.str.len() <= 90, text.str.slice(0, 87) + "...")
     print(preview.to_string(index=False))
+
+
+def _cell(value: object) -> str:
+    """A cell on one line: lists (numpy arrays from Parquet) as lists, nulls as nothing."""
+    value = value.tolist() if hasattr(value, "tolist") else value
+    if value is None or value is pd.NA or (isinstance(value, float) and value != value):
+        return ""
+    return str(value).replace("\n", " ")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import dagster as dg
 import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from dagster_llm import LLMResource, ParquetIOManager, partition_file
@@ -16,6 +18,7 @@ from example_pipelines.defs.daily_tickets import (
     ticket_summary_quality,
 )
 from example_pipelines.defs.prompt_sets import prompt_sets
+from example_pipelines.defs.triage_prompts import triage_prompts
 from tests.dagster_llm.test_generation_asset import METADATA_KEYS, latest
 
 pytestmark = pytest.mark.slow
@@ -29,9 +32,9 @@ def outputs(tmp_path, monkeypatch):
     return tmp_path / "tables", resources
 
 
-def _load_component() -> dg.AssetsDefinition:
+def _load_component(name: str) -> dg.AssetsDefinition:
     defs = dg.load_from_defs_folder(path_within_project=REPO)
-    return next(a for a in defs.assets if isinstance(a, dg.AssetsDefinition) and dg.AssetKey("prompt_set_answers") in a.keys)
+    return next(a for a in defs.assets if isinstance(a, dg.AssetsDefinition) and dg.AssetKey(name) in a.keys)
 
 
 def test_daily_pipeline_one_day_and_a_single_run_range(outputs):
@@ -67,7 +70,7 @@ def test_daily_pipeline_one_day_and_a_single_run_range(outputs):
 
 def test_static_pipeline_samples_each_partition_its_own_way(outputs):
     root, resources = outputs
-    answers = _load_component()
+    answers = _load_component("prompt_set_answers")
     tags = {"dagster/asset_partition_range_start": "factual", "dagster/asset_partition_range_end": "creative"}
     with dg.instance_for_test() as instance:
         for key in ("factual", "creative"):
@@ -99,6 +102,29 @@ def test_static_pipeline_samples_each_partition_its_own_way(outputs):
         dg.materialize([prompt_sets, answers], selection=[answers], partition_key="creative", resources=resources,
                        instance=instance, run_config={"ops": {"prompt_set_answers": {"config": {"sampling": {"seed": 8}}}}})
         assert latest(instance, "prompt_set_answers", "creative").tags["dagster/data_version"] != version
+
+
+def test_ticket_triage_component_writes_a_typed_table(outputs):
+    root, resources = outputs
+    triage = _load_component("ticket_triage")
+    with dg.instance_for_test() as instance:
+        result = dg.materialize([raw_support_tickets, triage_prompts, triage], partition_key="2024-06-01",
+                                resources=resources, instance=instance)
+        table = pq.read_table(partition_file(root, dg.AssetKey("ticket_triage"), "2024-06-01"))
+        assert [(f.name, f.type) for f in table.schema][-4:] == [
+            ("summary", pa.string()), ("category", pa.dictionary(pa.int32(), pa.string())),
+            ("urgency", pa.int64()), ("products", pa.list_(pa.string()))]
+        assert table["id"].to_pylist() == ["T-1001", "T-1002", "T-1003"]
+        for row in table.to_pylist():
+            assert row["error"] is None and row["summary"] and isinstance(row["products"], list)
+            assert row["category"] in {"billing", "technical", "account", "sales"} and 1 <= row["urgency"] <= 5
+        meta = latest(instance, "ticket_triage", "2024-06-01").metadata
+        assert [c.name for c in meta["dagster/column_schema"].value.columns][-4:] == [
+            "summary", "category", "urgency", "products"]
+        [dep] = meta["dagster/column_lineage"].value.deps_by_column["category"]
+        assert dep.asset_key == dg.AssetKey("triage_prompts") and dep.column_name == "prompt"
+        parse_rate = next(e for e in result.get_asset_check_evaluations() if e.check_name == "parse_rate")
+        assert parse_rate.passed and parse_rate.metadata["parsed_rows"].value == 3
 
 
 def test_chat_message_prompts_are_rendered_with_the_template(outputs):
