@@ -3,6 +3,7 @@ and constrained generation on random and real models (mixed batches, n > 1, seed
 preemption, prefix caching, LoRA)."""
 
 import json
+import os
 import re
 
 import jsonschema
@@ -303,8 +304,10 @@ TICKETS = [
 @pytest.mark.slow
 def test_embedded_model_outputs_parse_and_validate():
     """On the real model: JSON schemas (nested objects, enums, arrays, bounded numbers),
-    a regex and a choice, greedy and seeded, beside unconstrained rows."""
-    with LLM() as llm:
+    a regex and a choice, greedy and seeded, beside unconstrained rows. On a GPU this is
+    the default path: bfloat16, Triton kernels, CUDA graphs. DAGSTER_LLM_TEST_MODEL names
+    a model folder where the embedded model's package is not installed."""
+    with LLM(os.environ.get("DAGSTER_LLM_TEST_MODEL")) as llm:
         tokenizer = llm.get_tokenizer()
         chat = [tokenizer.apply_chat_template(
             [{"role": "system", "content": "Triage the support ticket as JSON."}, {"role": "user", "content": t}],
