@@ -133,7 +133,8 @@ def build_generation_asset(
             generation table is a definition error.
         choices: Labels of a classification: every completion is exactly one of them.
         output_schema_by_partition: Partition key or glob pattern to its output schema
-            (None: free text), matched like `sampling_by_partition`.
+            (None: free text), matched like `sampling_by_partition`. The asset's declared
+            column schema shows the default's columns; each materialization, its own.
         choices_by_partition: Partition key or glob pattern to its choices (None: free
             text); a partition named here and in `output_schema_by_partition` is a
             definition error.

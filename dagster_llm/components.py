@@ -29,8 +29,8 @@ class GenerationComponent(dg.Component, dg.Model, dg.Resolvable):
               adapters: {poet: adapters/poet}   # PEFT folders, relative to this file's folder
               adapter_by_partition: {creative: poet}
 
-        A structured output: a JSON schema inline, or a .json file beside the defs.yaml;
-        or choices (a classification), per partition too:
+        A structured output (typed columns): a JSON schema inline, or the path of a .json
+        file beside the defs.yaml; or choices (a classification); per partition too:
 
         .. code-block:: yaml
 
@@ -38,10 +38,9 @@ class GenerationComponent(dg.Component, dg.Model, dg.Resolvable):
                 type: object
                 properties:
                   topic: {type: string, enum: [science, history, other]}
-                  keywords: {type: array, items: {type: string}}
+                  keywords: {type: array, items: {type: string}, maxItems: 3}
                 required: [topic, keywords]
-              output_schema_by_partition: {creative: creative_schema.json}
-              choices_by_partition: {yes_no: [yes, "no"]}
+              choices_by_partition: {creative: ["poem", "story", "joke"]}
               min_parse_rate: 0.9
     """
 
