@@ -81,8 +81,8 @@ class StructuredOutput:
 
     @functools.cached_property
     def params(self) -> StructuredOutputsParams:
-        """The engine's constraint: compact JSON (no whitespace between tokens, so that a
-        small model cannot pad its output with blank lines), or the choices."""
+        """The engine's constraint: JSON without free whitespace (so that a small model
+        cannot pad it with blank lines until max_tokens), or the choices."""
         if self.schema is not None:
             return StructuredOutputsParams(json=self.schema, disable_any_whitespace=True)
         return StructuredOutputsParams(choice=list(self.choices))
