@@ -52,6 +52,7 @@ BENCH_ARGS ?=
 bench: $(STAMP)
 	$(PY) benchmarks/throughput.py $(BENCH_ARGS)
 	$(PY) benchmarks/sampling_throughput.py
+	$(PY) benchmarks/structured_throughput.py
 	$(PY) benchmarks/lora_throughput.py
 	$(PY) benchmarks/dagster_overhead.py
 

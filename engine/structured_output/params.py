@@ -19,8 +19,9 @@ class StructuredOutputsParams:
         choice: The completion is exactly one of these strings.
         grammar: A context-free grammar in EBNF (GBNF, `root ::= ...`) or Lark syntax.
         json_object: True: any JSON object.
-        disable_any_whitespace: JSON without whitespace between tokens (`{"a":1}`), which
-            also keeps small models from padding their output with blank lines.
+        disable_any_whitespace: JSON without free whitespace: no newlines or indents, one
+            space after each `:` and `,` (`{"a": 1, "b": 2}`). It also keeps small models
+            from padding their output with blank lines.
 
     Raises:
         ValueError: when no constraint or more than one is given, or one has the wrong type.
