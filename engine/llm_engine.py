@@ -23,8 +23,8 @@ from engine.lora.request import LoRARequest
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
-from engine.structured_output.manager import StructuredOutputManager
 from engine.sequence import Sequence
+from engine.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
