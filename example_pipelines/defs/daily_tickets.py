@@ -20,31 +20,47 @@ PROMPT = (
 )
 
 
+def by_day(context: dg.AssetExecutionContext, value: pd.DataFrame | dict[str, pd.DataFrame]
+           ) -> dict[str, pd.DataFrame]:
+    """A daily input as {day: table}: one day's table, or the dict a range of days loads as."""
+    return value if isinstance(value, dict) else {context.partition_key: value}
+
+
+def per_day_output(context: dg.AssetExecutionContext, tables: dict[str, pd.DataFrame]
+                   ) -> pd.DataFrame | dict[str, pd.DataFrame]:
+    """What a daily asset returns: the day's table, or the {day: table} dict of a range."""
+    return tables if len(tables) > 1 else tables[context.partition_key]
+
+
+def with_body(tickets: pd.DataFrame) -> pd.DataFrame:
+    """The tickets that have a body, stripped of surrounding whitespace."""
+    body = tickets["body"].str.strip()
+    return tickets.assign(body=body)[body != ""].reset_index(drop=True)
+
+
 @dg.asset(partitions_def=days, group_name="support", kinds={"csv"},
           backfill_policy=dg.BackfillPolicy.single_run())
 def raw_support_tickets(context: dg.AssetExecutionContext):
     """The day's tickets from the ticket export (a CSV shipped with the repository)."""
     tickets = pd.read_csv(TICKETS_CSV, dtype=str, keep_default_na=False)
-    by_day = {day: tickets[tickets["created_date"] == day].reset_index(drop=True) for day in context.partition_keys}
-    return by_day if len(by_day) > 1 else by_day[context.partition_key]
+    return per_day_output(context, {day: tickets[tickets["created_date"] == day].reset_index(drop=True)
+                                    for day in context.partition_keys})
 
 
 @dg.asset(partitions_def=days, group_name="support", kinds={"pandas"},
           backfill_policy=dg.BackfillPolicy.single_run())
 def support_prompts(context: dg.AssetExecutionContext, raw_support_tickets):
     """Tickets with whitespace trimmed and empty bodies dropped, worded as prompts."""
-    frames = raw_support_tickets if isinstance(raw_support_tickets, dict) else {context.partition_key: raw_support_tickets}
     cleaned = {}
-    for day, frame in frames.items():
-        body = frame["body"].str.strip()
-        kept = frame[body != ""]
+    for day, frame in by_day(context, raw_support_tickets).items():
+        kept = with_body(frame)
         context.log.info(f"{day}: {len(kept)} tickets, {len(frame) - len(kept)} empty dropped")
         cleaned[day] = pd.DataFrame({
             "id": kept["ticket_id"],
             "customer": kept["customer"],
-            "prompt": [PROMPT.format(body=b) for b in body[body != ""]],
-        }).reset_index(drop=True)
-    return cleaned if len(cleaned) > 1 else cleaned[context.partition_key]
+            "prompt": [PROMPT.format(body=b) for b in kept["body"]],
+        })
+    return per_day_output(context, cleaned)
 
 
 ticket_summaries = build_generation_asset(
@@ -67,8 +83,7 @@ def ticket_summary_quality(context: dg.AssetExecutionContext, ticket_summaries) 
     Reads the generation table through the IO manager: one DataFrame for a day, a
     {day: DataFrame} dict for a range of days.
     """
-    frames = ticket_summaries if isinstance(ticket_summaries, dict) else {context.partition_key: ticket_summaries}
-    for day, table in frames.items():
+    for day, table in by_day(context, ticket_summaries).items():
         ok = table[table["error"].isna()]
         text = ok["generated_text"].str.lower()
         routed = {team: int(text.str.contains(team).sum()) for team in TEAMS}

@@ -6,7 +6,7 @@ import json
 import dagster as dg
 import pandas as pd
 
-from example_pipelines.defs.daily_tickets import days
+from example_pipelines.defs.daily_tickets import by_day, days, per_day_output, with_body
 
 SYSTEM = (
     "You triage customer support tickets of a software company. Answer with JSON: a one-line summary, "
@@ -40,13 +40,8 @@ def triage_messages(body: str) -> list[dict[str, str]]:
           backfill_policy=dg.BackfillPolicy.single_run())
 def triage_prompts(context: dg.AssetExecutionContext, raw_support_tickets):
     """The day's tickets with a body, as triage chat prompts (id, prompt)."""
-    frames = raw_support_tickets if isinstance(raw_support_tickets, dict) else {context.partition_key: raw_support_tickets}
     prompts = {}
-    for day, frame in frames.items():
-        body = frame["body"].str.strip()
-        kept = frame[body != ""]
-        prompts[day] = pd.DataFrame({
-            "id": kept["ticket_id"],
-            "prompt": [triage_messages(b) for b in body[body != ""]],
-        }).reset_index(drop=True)
-    return prompts if len(prompts) > 1 else prompts[context.partition_key]
+    for day, frame in by_day(context, raw_support_tickets).items():
+        kept = with_body(frame)
+        prompts[day] = pd.DataFrame({"id": kept["ticket_id"], "prompt": [triage_messages(b) for b in kept["body"]]})
+    return per_day_output(context, prompts)
