@@ -283,6 +283,8 @@ class _GenerationStep:
             except OutputSpecError as exc:
                 raise dg.Failure(f"{self.d.name}: {exc}") from None
         yield from self._output(results)
+        if len(self.keys) > 1:
+            yield from self._check_outputs()
 
     def _input(self, key: str | None, frame: pd.DataFrame, sampling: SamplingConfig, files: PartitionFiles | None,
                tokenizer: object) -> PartitionInput:
@@ -294,9 +296,11 @@ class _GenerationStep:
     def _sampling(self) -> dict[str | None, SamplingConfig]:
         """Each partition's sampling with the run's overrides; every bad field at once."""
         try:
-            return {key: self.config.sampling.apply(self.d.sampling.for_partition(key)) for key in self.keys}
+            return {key: self.config.sampling.apply(self.d.sampling.for_partition(key), self.context.op_def.name)
+                    for key in self.keys}
         except ValueError as exc:
-            raise dg.Failure(f"{self.d.name}: invalid run config, nothing was run: {exc}") from None
+            raise dg.Failure(f"{self.d.name}: invalid run config, nothing was run: {exc}. Fix the value in the "
+                             "Launchpad (or --config-json) and launch again.") from None
 
     def _frames(self, prompts: object) -> dict[str | None, pd.DataFrame]:
         given = prompts if isinstance(prompts, dict) and len(self.keys) > 1 else {self.keys[0]: prompts}
@@ -362,6 +366,13 @@ class _GenerationStep:
                             output_name=self.d.asset_key.to_python_identifier(),
                             data_version=dg.DataVersion(digest({k: r.data_version for k, r in results.items()})[:24]))
 
+    def _check_outputs(self) -> Iterator[dg.Output]:
+        """The checks' op outputs, once each: a range's evaluations were logged per partition
+        as they committed, and without these Dagster reports the checks as not yielded."""
+        layer = self.context.job_def.asset_layer
+        for check_key in sorted(self.context.selected_asset_check_keys, key=lambda k: k.name):
+            yield dg.Output(None, output_name=layer.get_op_output_name(check_key))
+
     def _consumed_in_run(self) -> bool:
         layer = self.context.job_def.asset_layer
         children = layer.asset_graph.get(self.d.asset_key).child_keys
@@ -420,20 +431,52 @@ def _table_metadata(table: pa.Table, upstream_key: dg.AssetKey, spec: TableSpec,
         # Every output field is generated from the prompt.
         **{column.name: from_column(spec.prompt_column) for column in output_columns(output)},
     })
-    shown = [column.name for column in output_columns(output)] or ["generated_text"]
-    first = table.slice(0, 5)
-    preview = pd.DataFrame({name: ["" if v is None else str(v)[:80] for v in first[name].to_pylist()]
-                            for name in ["id", *shown]})
     return {
         "dagster/row_count": table.num_rows,
         "dagster/column_schema": _column_schema(output),
         "dagster/column_lineage": lineage,
-        "preview": dg.MetadataValue.md(preview.to_markdown(index=False) if table.num_rows else "(no rows)"),
+        "preview": dg.MetadataValue.md(preview_markdown(table)),
     }
 
 
+PREVIEW_ROWS = 10
+
+
+def preview_markdown(table: pa.Table, rows: int = PREVIEW_ROWS) -> str:
+    """The first rows as a Markdown table that the UI wraps: id, the prompt's head and tail
+    (templated prompts differ at the end), the completion (or the row's error) and the
+    finish reason."""
+    if not table.num_rows:
+        return "(no rows)"
+    first = table.slice(0, rows).to_pylist()
+    lines = ["| id | prompt | generated text | finish |", "|---|---|---|---|"]
+    for row in first:
+        text = row["generated_text"] if row["error"] is None else f"error: {row['error']}"
+        # A word joiner after each hyphen: the browser would otherwise wrap ids like T-1001 there.
+        row_id = _cell(row["id"]).replace("-", "-\u2060")
+        cells = [_cell(_ends(row["prompt"], 40)), _cell(_ends(text, 300)), _cell(row["finish_reason"])]
+        lines.append("| " + " | ".join([row_id, *cells]) + " |")
+    more = table.num_rows - len(first)
+    return "\n".join(lines) + (f"\n\n{more} more row{'s' if more > 1 else ''} in the table." if more > 0 else "")
+
+
+def _ends(text: object, keep: int) -> str:
+    """Text no longer than about 2 * keep characters: its head and tail around an ellipsis."""
+    text = "" if text is None else str(text)
+    return text if len(text) <= 2 * keep + 3 else f"{text[:keep]} … {text[-keep:]}"
+
+
+def _cell(value: object) -> str:
+    """A Markdown table cell: one line, pipes escaped."""
+    return " ".join(("" if value is None else str(value)).split()).replace("|", "\\|")
+
+
 def _upstream_data_version(context: dg.AssetExecutionContext, key: dg.AssetKey, partition: str | None) -> str | None:
-    """The data version of the upstream partition this run reads."""
+    """The data version of the upstream partition this run reads, as its own page shows it.
+
+    Dagster's tag `dagster/input_data_version/<upstream>` differs on purpose: it is the
+    sha256 of the data versions of all the upstream partitions a step read, concatenated.
+    """
     record = context.instance.get_latest_data_version_record(key, partition_key=partition)
     if record is None:
         return None

@@ -1,5 +1,6 @@
 """The generation asset on tiny random models: contents, metadata, partitions, errors, versions."""
 
+import hashlib
 import json
 
 import dagster as dg
@@ -72,6 +73,12 @@ def test_partition_contents_equal_direct_generation_and_carry_full_metadata(env)
         deps = meta["dagster/column_lineage"].value.deps_by_column["generated_text"]
         assert deps[0].asset_key == dg.AssetKey("prompts") and deps[0].column_name == "prompt"
         assert sum(json.loads(json.dumps(meta["finish_reasons"].value)).values()) == 3
+        # upstream_data_version is the upstream partition's own; Dagster's input_data_version tag
+        # hashes the data versions of every upstream partition the step read (here one).
+        upstream_version = latest(instance, "prompts", "a").tags["dagster/data_version"]
+        assert meta["upstream_data_version"].value == upstream_version
+        tags = latest(instance, "gen", "a").tags
+        assert tags["dagster/input_data_version/prompts"] == hashlib.sha256(upstream_version.encode()).hexdigest()
         checks = {(e.check_name, e.partition): e.passed for e in result.get_asset_check_evaluations()}
         assert checks == {("no_error_rows", "a"): True, ("no_empty_generations", "a"): True,
                           ("truncation_rate", "a"): checks[("truncation_rate", "a")], ("unique_ids", "a"): True}
@@ -89,6 +96,9 @@ def test_single_run_backfill_loads_the_model_once_and_writes_each_partition(env)
             assert meta["dagster/row_count"].value == rows and meta["partitions_in_run"].value == 2
         assert len(instance.get_runs()) == 1
         assert {e.partition for e in result.get_asset_check_evaluations()} == {"a", "b"}
+        # The checks, evaluated per partition, still count as the step's outputs.
+        messages = [entry.user_message for entry in instance.all_logs(result.run_id)]
+        assert not [m for m in messages if "did not yield or return expected outputs" in m]
 
 
 def test_sampling_by_partition_and_run_overrides(env):
@@ -162,7 +172,7 @@ def test_invalid_sampling_config_fails_before_the_model_loads(env):
     result = run([prompts, gen], env, partition="a", raise_on_error=False,
                  run_config={"ops": {"gen": {"config": {"sampling": {"temperature": -1}}}}})
     failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
-    assert "run config sampling.temperature must be >= 0 (0 = greedy), got -1" in str(failure.event_specific_data.error)
+    assert "ops.gen.config.sampling.temperature must be >= 0 (0 = greedy), got -1" in str(failure.event_specific_data.error)
     assert not env["loads"]
     result = run([prompts, gen], env, partition="a", raise_on_error=False,
                  run_config={"ops": {"gen": {"config": {"sampling": {"top_p": 0, "max_tokens": 0}}}}})
