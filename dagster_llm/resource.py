@@ -4,6 +4,23 @@ Its fields are the engine's settings (`engine.config.EngineConfig`), with their 
 defaults and descriptions, derived rather than declared again; only `model_id` (the
 engine's `model`, named so that it does not clash with pydantic's `model_` namespace)
 is the resource's own.
+
+The engine is created lazily by `get_llm()`, never in `setup_for_execution` (`dagster job
+execute` sets resources up a second time in the CLI's own process), and freed in
+`teardown_after_execution`. The class docstring is what the Dagster UI shows (the
+resource page and the Launchpad), so it is plain prose; the example lives here:
+
+    import dagster as dg
+    from dagster_llm import LLMResource, ParquetIOManager, build_generation_asset
+
+    summaries = build_generation_asset("summaries", upstream="tickets", prompt_column="text")
+    defs = dg.Definitions(
+        assets=[summaries],
+        resources={
+            "llm": LLMResource(model_id="smollm2-135m-instruct", kv_cache_memory=2 << 30),
+            "io_manager": ParquetIOManager(),
+        },
+    )
 """
 
 from typing import Any
@@ -26,29 +43,10 @@ _EngineSettings = create_model("_EngineSettings", __base__=dg.ConfigurableResour
 
 
 class LLMResource(_EngineSettings):
-    """An offline LLM engine (continuous batching, paged KV cache) shared by the assets
-    of a process.
-
-    Every engine setting is a field (dtype, device, max_num_seqs, kv_cache_memory in
-    bytes, enable_lora, attention_backend, ...; see `engine.config.EngineConfig`). The
-    engine is created lazily by `get_llm()`, never in `setup_for_execution` (`dagster job
-    execute` sets resources up a second time in the CLI's own process), and freed in
-    `teardown_after_execution`.
-
-    Examples:
-        .. code-block:: python
-
-            import dagster as dg
-            from dagster_llm import LLMResource, ParquetIOManager, build_generation_asset
-
-            summaries = build_generation_asset("summaries", upstream="tickets", prompt_column="text")
-            defs = dg.Definitions(
-                assets=[summaries],
-                resources={
-                    "llm": LLMResource(model_id="smollm2-135m-instruct", kv_cache_memory=2 << 30),
-                    "io_manager": ParquetIOManager(),
-                },
-            )
+    """An offline LLM engine (continuous batching, paged KV cache) shared by the
+    generation assets of a process. Every engine setting is a field: dtype, device,
+    max_num_seqs, kv_cache_memory in bytes, enable_lora, attention_backend and the rest.
+    The engine loads on first use and is freed when the step ends.
     """
 
     model_id: str = Field(

@@ -100,14 +100,15 @@ class SamplingOverrides(_OverrideFields):
     checks them, naming every bad field, before the model loads.
     """
 
-    def apply(self, base: SamplingConfig) -> SamplingConfig:
+    def apply(self, base: SamplingConfig, op_name: str) -> SamplingConfig:
         """`base` with the set fields replaced.
 
         Raises:
-            ValueError: one line per field out of range, with its rule.
+            ValueError: per field out of range, its run-config path and rule, e.g.
+                "ops.answers.config.sampling.temperature must be >= 0 (0 = greedy), got -1.0".
         """
         changes = {k: v for k, v in self.model_dump().items() if v is not None}
-        return merge_sampling(base, changes, "run config sampling.")
+        return merge_sampling(base, changes, f"ops.{op_name}.config.sampling.")
 
 
 def merge_sampling(base: SamplingConfig, changes: dict[str, Any], where: str) -> SamplingConfig:

@@ -1,5 +1,24 @@
 """`ParquetIOManager`: tables as Parquet files, one per partition, for any asset; the
-generation assets also commit partitions and shards through it as rows finish."""
+generation assets also commit partitions and shards through it as rows finish.
+
+The class docstring is what the Dagster UI shows, so it is plain prose; the example
+lives here:
+
+    import dagster as dg
+    import pandas as pd
+    from dagster_llm import LLMResource, ParquetIOManager, build_generation_asset
+
+    answers = build_generation_asset("answers", upstream="questions", chat=True)
+
+    @dg.asset
+    def answer_lengths(answers: pd.DataFrame) -> pd.DataFrame:
+        return answers.assign(chars=answers["generated_text"].str.len())
+
+    defs = dg.Definitions(
+        assets=[answers, answer_lengths],
+        resources={"llm": LLMResource(), "io_manager": ParquetIOManager(base_path="data")},
+    )
+"""
 
 import os
 from pathlib import Path
@@ -23,31 +42,11 @@ Table = pd.DataFrame | pa.Table
 
 class ParquetIOManager(dg.ConfigurableIOManager):
     """Stores pandas DataFrames or pyarrow Tables as Parquet, one file per partition
-    (`<base_path>/<asset key>/<partition>.parquet`, written atomically).
-
-    A run over several partitions (a single-run backfill) hands over and receives a
-    `{partition_key: table}` dict; a run over one partition, the table itself. Inputs load
-    as a pandas DataFrame, or as a pyarrow Table where the input is annotated `pa.Table`.
-    A table that carries a data version (the generation assets' do) is not rewritten when
-    its file already holds that version.
-
-    Examples:
-        .. code-block:: python
-
-            import dagster as dg
-            import pandas as pd
-            from dagster_llm import LLMResource, ParquetIOManager, build_generation_asset
-
-            answers = build_generation_asset("answers", upstream="questions", chat=True)
-
-            @dg.asset
-            def answer_lengths(answers: pd.DataFrame) -> pd.DataFrame:
-                return answers.assign(chars=answers["generated_text"].str.len())
-
-            defs = dg.Definitions(
-                assets=[answers, answer_lengths],
-                resources={"llm": LLMResource(), "io_manager": ParquetIOManager(base_path="data")},
-            )
+    (base_path/asset key/partition.parquet, written atomically). A run over several
+    partitions hands over and receives a {partition_key: table} dict, a run over one
+    partition the table itself. Inputs load as pandas DataFrames, or as pyarrow Tables
+    where the input is annotated pa.Table. A generation table is not rewritten when its
+    file already holds its data version.
     """
 
     base_path: str | None = Field(
