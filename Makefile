@@ -37,8 +37,13 @@ run: $(INSTANCE)
 	$(PY) -m example_pipelines.show_output ticket_summaries $(RUN_PARTITION)
 	$(PY) -m example_pipelines.show_output ticket_triage $(RUN_PARTITION)
 
+# The UI on http://$(UI_HOST):$(UI_PORT), e.g. `make ui UI_PORT=3001`. Ctrl-C (or a SIGTERM to
+# make) stops dagster dev and everything it started.
+UI_PORT ?= 3000
+UI_HOST ?= 127.0.0.1
+
 ui: $(INSTANCE)
-	$(VENV)/bin/dagster dev -f definitions.py
+	$(PY) -m example_pipelines.serve_ui --port $(UI_PORT) --host $(UI_HOST)
 
 test: $(STAMP)
 	$(PY) -m pytest

@@ -51,6 +51,8 @@ class GenerationComponent(dg.Component, dg.Model, dg.Resolvable):
     chat: bool = Field(default=False, description="Render plain-text prompts with the model's chat template.")
     partitions: list[str] | None = Field(default=None, description="Static partition keys (same as upstream's).")
     daily_start_date: str | None = Field(default=None, description="Daily partitions from this date (YYYY-MM-DD).")
+    daily_end_date: str | None = Field(
+        default=None, description="End of the daily partitions, exclusive (YYYY-MM-DD); none: they run up to today.")
     sampling: dict = Field(default_factory=dict, description="Default sampling config (SamplingConfig fields).")
     sampling_by_partition: dict[str, dict] = Field(
         default_factory=dict, description="Partition key or glob pattern to its sampling config."
@@ -85,10 +87,12 @@ class GenerationComponent(dg.Component, dg.Model, dg.Resolvable):
     def build_defs(self, context: dg.ComponentLoadContext) -> dg.Definitions:
         if self.partitions and self.daily_start_date:
             raise dg.DagsterInvalidDefinitionError(f"{self.name}: give partitions or daily_start_date, not both")
+        if self.daily_end_date and not self.daily_start_date:
+            raise dg.DagsterInvalidDefinitionError(f"{self.name}: daily_end_date needs daily_start_date")
         partitions_def = (
             dg.StaticPartitionsDefinition(self.partitions) if self.partitions
-            else dg.DailyPartitionsDefinition(start_date=self.daily_start_date) if self.daily_start_date
-            else None
+            else dg.DailyPartitionsDefinition(start_date=self.daily_start_date, end_date=self.daily_end_date)
+            if self.daily_start_date else None
         )
         asset = build_generation_asset(
             self.name,

@@ -1,9 +1,13 @@
 """Daily pipeline: raw support tickets -> cleaned prompts -> one-line summaries by the LLM.
 
 A schedule runs each day's partition; a backfill over many days runs as a single run
-that loads the model once.
+that loads the model once. The days are those of the ticket export: from its first
+ticket's day to its last, so that no partition is empty (the partitions grow with the
+export when the code location reloads).
 """
 
+import csv
+import datetime as dt
 from pathlib import Path
 
 import dagster as dg
@@ -12,7 +16,30 @@ import pandas as pd
 from dagster_llm import SamplingConfig, build_generation_asset
 
 TICKETS_CSV = Path(__file__).resolve().parents[1] / "data" / "support_tickets.csv"
-days = dg.DailyPartitionsDefinition(start_date="2024-06-01")
+
+
+def _export_days() -> tuple[str, str]:
+    """The first day of the ticket export and the day after its last (end dates are exclusive)."""
+    with TICKETS_CSV.open(newline="") as file:
+        dates = sorted(row["created_date"] for row in csv.DictReader(file))
+    after_last = dt.date.fromisoformat(dates[-1]) + dt.timedelta(days=1)
+    return dates[0], after_last.isoformat()
+
+
+FIRST_DAY, END_DAY = _export_days()
+days = dg.DailyPartitionsDefinition(start_date=FIRST_DAY, end_date=END_DAY)
+
+
+@dg.template_var
+def ticket_days_start() -> str:
+    """`days`' first day, for the daily components' defs.yaml."""
+    return FIRST_DAY
+
+
+@dg.template_var
+def ticket_days_end() -> str:
+    """`days`' end (exclusive), for the daily components' defs.yaml."""
+    return END_DAY
 
 PROMPT = (
     "Summarize this customer support ticket in one sentence, then name the team that should "
