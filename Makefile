@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run ui instance test test-quick bench bench-openvino clean
+.PHONY: run ui instance test test-quick test-ui chromium bench bench-openvino clean
 
 # Runs and their history persist here, so that `make ui` shows what `make run` did.
 export DAGSTER_HOME := $(CURDIR)/.dagster_home
@@ -49,7 +49,31 @@ test: $(STAMP)
 	$(PY) -m pytest
 
 test-quick: $(STAMP)
-	$(PY) -m pytest -m "not slow"
+	$(PY) -m pytest -m "not slow and not ui"
+
+# The browser test of the UI: Debian's chromium (installed here when this runs as root) driven by
+# Playwright's Python client against `dagster dev`. Screenshots land in test-artifacts/ui/.
+CHROMIUM ?= chromium
+UI_STAMP := $(VENV)/.ui-installed
+
+$(UI_STAMP): $(STAMP)
+	$(PY) -m pip install -e '.[test,ui]'
+	touch $(UI_STAMP)
+
+chromium:
+	@command -v $(CHROMIUM) >/dev/null && exit 0; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get install -y --no-install-recommends chromium || \
+		{ apt-get update && apt-get install -y --no-install-recommends chromium; }; \
+	else \
+		echo "make test-ui needs a Chromium browser and found none ('$(CHROMIUM)' is not on PATH)." >&2; \
+		echo "Install Debian's package as root (sudo apt-get install chromium), or point CHROMIUM at one:" >&2; \
+		echo "make test-ui CHROMIUM=/path/to/chromium. Playwright's own browser download is not used." >&2; \
+		exit 1; \
+	fi
+
+test-ui: $(UI_STAMP) chromium
+	DAGSTER_LLM_CHROMIUM="$$(command -v $(CHROMIUM))" $(PY) -m pytest -m ui
 
 # BENCH_ARGS go to the throughput suite, e.g. `make bench BENCH_ARGS="--scale 0.25 --rounds 2"`.
 BENCH_ARGS ?=

@@ -128,6 +128,5 @@ def ticket_summary_quality(context: dg.AssetExecutionContext, ticket_summaries) 
 daily_ticket_summaries_job = dg.define_asset_job(
     "daily_ticket_summaries_job",
     selection=[raw_support_tickets, support_prompts, ticket_summaries, ticket_summary_quality],
-    partitions_def=days,
 )
 daily_ticket_summaries_schedule = dg.build_schedule_from_partitioned_job(daily_ticket_summaries_job, hour_of_day=2)
