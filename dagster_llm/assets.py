@@ -6,6 +6,7 @@ work, and each committed partition becomes a materialization with its checks.
 
 import contextlib
 import dataclasses
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -355,16 +356,23 @@ class _GenerationStep:
 
     def _output(self, results: dict[str | None, PartitionResult]) -> Iterator[object]:
         """The table (or dict of tables) for the IO manager and downstream steps."""
-        if len(self.keys) == 1:
-            result = results[self.keys[0]]
-            yield dg.Output(result.table, output_name=self.d.asset_key.to_python_identifier(),
-                            metadata=self.output_metadata, data_version=dg.DataVersion(result.data_version))
-        elif self.store is None or self._consumed_in_run():
-            # With our IO manager each partition was recorded as it committed, and the files
-            # are not rewritten: this output only feeds the downstream steps of this run.
-            yield dg.Output({key: r.table for key, r in results.items()},
-                            output_name=self.d.asset_key.to_python_identifier(),
-                            data_version=dg.DataVersion(digest({k: r.data_version for k, r in results.items()})[:24]))
+        name = self.d.asset_key.to_python_identifier()
+        # Output(data_version=) is beta in Dagster 1.13; its warning would repeat in every run's log.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", dg.BetaWarning)
+            if len(self.keys) == 1:
+                result = results[self.keys[0]]
+                output = dg.Output(result.table, output_name=name, metadata=self.output_metadata,
+                                   data_version=dg.DataVersion(result.data_version))
+            elif self.store is None or self._consumed_in_run():
+                # With our IO manager each partition was recorded as it committed, and the files
+                # are not rewritten: this output only feeds the downstream steps of this run.
+                versions = {key: r.data_version for key, r in results.items()}
+                output = dg.Output({key: r.table for key, r in results.items()}, output_name=name,
+                                   data_version=dg.DataVersion(digest(versions)[:24]))
+            else:
+                return
+        yield output
 
     def _check_outputs(self) -> Iterator[dg.Output]:
         """The checks' op outputs, once each: a range's evaluations were logged per partition

@@ -207,6 +207,14 @@ def test_asset_graph_shows_the_pipelines(ui, page):
     shot(page, "01-asset-graph")
 
 
+def test_columns_show_before_the_first_run(ui, page):
+    page.goto(f"{ui.url}/assets/ticket_triage", wait_until="networkidle")
+    page.get_by_text("Never materialized").wait_for()
+    columns = page.locator("table").filter(has=page.get_by_text("Column name"))
+    for name, description in (("generated_text", "The completion"), ("urgency", "1 (can wait) to 5")):
+        columns.locator("tr").filter(has=page.get_by_text(name, exact=True)).get_by_text(description).wait_for()
+
+
 def test_launchpad_override_runs_one_partition(ui, page):
     open_launchpad(page, ui, ONE_DAY, temperature=0)
     shot(page, "02-launchpad-override")
