@@ -21,8 +21,11 @@ if triton_kernels.installed():
 
 
 def greedy_tokens(model_path: str, backend: str, dtype: str) -> list[list[int]]:
+    # 5, 28 and 97 tokens: the last is prefilled over three steps and reaches past a key
+    # tile of the Triton kernels (64). (Prompts of 51 and 74 tokens between them cost the
+    # interpreter 8 s and covered nothing these do not.)
     prompts = [{"prompt_token_ids": [random.Random(i).randrange(3, 300) for _ in range(5 + 23 * i)]}
-               for i in range(5)]
+               for i in (0, 1, 4)]
     prompts += prompts[:2]  # prefix-cache hits
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     with LLM(model_path, dtype=dtype, attention_backend=backend, max_num_batched_tokens=48) as llm:
