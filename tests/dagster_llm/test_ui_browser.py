@@ -9,16 +9,14 @@ asset page's metadata and preview, a two-day range launched from the materialize
 $DAGSTER_LLM_UI_ARTIFACTS).
 """
 
-import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import dagster as dg
@@ -26,6 +24,7 @@ import pandas as pd
 import pytest
 
 from dagster_llm import partition_file
+from tests.dagster_llm.test_webserver import Webserver, free_port, wait_for_run, wait_until_up
 
 pytestmark = [pytest.mark.ui, pytest.mark.slow]
 
@@ -33,7 +32,6 @@ REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = Path(os.environ.get("DAGSTER_LLM_UI_ARTIFACTS", REPO / "test-artifacts" / "ui"))
 ONE_DAY = "2024-06-03"
 RANGE = ("2024-06-04", "2024-06-05")
-RUN_TIMEOUT_S = 420
 SUMMARIES = dg.AssetKey("ticket_summaries")
 OVERRIDE = """ops:
   ticket_summaries:
@@ -53,45 +51,27 @@ def chromium_path() -> str:
     return path
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@dataclass
+class DagsterUI(Webserver):
+    """The running UI: its address, its GraphQL API (to wait on runs), its log and its storage."""
 
-
-class DagsterUI:
-    """The running UI: its address, its GraphQL API (to wait on runs) and its storage."""
-
-    def __init__(self, url: str, home: Path, tables: Path) -> None:
-        self.url, self.home, self.tables = url, home, tables
-
-    def graphql(self, query: str, **variables: object) -> dict:
-        request = urllib.request.Request(f"{self.url}/graphql", headers={"Content-Type": "application/json"},
-                                         data=json.dumps({"query": query, "variables": variables}).encode())
-        with urllib.request.urlopen(request, timeout=30) as response:
-            body = json.load(response)
-        assert "errors" not in body, body["errors"]
-        return body["data"]
+    home: Path
+    tables: Path
 
     def runs(self) -> list[dict]:
         data = self.graphql("{ runsOrError { ... on Runs { results { runId status tags { key value } } } } }")
         return [{**run, "tags": {t["key"]: t["value"] for t in run["tags"]}} for run in data["runsOrError"]["results"]]
 
-    def wait_for_run(self, run_id: str) -> dict:
-        """The run once it has finished (success, failure or cancellation)."""
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        while time.monotonic() < deadline:
-            run = next(r for r in self.runs() if r["runId"] == run_id)
-            if run["status"] in ("SUCCESS", "FAILURE", "CANCELED"):
-                return run
-            time.sleep(2)
-        raise AssertionError(f"run {run_id} did not finish within {RUN_TIMEOUT_S} s")
+    def finished_run(self, run_id: str) -> dict:
+        """The run, with its tags, once it has finished (success, failure or cancellation)."""
+        wait_for_run(self, run_id)
+        return next(r for r in self.runs() if r["runId"] == run_id)
 
     def messages(self, run_id: str) -> list[str]:
         """The run's event log: messages, with each error's message appended."""
         data = self.graphql("""query($id: ID!) { logsForRun(runId: $id) { ... on EventConnection { events {
             ... on MessageEvent { message } ... on ExecutionStepFailureEvent { error { message } } } } } }""",
-                            id=run_id)
+                            {"id": run_id})
         events = data["logsForRun"]["events"]
         return [e.get("message", "") + " " + ((e.get("error") or {}).get("message") or "") for e in events]
 
@@ -125,33 +105,20 @@ def ui(tmp_path_factory) -> Iterator[DagsterUI]:
                     "--select", "raw_support_tickets,support_prompts", "--partition-range", "2024-06-01...2024-06-05"],
                    cwd=REPO, env=env, check=True, capture_output=True, timeout=300)
     port = free_port()
-    log = (root / "dagster_dev.log").open("w")
-    server = subprocess.Popen([sys.executable, "-m", "example_pipelines.serve_ui", "--port", str(port)],
-                              cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    ui = DagsterUI(url=f"http://127.0.0.1:{port}", log=root / "dagster_dev.log", home=home, tables=output / "tables")
+    with ui.log.open("w") as log:
+        server = subprocess.Popen([sys.executable, "-m", "example_pipelines.serve_ui", "--port", str(port)],
+                                  cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        _wait_until_serving(url, server, root / "dagster_dev.log")
-        yield DagsterUI(url, home, output / "tables")
+        wait_until_up(ui, server)
+        yield ui
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=90)
-        log.close()
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
-        shutil.copy(root / "dagster_dev.log", ARTIFACTS / "dagster_dev.log")
+        shutil.copy(ui.log, ARTIFACTS / "dagster_dev.log")
     left = processes_with_home(home)
     assert not left, f"stopping the UI left processes running: {left}"
-
-
-def _wait_until_serving(url: str, server: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
-        assert server.poll() is None, f"the UI exited with {server.returncode}:\n{log.read_text()[-3000:]}"
-        try:
-            with urllib.request.urlopen(f"{url}/server_info", timeout=5):
-                return
-        except OSError:
-            time.sleep(1)
-    raise AssertionError(f"the UI did not answer on {url} within 240 s:\n{log.read_text()[-3000:]}")
 
 
 @pytest.fixture(scope="module")
@@ -219,7 +186,7 @@ def test_launchpad_override_runs_one_partition(ui, page):
     open_launchpad(page, ui, ONE_DAY, temperature=0)
     shot(page, "02-launchpad-override")
     run_id = launch_from_launchpad(page)
-    run = ui.wait_for_run(run_id)
+    run = ui.finished_run(run_id)
     shot(page, "03-run")
     assert run["status"] == "SUCCESS", ui.messages(run_id)[-5:]
     assert run["tags"]["dagster/partition"] == ONE_DAY
@@ -267,7 +234,7 @@ def test_two_day_range_from_the_materialize_dialog_is_one_run(ui, page):
     while not (new := [r for r in ui.runs() if r["runId"] not in before]) and time.monotonic() < deadline:
         time.sleep(2)  # the daemon turns the backfill into its run
     assert len(new) == 1, new
-    run = ui.wait_for_run(new[0]["runId"])
+    run = ui.finished_run(new[0]["runId"])
     assert run["status"] == "SUCCESS", ui.messages(run["runId"])[-5:]
     assert (run["tags"]["dagster/asset_partition_range_start"], run["tags"]["dagster/asset_partition_range_end"]) == RANGE
     assert len([r for r in ui.runs() if r["runId"] not in before]) == 1
@@ -278,7 +245,7 @@ def test_two_day_range_from_the_materialize_dialog_is_one_run(ui, page):
 
 def test_out_of_range_sampling_value_fails_before_the_model_loads(ui, page):
     open_launchpad(page, ui, "2024-06-01", temperature=-1)  # the Launchpad checks types only
-    run = ui.wait_for_run(launch_from_launchpad(page))
+    run = ui.finished_run(launch_from_launchpad(page))
     assert run["status"] == "FAILURE"
     failure = " ".join(ui.messages(run["runId"]))
     assert "ops.ticket_summaries.config.sampling.temperature must be >= 0 (0 = greedy), got -1" in failure
