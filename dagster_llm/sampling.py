@@ -27,7 +27,7 @@ class SamplingField:
 
     @property
     def documented(self) -> str:
-        """The description with the engine's rule, e.g. "Softmax temperature: >= 0 (0 = greedy)."."""
+        """The description with the engine's rule, e.g. "Softmax temperature: in [0, 2] (0 = greedy)."."""
         return f"{self.description}: {SamplingParams.rule(self.name)}."
 
 
@@ -105,7 +105,7 @@ class SamplingOverrides(_OverrideFields):
 
         Raises:
             ValueError: per field out of range, its run-config path and rule, e.g.
-                "ops.answers.config.sampling.temperature must be >= 0 (0 = greedy), got -1.0".
+                "ops.answers.config.sampling.temperature must be in [0, 2] (0 = greedy), got -1.0".
         """
         changes = {k: v for k, v in self.model_dump().items() if v is not None}
         return merge_sampling(base, changes, f"ops.{op_name}.config.sampling.")

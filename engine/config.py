@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 from transformers import AutoConfig, PretrainedConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from engine.hardware import cpu_dtype, detect_cpu
 
@@ -51,7 +52,10 @@ class EngineConfig:
                                                   "planned from a measured forward pass at max_num_batched_tokens.")
     enable_prefix_caching: bool = _setting(True, "Reuse the KV blocks of prompt prefixes already computed.")
     enable_chunked_prefill: bool = _setting(True, "Split long prompts over several steps.")
-    scheduling_policy: str = _setting("fcfs", "'fcfs', or 'priority' (lower `priority` values run first).")
+    scheduling_policy: str = _setting("fcfs", "'fcfs', or 'priority' (lower `priority` values run first; under "
+                                              "'fcfs' a request's priority is accepted and ignored, as in vLLM).")
+    max_logprobs: int = _setting(20, "Most logprobs or prompt_logprobs a request may ask for per token; -1 allows "
+                                     "the whole vocabulary.")
     enforce_eager: bool = _setting(False, "Never capture CUDA graphs (on a GPU with the Triton backend, decode "
                                           "steps otherwise replay graphs captured at start-up; off with LoRA).")
     enable_lora: bool = _setting(False, "Accept LoRA adapters (`lora_request` in generate and chat).")
@@ -90,6 +94,9 @@ class EngineConfig:
         if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
             problems.append("attention_backend must be 'auto', 'torch', 'cpu' or 'triton', "
                             f"got {self.attention_backend!r}")
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+            problems.append(f"max_logprobs must be -1 (the whole vocabulary) or a non-negative integer, "
+                            f"got {self.max_logprobs!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             problems.append(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if problems:
@@ -111,6 +118,9 @@ class ModelConfig:
     @classmethod
     def resolve(cls, path: Path, engine: EngineConfig, eos_token_id: int | None) -> "ModelConfig":
         hf_config = AutoConfig.from_pretrained(path)
+        if not getattr(hf_config, "architectures", None) and hf_config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+            # As transformers' AutoModelForCausalLM (and vLLM) resolve a config.json without one.
+            hf_config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[hf_config.model_type]]
         device = torch.device("cuda" if engine.device == "auto" and torch.cuda.is_available() else
                               "cpu" if engine.device == "auto" else engine.device)
         max_model_len = _max_model_len(hf_config, engine.max_model_len)

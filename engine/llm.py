@@ -137,7 +137,8 @@ class LLM:
         A prompt is a string, {"prompt": str} or {"prompt_token_ids": [int, ...]}.
         `sampling_params`, `lora_request` and `priority` are one value for all prompts or
         one per prompt; a None adapter runs the base model. Requests with different
-        adapters run in the same steps.
+        adapters run in the same steps. A priority orders requests (lower first) under
+        `scheduling_policy="priority"` and is ignored under "fcfs", as in vLLM.
 
         Raises:
             ValueError: before any work starts, listing every bad row (index, field,
@@ -266,14 +267,12 @@ class LLM:
             prio = 0 if prio is None else prio
             if not isinstance(prio, int):
                 found.append(f"priority: expected an integer, got {prio!r}")
-            elif prio != 0 and self.engine.config.scheduling_policy != "priority":
-                found.append("priority: priorities need LLM(scheduling_policy='priority')")
             if (bad_text := invalid_unicode_problem(prompt)) is not None:
                 found.append(bad_text)
                 rows.append("; ".join(found))
                 continue
             text, ids = self._tokenize(prompt)
-            needed = min(len(ids or []) + params.max_tokens, max_len)
+            needed = len(ids or []) + params.max_output_tokens(len(ids or []), max_len)
             if ids is None:
                 found.append("prompt: expected a str, {'prompt': str} or {'prompt_token_ids': [int, ...]}, "
                              f"got {type(prompt).__name__}")
@@ -293,10 +292,24 @@ class LLM:
             elif params.n > engine.config.max_num_seqs:
                 found.append(f"sampling_params: n={params.n} completions run side by side, but max_num_seqs is "
                              f"{engine.config.max_num_seqs}: lower n or raise max_num_seqs")
+            elif (problem := self._logprobs_problem(params, vocab)) is not None:
+                found.append(problem)
             elif params.structured_outputs is not None and (problem := self._structured_problem(params)):
                 found.append(f"structured_outputs: {problem}")
             rows.append("; ".join(found) if found else _Request(text, ids, params, prio, adapter))
         return rows
+
+    def _logprobs_problem(self, params: SamplingParams, vocab: int) -> str | None:
+        """Why the request asks for more logprobs per token than `max_logprobs` allows, or None."""
+        limit = self.engine.config.max_logprobs
+        limit = vocab if limit == -1 else limit
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            asked = vocab if asked == -1 else asked
+            if asked is not None and asked > limit:
+                return (f"{name}: asks for {asked} logprobs per token, but max_logprobs is {limit}: "
+                        f"ask for at most {limit}, or raise LLM(max_logprobs=...) (-1 allows the whole vocabulary)")
+        return None
 
     def _structured_problem(self, params: SamplingParams) -> str | None:
         """Why the request's structured output cannot run (compiling its grammar, once per

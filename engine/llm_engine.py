@@ -165,7 +165,7 @@ class LLMEngine:
         self.stats.num_steps += 1
         for seq, positions in output.prompt_logprobs.items():
             for position, token in positions:
-                seq.prompt_logprobs[position] = self._logprob_dict(token)
+                seq.prompt_logprobs[position] = self._logprob_dict(token, seq.sampling_params.detokenize)
         finished = []
         for seq, token in output.sampled.items():
             self._append_token(seq, token)
@@ -193,13 +193,17 @@ class LLMEngine:
         parent.num_pending_children = 0
         return forks
 
-    def _logprob_dict(self, token: SampledToken) -> dict[int, Logprob]:
-        """vLLM's logprobs entry: the top tokens plus the chosen one, each with its text."""
+    def _logprob_dict(self, token: SampledToken, detokenize: bool) -> dict[int, Logprob]:
+        """vLLM's logprobs entry: the top tokens plus the chosen one, each with its text
+        (None without `detokenize`)."""
+        def text(token_id: int) -> str | None:
+            return self.tokenizer.decode([token_id]) if detokenize else None
+
         entry = {}
         for rank, (token_id, value) in enumerate(zip(token.top_ids, token.top_logprobs), start=1):
-            entry[token_id] = Logprob(value, rank, self.tokenizer.decode([token_id]))
+            entry[token_id] = Logprob(value, rank, text(token_id))
         if token.token_id not in entry:
-            entry[token.token_id] = Logprob(token.logprob, token.rank, self.tokenizer.decode([token.token_id]))
+            entry[token.token_id] = Logprob(token.logprob, token.rank, text(token.token_id))
         return entry
 
     def _append_token(self, seq: Sequence, sampled: SampledToken) -> None:
@@ -210,10 +214,10 @@ class LLMEngine:
         if seq.metrics.first_token_time is None:
             seq.metrics.first_token_time = time.monotonic()
         if seq.logprobs is not None:
-            seq.logprobs.append(self._logprob_dict(sampled))
+            seq.logprobs.append(self._logprob_dict(sampled, seq.sampling_params.detokenize))
             seq.cumulative_logprob += sampled.logprob
         params = seq.sampling_params
-        delta = seq.detokenizer.add_token(token)
+        delta = seq.detokenizer.add_token(token) if params.detokenize else ""
         may_stop = seq.num_output_tokens >= params.min_tokens
         if seq.grammar is not None and self._grammar_ends(seq, token):
             return
@@ -223,7 +227,7 @@ class LLMEngine:
             seq.finish_reason, seq.stop_reason = "stop", token
         elif params.stop and may_stop and (stop := _find_stop(seq.detokenizer, delta, params)):
             seq.finish_reason, seq.stop_reason = "stop", stop
-        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.model_config.max_model_len:
+        elif seq.num_output_tokens >= params.max_output_tokens(seq.num_prompt_tokens, self.model_config.max_model_len):
             seq.finish_reason = "length"
 
     @staticmethod
@@ -247,7 +251,9 @@ class LLMEngine:
         """(tokens generated, max_tokens) of every completion still queued or running: what
         a progress estimate needs. Safe to call from another thread (a snapshot)."""
         seqs = list(self.scheduler.running) + list(self.scheduler.waiting)
-        return [(seq.num_output_tokens, seq.sampling_params.max_tokens) for seq in seqs]
+        max_len = self.model_config.max_model_len
+        return [(seq.num_output_tokens, seq.sampling_params.max_output_tokens(seq.num_prompt_tokens, max_len))
+                for seq in seqs]
 
     def abort_all(self) -> None:
         """Drops every queued and running request, returning their blocks."""

@@ -154,8 +154,10 @@ class Sampler:
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_logprobs: list[int | None]) -> list[SampledToken]:
     """Each row's token with its log-probability under `logits`, its rank (1 = most
-    likely) and the row's `num_logprobs[i]` most likely tokens (None: no logprobs)."""
+    likely) and the row's `num_logprobs[i]` most likely tokens (None: no logprobs; -1:
+    the whole vocabulary)."""
     logprobs = logits.float().log_softmax(dim=-1)
+    num_logprobs = [logits.shape[-1] if k == -1 else k for k in num_logprobs]
     chosen_t = logprobs.gather(1, tokens.unsqueeze(1))
     ranks = ((logprobs > chosen_t).sum(dim=-1) + 1).tolist()
     chosen = chosen_t.squeeze(1).tolist()

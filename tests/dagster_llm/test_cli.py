@@ -116,6 +116,6 @@ def test_invalid_run_config_fails_before_generating(tmp_path: Path) -> None:
 
     output = result.stdout + result.stderr
     assert result.returncode != 0
-    assert "ops.ticket_summaries.config.sampling.temperature must be >= 0 (0 = greedy), got -1" in output
+    assert "ops.ticket_summaries.config.sampling.temperature must be in [0, 2] (0 = greedy), got -1" in output
     assert "ValidationError" not in output
     assert not (output_dir / "tables" / "ticket_summaries").exists()

@@ -172,7 +172,7 @@ def test_invalid_sampling_config_fails_before_the_model_loads(env):
     result = run([prompts, gen], env, partition="a", raise_on_error=False,
                  run_config={"ops": {"gen": {"config": {"sampling": {"temperature": -1}}}}})
     failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
-    assert "ops.gen.config.sampling.temperature must be >= 0 (0 = greedy), got -1" in str(failure.event_specific_data.error)
+    assert "ops.gen.config.sampling.temperature must be in [0, 2] (0 = greedy), got -1" in str(failure.event_specific_data.error)
     assert not env["loads"]
     result = run([prompts, gen], env, partition="a", raise_on_error=False,
                  run_config={"ops": {"gen": {"config": {"sampling": {"top_p": 0, "max_tokens": 0}}}}})

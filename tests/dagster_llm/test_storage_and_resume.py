@@ -175,7 +175,7 @@ def test_a_second_writer_of_a_partition_is_refused_with_a_clear_message(env):
      "prompt: message 0 content: holds a lone surrogate '\\ud800' at character 4"),
     ("prompt", ["ok", [{"role": "user", "content": 5}], "fine"], "message 0: content must be a string, got int"),
     ("stop", [None, 5, None], "sampling override column stop: input should be a valid list, got 5"),
-    ("temperature", [None, -1.0, None], "sampling override column temperature must be >= 0 (0 = greedy)"),
+    ("temperature", [None, -1.0, None], "sampling override column temperature must be in [0, 2] (0 = greedy)"),
 ])
 def test_each_bad_input_becomes_its_rows_error_with_a_message(env, column, values, expected):
     frame = pd.DataFrame({"id": ["x", "y", "z"], "prompt": ["ok", "good", "fine"]})

@@ -36,7 +36,7 @@ def test_run_config_descriptions_name_the_rules():
     assert not [t for t in texts if any(marker in t for marker in RST_MARKERS)]
     temperature = GenerationRunConfig.to_config_schema().as_field().config_type.fields["sampling"]
     description = temperature.config_type.fields["temperature"].description
-    assert description == "Overrides temperature. Softmax temperature: >= 0 (0 = greedy)."
+    assert description == "Overrides temperature. Softmax temperature: in [0, 2] (0 = greedy)."
 
 
 def table(rows: int, **columns) -> pa.Table:

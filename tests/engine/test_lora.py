@@ -185,8 +185,9 @@ def test_adapters_under_preemption_priorities_chunking_and_forks(qwen2_with_adap
     base, requests = qwen2_with_adapters
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": p} for p in prompts_of(20, 300, seed=5)]
-    params = [SamplingParams(n=rng.choice([1, 3]), temperature=rng.choice([0, 0.8]), seed=i,
-                             max_tokens=rng.randint(3, 20), ignore_eos=True) for i in range(20)]
+    params = [SamplingParams(n=n, temperature=0.8 if n > 1 else t, seed=i,  # vLLM refuses n > 1 at temperature 0
+                             max_tokens=rng.randint(3, 20), ignore_eos=True)
+              for i, n, t in ((i, rng.choice([1, 3]), rng.choice([0, 0.8])) for i in range(20))]
     adapters = [rng.choice([None, *requests[:3]]) for _ in range(20)]
 
     def completions(outs):

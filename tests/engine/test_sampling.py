@@ -108,7 +108,8 @@ def test_n_completions_share_one_prompt_computation(llm):
     assert [c.index for c in out.outputs] == [0, 1, 2, 3]
     assert all(len(c.token_ids) == 12 for c in out.outputs)
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
-    [greedy] = llm.generate(prompt, SamplingParams(n=3, temperature=0, max_tokens=12, ignore_eos=True),
+    # top_k=1 decodes greedily; vLLM refuses n > 1 at temperature 0.
+    [greedy] = llm.generate(prompt, SamplingParams(n=3, temperature=1.0, top_k=1, max_tokens=12, ignore_eos=True),
                             use_tqdm=False)
     [single] = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     assert [c.token_ids for c in greedy.outputs] == [single.outputs[0].token_ids] * 3
@@ -118,7 +119,7 @@ def test_n_completions_share_one_prompt_computation(llm):
 
 def test_n_completions_survive_preemption(tiny_models):
     prompt = {"prompt_token_ids": list(range(3, 40))}
-    params = SamplingParams(n=3, temperature=0, max_tokens=30, ignore_eos=True)
+    params = SamplingParams(n=3, temperature=1.0, top_k=1, max_tokens=30, ignore_eos=True)
     with LLM(str(tiny_models["llama"]), dtype="float32") as roomy:
         expected = texts(roomy.generate(prompt, params, use_tqdm=False))
     with LLM(str(tiny_models["llama"]), dtype="float32", kv_cache_memory=7 * 16 * 512) as tight:  # 7 blocks

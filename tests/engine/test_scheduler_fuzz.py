@@ -256,7 +256,7 @@ def run_workload(workload: FuzzWorkload, max_steps: int = 20_000) -> tuple[LLMEn
         while pending and workload.requests[pending[0]].arrival_step <= step:
             i = pending.pop(0)
             r = workload.requests[i]
-            params = SamplingParams(max_tokens=r.max_tokens, n=r.n, temperature=0, ignore_eos=True)
+            params = SamplingParams(max_tokens=r.max_tokens, n=r.n, temperature=1.0, top_k=1, ignore_eos=True)
             parents[i] = engine.add_request(str(i), None, r.prompt, params, r.priority)
             arrived[i] = step
         for i, r in enumerate(workload.requests):
@@ -404,7 +404,7 @@ def submit_args(config: ConstrainedConfig, requests: list[E2ERequest]) -> dict:
     """`generate` arguments for the requests (priorities only under the priority policy)."""
     return dict(
         prompts=[{"prompt_token_ids": r.prompt} for r in requests],
-        sampling_params=[SamplingParams(temperature=0, max_tokens=r.max_tokens, n=r.n, ignore_eos=True)
+        sampling_params=[SamplingParams(temperature=1.0, top_k=1, max_tokens=r.max_tokens, n=r.n, ignore_eos=True)
                          for r in requests],
         priority=[r.priority for r in requests] if config.policy == "priority" else None,
         use_tqdm=False,
