@@ -13,7 +13,7 @@ import pyarrow as pa
 from dagster_llm.sampling import SAMPLING_FIELD_NAMES, SamplingConfig, merge_sampling
 from dagster_llm.structured import StructuredOutput
 from engine import SamplingParams
-from engine.llm import chat_messages_problem, invalid_unicode_problem
+from engine.llm import chat_messages_problem, invalid_unicode_problem, text_messages
 
 
 class PromptTableError(ValueError):
@@ -130,7 +130,7 @@ def _render(row: PromptRow, value: object, spec: TableSpec, tokenizer: Any) -> N
         row.prompt_text = json.dumps(value, ensure_ascii=False, default=str)
         problem = chat_messages_problem(value)
         if problem is None:
-            messages = [{"role": m["role"], "content": m["content"]} for m in value]
+            messages = [{"role": m["role"], "content": m["content"]} for m in text_messages(value)]
         else:
             row.fail(f"{column}: {problem}")
     elif isinstance(value, str):

@@ -71,21 +71,35 @@ class LLM:
 
     def chat(
         self,
-        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
         *,
         use_tqdm: bool | Callable[..., Any] = True,
-        add_generation_prompt: bool = True,
-        chat_template: str | None = None,
         lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None = None,
         priority: int | SequenceABC[int] | None = None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Generates replies to one conversation or a list of them, rendered with the
-        model's chat template (or `chat_template`).
+        model's chat template (or `chat_template`), with vLLM's arguments.
 
-        The rendered text is tokenized without adding special tokens, because the
-        template already holds any BOS token: a second one would change the output.
+        A message's content is a string or OpenAI's list of text parts
+        ([{"type": "text", "text": ...}], joined by newlines as vLLM does for templates
+        that render strings). `continue_final_message` renders the last message open, for
+        the model to carry on (it needs add_generation_prompt=False); `tools` and
+        `chat_template_kwargs` go to the template. The rendered text is tokenized without
+        adding special tokens, because the template already holds any BOS token: a second
+        one would change the output.
+
+        Raises:
+            ValueError: before any work starts, listing every bad conversation.
         """
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("chat: add_generation_prompt and continue_final_message cannot both be True: "
+                             "set add_generation_prompt=False to continue the final message")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         problems = [f"conversation {i}, {problem}" for i, conversation in enumerate(conversations)
                     if (problem := chat_messages_problem(conversation)) is not None]
@@ -94,8 +108,11 @@ class LLM:
         tokenizer = self.engine.tokenizer
         prompts = []
         for conversation in conversations:
-            text = tokenizer.apply_chat_template(conversation, tokenize=False, chat_template=chat_template,
-                                                 add_generation_prompt=add_generation_prompt)
+            text = tokenizer.apply_chat_template(text_messages(conversation), tokenize=False,
+                                                 chat_template=chat_template, tools=tools,
+                                                 add_generation_prompt=add_generation_prompt,
+                                                 continue_final_message=continue_final_message,
+                                                 **(chat_template_kwargs or {}))
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request,
                              priority=priority)
@@ -375,19 +392,44 @@ class CompletedRequests:
 
 def chat_messages_problem(messages: object) -> str | None:
     """Why `messages` is not a conversation a chat template can render (a list of
-    {"role": str, "content": str} with valid Unicode), or None."""
+    {"role": str, "content": str or a list of text parts} with valid Unicode), or None."""
     if not isinstance(messages, list) or not messages:
         return f"messages: expected a non-empty list of {{'role', 'content'}} dicts, got {type(messages).__name__}"
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or "role" not in message or "content" not in message:
             return f"message {i}: expected a dict with 'role' and 'content', got {message!r:.80}"
-        for field in ("role", "content"):
-            if not isinstance(message[field], str):
-                return (f"message {i}: {field} must be a string, got {type(message[field]).__name__} "
-                        f"({message[field]!r:.40}): convert it upstream")
-            if (problem := invalid_unicode_problem(message[field], f"message {i} {field}")) is not None:
+        content = message["content"]
+        if isinstance(content, list):
+            if (problem := _text_parts_problem(content, i)) is not None:
+                return problem
+            content = _joined(content)
+        for field, value in (("role", message["role"]), ("content", content)):
+            if not isinstance(value, str):
+                return (f"message {i}: {field} must be a string, got {type(value).__name__} "
+                        f"({value!r:.40}): convert it upstream")
+            if (problem := invalid_unicode_problem(value, f"message {i} {field}")) is not None:
                 return problem
     return None
+
+
+def text_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation with every content as a string (text parts joined by newlines),
+    for templates that render strings; other keys are kept. Assumes `chat_messages_problem`
+    found nothing."""
+    return [{**m, "content": _joined(m["content"])} if isinstance(m["content"], list) else m for m in messages]
+
+
+def _text_parts_problem(parts: list, index: int) -> str | None:
+    for j, part in enumerate(parts):
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            return (f"message {index}: content part {j} is {kind!r}, not a text part "
+                    "({'type': 'text', 'text': str}): only text can be rendered (no multimodal models here)")
+    return None
+
+
+def _joined(parts: list[dict[str, str]]) -> str:
+    return "\n".join(part["text"] for part in parts)
 
 
 def invalid_unicode_problem(prompt: object, field: str = "prompt") -> str | None:

@@ -7,6 +7,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet
 import pytest
+from transformers import AutoTokenizer
 
 import engine
 from dagster_llm import GenerationRun, PartitionFiles, PartitionInput, RunOptions, SamplingConfig, build_generation_asset
@@ -174,6 +175,8 @@ def test_a_second_writer_of_a_partition_is_refused_with_a_clear_message(env):
     ("prompt", ["ok", [{"role": "user", "content": "bad \ud800"}], "fine"],
      "prompt: message 0 content: holds a lone surrogate '\\ud800' at character 4"),
     ("prompt", ["ok", [{"role": "user", "content": 5}], "fine"], "message 0: content must be a string, got int"),
+    ("prompt", ["ok", [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]}], "fine"],
+     "prompt: message 0: content part 0 is 'image_url', not a text part"),
     ("stop", [None, 5, None], "sampling override column stop: input should be a valid list, got 5"),
     ("temperature", [None, -1.0, None], "sampling override column temperature must be in [0, 2] (0 = greedy)"),
 ])
@@ -198,6 +201,18 @@ def test_each_bad_input_becomes_its_rows_error_with_a_message(env, column, value
     checks = {e.check_name: e.passed for e in result.get_asset_check_evaluations()}
     assert checks["no_error_rows"] is False
     assert checks["unique_ids"] is (column != "id")
+
+
+def test_chat_rows_take_openai_text_parts(tiny_models):
+    """Content as OpenAI's text parts renders as their text joined by newlines, as in vLLM's chat."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models["llama"])
+    tokenizer.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}]
+    frame = pd.DataFrame({"id": ["parts", "text"],
+                          "prompt": pd.Series([parts, [{"role": "user", "content": "Hi\nthere"}]], dtype=object)})
+    rows = read_rows(frame, "p", SAMPLING, None, TableSpec(), tokenizer)
+    assert [r.error for r in rows] == [None, None]
+    assert rows[0].prompt == rows[1].prompt and rows[0].prompt["prompt_token_ids"]
 
 
 def test_duplicate_ids_can_be_kept_by_the_definition(env):

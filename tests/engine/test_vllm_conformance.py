@@ -257,3 +257,40 @@ def test_a_config_without_architectures_loads_by_model_type(tiny_models, tmp_pat
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match=r"architecture \['GPT2LMHeadModel'\] is not supported"):
         LLM(str(folder), dtype="float32")
+
+
+# --- chat() ----------------------------------------------------------------------------------
+
+TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}"
+            "{% if tools %}[{{ tools | length }} tools]{% endif %}{{ suffix or '' }}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def chat_prompt(llm: LLM, messages: list, **kwargs) -> str:
+    [out] = llm.chat(messages, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False,
+                     chat_template=TEMPLATE, **kwargs)
+    return out.prompt
+
+
+def test_chat_takes_openai_text_parts(llm):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]}]
+    assert chat_prompt(llm, parts) == chat_prompt(llm, [{"role": "user", "content": "Hello\nthere"}]) == \
+        "<user>Hello\nthere</s><assistant>"
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]}]
+    with pytest.raises(ValueError, match="conversation 0, message 0: content part 0 is 'image_url', not a text part"):
+        llm.chat(image, use_tqdm=False, chat_template=TEMPLATE)
+
+
+def test_chat_continues_the_final_message(llm):
+    messages = [{"role": "user", "content": "Tell a story"}, {"role": "assistant", "content": "Once upon"}]
+    assert chat_prompt(llm, messages, add_generation_prompt=False, continue_final_message=True) == \
+        "<user>Tell a story</s><assistant>Once upon"
+    with pytest.raises(ValueError, match="add_generation_prompt and continue_final_message cannot both be True"):
+        llm.chat(messages, use_tqdm=False, continue_final_message=True)
+
+
+def test_chat_passes_tools_and_template_kwargs(llm):
+    messages = [{"role": "user", "content": "Hi"}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    assert chat_prompt(llm, messages, tools=tools, chat_template_kwargs={"suffix": "!"}) == \
+        "<user>Hi</s>[1 tools]!<assistant>"
