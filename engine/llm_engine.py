@@ -270,6 +270,7 @@ class LLMEngine:
                 logprobs=s.logprobs,
                 finish_reason=s.finish_reason,
                 stop_reason=s.stop_reason,
+                lora_request=s.lora_request,
             )
             for s in sorted(seq.group, key=lambda s: s.index)
         ]

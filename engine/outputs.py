@@ -21,7 +21,8 @@ class CompletionOutput:
 
     `finish_reason` is "stop" (EOS, a stop token or a stop string) or "length"
     (`max_tokens` or the model's context reached); `stop_reason` names the stop string
-    or stop token id that fired, and is None for EOS and for "length".
+    or stop token id that fired, and is None for EOS and for "length". `lora_request` is
+    the adapter it ran with (None: the base model).
     """
 
     index: int
@@ -31,6 +32,7 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    lora_request: LoRARequest | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -48,7 +48,7 @@ def check_mixed_batch_matches_peft(base: Path, root: Path, vocab: int, num_promp
             assert llm.llm_engine.lora_manager.batch.kernel is not None  # the SGMV kernel ran
     for j, (out, c) in enumerate(zip(outs, choice)):
         assert out.outputs[0].token_ids == expected[c][j // 4], f"prompt {j // 4}, adapter {c}"
-        assert out.lora_request == (None if c is None else requests[c])
+        assert out.lora_request == out.outputs[0].lora_request == (None if c is None else requests[c])
 
 
 def test_mixed_adapters_match_peft_on_a_tiny_qwen2(tmp_path):
