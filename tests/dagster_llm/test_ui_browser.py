@@ -251,7 +251,7 @@ def test_out_of_range_sampling_value_fails_before_the_model_loads(ui, page):
     assert "ops.ticket_summaries.config.sampling.temperature must be in [0, 2] (0 = greedy), got -1" in failure
     assert "Fix the value in the Launchpad" in failure and "ValidationError" not in failure
     assert not partition_file(ui.tables, SUMMARIES, "2024-06-01").exists()
-    page.get_by_text("must be >= 0").first.wait_for()
+    page.get_by_text("must be in [0, 2]").first.wait_for()
     shot(page, "06-bad-sampling-value")
 
 
