@@ -16,7 +16,7 @@ from engine.llm_engine import LLMEngine
 from engine.lora.request import LoRARequest
 from engine.model_loader import weights_fingerprint
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, logprobs_count
 
 PromptType = str | dict[str, Any]
 
@@ -318,11 +318,9 @@ class LLM:
 
     def _logprobs_problem(self, params: SamplingParams, vocab: int) -> str | None:
         """Why the request asks for more logprobs per token than `max_logprobs` allows, or None."""
-        limit = self.engine.config.max_logprobs
-        limit = vocab if limit == -1 else limit
+        limit = logprobs_count(self.engine.config.max_logprobs, vocab)
         for name in ("logprobs", "prompt_logprobs"):
-            asked = getattr(params, name)
-            asked = vocab if asked == -1 else asked
+            asked = logprobs_count(getattr(params, name), vocab)
             if asked is not None and asked > limit:
                 return (f"{name}: asks for {asked} logprobs per token, but max_logprobs is {limit}: "
                         f"ask for at most {limit}, or raise LLM(max_logprobs=...) (-1 allows the whole vocabulary)")

@@ -216,6 +216,12 @@ class SamplingParams:
         return room if self.max_tokens is None else min(self.max_tokens, room)
 
 
+def logprobs_count(setting: int | None, vocab_size: int) -> int | None:
+    """A `logprobs`, `prompt_logprobs` or `max_logprobs` setting as a number of tokens:
+    -1 is the whole vocabulary."""
+    return vocab_size if setting == -1 else setting
+
+
 @dataclass(frozen=True)
 class _Rule:
     """A field's allowed values: in words, as a type test and as a value test (run only

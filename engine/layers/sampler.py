@@ -4,6 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.sampling_params import logprobs_count
 from engine.structured_output.manager import GrammarBitmask
 
 
@@ -157,7 +158,7 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_logprobs: lis
     likely) and the row's `num_logprobs[i]` most likely tokens (None: no logprobs; -1:
     the whole vocabulary)."""
     logprobs = logits.float().log_softmax(dim=-1)
-    num_logprobs = [logits.shape[-1] if k == -1 else k for k in num_logprobs]
+    num_logprobs = [logprobs_count(k, logits.shape[-1]) for k in num_logprobs]
     chosen_t = logprobs.gather(1, tokens.unsqueeze(1))
     ranks = ((logprobs > chosen_t).sum(dim=-1) + 1).tolist()
     chosen = chosen_t.squeeze(1).tolist()
