@@ -14,6 +14,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.embedded_model import EMBEDDED_MODEL_NAME, ensure_embedded_model
+from engine.layers.linear import Linear
 from engine.models import MODEL_REGISTRY
 
 logger = logging.getLogger(__name__)
@@ -128,7 +129,16 @@ def load_model(model_config: ModelConfig) -> nn.Module:
     model.prepack()
     model.eval()
     logger.info(
-        "Loaded %s (%s, %s) from %s in %.2f s", model_class.__name__, model_config.dtype,
-        model_config.device, model_config.path, time.perf_counter() - started,
+        "Loaded %s (%s, %s, weights %.1f MiB) from %s in %.2f s", model_class.__name__, model_config.dtype,
+        model_config.device, weight_bytes(model) / 2**20, model_config.path, time.perf_counter() - started,
     )
     return model
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes the model's weights hold: its parameters and buffers (tied ones once) and the
+    prepacked copies that replaced projection weights (`Linear.prepack`)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in (*model.parameters(), *model.buffers()) if t.numel()}
+    packed = [m.packed_weight for m in model.modules() if isinstance(m, Linear) and m.packed_weight is not None]
+    return sum(storages.values()) + sum(p.numel() * p.element_size() for p in packed)  # oneDNN's are opaque
