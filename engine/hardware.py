@@ -5,6 +5,11 @@ bfloat16 kernels need AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT and refuse to prepack
 weight elsewhere, and bfloat16 arithmetic without AVX512-BF16, AMX or ARM's BF16 is
 emulated and several times slower than float32. Everything hardware-specific asks
 here instead of assuming an instruction set.
+
+`DAGSTER_LLM_CPU_KIND` (one of `CPU_KINDS`) makes the engine choose as it would on
+that kind of CPU: the dtype "auto" picks and the matrix-product kernel. It is how the
+test suite runs each CPU's path on one machine, and a way out where a virtual
+machine hides flags the CPU has.
 """
 
 import contextlib
@@ -27,6 +32,7 @@ logger = logging.getLogger(__name__)
 # oneDNN's bfloat16 kernels need at the least (its own check, as its error message says).
 _X86_NATIVE_BF16 = frozenset({"avx512_bf16", "amx_bf16"})
 _X86_ONEDNN_BF16 = (frozenset({"avx512bw", "avx512vl", "avx512dq"}), frozenset({"avx_ne_convert"}))
+_X86 = ("x86_64", "AMD64", "i686")
 
 
 @dataclass(frozen=True)
@@ -42,8 +48,14 @@ class CpuInfo:
     def native_bf16(self) -> bool:
         """Whether bfloat16 matrix products run in hardware (AVX512-BF16 or AMX on x86,
         the BF16 extension on ARM) and through oneDNN's fast kernels."""
-        if self.architecture in ("x86_64", "AMD64", "i686"):
-            return bool(self.flags & _X86_NATIVE_BF16) and any(need <= self.flags for need in _X86_ONEDNN_BF16)
+        return self.onednn_bf16 and (self.architecture not in _X86 or bool(self.flags & _X86_NATIVE_BF16))
+
+    @property
+    def onednn_bf16(self) -> bool:
+        """Whether oneDNN's bfloat16 kernels run here: natively, or on x86 emulated in
+        AVX-512 (an AVX-512 CPU without AVX512-BF16)."""
+        if self.architecture in _X86:
+            return any(need <= self.flags for need in _X86_ONEDNN_BF16)
         if self.architecture in ("aarch64", "arm64"):
             return "bf16" in self.flags
         return False
@@ -54,6 +66,43 @@ class CpuInfo:
         extras = sorted(self.flags & {"avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni", "avx_vnni"})
         return f"{self.model_name} ({self.architecture}, {self.capability}, {bf16}" + (
             f"; {' '.join(extras)})" if extras else ")")
+
+
+# The x86 flags each kind below shares: what an AVX2 machine of the last decade has.
+_AVX2_FLAGS = frozenset({"sse4_2", "avx", "avx2", "fma", "f16c", "bmi2"})
+_AVX512_FLAGS = _AVX2_FLAGS | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx512_vnni"}
+
+
+@dataclass(frozen=True)
+class CpuKind:
+    """A kind of x86 CPU the engine meets, with the settings that make PyTorch's own
+    kernels run as they do on it (`torch_env`, for tests that simulate it)."""
+
+    name: str
+    example: str
+    capability: str
+    flags: frozenset[str]
+    onednn_max_isa: str
+
+    def info(self, model_name: str | None = None) -> CpuInfo:
+        """This kind as `detect_cpu` reports it."""
+        return CpuInfo(model_name or self.example, "x86_64", self.capability, self.flags)
+
+    @property
+    def torch_env(self) -> dict[str, str]:
+        """Environment that caps oneDNN's and ATen's instruction sets at this kind's, read
+        when a process first runs those kernels (a cap above the CPU changes nothing)."""
+        return {"ONEDNN_MAX_CPU_ISA": self.onednn_max_isa, "ATEN_CPU_CAPABILITY": self.capability.lower()}
+
+
+CPU_KINDS: dict[str, CpuKind] = {kind.name: kind for kind in (
+    CpuKind("avx2", "AMD EPYC (Zen 3)", "AVX2", _AVX2_FLAGS, "AVX2"),
+    CpuKind("avx512", "Intel Xeon (Ice Lake)", "AVX512", _AVX512_FLAGS, "AVX512_CORE_VNNI"),
+    CpuKind("avx512_bf16", "AMD EPYC (Zen 5)", "AVX512", _AVX512_FLAGS | {"avx512_bf16"}, "AVX512_CORE_BF16"),
+    CpuKind("amx", "Intel Xeon (Sapphire Rapids)", "AVX512",
+            _AVX512_FLAGS | {"avx512_bf16", "amx_bf16", "amx_tile", "amx_int8"}, "AVX512_CORE_AMX"),
+)}
+CPU_KIND_ENV = "DAGSTER_LLM_CPU_KIND"
 
 
 def _read_cpuinfo() -> tuple[str, frozenset[str]]:
@@ -73,11 +122,27 @@ def _read_cpuinfo() -> tuple[str, frozenset[str]]:
     return name or platform.processor() or "unknown CPU", flags
 
 
-@functools.cache
-def detect_cpu() -> CpuInfo:
-    """This machine's CPU, read once per process."""
+def machine_cpu() -> CpuInfo:
+    """This machine's CPU as /proc/cpuinfo and PyTorch report it."""
     name, flags = _read_cpuinfo()
     return CpuInfo(name, platform.machine(), torch.backends.cpu.get_cpu_capability(), flags)
+
+
+@functools.cache
+def detect_cpu() -> CpuInfo:
+    """The CPU the engine chooses its path for, once per process: this machine's, or
+    the kind `DAGSTER_LLM_CPU_KIND` names."""
+    machine = machine_cpu()
+    name = os.environ.get(CPU_KIND_ENV, "").strip()
+    if not name:
+        return machine
+    kind = CPU_KINDS.get(name)
+    if kind is None:
+        raise ValueError(f"{CPU_KIND_ENV}={name!r} is not a CPU kind: set one of {sorted(CPU_KINDS)}, or unset it "
+                         "to detect this machine's")
+    chosen = kind.info(f"{machine.model_name} as {name}")
+    logger.warning("%s=%s: the engine chooses its path as on %s", CPU_KIND_ENV, name, chosen.describe())
+    return chosen
 
 
 def available_cpus() -> int:

@@ -22,7 +22,7 @@ from types import ModuleType
 
 import torch
 
-from engine.hardware import detect_cpu
+from engine.hardware import machine_cpu
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +32,8 @@ _SOURCE = Path(__file__).with_name("cpu_paged_attention.cpp")
 @functools.cache
 def load() -> ModuleType | None:
     """The compiled kernel module, or None where it cannot be built."""
-    cpu = detect_cpu()
-    key = "\n".join([_SOURCE.read_text(), cpu.capability, " ".join(sorted(cpu.flags)), torch.__version__])
+    # Built for this machine's flags (-march=native), whatever kind the engine chooses its path for.
+    key = "\n".join([_SOURCE.read_text(), " ".join(sorted(machine_cpu().flags)), torch.__version__])
     name = f"engine_cpu_attention_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
     flags = ["-O3", "-fopenmp", "-march=native" if platform.machine() in ("x86_64", "AMD64") else "-mcpu=native"]
     start = time.monotonic()

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.hardware import detect_cpu
 from engine.layers.attention import Attention, AttentionBackend, AttentionMetadata
 
 
@@ -24,6 +25,17 @@ _MAX_SCORES = 4 << 20
 # depend on nothing but its own keys.
 KEY_CHUNK = 64
 _MIN_QUERY_ROWS = 4
+
+
+def product_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype attention's products run in: float32 for bfloat16 on a CPU without native
+    bfloat16. Emulated bfloat16 products split long sums as MKL's float32 ones do
+    (measured with oneDNN capped at AVX-512 without BF16: a value sum over 320 keys
+    differed once zeros padded it to 512), so they take the key-chunked float32 path;
+    emulation computes in float32 anyway."""
+    if dtype == torch.bfloat16 and device.type == "cpu" and not detect_cpu().native_bf16:
+        return torch.float32
+    return dtype
 
 
 def padded_context(length: int) -> int:
@@ -154,8 +166,12 @@ def matmul_attention(layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torc
     here does not depend on the other rows, sequences or padding in the batch (the
     fused kernel's blocking does), so a token's output is the same whether it runs in
     a decode step, a prefill chunk or a recompute after preemption. In float32 the
-    keys go in `KEY_CHUNK`s (see there); other dtypes take the whole context at once.
+    keys go in `KEY_CHUNK`s (see there); other dtypes take the whole context at once,
+    except where they run in float32 (`product_dtype`).
     """
+    compute = product_dtype(v.dtype, v.device)
+    if compute != v.dtype:
+        return matmul_attention(layer, q.to(compute), k.to(compute), v.to(compute), mask).to(v.dtype)
     seqs, queries = q.shape[0], q.shape[1]
     kv_heads, group, dim = layer.num_kv_heads, layer.num_heads // layer.num_kv_heads, layer.head_dim
     rows = group * queries

@@ -26,15 +26,17 @@ def linear_kernel(dtype: torch.dtype, device: torch.device) -> str:
     """"onednn" (the weight prepacked once into oneDNN's blocked layout) or "aten"
     (`F.linear`, MKL's sgemm for float32 on x86).
 
-    oneDNN serves float32 on every CPU, and bfloat16 where the CPU has native bfloat16
-    (its bfloat16 kernels refuse other CPUs). Measured on an AVX2 EPYC in float32: a
-    row's result is the same bits whatever the batch's size and the row's place in it,
-    where MKL's differs for batches under 4 or 9 rows; and it is 1.1-1.8x faster at
-    the language-model head's shape.
+    oneDNN serves float32 on every CPU, and bfloat16 wherever its bfloat16 kernels run
+    (`CpuInfo.onednn_bf16`; they refuse AVX2-only CPUs). Measured on an AVX2 EPYC in
+    float32: a row's result is the same bits whatever the batch's size and the row's
+    place in it, where MKL's differs for batches under 4 or 9 rows; and it is 1.1-1.8x
+    faster at the language-model head's shape. Likewise in bfloat16 on AVX-512 without
+    AVX512-BF16 (oneDNN capped at that instruction set on a Zen 5), where `F.linear`'s
+    rows differed at 1, 2, 3, 5 and 13 rows at a time and the prepacked ones at none.
     """
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return "aten"
-    if dtype == torch.float32 or (dtype == torch.bfloat16 and detect_cpu().native_bf16):
+    if dtype == torch.float32 or (dtype == torch.bfloat16 and detect_cpu().onednn_bf16):
         return "onednn"
     return "aten"
 
@@ -68,8 +70,8 @@ class Linear(nn.Linear):
     On a CPU the prepacked product skips reordering the weight on every call (bfloat16
     at decode shapes: 64x576 by 576x3072, 0.60 ms against 1.10 ms) and gives a row the
     same bits whatever else is in the batch, so a seeded request's output does not
-    depend on its neighbours. Other devices, and bfloat16 on CPUs without native
-    support, use `F.linear`.
+    depend on its neighbours. Other devices, and bfloat16 on CPUs where oneDNN does not
+    run it (AVX2-only), use `F.linear`.
 
     With LoRA enabled, `lora` holds this projection's adapter slots and adds each
     adapter's delta to the rows of the requests that use it.

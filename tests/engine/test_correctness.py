@@ -172,9 +172,10 @@ def test_untied_embeddings_and_text_prompts(tmp_path):
         assert [o.prompt for o in outs] == texts
 
 
+@pytest.mark.cpu_kinds
 def test_bfloat16_projections_match_float32(tiny_models):
     """The bfloat16 CPU path computes what float32 computes: through oneDNN's prepacked
-    weights where the CPU has native bfloat16, the plain product elsewhere (on the CPU also
+    weights where oneDNN runs bfloat16 (AVX-512), the plain product elsewhere (on the CPU also
     where there is a GPU)."""
     from engine.hardware import detect_cpu
     from engine.layers.linear import Linear
@@ -182,7 +183,7 @@ def test_bfloat16_projections_match_float32(tiny_models):
     prompts = mixed_prompts(seed=1, count=16)
     with LLM(str(tiny_models["qwen2"]), dtype="bfloat16", device="cpu") as llm:
         linears = [m for m in llm.llm_engine.model_runner.model.modules() if isinstance(m, Linear)]
-        assert linears and all((m.packed_weight is not None) == detect_cpu().native_bf16 for m in linears)
+        assert linears and all((m.packed_weight is not None) == detect_cpu().onednn_bf16 for m in linears)
         layer = linears[0]
         x = torch.randn(5, layer.in_features, dtype=torch.bfloat16)
         weight = layer.weight
@@ -211,6 +212,7 @@ CHAT_QUESTIONS = [
 ]
 
 
+@pytest.mark.cpu_kinds
 @pytest.mark.slow
 def test_embedded_model_matches_transformers():
     """The real SmolLM2 weights, 16 chat prompts of mixed lengths, in four engine set-ups.

@@ -1,12 +1,17 @@
 """Choices by CPU capability: dtype, matrix-product kernel, threads.
 
-Each path is tested on every machine by mocking the detection; the test that runs the
-native bfloat16 kernels for real says so and runs only where the CPU has them.
+Each path is tested on every machine by mocking the detection, in the process
+(`CpuInfo`s) or for a whole engine through `DAGSTER_LLM_CPU_KIND`; `make test-cpu-kinds`
+runs this module and the other `cpu_kinds` tests as each kind of CPU this machine can
+stand in for.
 """
 
 import json
 import logging
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -14,46 +19,61 @@ import torch
 import engine.hardware as hardware
 import engine.layers.linear as linear
 from engine import LLM, SamplingParams
-from engine.hardware import CpuInfo, available_cpus, cpu_dtype, default_num_threads, detect_cpu
+from engine.hardware import CPU_KIND_ENV, CPU_KINDS, CpuInfo, available_cpus, cpu_dtype, default_num_threads, detect_cpu
+from tests.cpu_kinds import stand_ins
 
-AVX2_EPYC = CpuInfo("AMD EPYC", "x86_64", "AVX2", frozenset({"avx", "avx2", "fma", "f16c"}))
-SAPPHIRE_RAPIDS = CpuInfo(
-    "Intel Xeon Platinum 8480", "x86_64", "AVX512",
-    frozenset({"avx2", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "amx_bf16", "amx_tile"}),
-)
+pytestmark = pytest.mark.cpu_kinds
+
+AVX2, AVX512, AVX512_BF16, AMX = (CPU_KINDS[name].info() for name in ("avx2", "avx512", "avx512_bf16", "amx"))
+NATIVE_BF16 = {"avx2": False, "avx512": False, "avx512_bf16": True, "amx": True}
+ONEDNN_BF16 = {"avx2": False, "avx512": True, "avx512_bf16": True, "amx": True}  # emulated on plain AVX-512
 # AVX512-BF16 flags without the AVX-512 subsets oneDNN's bfloat16 kernels need.
 ODD_X86 = CpuInfo("odd", "x86_64", "AVX2", frozenset({"avx2", "avx512_bf16"}))
 GRAVITON3 = CpuInfo("Neoverse-V1", "aarch64", "SVE256", frozenset({"asimd", "sve", "bf16"}))
 GRAVITON2 = CpuInfo("Neoverse-N1", "aarch64", "DEFAULT", frozenset({"asimd"}))
 
 
-@pytest.mark.parametrize("cpu, native", [(AVX2_EPYC, False), (SAPPHIRE_RAPIDS, True), (ODD_X86, False),
-                                         (GRAVITON3, True), (GRAVITON2, False)])
-def test_native_bf16_is_read_from_the_flags(cpu, native):
-    assert cpu.native_bf16 is native
+@pytest.fixture
+def cpu_kind(monkeypatch):
+    """Sets `DAGSTER_LLM_CPU_KIND` for one test, as `tests/cpu_kinds.py` does for a run."""
+    def set_kind(name: str) -> None:
+        monkeypatch.setenv(CPU_KIND_ENV, name)
+        detect_cpu.cache_clear()
+
+    yield set_kind
+    detect_cpu.cache_clear()  # read again, from the environment as it was, by the next caller
+
+
+@pytest.mark.parametrize("cpu, native, onednn", [
+    *((CPU_KINDS[name].info(), NATIVE_BF16[name], ONEDNN_BF16[name]) for name in CPU_KINDS),
+    (ODD_X86, False, False), (GRAVITON3, True, True), (GRAVITON2, False, False)])
+def test_bf16_support_is_read_from_the_flags(cpu, native, onednn):
+    assert cpu.native_bf16 is native and cpu.onednn_bf16 is onednn
     assert ("no native bf16" in cpu.describe()) is not native
 
 
-def test_auto_dtype_follows_the_cpu():
-    assert cpu_dtype(None, torch.bfloat16, AVX2_EPYC) == torch.float32
-    assert cpu_dtype(None, torch.float16, AVX2_EPYC) == torch.float32
-    assert cpu_dtype(None, torch.bfloat16, SAPPHIRE_RAPIDS) == torch.bfloat16
-    assert cpu_dtype(None, torch.float16, SAPPHIRE_RAPIDS) == torch.bfloat16
-    assert cpu_dtype(None, torch.float32, SAPPHIRE_RAPIDS) == torch.float32  # a float32 checkpoint stays so
+@pytest.mark.parametrize("kind", CPU_KINDS)
+def test_auto_dtype_follows_the_cpu(kind):
+    cpu = CPU_KINDS[kind].info()
+    sixteen_bit = torch.bfloat16 if NATIVE_BF16[kind] else torch.float32
+    assert cpu_dtype(None, torch.bfloat16, cpu) == sixteen_bit
+    assert cpu_dtype(None, torch.float16, cpu) == sixteen_bit
+    assert cpu_dtype(None, torch.float32, cpu) == torch.float32  # a float32 checkpoint stays so
 
 
 def test_explicit_bfloat16_without_native_support_warns_once_and_is_kept(caplog):
     with caplog.at_level(logging.WARNING, logger="engine.hardware"):
-        assert cpu_dtype(torch.bfloat16, torch.bfloat16, AVX2_EPYC) == torch.bfloat16
-        assert cpu_dtype(torch.bfloat16, torch.bfloat16, SAPPHIRE_RAPIDS) == torch.bfloat16
+        assert cpu_dtype(torch.bfloat16, torch.bfloat16, AVX2) == torch.bfloat16
+        assert cpu_dtype(torch.bfloat16, torch.bfloat16, AMX) == torch.bfloat16
     [record] = caplog.records
     assert "no native bfloat16" in record.getMessage() and "AMD EPYC" in record.getMessage()
 
 
 def test_linear_kernel_by_capability(monkeypatch):
     cpu = torch.device("cpu")
-    for info, bf16_kernel in ((AVX2_EPYC, "aten"), (SAPPHIRE_RAPIDS, "onednn")):
-        monkeypatch.setattr(linear, "detect_cpu", lambda info=info: info)
+    for kind, onednn in ONEDNN_BF16.items():
+        monkeypatch.setattr(linear, "detect_cpu", lambda kind=kind: CPU_KINDS[kind].info())
+        bf16_kernel = "onednn" if onednn else "aten"
         assert linear.linear_kernel(torch.float32, cpu) == "onednn"
         assert linear.linear_kernel(torch.bfloat16, cpu) == bf16_kernel
         assert linear.linear_kernel(torch.float16, cpu) == "aten"
@@ -65,7 +85,7 @@ def test_a_refused_prepack_falls_back_to_the_plain_product(monkeypatch, caplog):
     def refuse(weight, _):
         raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx512bw")
 
-    monkeypatch.setattr(linear, "detect_cpu", lambda: SAPPHIRE_RAPIDS)
+    monkeypatch.setattr(linear, "detect_cpu", lambda: AMX)
     monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse)
     layer = linear.Linear(16, 8, bias=False).to(torch.bfloat16)
     with caplog.at_level(logging.WARNING, logger="engine.layers.linear"):
@@ -85,23 +105,55 @@ def bf16_checkpoint(tiny_models, tmp_path_factory):
     return folder
 
 
-@pytest.mark.parametrize("cpu, expected", [(AVX2_EPYC, torch.float32), (SAPPHIRE_RAPIDS, torch.bfloat16)])
-def test_engine_default_dtype_by_mocked_cpu(bf16_checkpoint, monkeypatch, cpu, expected):
+@pytest.mark.parametrize("kind", CPU_KINDS)
+def test_engine_default_dtype_by_cpu_kind(bf16_checkpoint, cpu_kind, kind):
     """`LLM()` on a bfloat16 checkpoint computes in float32 on a CPU without native
-    bfloat16 and in bfloat16 with it (mocked here; the kernels stay those of the real CPU)."""
-    monkeypatch.setattr("engine.config.detect_cpu", lambda: cpu)
+    bfloat16 and in bfloat16 with it (the detection set by DAGSTER_LLM_CPU_KIND; the
+    kernels stay those of the real CPU)."""
+    cpu_kind(kind)
     with LLM(str(bf16_checkpoint)) as llm:
-        assert llm.llm_engine.model_config.dtype == expected
+        assert llm.llm_engine.model_config.dtype == (torch.bfloat16 if NATIVE_BF16[kind] else torch.float32)
         out = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 4
 
 
+def test_the_cpu_kind_setting_names_itself_and_refuses_a_wrong_name(cpu_kind, caplog):
+    cpu_kind("avx2")
+    with caplog.at_level(logging.WARNING, logger="engine.hardware"):
+        cpu = detect_cpu()
+    assert cpu.flags == CPU_KINDS["avx2"].flags and not cpu.native_bf16
+    assert " as avx2 (" in cpu.describe() and f"{CPU_KIND_ENV}=avx2" in caplog.text
+    cpu_kind("avx512-bf16")
+    with pytest.raises(ValueError, match=r"DAGSTER_LLM_CPU_KIND='avx512-bf16' is not a CPU kind: set one of "
+                                         r"\['amx', 'avx2', 'avx512', 'avx512_bf16'\], or unset it"):
+        detect_cpu()
+
+
+def test_a_kinds_torch_settings_cap_pytorchs_kernels():
+    """What tests/conftest.py sets for a run as AVX2: PyTorch's own kernels take AVX2 and
+    oneDNN refuses bfloat16, as on a real AVX2 CPU (on an AVX2 CPU, trivially)."""
+    probe = ("import torch; print(torch.backends.cpu.get_cpu_capability())\n"
+             "try:\n    torch.ops.mkldnn._reorder_linear_weight(torch.ones(16, 16, dtype=torch.bfloat16), None)\n"
+             "except RuntimeError as error:\n    print('refused:', error)")
+    env = {**os.environ, **CPU_KINDS["avx2"].torch_env}
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.startswith("AVX2\n") and "refused: " in out, out
+
+
+def test_a_machine_stands_in_for_the_kinds_whose_flags_it_has():
+    runnable, missing = stand_ins(CPU_KINDS["avx512_bf16"].flags | {"clzero"})
+    assert [kind.name for kind in runnable] == ["avx2", "avx512", "avx512_bf16"]
+    assert missing == {"amx": {"amx_bf16", "amx_tile", "amx_int8"}}
+    runnable, missing = stand_ins(frozenset({"asimd", "bf16"}))  # no x86 kind on ARM
+    assert runnable == [] and set(missing) == set(CPU_KINDS)
+
+
 def test_bfloat16_runs_on_any_cpu(tiny_models):
-    """An explicit bfloat16 works on every CPU: oneDNN's kernels where it has native
-    bfloat16, the plain (emulated) product elsewhere, never a crash."""
+    """An explicit bfloat16 works on every CPU: oneDNN's kernels where they run it (with
+    AVX-512), the plain (emulated) product elsewhere, never a crash."""
     with LLM(str(tiny_models["llama"]), dtype="bfloat16") as llm:
         linears = [m for m in llm.llm_engine.model_runner.model.modules() if isinstance(m, linear.Linear)]
-        assert all((m.packed_weight is not None) == detect_cpu().native_bf16 for m in linears)
+        assert all((m.packed_weight is not None) == detect_cpu().onednn_bf16 for m in linears)
         out = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 4
 
