@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run ui instance test test-quick test-ui chromium bench bench-openvino clean
+.PHONY: run ui instance test test-quick test-cpu-kinds test-ui chromium bench bench-openvino clean
 
 # Runs and their history persist here, so that `make ui` shows what `make run` did.
 export DAGSTER_HOME := $(CURDIR)/.dagster_home
@@ -50,6 +50,10 @@ test: $(STAMP)
 
 test-quick: $(STAMP)
 	$(PY) -m pytest -m "not slow and not ui"
+
+# The tests whose path depends on the CPU (marked cpu_kinds), as each kind this CPU can stand in for.
+test-cpu-kinds: $(STAMP)
+	$(PY) -m tests.cpu_kinds
 
 # The browser test of the UI: Debian's chromium (installed here when this runs as root) driven by
 # Playwright's Python client against `dagster dev`. Screenshots land in test-artifacts/ui/.

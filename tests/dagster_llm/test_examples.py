@@ -37,6 +37,7 @@ def _load_component(name: str) -> dg.AssetsDefinition:
     return next(a for a in defs.assets if isinstance(a, dg.AssetsDefinition) and dg.AssetKey(name) in a.keys)
 
 
+@pytest.mark.cpu_kinds
 def test_daily_pipeline_one_day_and_a_single_run_range(outputs):
     root, resources = outputs
     assets = [raw_support_tickets, support_prompts, ticket_summaries, ticket_summary_quality]
@@ -68,6 +69,7 @@ def test_daily_pipeline_one_day_and_a_single_run_range(outputs):
         assert {p for _, p in checks} == {"2024-06-02", "2024-06-03", "2024-06-04"}
 
 
+@pytest.mark.cpu_kinds
 def test_static_pipeline_samples_each_partition_its_own_way(outputs):
     root, resources = outputs
     answers = _load_component("prompt_set_answers")
@@ -104,6 +106,7 @@ def test_static_pipeline_samples_each_partition_its_own_way(outputs):
         assert latest(instance, "prompt_set_answers", "creative").tags["dagster/data_version"] != version
 
 
+@pytest.mark.cpu_kinds
 def test_ticket_triage_component_writes_a_typed_table(outputs):
     root, resources = outputs
     triage = _load_component("ticket_triage")
@@ -127,6 +130,7 @@ def test_ticket_triage_component_writes_a_typed_table(outputs):
         assert parse_rate.passed and parse_rate.metadata["parsed_rows"].value == 3
 
 
+@pytest.mark.cpu_kinds
 def test_chat_message_prompts_are_rendered_with_the_template(outputs):
     root, resources = outputs
     from dagster_llm import SamplingConfig, build_generation_asset

@@ -14,6 +14,8 @@ from engine.layers.attention_torch import matmul_attention
 from engine.layers.linear import Linear, linear_kernel
 from engine.layers.sampler import _inverse_cdf, top_k_top_p_head
 
+pytestmark = pytest.mark.cpu_kinds
+
 
 DTYPES = [torch.float32, torch.bfloat16]
 

@@ -16,6 +16,8 @@ from engine.kernels import cpu_attention
 from engine.layers.attention import Attention
 from engine.layers.attention_torch import matmul_attention
 
+pytestmark = pytest.mark.cpu_kinds
+
 BLOCK = 16
 
 

@@ -121,6 +121,7 @@ def test_prefix_cache_is_keyed_by_adapter(qwen2_with_adapters):
     assert len({tuple(o.outputs[0].token_ids) for o in (first, other, plain)}) == 3
 
 
+@pytest.mark.cpu_kinds
 def test_adapter_requests_do_not_depend_on_the_batch_in_bfloat16(qwen2_with_adapters):
     base, requests = qwen2_with_adapters
     prompts = [{"prompt_token_ids": p} for p in prompts_of(12, 300, seed=4)]

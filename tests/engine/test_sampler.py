@@ -482,6 +482,7 @@ def test_logprobs_are_those_of_the_raw_logits():
     assert results[2].top_ids == [] and results[2].top_logprobs == []
 
 
+@pytest.mark.cpu_kinds
 def test_logprobs_zero_or_none_everywhere_and_bfloat16_input():
     vocab = 64
     logits = random_logits(3, vocab, seed=10, scale=3.0)

@@ -88,11 +88,13 @@ def check_seeded_requests_do_not_depend_on_the_batch(model: str, dtype: str) -> 
         assert [completion(outs[p]) for p in positions] == alone
 
 
+@pytest.mark.cpu_kinds
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_seeded_requests_do_not_depend_on_the_batch(tiny_models, dtype):
     check_seeded_requests_do_not_depend_on_the_batch(str(tiny_models["llama"]), dtype)
 
 
+@pytest.mark.cpu_kinds
 @pytest.mark.slow
 def test_seeded_requests_do_not_depend_on_the_batch_on_the_embedded_model():
     """In the dtype that "auto" picks on this CPU (float32 without native bfloat16)."""

@@ -301,6 +301,7 @@ TICKETS = [
 ]
 
 
+@pytest.mark.cpu_kinds
 @pytest.mark.slow
 def test_embedded_model_outputs_parse_and_validate():
     """On the real model: JSON schemas (nested objects, enums, arrays, bounded numbers),
