@@ -50,7 +50,7 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="auto")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--adapters", type=int, default=4)
     args = parser.parse_args()
@@ -58,6 +58,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp, LLM(dtype=args.dtype) as base, \
             LLM(dtype=args.dtype, enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank) as lora:
         prompts = [{"prompt_token_ids": p} for p in chat_prompt_ids(base.get_tokenizer(), args.num_prompts)]
+        dtype = base.llm_engine.model_config.dtype_name  # what "auto" picked
         adapters = [LoRARequest(f"adapter{i}", i + 1, str(write_adapter(Path(tmp) / f"a{i}", lora, args.rank, i)))
                     for i in range(args.adapters)]
         mixed = [adapters[i % args.adapters] for i in range(len(prompts))]
@@ -76,7 +77,7 @@ def main() -> None:
             times["lora"].append(timed(lora, mixed))
     tokens = args.num_prompts * args.output_len
     rates = {name: tokens / min(values) for name, values in times.items()}
-    print(f"prompts={args.num_prompts} output_len={args.output_len} dtype={args.dtype} rank={args.rank} "
+    print(f"prompts={args.num_prompts} output_len={args.output_len} dtype={dtype} rank={args.rank} "
           f"best of {args.repeats}")
     print(f"base model:         {rates['base']:8.1f} output tokens/s")
     print(f"{args.adapters} adapter(s) mixed: {rates['lora']:8.1f} output tokens/s")

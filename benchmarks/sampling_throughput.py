@@ -21,7 +21,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="auto")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     length = dict(max_tokens=args.output_len, ignore_eos=True)
@@ -34,6 +34,7 @@ def main() -> None:
     ]
     with LLM(dtype=args.dtype) as llm:
         prompts = [{"prompt_token_ids": p} for p in chat_prompt_ids(llm.get_tokenizer(), args.num_prompts)]
+        dtype = llm.llm_engine.model_config.dtype_name  # what "auto" picked
         greedy = [kinds[0]] * len(prompts)
         mixed = [kinds[i % 4] for i in range(len(prompts))]
         llm.generate(prompts[:4], mixed[:4], use_tqdm=False)  # warm-up
@@ -50,7 +51,7 @@ def main() -> None:
             times["mixed"].append(timed(mixed))
     tokens = args.num_prompts * args.output_len
     rates = {name: tokens / min(values) for name, values in times.items()}
-    print(f"prompts={args.num_prompts} output_len={args.output_len} dtype={args.dtype} best of {args.repeats}")
+    print(f"prompts={args.num_prompts} output_len={args.output_len} dtype={dtype} best of {args.repeats}")
     print(f"all greedy:     {rates['greedy']:8.1f} output tokens/s")
     print(f"mixed sampling: {rates['mixed']:8.1f} output tokens/s")
     print(f"mixed/greedy: {rates['mixed'] / rates['greedy']:.3f} (target: at least 0.90)")

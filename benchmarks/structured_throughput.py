@@ -52,6 +52,7 @@ def main() -> None:
     schema = unbounded_strings(SCHEMA) if args.unbounded_strings else SCHEMA
     constraint = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
     with LLM(args.model, dtype=args.dtype) as llm:
+        dtype = llm.llm_engine.model_config.dtype_name  # what "auto" picked
         prompts = [{"prompt_token_ids": p} for p in chat_prompt_ids(llm.get_tokenizer(), args.num_prompts)]
         constrained = [SamplingParams(temperature=0, max_tokens=args.max_tokens, structured_outputs=constraint)
                        ] * len(prompts)
@@ -78,7 +79,7 @@ def main() -> None:
     stopped = sum(o.outputs[0].finish_reason == "stop" for o in first)
     print(f"schema: {'strings without maxLength' if args.unbounded_strings else 'strings with maxLength'}")
     print(f"prompts={args.num_prompts} output tokens={tokens} (mean {tokens / len(lengths):.0f} per row, "
-          f"{stopped} of {len(first)} complete JSON) dtype={args.dtype} best of {args.repeats}")
+          f"{stopped} of {len(first)} complete JSON) dtype={dtype} best of {args.repeats}")
     print(f"first constrained run, schema compile included: {compile_and_first:.1f} s")
     print(f"unconstrained: {rates['plain']:8.1f} output tokens/s")
     print(f"JSON schema:   {rates['json']:8.1f} output tokens/s")

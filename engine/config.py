@@ -115,6 +115,11 @@ class ModelConfig:
     eos_token_ids: set[int] = field(default_factory=set)
     sampling_defaults: dict = field(default_factory=dict)
 
+    @property
+    def dtype_name(self) -> str:
+        """The compute dtype as `LLM(dtype=...)` names it ("bfloat16")."""
+        return str(self.dtype).removeprefix("torch.")
+
     @classmethod
     def resolve(cls, path: Path, engine: EngineConfig, eos_token_id: int | None) -> "ModelConfig":
         hf_config = AutoConfig.from_pretrained(path)

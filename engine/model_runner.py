@@ -76,11 +76,11 @@ class ModelRunner:
             keep_freed_memory()
             threads = set_num_threads(config.num_threads)
             logger.info("CPU: %s; dtype %s, %s matrix products, %s attention, %d threads", detect_cpu().describe(),
-                        str(model_config.dtype).removeprefix("torch."),
-                        linear_kernel(model_config.dtype, self.device), self.attention_backend, threads)
+                        model_config.dtype_name, linear_kernel(model_config.dtype, self.device),
+                        self.attention_backend, threads)
         else:
             logger.info("GPU: %s; dtype %s, %s attention", torch.cuda.get_device_name(self.device),
-                        str(model_config.dtype).removeprefix("torch."), self.attention_backend)
+                        model_config.dtype_name, self.attention_backend)
             free, total = torch.cuda.mem_get_info(self.device)
             self._gpu_used_at_start = total - free
         # Weights and cache in mappings of their own on a CPU: freed, they leave the process.

@@ -62,7 +62,7 @@ def run_cycle(model: str, ending: str, report: MemoryReport) -> None:
     llm = LLM(model)
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
     runner = llm.llm_engine.model_runner
-    report.dtype = str(runner.model_config.dtype).removeprefix("torch.")
+    report.dtype = runner.model_config.dtype_name
     weights = weight_bytes(runner.model) / 2**20
     del runner
     peak = rss_mib()
