@@ -129,7 +129,7 @@ def load_model(model_config: ModelConfig) -> nn.Module:
     model.prepack()
     model.eval()
     logger.info(
-        "Loaded %s (%s, %s, weights %.1f MiB) from %s in %.2f s", model_class.__name__, model_config.dtype,
+        "Loaded %s (%s, %s, weights %.1f MiB) from %s in %.2f s", model_class.__name__, model_config.dtype_name,
         model_config.device, weight_bytes(model) / 2**20, model_config.path, time.perf_counter() - started,
     )
     return model
