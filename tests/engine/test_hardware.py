@@ -9,6 +9,7 @@ stand in for.
 import json
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -129,6 +130,7 @@ def test_the_cpu_kind_setting_names_itself_and_refuses_a_wrong_name(cpu_kind, ca
         detect_cpu()
 
 
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the kinds are x86 CPUs")
 def test_a_kinds_torch_settings_cap_pytorchs_kernels():
     """What tests/conftest.py sets for a run as AVX2: PyTorch's own kernels take AVX2 and
     oneDNN refuses bfloat16, as on a real AVX2 CPU (on an AVX2 CPU, trivially)."""
