@@ -128,20 +128,28 @@ def machine_cpu() -> CpuInfo:
     return CpuInfo(name, platform.machine(), torch.backends.cpu.get_cpu_capability(), flags)
 
 
+def chosen_cpu_kind() -> CpuKind | None:
+    """The kind `DAGSTER_LLM_CPU_KIND` names, or None where it is unset; a name that is
+    not a kind raises, naming the choices."""
+    name = os.environ.get(CPU_KIND_ENV, "").strip()
+    if not name:
+        return None
+    if name not in CPU_KINDS:
+        raise ValueError(f"{CPU_KIND_ENV}={name!r} is not a CPU kind: set one of {sorted(CPU_KINDS)}, or unset it "
+                         "to detect this machine's")
+    return CPU_KINDS[name]
+
+
 @functools.cache
 def detect_cpu() -> CpuInfo:
     """The CPU the engine chooses its path for, once per process: this machine's, or
     the kind `DAGSTER_LLM_CPU_KIND` names."""
     machine = machine_cpu()
-    name = os.environ.get(CPU_KIND_ENV, "").strip()
-    if not name:
-        return machine
-    kind = CPU_KINDS.get(name)
+    kind = chosen_cpu_kind()
     if kind is None:
-        raise ValueError(f"{CPU_KIND_ENV}={name!r} is not a CPU kind: set one of {sorted(CPU_KINDS)}, or unset it "
-                         "to detect this machine's")
-    chosen = kind.info(f"{machine.model_name} as {name}")
-    logger.warning("%s=%s: the engine chooses its path as on %s", CPU_KIND_ENV, name, chosen.describe())
+        return machine
+    chosen = kind.info(f"{machine.model_name} as {kind.name}")
+    logger.warning("%s=%s: the engine chooses its path as on %s", CPU_KIND_ENV, kind.name, chosen.describe())
     return chosen
 
 

@@ -6,16 +6,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.hardware import CPU_KIND_ENV, CPU_KINDS, detect_cpu
+from engine.hardware import chosen_cpu_kind, detect_cpu
 from tests.tiny_models import FAMILIES, build_tiny_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Run as another kind of CPU (tests/cpu_kinds.py): PyTorch's kernels capped at its
 # instruction set too, before any of them runs in this process or the ones it starts.
-if _kind := os.environ.get(CPU_KIND_ENV):
-    if _kind not in CPU_KINDS:
-        raise pytest.UsageError(f"{CPU_KIND_ENV}={_kind!r}: expected one of {sorted(CPU_KINDS)}")
-    for _name, _value in CPU_KINDS[_kind].torch_env.items():
+if _kind := chosen_cpu_kind():
+    for _name, _value in _kind.torch_env.items():
         os.environ.setdefault(_name, _value)
 # Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors. It is chosen
 # when a kernel is defined, so it must be set before any engine module imports Triton.
