@@ -80,6 +80,13 @@ class BlockManager:
         sibling is copied before the sequence writes into it (copy on write). Returns
         False when too few blocks are free.
         """
+        size = self.block_size
+        if not cached_blocks and seq.num_computed_tokens + num_new_tokens <= len(seq.block_table) * size:
+            # The common decode step: room in the last block, which is its own (or is
+            # only entered now, at a block boundary, and needs no copy).
+            offset = seq.num_computed_tokens % size
+            if not offset or self.blocks[seq.block_table[seq.num_computed_tokens // size]].ref_count == 1:
+                return True
         num_computed = seq.num_computed_tokens + len(cached_blocks) * self.block_size
         num_blocks_needed = -(-(num_computed + num_new_tokens) // self.block_size)
         num_new_blocks = num_blocks_needed - len(seq.block_table) - len(cached_blocks)
@@ -96,6 +103,7 @@ class BlockManager:
             shared = self.blocks[seq.block_table[index]]
             shared.ref_count -= 1
             seq.block_table[index] = self._take_free_block()
+            seq.num_blocks_in_batch = min(seq.num_blocks_in_batch, index)
             self.pending_copies.append((shared.block_id, seq.block_table[index]))
         for block_id in cached_blocks:
             block = self.blocks[block_id]
@@ -130,9 +138,11 @@ class BlockManager:
 
     def register_full_blocks(self, seq: Sequence) -> None:
         """Makes the sequence's newly computed full blocks findable by later requests."""
-        if not self.enable_prefix_caching:
+        # Only blocks whose tokens are all known: a token still being sampled may be
+        # computed already (asynchronous scheduling), but it cannot be hashed yet.
+        num_full = min(seq.num_computed_tokens, len(seq.token_ids)) // self.block_size
+        if num_full <= seq.num_registered_blocks or not self.enable_prefix_caching:
             return
-        num_full = seq.num_computed_tokens // self.block_size
         for i in range(seq.num_registered_blocks, num_full):
             block = self.blocks[seq.block_table[i]]
             if block.key is None:

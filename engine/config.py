@@ -56,6 +56,10 @@ class EngineConfig:
                                               "'fcfs' a request's priority is accepted and ignored, as in vLLM).")
     max_logprobs: int = _setting(20, "Most logprobs or prompt_logprobs a request may ask for per token; -1 allows "
                                      "the whole vocabulary.")
+    async_scheduling: bool | None = _setting(None, "Schedule each step while the previous one runs, and read its "
+                                                   "sampled tokens back one step later (vLLM's async scheduling; "
+                                                   "outputs are the same either way). None: on with a GPU, off on a "
+                                                   "CPU, where the forward pass and the host work share the cores.")
     enforce_eager: bool = _setting(False, "Never capture CUDA graphs (on a GPU with the Triton backend, decode "
                                           "steps otherwise replay graphs captured at start-up; off with LoRA).")
     enable_lora: bool = _setting(False, "Accept LoRA adapters (`lora_request` in generate and chat).")
@@ -97,6 +101,9 @@ class EngineConfig:
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
             problems.append(f"max_logprobs must be -1 (the whole vocabulary) or a non-negative integer, "
                             f"got {self.max_logprobs!r}")
+        if self.async_scheduling not in (None, True, False):
+            problems.append(f"async_scheduling must be True, False or None (the device's default), "
+                            f"got {self.async_scheduling!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             problems.append(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if problems:

@@ -47,9 +47,8 @@ class CUDAGraphRunner:
     def _metadata(self, size: int) -> AttentionMetadata:
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:size], query_start_loc=self.query_start_loc[: size + 1],
-            seq_lens=self.seq_lens[:size], block_tables=self.block_tables[:size], query_lens=[1] * size,
-            context_lens=[0] * size, host_block_tables=[[] for _ in range(size)], block_size=self.block_size,
-            backend_data=self.splits)
+            seq_lens=self.seq_lens[:size], block_tables=self.block_tables[:size], positions=self.positions[:size],
+            query_lens=[1] * size, context_lens=[0] * size, block_size=self.block_size, backend_data=self.splits)
 
     def capture(self) -> None:
         """Captures every bucket, largest first, sharing one memory pool."""
@@ -70,19 +69,18 @@ class CUDAGraphRunner:
     def fits(self, num_seqs: int) -> bool:
         return num_seqs <= self.buckets[-1]
 
-    def run(self, input_ids: list[int], positions: list[int], slots: list[int], context_lens: list[int],
-            block_tables: list[list[int]]) -> torch.Tensor:
-        """Hidden states [seqs, hidden] of a decode step (one new token per sequence)."""
+    def run(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states [seqs, hidden] of a decode step (one new token per sequence),
+        its inputs copied on the device into the bucket's buffers."""
         count = len(input_ids)
         size = next(b for b in self.buckets if b >= count)
-        width = max(len(t) for t in block_tables)
-        pad = size - count
-        host = torch.tensor([*input_ids, *[0] * pad, *positions, *[0] * pad, *slots, *[-1] * pad])
-        self.input_ids[:size].copy_(host[:size], non_blocking=True)
-        self.positions[:size].copy_(host[size : 2 * size], non_blocking=True)
-        self.slot_mapping[:size].copy_(host[2 * size :], non_blocking=True)
-        self.seq_lens[:size].copy_(torch.tensor(context_lens + [0] * pad, dtype=torch.int32), non_blocking=True)
-        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
-        self.block_tables[:count, :width].copy_(tables, non_blocking=True)
+        width = meta.block_tables.shape[1]
+        self.input_ids[:count].copy_(input_ids)
+        self.positions[:count].copy_(meta.positions)
+        self.slot_mapping[:count].copy_(meta.slot_mapping)
+        self.slot_mapping[count:size].fill_(-1)
+        self.seq_lens[:count].copy_(meta.seq_lens)
+        self.seq_lens[count:size].zero_()
+        self.block_tables[:count, :width].copy_(meta.block_tables)
         self.graphs[size].replay()
         return self.outputs[size][:count]

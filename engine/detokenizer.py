@@ -23,8 +23,12 @@ class IncrementalDetokenizer:
         prompt_token_ids: list[int],
         skip_special_tokens: bool = True,
         spaces_between_special_tokens: bool = True,
+        token_texts: dict[int, str] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        # Texts of single tokens decoded with these settings, shared by the detokenizers
+        # that have the same settings: the prefix window is usually one token.
+        self.token_texts = {} if token_texts is None else token_texts
         # A fast tokenizer's own (Rust) decode, where transformers' wrapper would add no
         # clean-up: the same text at a third of the cost (the wrapper's argument handling
         # dominated a 256-sequence decode step).
@@ -47,7 +51,13 @@ class IncrementalDetokenizer:
     def add_token(self, token_id: int) -> str:
         """Appends one token and returns the text it completes (possibly empty)."""
         self.ids.append(token_id)
-        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        if self.read_offset - self.prefix_offset == 1:
+            prefix_id = self.ids[self.prefix_offset]
+            prefix_text = self.token_texts.get(prefix_id)
+            if prefix_text is None:
+                prefix_text = self.token_texts[prefix_id] = self._decode([prefix_id])
+        else:
+            prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
         window_text = self._decode(self.ids[self.prefix_offset :])
         if len(window_text) <= len(prefix_text) or window_text.endswith("\ufffd"):
             return ""

@@ -16,13 +16,13 @@ from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.hardware import release_freed_memory
 from engine.model_loader import check_model_folder, resolve_model_path
-from engine.model_runner import ModelRunner
+from engine.model_runner import LaunchedStep, ModelRunner
 from engine.layers.sampler import SampledToken
 from engine.lora.manager import LoRAManager
 from engine.lora.request import LoRARequest
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from engine.sequence import Sequence
 from engine.structured_output.manager import StructuredOutputManager
 
@@ -64,6 +64,8 @@ class LLMEngine:
                 f"{self.model_config.max_model_len}: without chunked prefill a long prompt could never "
                 f"run. Raise it, lower max_model_len, or enable_chunked_prefill=True"
             )
+        if config.async_scheduling is None:
+            config.async_scheduling = self.model_config.device.type == "cuda"
         self.config = config
         self.structured_output = StructuredOutputManager(
             self.tokenizer, self.model_config.hf_config.vocab_size, sorted(self.model_config.eos_token_ids))
@@ -83,6 +85,8 @@ class LLMEngine:
         )
         self.stats = EngineStats()
         self._seq_ids = itertools.count()
+        self._token_texts: dict[tuple[bool, bool], dict[int, str]] = {}  # by detokenizer settings
+        self._in_flight: LaunchedStep | None = None  # launched, its tokens not yet read back
         if self.model_config.device.type == "cpu":
             weakref.finalize(self, _free_dropped_engine, self.__dict__).atexit = False
 
@@ -109,6 +113,7 @@ class LLMEngine:
         seq = self._new_sequence(request_id, prompt, prompt_token_ids, sampling_params, priority, index=0,
                                  lora_request=lora_request)
         seq.bad_words_ids = self._bad_words_ids(sampling_params.bad_words)
+        seq.processes_logits = _processes_logits(seq)
         self.scheduler.add(seq)
         return seq
 
@@ -121,12 +126,15 @@ class LLMEngine:
             prompt=prompt,
             prompt_token_ids=prompt_token_ids,
             sampling_params=params,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens,
-                                               params.spaces_between_special_tokens),
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer, prompt_token_ids, params.skip_special_tokens, params.spaces_between_special_tokens,
+                self._token_texts.setdefault((params.skip_special_tokens, params.spaces_between_special_tokens), {})),
             priority=priority,
             index=index,
             lora_request=lora_request,
         )
+        seq.max_num_tokens = seq.num_prompt_tokens + params.max_output_tokens(seq.num_prompt_tokens,
+                                                                               self.model_config.max_model_len)
         if params.structured_outputs is not None:
             seq.grammar = self.structured_output.grammar(params.structured_outputs)
         if params.seed is not None:
@@ -149,26 +157,59 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[Sequence]:
-        """Schedules and runs one step; returns the sequences that finished in it."""
+        """Schedules and launches one step; returns the sequences that finished.
+
+        With asynchronous scheduling a step's tokens are read back during the next step:
+        its forward pass is queued first, then the previous step's tokens are appended
+        and checked for stops while the device computes, then the step samples. So the
+        sequences returned are those the previous step finished. Without it, a step's
+        tokens are read back before it returns.
+        """
         batch = self.scheduler.schedule()
+        launched = self._launch_forward(batch) if batch.seqs else None
+        if not batch.seqs:
+            self.model_runner.release_rows(batch.released)
+        finished = self._process(self._in_flight) if self._in_flight is not None else []
+        self._in_flight = None
+        if launched is not None:
+            self.model_runner.launch_sampling(launched)
+            if self.config.async_scheduling:
+                self._in_flight = launched
+            else:
+                finished += self._process(launched)
+        return finished
+
+    def _launch_forward(self, batch: ScheduledBatch) -> LaunchedStep:
+        """Forks the completions whose prompt this step finishes, queues the forward pass
+        and counts its tokens as computed."""
         self.stats.num_cached_prompt_tokens += batch.cached_prompt_tokens
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             start = seq.num_computed_tokens
-            self.stats.num_prompt_tokens_computed += max(0, min(start + num_new, seq.num_prompt_tokens) - start)
+            if start < seq.num_prompt_tokens:
+                self.stats.num_prompt_tokens_computed += min(start + num_new, seq.num_prompt_tokens) - start
             if seq.num_pending_children and start + num_new == seq.num_tokens:
                 batch.forks += self._fork(seq)
-        output = self.model_runner.execute(batch)
+        launched = self.model_runner.launch_forward(batch)
         self.scheduler.update_computed(batch)
         for child, parent in batch.forks:
             child.num_computed_tokens = parent.num_computed_tokens
             child.num_registered_blocks = parent.num_registered_blocks
         self.stats.num_steps += 1
+        return launched
+
+    def _process(self, launched: LaunchedStep) -> list[Sequence]:
+        """Reads a step's tokens back, appends them and retires the sequences they end.
+        A sequence finished or aborted since the step was launched takes nothing."""
+        output = self.model_runner.collect(launched)
         for seq, positions in output.prompt_logprobs.items():
             for position, token in positions:
                 seq.prompt_logprobs[position] = self._logprob_dict(token, seq.sampling_params.detokenize)
         finished = []
-        for seq, token in output.sampled.items():
-            self._append_token(seq, token)
+        logprobs = output.logprobs
+        for i, (seq, token) in enumerate(zip(output.seqs, output.token_ids)):
+            if seq.is_finished:
+                continue
+            self._append_token(seq, token, logprobs[i] if logprobs is not None else None)
             if seq.finish_reason is not None:
                 seq.metrics.finished_time = time.monotonic()
                 self.scheduler.finish(seq)
@@ -182,6 +223,7 @@ class LLMEngine:
             child = self._new_sequence(parent.request_id, parent.prompt, parent.token_ids[: parent.num_prompt_tokens],
                                        parent.sampling_params, parent.priority, index, parent.lora_request)
             child.bad_words_ids = parent.bad_words_ids
+            child.processes_logits = parent.processes_logits
             child.num_computed_tokens = parent.num_computed_tokens
             child.num_cached_tokens = parent.num_cached_tokens
             child.metrics.first_scheduled_time = parent.metrics.first_scheduled_time
@@ -206,28 +248,29 @@ class LLMEngine:
             entry[token.token_id] = Logprob(token.logprob, token.rank, text(token.token_id))
         return entry
 
-    def _append_token(self, seq: Sequence, sampled: SampledToken) -> None:
-        """Adds a sampled token and decides whether the sequence is done, and why."""
-        token = sampled.token_id
+    def _append_token(self, seq: Sequence, token: int, sampled: SampledToken | None) -> None:
+        """Adds a sampled token (with its logprobs when the request asked) and decides
+        whether the sequence is done, and why."""
         seq.token_ids.append(token)
+        seq.num_pending_tokens = 0
         self.stats.num_generated_tokens += 1
         if seq.metrics.first_token_time is None:
             seq.metrics.first_token_time = time.monotonic()
-        if seq.logprobs is not None:
-            seq.logprobs.append(self._logprob_dict(sampled, seq.sampling_params.detokenize))
-            seq.cumulative_logprob += sampled.logprob
         params = seq.sampling_params
+        if seq.logprobs is not None:
+            seq.logprobs.append(self._logprob_dict(sampled, params.detokenize))
+            seq.cumulative_logprob += sampled.logprob
         delta = seq.detokenizer.add_token(token) if params.detokenize else ""
-        may_stop = seq.num_output_tokens >= params.min_tokens
         if seq.grammar is not None and self._grammar_ends(seq, token):
             return
-        if not params.ignore_eos and token in self.model_config.eos_token_ids and may_stop:
-            seq.finish_reason = "stop"
-        elif token in params.stop_token_ids and may_stop:
-            seq.finish_reason, seq.stop_reason = "stop", token
-        elif params.stop and may_stop and (stop := _find_stop(seq.detokenizer, delta, params)):
-            seq.finish_reason, seq.stop_reason = "stop", stop
-        elif seq.num_output_tokens >= params.max_output_tokens(seq.num_prompt_tokens, self.model_config.max_model_len):
+        if len(seq.token_ids) - seq.num_prompt_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in self.model_config.eos_token_ids:
+                seq.finish_reason = "stop"
+            elif token in params.stop_token_ids:
+                seq.finish_reason, seq.stop_reason = "stop", token
+            elif params.stop and (stop := _find_stop(seq.detokenizer, delta, params)):
+                seq.finish_reason, seq.stop_reason = "stop", stop
+        if seq.finish_reason is None and len(seq.token_ids) >= seq.max_num_tokens:
             seq.finish_reason = "length"
 
     @staticmethod
@@ -256,7 +299,9 @@ class LLMEngine:
                 for seq in seqs]
 
     def abort_all(self) -> None:
-        """Drops every queued and running request, returning their blocks."""
+        """Drops every queued and running request, returning their blocks; a step in
+        flight is forgotten (its tokens were for requests that no longer exist)."""
+        self._in_flight = None
         self.scheduler.abort_all()
 
     def request_output(self, seq: Sequence) -> RequestOutput:
@@ -305,6 +350,13 @@ def _free_dropped_engine(attributes: dict) -> None:
     attributes.clear()
     gc.collect()  # parts held in reference cycles (a no-op when this runs inside a collection)
     release_freed_memory()
+
+
+def _processes_logits(seq: Sequence) -> bool:
+    """Whether the sequence's logits go through processors before sampling: banned or
+    allowed tokens, logit bias, penalties, min_tokens."""
+    p = seq.sampling_params
+    return bool(seq.bad_words_ids or p.min_tokens or p.allowed_token_ids or p.logit_bias or p.needs_penalties)
 
 
 def _find_stop(detokenizer: IncrementalDetokenizer, delta: str, params: SamplingParams) -> str | None:

@@ -1,4 +1,6 @@
-"""Runs the model for one scheduled step: builds its inputs, owns the KV cache, samples."""
+"""Runs the model for one scheduled step: owns the KV cache, launches the forward pass,
+then samples; what a step sampled is read back separately, so that the engine can queue
+the next step's forward before it waits for this one's tokens."""
 
 import contextlib
 import itertools
@@ -13,49 +15,42 @@ from engine.layers.attention import Attention, AttentionMetadata
 from engine.layers.attention_selector import make_backend, resolve_backend_name
 from engine.layers.kernels import use_triton_kernels
 from engine.layers.linear import linear_kernel
-from engine.layers.sampler import Penalties, SampledToken, Sampler, SamplingMetadata, token_logprobs
+from engine.device_queue import Pending, launch
+from engine.input_batch import InputBatch, PromptRows, StepInputs, upload
+from engine.layers.sampler import (
+    SampledToken, Sampler, SamplerOutput, token_logprobs,
+)
 from engine.lora.manager import LoRAManager
 from engine.model_loader import load_model
 from engine.models.llama import head_dim_of
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
-from engine.structured_output.manager import grammar_bitmask
+from engine.sampling_metadata import SamplingMetadataBuilder
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class PromptRows:
-    """A sequence's rows in the step whose next prompt token needs its logprobs."""
-
-    seq: Sequence
-    first_row: int
-    first_position: int
-    count: int
-
-
-@dataclass
-class StepInputs:
-    """One step's rows, flattened: each sequence's new tokens back to back."""
-
-    input_ids: list[int] = field(default_factory=list)
-    positions: list[int] = field(default_factory=list)
-    slots: list[int] = field(default_factory=list)
-    query_lens: list[int] = field(default_factory=list)
-    context_lens: list[int] = field(default_factory=list)
-    block_tables: list[list[int]] = field(default_factory=list)
-    sample_rows: list[int] = field(default_factory=list)
-    sample_seqs: list[Sequence] = field(default_factory=list)
-    prompt_rows: list[PromptRows] = field(default_factory=list)
-    lora_ranges: list[tuple[int, int, int]] = field(default_factory=list)  # (slot, first row, end row)
-
-
-@dataclass
 class StepOutput:
-    """What one step produced: sampled tokens, and prompt logprobs by position."""
+    """What one step produced, read back on the host: the token each of `seqs` sampled
+    (with its logprobs when any row asked), and prompt logprobs by position."""
 
-    sampled: dict[Sequence, SampledToken]
+    seqs: list[Sequence]
+    token_ids: list[int]
+    logprobs: list[SampledToken] | None
     prompt_logprobs: dict[Sequence, list[tuple[int, SampledToken]]]
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose work is queued on the device: its inputs, its forward pass (the
+    hidden states, until it samples) and then its sampling, whose result is what it
+    sampled and the prompt logprobs, copied to the host."""
+
+    inputs: StepInputs
+    forward: Pending[torch.Tensor]
+    sample_seqs: list[Sequence] = field(default_factory=list)
+    sampling: Pending[tuple[SamplerOutput | None, list[tuple[PromptRows, SamplerOutput]]]] | None = None
 
 
 class ModelRunner:
@@ -91,6 +86,9 @@ class ModelRunner:
             self.num_blocks = self._plan_kv_cache()
             self._allocate_kv_cache()
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
+        self.sampling_metadata = SamplingMetadataBuilder(model_config.hf_config.vocab_size,
+                                                         model_config.eos_token_ids, self.device)
+        self.input_batch = InputBatch(config.max_num_seqs, model_config.max_model_len, self.block_size, self.device)
         self.lora_manager = None
         if config.enable_lora:
             self.lora_manager = LoRAManager(
@@ -176,9 +174,7 @@ class ModelRunner:
         lengths = [min(longest, tokens - start) for start in range(0, tokens, longest)]
         self.num_blocks = 1
         self._allocate_kv_cache()
-        step = StepInputs(input_ids=[0] * tokens, positions=[p for n in lengths for p in range(n)],
-                          slots=[self.null_slot] * tokens, query_lens=lengths, context_lens=lengths,
-                          block_tables=[[0] * -(-n // self.block_size) for n in lengths])
+        step = self._profile_inputs(lengths)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         weights = torch.cuda.memory_allocated(self.device)
@@ -191,6 +187,18 @@ class ModelRunner:
         for attn in self._attention_layers():
             attn.k_cache = attn.v_cache = torch.empty(0)
         return peak
+
+    def _profile_inputs(self, lengths: list[int]) -> StepInputs:
+        """Prompts of these lengths whose keys and values all go to the null slot."""
+        device, size = self.device, self.block_size
+        positions = torch.cat([torch.arange(n) for n in lengths]).to(device)
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((len(positions),), self.null_slot, dtype=torch.long, device=device),
+            query_start_loc=torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(lengths, dtype=torch.int32, device=device),
+            block_tables=torch.zeros(len(lengths), -(-max(lengths) // size), dtype=torch.int32, device=device),
+            positions=positions, query_lens=lengths, context_lens=lengths, block_size=size)
+        return StepInputs(torch.zeros_like(positions), positions, meta, len(positions))
 
     def _allocate_kv_cache(self) -> None:
         """One extra block past the managed ones is the null block: zeros that padded key
@@ -218,88 +226,82 @@ class ModelRunner:
     # -- one step ------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> StepOutput:
-        """Runs the step: the sampled token of each sequence whose tokens are all computed
-        (forked children sample from their parent's logits), and prompt logprobs."""
-        self._copy_blocks(batch.block_copies)
-        step = self._prepare_step(batch)
-        if self.lora_manager is not None:
-            self.lora_manager.batch.set(step.lora_ranges, len(step.input_ids), self.device)
-        hidden = self._forward(step)
-        output = StepOutput({}, {})
-        for rows in step.prompt_rows:
-            output.prompt_logprobs[rows.seq] = self._prompt_logprobs(
-                rows.seq, hidden[rows.first_row : rows.first_row + rows.count], rows.first_position)
-        if step.sample_seqs:
-            logits = self.model.compute_logits(hidden[torch.tensor(step.sample_rows, device=self.device)])
-            sampled = self.sampler(logits, self._sampling_metadata(step.sample_seqs))
-            output.sampled = dict(zip(step.sample_seqs, sampled))
+    def launch_forward(self, batch: ScheduledBatch) -> LaunchedStep:
+        """Queues the step's forward pass. Rows of the sequences that left the running set
+        are freed first."""
+        self.input_batch.release(batch.released)
+        lora_slots = self._activate_adapters(batch.seqs)
+        inputs = self.input_batch.prepare(batch, lora_slots)
+
+        def forward() -> torch.Tensor:
+            self._copy_blocks(batch.block_copies)
+            self.input_batch.fill_pending(inputs)
+            if self.lora_manager is not None:
+                self.lora_manager.batch.set(inputs.lora_ranges, inputs.num_tokens, self.device)
+            return self._forward(inputs)
+
+        return LaunchedStep(inputs, launch(forward, self.device))
+
+    def release_rows(self, seqs: list[Sequence]) -> None:
+        """Frees the persistent-batch rows of sequences that left the running set."""
+        self.input_batch.release(seqs)
+
+    @torch.inference_mode()
+    def launch_sampling(self, step: LaunchedStep) -> None:
+        """Queues the step's sampling, its settings read now: the engine calls this once
+        the previous step's tokens are on the host (penalties, grammars and min_tokens see
+        them), and while the forward pass runs. A sequence that finished since its rows
+        were launched does not sample. The sampled ids stay on the device as the next
+        step's inputs; their host copy is queued behind them."""
+        inputs = step.inputs
+        seqs, rows = inputs.sample_seqs, inputs.sample_rows
+        if any(seq.is_finished for seq in seqs):
+            live = [i for i, seq in enumerate(seqs) if not seq.is_finished]
+            seqs, rows = [seqs[i] for i in live], [rows[i] for i in live]
+        meta = self.sampling_metadata.build(seqs) if seqs else None
+        rows_t = upload(rows, torch.long, self.device)
+        slots_t = upload([seq.batch_slot for seq in seqs], torch.long, self.device)
+        for seq in seqs:
+            seq.num_pending_tokens = 1
+        non_blocking = self.device.type == "cuda"
+
+        def sample() -> tuple[SamplerOutput | None, list[tuple[PromptRows, SamplerOutput]]]:
+            hidden = step.forward.result()
+            prompt = [(rows, self._prompt_logprobs(rows, hidden).to_host(non_blocking)) for rows in inputs.prompt_rows]
+            if meta is None:
+                return None, prompt
+            sampled = self.sampler.sample(self.model.compute_logits(hidden[rows_t]), meta)
+            self.input_batch.last_token_ids[slots_t] = sampled.token_ids
+            return sampled.to_host(non_blocking), prompt
+
+        step.sample_seqs = seqs
+        step.sampling = launch(sample, self.device, read_back=True)
+
+    def collect(self, step: LaunchedStep) -> StepOutput:
+        """Waits for the step's sampled tokens and reads them on the host."""
+        sampled, prompt = step.sampling.result()
+        step.forward = step.sampling = None  # the hidden states go
+        output = StepOutput(step.sample_seqs, [], None, {})
+        if sampled is not None:
+            output.token_ids = sampled.token_ids.tolist()
+            if sampled.logprobs is not None:
+                output.logprobs = sampled.entries()
+        for rows, logprobs in prompt:
+            output.prompt_logprobs[rows.seq] = [(rows.first_position + 1 + i, entry)
+                                                for i, entry in enumerate(logprobs.entries())]
         return output
 
-    def _prepare_step(self, batch: ScheduledBatch) -> "StepInputs":
-        """The step's rows in a flat layout: each sequence's new tokens back to back (grouped
-        by LoRA slot, so that an adapter's delta is one product per projection)."""
-        entries = list(zip(batch.seqs, batch.num_new_tokens))
-        lora_slots = self._activate_adapters(batch.seqs)
-        if lora_slots:
-            entries.sort(key=lambda entry: lora_slots.get(entry[0].lora_int_id, -1))
-        step = StepInputs()
-        row_of = {}
-        for seq, num_new in entries:
-            start, row = seq.num_computed_tokens, len(step.input_ids)
-            slot = lora_slots.get(seq.lora_int_id)
-            if slot is not None:
-                if step.lora_ranges and step.lora_ranges[-1][0] == slot:
-                    step.lora_ranges[-1] = (slot, step.lora_ranges[-1][1], row + num_new)
-                else:
-                    step.lora_ranges.append((slot, row, row + num_new))
-            step.input_ids.extend(seq.token_ids[start : start + num_new])
-            step.positions.extend(range(start, start + num_new))
-            table, size = seq.block_table, self.block_size
-            step.slots.extend(table[p // size] * size + p % size for p in range(start, start + num_new))
-            step.query_lens.append(num_new)
-            step.context_lens.append(start + num_new)
-            step.block_tables.append(table)
-            if start + num_new == seq.num_tokens:
-                row_of[seq] = row + num_new - 1
-                step.sample_rows.append(row_of[seq])
-                step.sample_seqs.append(seq)
-            if seq.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
-                count = min(start + num_new, seq.num_prompt_tokens - 1) - start
-                step.prompt_rows.append(PromptRows(seq, row, start, count))
-        for child, parent in batch.forks:
-            step.sample_rows.append(row_of[parent])
-            step.sample_seqs.append(child)
-        return step
-
-    def _attention_metadata(self, step: "StepInputs") -> AttentionMetadata:
-        """The step's attention metadata, prepared by the backend."""
-        device = self.device
-        width = max(len(table) for table in step.block_tables)
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(step.slots, dtype=torch.long, device=device),
-            query_start_loc=torch.tensor([0, *itertools.accumulate(step.query_lens)], dtype=torch.int32,
-                                         device=device),
-            seq_lens=torch.tensor(step.context_lens, dtype=torch.int32, device=device),
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in step.block_tables], dtype=torch.int32,
-                                      device=device),
-            query_lens=step.query_lens, context_lens=step.context_lens, host_block_tables=step.block_tables,
-            block_size=self.block_size)
-        self.backend.prepare(meta)
-        return meta
-
-    def _forward(self, step: "StepInputs") -> torch.Tensor:
+    def _forward(self, step: StepInputs) -> torch.Tensor:
         """Hidden states [tokens, hidden] of the step's rows: a CUDA graph's replay for a
         decode step that fits one, else the model run eagerly."""
         graphs = self.cuda_graphs
-        if graphs is not None and max(step.query_lens) == 1 and graphs.fits(len(step.query_lens)):
-            return graphs.run(step.input_ids, step.positions, step.slots, step.context_lens, step.block_tables)
+        if graphs is not None and step.is_decode and graphs.fits(step.num_tokens):
+            return graphs.run(step.input_ids, step.attention)
         return self._run_eager(step)
 
-    def _run_eager(self, step: "StepInputs") -> torch.Tensor:
-        meta = self._attention_metadata(step)
-        to_device = dict(dtype=torch.long, device=self.device)
-        return self.model(torch.tensor(step.input_ids, **to_device), torch.tensor(step.positions, **to_device), meta)
+    def _run_eager(self, step: StepInputs) -> torch.Tensor:
+        self.backend.prepare(step.attention)
+        return self.model(step.input_ids, step.positions, step.attention)
 
     def _activate_adapters(self, seqs: list[Sequence]) -> dict[int, int]:
         """Puts the step's LoRA adapters into device slots: slot by adapter id."""
@@ -320,70 +322,9 @@ class ModelRunner:
                 slots = self.backend.slot_major(cache)
                 slots[dst] = slots[src]
 
-    def _prompt_logprobs(self, seq: Sequence, hidden: torch.Tensor, start: int) -> list[tuple[int, SampledToken]]:
-        """(position, logprobs of that prompt token) for the prompt tokens after `start`."""
-        targets = torch.tensor(seq.token_ids[start + 1 : start + 1 + hidden.shape[0]], device=self.device)
-        entries = token_logprobs(self.model.compute_logits(hidden), targets,
-                                 [seq.sampling_params.prompt_logprobs] * hidden.shape[0])
-        return [(start + 1 + i, entry) for i, entry in enumerate(entries)]
-
-    def _sampling_metadata(self, seqs: list[Sequence]) -> SamplingMetadata:
-        params = [s.sampling_params for s in seqs]
-        device = self.device
-        floats = self._floats
-        banned, allowed, bias_rows, bias_ids, bias_values = [], [], [], [], []
-        penalized = []
-        for row, (seq, p) in enumerate(zip(seqs, params)):
-            ban = [ids[-1] for ids in seq.bad_words_ids if _ends_with(seq.output_token_ids, ids[:-1])]
-            if seq.num_output_tokens < p.min_tokens:
-                ban += [*self.model_config.eos_token_ids, *p.stop_token_ids]
-            if ban:
-                banned.append((row, ban))
-            if p.allowed_token_ids:
-                allowed.append((row, p.allowed_token_ids))
-            for token, value in (p.logit_bias or {}).items():
-                bias_rows.append(row)
-                bias_ids.append(token)
-                bias_values.append(value)
-            if p.needs_penalties:
-                penalized.append(row)
-        return SamplingMetadata(
-            temperatures=floats([p.temperature for p in params]),
-            top_ps=floats([p.top_p for p in params]),
-            top_ks=torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.long, device=device),
-            min_ps=floats([p.min_p for p in params]),
-            generators=[s.generator for s in seqs],
-            all_greedy=all(p.greedy for p in params),
-            any_min_p=any(p.min_p > 0 for p in params),
-            penalties=self._penalties([seqs[r] for r in penalized], penalized) if penalized else None,
-            banned=banned or None,
-            allowed=allowed or None,
-            bias=(torch.tensor(bias_rows, device=device), torch.tensor(bias_ids, device=device),
-                  floats(bias_values)) if bias_rows else None,
-            num_logprobs=[p.logprobs for p in params],
-            grammar=grammar_bitmask([s.grammar for s in seqs]),
-        )
-
-    def _floats(self, values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32, device=self.device)
-
-    def _penalties(self, seqs: list[Sequence], rows: list[int]) -> Penalties:
-        vocab = self.model_config.hf_config.vocab_size
-
-        def padded(lists: list[list[int]]) -> torch.Tensor:
-            width = max(1, max(len(x) for x in lists))
-            return torch.tensor([x + [vocab] * (width - len(x)) for x in lists], dtype=torch.long, device=self.device)
-
-        params = [s.sampling_params for s in seqs]
-        return Penalties(
-            rows=torch.tensor(rows, device=self.device),
-            prompt_ids=padded([s.token_ids[: s.num_prompt_tokens] for s in seqs]),
-            output_ids=padded([s.output_token_ids for s in seqs]),
-            presence=self._floats([p.presence_penalty for p in params]),
-            frequency=self._floats([p.frequency_penalty for p in params]),
-            repetition=self._floats([p.repetition_penalty for p in params]),
-        )
-
-
-def _ends_with(tokens: list[int], suffix: list[int]) -> bool:
-    return not suffix or tokens[-len(suffix):] == suffix
+    def _prompt_logprobs(self, rows: PromptRows, hidden: torch.Tensor) -> SamplerOutput:
+        """The logprobs of the prompt tokens that follow each of the sequence's rows."""
+        seq, start, count = rows.seq, rows.first_position, rows.count
+        targets = upload(seq.token_ids[start + 1 : start + 1 + count], torch.long, self.device)
+        logits = self.model.compute_logits(hidden[rows.first_row : rows.first_row + count])
+        return SamplerOutput(targets, token_logprobs(logits, targets, [seq.sampling_params.prompt_logprobs] * count))

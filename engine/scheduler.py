@@ -31,6 +31,9 @@ class ScheduledBatch:
     forks: list[tuple[Sequence, Sequence]] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     cached_prompt_tokens: int = 0  # prefix-cache hits of the requests admitted for the first time
+    # Sequences that left the running set since the previous step (finished, preempted or
+    # aborted): the model runner frees their rows of the persistent batch.
+    released: list[Sequence] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -44,7 +47,9 @@ class Scheduler:
     toward its length; a prompt that does not fit the budget is computed in chunks over
     several steps. When a block cannot be had, the least important running sequence is
     preempted by recompute (its blocks freed, its progress reset) and waits at the head
-    of the queue. "fcfs" ranks sequences by arrival, "priority" by (priority, arrival):
+    of the queue. A token still being sampled on the device (asynchronous scheduling)
+    counts as present: its sequence's next step computes it, unless it is the last one
+    the sequence may generate. "fcfs" ranks sequences by arrival, "priority" by (priority, arrival):
     lower values first. A waiting request whose LoRA adapter would exceed `max_loras`
     distinct adapters in the step is passed over, and requests behind it may run.
     """
@@ -54,6 +59,7 @@ class Scheduler:
         self.block_manager = block_manager
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
+        self.released: list[Sequence] = []
         self.num_preemptions = 0
 
     def _rank(self, seq: Sequence) -> tuple[int, int]:
@@ -76,7 +82,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_tokens = seq.num_tokens + seq.num_pending_tokens
+            if seq.num_pending_tokens and num_tokens >= seq.max_num_tokens:
+                i += 1  # its pending token is its last: it finishes when that token is read back
+                continue
+            num_new = min(num_tokens - seq.num_computed_tokens, budget)
             while not self.block_manager.allocate(seq, num_new):
                 victim = max(self.running, key=self._rank)
                 self._preempt(victim)
@@ -97,6 +107,8 @@ class Scheduler:
         index = 0
         while index < len(self.waiting) and budget > 0 and not preempted:
             seq = self.waiting[index]
+            if seq.num_pending_tokens:
+                break  # preempted while its token was being sampled: it recomputes once the token is back
             if num_seqs and num_seqs + 1 + seq.num_pending_children > self.config.max_num_seqs:
                 break
             if seq.lora_int_id is not None and seq.lora_int_id not in adapters and len(adapters) >= self.config.max_loras:
@@ -126,17 +138,20 @@ class Scheduler:
             scheduled[seq] = num_new
             budget -= num_new
 
-        if not scheduled and not preempted and self.has_unfinished():
+        if (not scheduled and not preempted and self.has_unfinished()
+                and not any(s.num_pending_tokens for s in (*self.running, *self.waiting))):
             raise RuntimeError(
                 "the scheduler could not place any request: the KV cache is too small for "
                 f"the next request ({self.waiting[0] if self.waiting else self.running[0]})"
             )
         copies, self.block_manager.pending_copies = self.block_manager.pending_copies, []
+        released, self.released = self.released, []
         return ScheduledBatch(list(scheduled), list(scheduled.values()), block_copies=copies,
-                              cached_prompt_tokens=cached_prompt_tokens)
+                              cached_prompt_tokens=cached_prompt_tokens, released=released)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self.released.append(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
@@ -146,9 +161,10 @@ class Scheduler:
 
     def update_computed(self, batch: ScheduledBatch) -> None:
         """Records that the step computed its tokens' keys and values."""
+        register = self.block_manager.register_full_blocks
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += num_new
-            self.block_manager.register_full_blocks(seq)
+            register(seq)
 
     def add_running(self, seq: Sequence) -> None:
         """Adds a forked sequence that already holds its (shared) blocks."""
@@ -156,10 +172,15 @@ class Scheduler:
         self.running.append(seq)
 
     def finish(self, seq: Sequence) -> None:
-        """Retires a running sequence and releases its blocks."""
+        """Retires a sequence and releases its blocks. It is running, or waiting after a
+        preemption that came while its last token was being sampled."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self.released.append(seq)
+            self.block_manager.free(seq)
+        else:
+            self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
-        self.running.remove(seq)
-        self.block_manager.free(seq)
 
     def abort_seq_group(self, request_id: str) -> list[Sequence]:
         """Drops every sequence of one request, waiting or running, freeing the blocks of
@@ -168,6 +189,7 @@ class Scheduler:
         for seq in aborted:
             if seq.status is SequenceStatus.RUNNING:
                 self.running.remove(seq)
+                self.released.append(seq)
                 self.block_manager.free(seq)
             else:
                 self.waiting.remove(seq)
@@ -179,6 +201,7 @@ class Scheduler:
         sequences end finished (finish_reason "abort"), the waiting ones included."""
         for seq in self.running:
             self.block_manager.free(seq)
+        self.released += self.running
         for seq in (*self.waiting, *self.running):
             _mark_aborted(seq)
         self.running.clear()

@@ -53,9 +53,19 @@ class Sequence:
         self.lora_request = lora_request
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
+        # Tokens sampled on the device but not yet read back (asynchronous scheduling: at
+        # most one). The scheduler counts them as present; the model runner takes them
+        # from the device as input ids.
+        self.num_pending_tokens = 0
+        # Prompt plus the most tokens it may generate; the engine sets it.
+        self.max_num_tokens = 0
         self.num_cached_tokens = 0
         self.block_table: list[int] = []
         self.num_registered_blocks = 0
+        # The sequence's row in the model runner's persistent batch, and how many leading
+        # entries of its block table that row holds (None, 0: not in the batch).
+        self.batch_slot: int | None = None
+        self.num_blocks_in_batch = 0
         # (parent key's hash, token ids) of each full block, filled in by the BlockManager.
         self.block_keys: list[tuple[int | None, tuple[int, ...]]] = []
         self.finish_reason: str | None = None
@@ -69,6 +79,8 @@ class Sequence:
         self.num_pending_children = sampling_params.n - 1 if index == 0 else 0
         self.group: list[Sequence] = [self]
         self.bad_words_ids: list[list[int]] = []
+        # Whether its logits are processed before sampling (set by the engine).
+        self.processes_logits = False
         # Where the completion stands in its structured-output grammar, set by the engine.
         self.grammar: "Grammar | None" = None
         self.logprobs: list[dict] | None = [] if sampling_params.logprobs is not None else None

@@ -23,17 +23,18 @@ class AttentionMetadata:
     step, and they see the first `seq_lens[i]` keys of the sequence (its cached context,
     then themselves, causally); its cache blocks are row i of `block_tables` (int32,
     padded with block 0). `slot_mapping` [tokens] is where each new token's key and value
-    go (block * block_size + offset). The host lists repeat the lengths and the block
-    tables (unpadded) for backends that plan on the CPU, without reading the tensors back. `backend_data` is what the step's backend derived in `prepare`.
+    go (block * block_size + offset) and `positions` [tokens] their positions. The host
+    lists repeat the lengths for backends that plan on the CPU, without reading the
+    tensors back. `backend_data` is what the step's backend derived in `prepare`.
     """
 
     slot_mapping: torch.Tensor
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
     block_tables: torch.Tensor
+    positions: torch.Tensor
     query_lens: list[int]
     context_lens: list[int]
-    host_block_tables: list[list[int]]
     block_size: int
     backend_data: Any = None
 

@@ -28,13 +28,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        row_seq, row_keys = [], []
-        for index, (new, context) in enumerate(zip(meta.query_lens, meta.context_lens)):
-            row_seq += [index] * new
-            row_keys += range(context - new + 1, context + 1)
-        to_device = dict(dtype=torch.long, device=meta.slot_mapping.device)
-        meta.backend_data = PagedRows(meta.block_tables.long(), torch.tensor(row_seq, **to_device),
-                                      torch.tensor(row_keys, **to_device))
+        num_seqs, num_rows = len(meta.query_lens), len(meta.positions)
+        row_seq = torch.arange(num_seqs, device=meta.positions.device)
+        if num_rows != num_seqs:
+            row_seq = row_seq.repeat_interleave(meta.query_start_loc.diff(), output_size=num_rows)
+        meta.backend_data = PagedRows(meta.block_tables.long(), row_seq, meta.positions + 1)
 
     def forward(self, layer: Attention, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         rows = meta.backend_data

@@ -97,22 +97,22 @@ class TorchAttentionBackend(AttentionBackend):
     def prepare(self, meta: AttentionMetadata) -> None:
         decode, prefill = [], []
         starts = itertools.accumulate(meta.query_lens, initial=0)
-        for start, new, context, table in zip(starts, meta.query_lens, meta.context_lens, meta.host_block_tables):
-            (decode if new == 1 else prefill).append((start, new, context - new, table))
-        device = meta.slot_mapping.device
-        meta.backend_data = [self._group(g, meta.block_size, device) for g in (decode, prefill) if g]
+        for index, (start, new, context) in enumerate(zip(starts, meta.query_lens, meta.context_lens)):
+            (decode if new == 1 else prefill).append((index, start, new, context - new))
+        meta.backend_data = [self._group(g, meta) for g in (decode, prefill) if g]
 
-    def _group(self, entries: list[tuple[int, int, int, list[int]]], block_size: int,
-               device: torch.device) -> AttentionGroup:
-        """Padded batch of (first row, new tokens, computed tokens, block table) entries."""
-        rows = torch.tensor([e[0] for e in entries], device=device)
-        num_new = torch.tensor([e[1] for e in entries], device=device)
-        computed = torch.tensor([e[2] for e in entries], device=device)
+    def _group(self, entries: list[tuple[int, int, int, int]], meta: AttentionMetadata) -> AttentionGroup:
+        """Padded batch of (sequence, first row, new tokens, computed tokens) entries."""
+        device, block_size = meta.slot_mapping.device, meta.block_size
+        rows = torch.tensor([e[1] for e in entries], device=device)
+        num_new = torch.tensor([e[2] for e in entries], device=device)
+        computed = torch.tensor([e[3] for e in entries], device=device)
         max_query = int(num_new.max())
         max_context = padded_context(int((computed + num_new).max()))
         max_blocks = -(-max_context // block_size)
-        tables = torch.tensor([e[3][:max_blocks] + [0] * (max_blocks - len(e[3][:max_blocks]))
-                               for e in entries], device=device)
+        tables = meta.block_tables[torch.tensor([e[0] for e in entries], device=device)].long()
+        if tables.shape[1] < max_blocks:
+            tables = torch.nn.functional.pad(tables, (0, max_blocks - tables.shape[1]))
         query = torch.arange(max_query, device=device)
         valid = query.unsqueeze(0) < num_new.unsqueeze(1)
         query_index = torch.where(valid, rows.unsqueeze(1) + query, 0)
@@ -122,7 +122,7 @@ class TorchAttentionBackend(AttentionBackend):
         query_pos = computed.unsqueeze(1) + query  # [seqs, max_query]
         mask = key_pos.view(1, 1, -1) <= query_pos.unsqueeze(2)
         return AttentionGroup(query_index, key_slots, mask.unsqueeze(1), valid,
-                              num_computed=[e[2] for e in entries], num_new=[e[1] for e in entries])
+                              num_computed=[e[3] for e in entries], num_new=[e[2] for e in entries])
 
     def forward(self, layer: Attention, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         out = torch.empty_like(q)

@@ -24,18 +24,19 @@ class Penalties:
 class SamplingMetadata:
     """Per-row sampling settings of one step, as tensors on the logits' device.
 
-    `generators[i]` is row i's own seeded generator, or None to draw from the engine's.
-    `banned` and `allowed` list (row, token ids) pairs; `bias` is (rows, ids, values).
-    `grammar` holds the structured-output rows' allowed tokens.
+    The per-row draw settings are None when every row is greedy. `generators[i]` is row
+    i's own seeded generator, or None to draw from the engine's. `banned` and `allowed`
+    list (row, token ids) pairs; `bias` is (rows, ids, values). `grammar` holds the
+    structured-output rows' allowed tokens.
     """
 
-    temperatures: torch.Tensor
-    top_ps: torch.Tensor
-    top_ks: torch.Tensor
-    min_ps: torch.Tensor
-    generators: list[torch.Generator | None]
     all_greedy: bool
-    any_min_p: bool
+    temperatures: torch.Tensor | None = None
+    top_ps: torch.Tensor | None = None
+    top_ks: torch.Tensor | None = None
+    min_ps: torch.Tensor | None = None
+    generators: list[torch.Generator | None] | None = None
+    any_min_p: bool = False
     penalties: Penalties | None = None
     banned: list[tuple[int, list[int]]] | None = None
     allowed: list[tuple[int, list[int]]] | None = None
@@ -73,7 +74,12 @@ class Sampler:
         self.generator = generator
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> list[SampledToken]:
-        """One token per row from logits [rows, vocab] in the model's dtype."""
+        """One token per row from logits [rows, vocab], read back to the host."""
+        return self.sample(logits, meta).entries()
+
+    def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> "SamplerOutput":
+        """One token per row from logits [rows, vocab] in the model's dtype, left on the
+        logits' device (so that a GPU step needs no host round trip)."""
         raw = logits.float()
         if meta.grammar is not None:
             raw = raw.clone() if raw is logits else raw
@@ -88,9 +94,7 @@ class Sampler:
             tokens = processed.argmax(dim=-1)
         else:
             tokens = self._sample(processed, meta)
-        if not wants_logprobs:
-            return [SampledToken(t) for t in tokens.tolist()]
-        return token_logprobs(raw, tokens, meta.num_logprobs)
+        return SamplerOutput(tokens, token_logprobs(raw, tokens, meta.num_logprobs) if wants_logprobs else None)
 
     @staticmethod
     def process(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -153,25 +157,64 @@ class Sampler:
         return uniform
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_logprobs: list[int | None]) -> list[SampledToken]:
+@dataclass
+class LogprobsTensors:
+    """Rows' log-probabilities, still on the device: the chosen token's value and rank,
+    and the `k_max` most likely tokens of each row (a row keeps its own `counts[i]`)."""
+
+    chosen: torch.Tensor
+    ranks: torch.Tensor
+    top_values: torch.Tensor | None
+    top_ids: torch.Tensor | None
+    counts: list[int | None]
+
+    def to_host(self, non_blocking: bool) -> "LogprobsTensors":
+        move = [None if t is None else t.to("cpu", non_blocking=non_blocking)
+                for t in (self.chosen, self.ranks, self.top_values, self.top_ids)]
+        return LogprobsTensors(*move, self.counts)
+
+
+@dataclass
+class SamplerOutput:
+    """A step's sampled tokens [rows] and, when any row asked, their logprobs."""
+
+    token_ids: torch.Tensor
+    logprobs: LogprobsTensors | None = None
+
+    def to_host(self, non_blocking: bool = False) -> "SamplerOutput":
+        """A copy on the host; `non_blocking` from a GPU lands in pinned memory, readable
+        once the stream has passed the copy (an event tells)."""
+        logprobs = self.logprobs.to_host(non_blocking) if self.logprobs is not None else None
+        return SamplerOutput(self.token_ids.to("cpu", non_blocking=non_blocking), logprobs)
+
+    def entries(self) -> list[SampledToken]:
+        """One `SampledToken` per row (read from the host)."""
+        tokens = self.token_ids.tolist()
+        lp = self.logprobs
+        if lp is None:
+            return [SampledToken(t) for t in tokens]
+        chosen, ranks = lp.chosen.tolist(), lp.ranks.tolist()
+        out = []
+        for i, (token, k) in enumerate(zip(tokens, lp.counts)):
+            if k is None:
+                out.append(SampledToken(token))
+            else:
+                out.append(SampledToken(token, chosen[i], ranks[i], lp.top_ids[i, :k].tolist() if k else [],
+                                        lp.top_values[i, :k].tolist() if k else []))
+        return out
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_logprobs: list[int | None]) -> LogprobsTensors:
     """Each row's token with its log-probability under `logits`, its rank (1 = most
     likely) and the row's `num_logprobs[i]` most likely tokens (None: no logprobs; -1:
     the whole vocabulary)."""
     logprobs = logits.float().log_softmax(dim=-1)
-    num_logprobs = [logprobs_count(k, logits.shape[-1]) for k in num_logprobs]
-    chosen_t = logprobs.gather(1, tokens.unsqueeze(1))
-    ranks = ((logprobs > chosen_t).sum(dim=-1) + 1).tolist()
-    chosen = chosen_t.squeeze(1).tolist()
-    k_max = max((k for k in num_logprobs if k is not None), default=0)
+    counts = [logprobs_count(k, logits.shape[-1]) for k in num_logprobs]
+    chosen = logprobs.gather(1, tokens.unsqueeze(1))
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    k_max = max((k for k in counts if k is not None), default=0)
     top_values, top_ids = logprobs.topk(k_max, dim=-1) if k_max else (None, None)
-    out = []
-    for i, (token, k) in enumerate(zip(tokens.tolist(), num_logprobs)):
-        if k is None:
-            out.append(SampledToken(token))
-        else:
-            out.append(SampledToken(token, chosen[i], ranks[i], top_ids[i, :k].tolist() if k else [],
-                                    top_values[i, :k].tolist() if k else []))
-    return out
+    return LogprobsTensors(chosen.squeeze(1), ranks, top_values, top_ids, counts)
 
 
 def apply_penalties(logits: torch.Tensor, p: Penalties) -> None:

@@ -64,13 +64,16 @@ class _FakeTokenizer:
 
 
 class FakeModelRunner:
-    """Stands in for `ModelRunner.execute`: checks the step against the scheduler's
-    limits, simulates the paged KV cache and samples `fake_next_token`.
+    """Stands in for `ModelRunner`: checks each step against the scheduler's limits,
+    simulates the paged KV cache and samples `fake_next_token`.
 
     The simulated cache holds, for every slot written, the hash of the token prefix that
     ends there. Before a step's writes the block copies are applied; after them every
     position a scheduled sequence attends to must hold that sequence's own prefix: that is
     what makes prefix-cache hits, copy on write and recompute after preemption correct.
+    The writes are simulated when the step samples: with asynchronous scheduling a step is
+    launched before the previous step's token is on the host, and the real runner takes
+    that token from the device.
     """
 
     def __init__(self, scheduler: Scheduler) -> None:
@@ -79,7 +82,7 @@ class FakeModelRunner:
         self.kv: dict[int, list[int | None]] = {}
         self.num_steps = 0
 
-    def execute(self, batch: ScheduledBatch) -> StepOutput:
+    def launch_forward(self, batch: ScheduledBatch) -> SimpleNamespace:
         self.num_steps += 1
         config = self.scheduler.config
         assert batch.seqs, "an empty step (the model runner cannot run one)"
@@ -90,33 +93,53 @@ class FakeModelRunner:
         # Forked children join the running set in this step.
         assert len(self.scheduler.running) <= config.max_num_seqs
         assert not self.scheduler.block_manager.pending_copies
-        for src, dst in batch.block_copies:
-            self.kv[dst] = list(self.kv.get(src, [None] * self.block_size))
-        sampled = {}
+        rows = []
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             assert seq.status is SequenceStatus.RUNNING and seq in self.scheduler.running
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
-            assert end <= seq.num_tokens
+            assert end <= seq.num_tokens + seq.num_pending_tokens
             assert len(seq.block_table) * self.block_size >= end
+            rows.append((seq, start, end, list(seq.block_table), end == seq.num_tokens + seq.num_pending_tokens))
+        return SimpleNamespace(copies=batch.block_copies, rows=rows, forks=batch.forks, seqs=[])
+
+    def release_rows(self, seqs: list[Sequence]) -> None:
+        pass
+
+    def launch_sampling(self, step: SimpleNamespace) -> None:
+        for src, dst in step.copies:
+            self.kv[dst] = list(self.kv.get(src, [None] * self.block_size))
+        for seq, start, end, table, samples in step.rows:
+            if seq.is_finished:
+                continue  # finished or aborted since: its rows are computed, never read
+            assert len(seq.token_ids) >= end, "a step samples before its input token is on the host"
             prefix_hashes = [hash(tuple(seq.token_ids[: p + 1])) for p in range(end)]
             for p in range(start, end):
-                block = self.kv.setdefault(seq.block_table[p // self.block_size], [None] * self.block_size)
+                block = self.kv.setdefault(table[p // self.block_size], [None] * self.block_size)
                 block[p % self.block_size] = prefix_hashes[p]
             for p in range(end):
-                slot = self.kv.get(seq.block_table[p // self.block_size], [None] * self.block_size)[p % self.block_size]
+                slot = self.kv.get(table[p // self.block_size], [None] * self.block_size)[p % self.block_size]
                 assert slot == prefix_hashes[p], f"{seq} reads a foreign key/value at position {p}"
-            if end == seq.num_tokens:
-                sampled[seq] = SampledToken(fake_next_token(seq.token_ids, seq.index))
-        for child, parent in batch.forks:
-            assert parent in sampled and child.token_ids == parent.token_ids
-            sampled[child] = SampledToken(fake_next_token(child.token_ids, child.index))
-        return StepOutput(sampled, {})
+            if samples:
+                step.seqs.append(seq)
+        for child, parent in step.forks:
+            assert parent in step.seqs and child.token_ids == parent.token_ids
+            step.seqs.append(child)
+        for seq in step.seqs:
+            seq.num_pending_tokens = 1
+
+    def collect(self, step: SimpleNamespace) -> StepOutput:
+        tokens = [fake_next_token(seq.token_ids, seq.index) for seq in step.seqs]
+        return StepOutput(step.seqs, tokens, None, {})
 
 
 def make_engine(num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-                enable_chunked_prefill: bool, policy: str, enable_prefix_caching: bool) -> LLMEngine:
+                enable_chunked_prefill: bool, policy: str, enable_prefix_caching: bool,
+                async_scheduling: bool) -> LLMEngine:
     """An LLMEngine whose step loop is the real one, over a stand-in model runner."""
     engine = LLMEngine.__new__(LLMEngine)
+    engine.config = SimpleNamespace(async_scheduling=async_scheduling)
+    engine._in_flight = None
+    engine._token_texts = {}
     engine.tokenizer = _FakeTokenizer()
     engine.model_config = SimpleNamespace(eos_token_ids=set(), max_model_len=1 << 20, device=torch.device("cpu"))
     engine.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
@@ -143,7 +166,7 @@ def check_invariants(engine: LLMEngine, live: list[Sequence]) -> None:
     for seq in scheduler.running:
         assert seq.status is SequenceStatus.RUNNING
         assert len(seq.block_table) * bm.block_size >= seq.num_computed_tokens
-        assert seq.num_computed_tokens < seq.num_tokens
+        assert seq.num_computed_tokens < seq.num_tokens + seq.num_pending_tokens
         assert len(set(seq.block_table)) == len(seq.block_table)
         for block_id in seq.block_table:
             holders[block_id] = holders.get(block_id, 0) + 1
@@ -193,6 +216,7 @@ class FuzzWorkload:
     policy: str
     enable_prefix_caching: bool
     abort_all_at: int | None
+    async_scheduling: bool
     requests: list[FuzzRequest] = field(default_factory=list)
 
 
@@ -233,7 +257,7 @@ def workloads(draw: st.DrawFn) -> FuzzWorkload:
         num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=budget, enable_chunked_prefill=chunked,
         policy=draw(st.sampled_from(["fcfs", "priority"])), enable_prefix_caching=draw(st.booleans()),
-        abort_all_at=draw(st.none() | st.integers(0, 30)), requests=requests,
+        abort_all_at=draw(st.none() | st.integers(0, 30)), async_scheduling=draw(st.booleans()), requests=requests,
     )
 
 
@@ -244,7 +268,7 @@ def run_workload(workload: FuzzWorkload, max_steps: int = 20_000) -> tuple[LLMEn
     """
     engine = make_engine(workload.num_blocks, workload.block_size, workload.max_num_seqs,
                          workload.max_num_batched_tokens, workload.enable_chunked_prefill, workload.policy,
-                         workload.enable_prefix_caching)
+                         workload.enable_prefix_caching, workload.async_scheduling)
     pending = sorted(range(len(workload.requests)), key=lambda i: workload.requests[i].arrival_step)
     parents: dict[int, Sequence] = {}
     aborted: set[int] = set()
@@ -330,6 +354,7 @@ CONSTRAINED = (
     ConstrainedConfig("unchunked", num_blocks=16, max_num_batched_tokens=_MAX_MODEL_LEN, max_num_seqs=8,
                       enable_chunked_prefill=False),
 )
+CONSTRAINED_BY_NAME = {c.name: c for c in CONSTRAINED}
 
 
 class Reference:
@@ -359,18 +384,19 @@ def reference(tiny_models) -> Reference:
 
 @pytest.fixture(scope="module")
 def constrained(tiny_models, reference) -> dict[str, LLM]:
-    """One LLM per `CONSTRAINED` config, shared by every example of the module."""
+    """One LLM per `CONSTRAINED` config and scheduling mode (by name, and by name plus
+    " async"), shared by every example of the module."""
     bytes_per_block = reference.llm.llm_engine.model_runner.kv_bytes_per_token * 16
     llms = {
-        c.name: LLM(str(tiny_models["llama"]), dtype="float32", max_model_len=_MAX_MODEL_LEN, block_size=16,
-                    kv_cache_memory=c.num_blocks * bytes_per_block, max_num_batched_tokens=c.max_num_batched_tokens,
-                    max_num_seqs=c.max_num_seqs, scheduling_policy=c.policy,
-                    enable_prefix_caching=c.enable_prefix_caching, enable_chunked_prefill=c.enable_chunked_prefill,
-                    num_threads=_THREADS)
-        for c in CONSTRAINED
+        c.name + (" async" if mode else ""): LLM(
+            str(tiny_models["llama"]), dtype="float32", max_model_len=_MAX_MODEL_LEN, block_size=16,
+            kv_cache_memory=c.num_blocks * bytes_per_block, max_num_batched_tokens=c.max_num_batched_tokens,
+            max_num_seqs=c.max_num_seqs, scheduling_policy=c.policy, enable_prefix_caching=c.enable_prefix_caching,
+            enable_chunked_prefill=c.enable_chunked_prefill, async_scheduling=mode, num_threads=_THREADS)
+        for c in CONSTRAINED for mode in (False, True)
     }
-    for c in CONSTRAINED:
-        assert llms[c.name].llm_engine.block_manager.num_blocks == c.num_blocks
+    for name, llm in llms.items():
+        assert llm.llm_engine.block_manager.num_blocks == CONSTRAINED_BY_NAME[name.removesuffix(" async")].num_blocks
     yield llms
     for llm in llms.values():
         llm.close()
@@ -435,19 +461,20 @@ _E2E_SETTINGS = settings(max_examples=40, deadline=None, derandomize=True,
 
 
 @_E2E_SETTINGS
-@given(config=st.sampled_from(CONSTRAINED), requests=e2e_requests())
-def test_constrained_llm_generates_what_an_unconstrained_one_does(constrained, reference, config, requests):
-    llm = constrained[config.name]
+@given(config=st.sampled_from(CONSTRAINED), requests=e2e_requests(), mode=st.sampled_from(["", " async"]))
+def test_constrained_llm_generates_what_an_unconstrained_one_does(constrained, reference, config, requests, mode):
+    llm = constrained[config.name + mode]
     outputs = llm.generate(**submit_args(config, requests))
     check_matches_reference(outputs, requests, reference)
     check_idle_and_every_block_free(llm)
 
 
 @_E2E_SETTINGS
-@given(config=st.sampled_from(CONSTRAINED), requests=e2e_requests(), num_taken=st.integers(0, 8))
+@given(config=st.sampled_from(CONSTRAINED), requests=e2e_requests(), num_taken=st.integers(0, 8),
+       mode=st.sampled_from(["", " async"]))
 def test_closing_generate_as_completed_early_returns_every_block(constrained, reference, config, requests,
-                                                                 num_taken):
-    llm = constrained[config.name]
+                                                                 num_taken, mode):
+    llm = constrained[config.name + mode]
     args = submit_args(config, requests)
     finished = iter(llm.generate_as_completed(**args))
     taken = list(itertools.islice(finished, num_taken))
@@ -464,8 +491,8 @@ def test_the_constrained_configs_do_preempt(constrained, reference):
     rng = random.Random(7)
     requests = [E2ERequest([rng.randrange(3, _TINY_VOCAB) for _ in range(rng.randint(20, 60))], 40, rng.choice([1, 2]),
                            rng.randint(0, 3)) for _ in range(8)]
-    for config in CONSTRAINED:
-        llm = constrained[config.name]
+    for config, mode in itertools.product(CONSTRAINED, ["", " async"]):
+        llm = constrained[config.name + mode]
         before = llm.llm_engine.scheduler.num_preemptions
         check_matches_reference(llm.generate(**submit_args(config, requests)), requests, reference)
         assert llm.llm_engine.scheduler.num_preemptions > before, config.name

@@ -1,0 +1,196 @@
+"""The persistent batch: the running sequences' rows kept between steps, and each step's
+model inputs built from them.
+
+A running sequence holds a row (`Sequence.batch_slot`) of two device tensors: its block
+table, written only where it grew or a block was copied on write, and the token it
+sampled last, written by the sampler on the device. A step's inputs are then a handful of
+list comprehensions over its sequences and a few tensor operations, instead of Python
+work per token; and a token still being sampled on the device (asynchronous scheduling)
+becomes the next step's input there, without a round trip through the host.
+"""
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.layers.attention import AttentionMetadata
+from engine.scheduler import ScheduledBatch
+from engine.sequence import Sequence
+
+
+@dataclass
+class PromptRows:
+    """A sequence's rows in the step whose next prompt token needs its logprobs."""
+
+    seq: Sequence
+    first_row: int
+    first_position: int
+    count: int
+
+
+@dataclass
+class StepInputs:
+    """One step's rows on the device: each sequence's new tokens back to back.
+
+    `sample_seqs[i]` samples from row `sample_rows[i]` (a forked child from its parent's
+    last row); `lora_ranges` are (adapter slot, first row, end row).
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attention: AttentionMetadata
+    num_tokens: int
+    sample_seqs: list[Sequence] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)
+    prompt_rows: list[PromptRows] = field(default_factory=list)
+    lora_ranges: list[tuple[int, int, int]] = field(default_factory=list)
+    # Rows whose input id is a token still being sampled, and the batch slots it lands in.
+    pending_rows: torch.Tensor | None = None
+    pending_slots: torch.Tensor | None = None
+
+    @property
+    def is_decode(self) -> bool:
+        """Whether every sequence computes one token (what a CUDA graph replays)."""
+        return self.attention.max_query_len == 1
+
+
+def upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a tensor on `device`. To a GPU it goes through pinned memory with a
+    non-blocking copy: a copy from pageable memory would wait for the GPU to finish the
+    work queued before it, which is what asynchronous scheduling must never do."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+class InputBatch:
+    """Rows of up to `max_num_seqs` running sequences, and the step inputs built from them."""
+
+    def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int, device: torch.device) -> None:
+        self.block_size = block_size
+        self.device = device
+        max_blocks = -(-max_model_len // block_size)
+        self.block_tables = torch.zeros(max_num_seqs, max_blocks, dtype=torch.int32, device=device)
+        self.last_token_ids = torch.zeros(max_num_seqs, dtype=torch.long, device=device)
+        self._free_slots = list(range(max_num_seqs - 1, -1, -1))
+
+    def fill_pending(self, step: StepInputs) -> None:
+        """Puts the tokens still being sampled when the step was prepared into its input
+        ids: device work, queued after the sampling that writes them."""
+        if step.pending_rows is not None:
+            step.input_ids[step.pending_rows] = self.last_token_ids[step.pending_slots]
+
+    def release(self, seqs: list[Sequence]) -> None:
+        """Frees the rows of sequences that left the running set."""
+        for seq in seqs:
+            if seq.batch_slot is not None:
+                self._free_slots.append(seq.batch_slot)
+                seq.batch_slot, seq.num_blocks_in_batch = None, 0
+
+    def _join(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            if seq.batch_slot is None:
+                seq.batch_slot = self._free_slots.pop()
+
+    def _sync_block_tables(self, seqs: list[Sequence]) -> None:
+        """Writes the block-table entries that changed since the sequences' last step."""
+        rows, cols, values = [], [], []
+        for seq in seqs:
+            have, table = seq.num_blocks_in_batch, seq.block_table
+            if have < len(table):
+                rows += [seq.batch_slot] * (len(table) - have)
+                cols += range(have, len(table))
+                values += table[have:]
+                seq.num_blocks_in_batch = len(table)
+        if rows:
+            index = (upload(rows, torch.long, self.device), upload(cols, torch.long, self.device))
+            self.block_tables.index_put_(index, upload(values, torch.int32, self.device))
+
+    def prepare(self, batch: ScheduledBatch, lora_slots: dict[int, int]) -> StepInputs:
+        """The step's inputs. Sequences are grouped by adapter slot (`lora_slots`, by
+        adapter id) so that an adapter's delta is one product per projection."""
+        seqs, nums = batch.seqs, batch.num_new_tokens
+        if lora_slots:
+            order = sorted(range(len(seqs)), key=lambda i: lora_slots.get(seqs[i].lora_int_id, -1))
+            seqs, nums = [seqs[i] for i in order], [nums[i] for i in order]
+        children = [child for child, _ in batch.forks]
+        self._join(seqs)
+        self._join(children)
+        self._sync_block_tables(seqs)
+        self._sync_block_tables(children)
+
+        device, size = self.device, self.block_size
+        starts = [seq.num_computed_tokens for seq in seqs]
+        ends = list(itertools.accumulate(nums))
+        # A token still being sampled is missing from `token_ids`: a placeholder here,
+        # replaced on the device by the sequence's last sampled token.
+        pieces = [seq.token_ids[start : start + n] for seq, start, n in zip(seqs, starts, nums)]
+        pending = [i for i, (piece, n) in enumerate(zip(pieces, nums)) if len(piece) < n]
+        for i in pending:
+            pieces[i].append(0)
+        input_ids = upload(list(itertools.chain.from_iterable(pieces)), torch.long, device)
+        slots = upload([seq.batch_slot for seq in seqs], torch.long, device)
+
+        num_tokens, decode = ends[-1], len(seqs) == ends[-1]
+        if decode:
+            positions = upload(starts, torch.long, device)
+            row_slots = slots
+        else:
+            row_seq = torch.repeat_interleave(torch.arange(len(seqs), device=device),
+                                              upload(nums, torch.long, device), output_size=num_tokens)
+            first_rows = upload([end - n - start for end, n, start in zip(ends, nums, starts)], torch.long, device)
+            positions = torch.arange(num_tokens, device=device) - first_rows[row_seq]
+            row_slots = slots[row_seq]
+        blocks = self.block_tables[row_slots, positions // size]
+        context_lens = [start + n for start, n in zip(starts, nums)]
+        width = -(-max(context_lens) // size)
+        attention = AttentionMetadata(
+            slot_mapping=blocks.long() * size + positions % size,
+            query_start_loc=upload([0, *ends], torch.int32, device),
+            seq_lens=upload(context_lens, torch.int32, device),
+            block_tables=self.block_tables[slots, :width],
+            positions=positions, query_lens=nums, context_lens=context_lens, block_size=size)
+        step = StepInputs(input_ids, positions, attention, num_tokens)
+        if pending:
+            step.pending_rows = upload([ends[i] - 1 for i in pending], torch.long, device)
+            step.pending_slots = upload([seqs[i].batch_slot for i in pending], torch.long, device)
+        self._sample_rows(step, seqs, starts, nums, ends, batch.forks)
+        step.prompt_rows = [
+            PromptRows(seq, end - n, start, min(start + n, seq.num_prompt_tokens - 1) - start)
+            for seq, start, n, end in zip(seqs, starts, nums, ends)
+            if seq.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1
+        ]
+        if lora_slots:
+            step.lora_ranges = _lora_ranges(seqs, ends, nums, lora_slots)
+        return step
+
+    @staticmethod
+    def _sample_rows(step: StepInputs, seqs: list[Sequence], starts: list[int], nums: list[int],
+                     ends: list[int], forks: list[tuple[Sequence, Sequence]]) -> None:
+        """The sequences whose tokens are all computed after this step sample, from
+        their last row; forked children from their parent's."""
+        sampling = [i for i, (seq, start, n) in enumerate(zip(seqs, starts, nums))
+                    if start + n == len(seq.token_ids) + seq.num_pending_tokens]
+        step.sample_seqs = [seqs[i] for i in sampling]
+        step.sample_rows = [ends[i] - 1 for i in sampling]
+        if forks:
+            row_of = dict(zip(step.sample_seqs, step.sample_rows))
+            step.sample_seqs += [child for child, _ in forks]
+            step.sample_rows += [row_of[parent] for _, parent in forks]
+
+
+def _lora_ranges(seqs: list[Sequence], ends: list[int], nums: list[int],
+                 lora_slots: dict[int, int]) -> list[tuple[int, int, int]]:
+    """(adapter slot, first row, end row) of each run of rows with one adapter."""
+    ranges: list[tuple[int, int, int]] = []
+    for seq, end, n in zip(seqs, ends, nums):
+        slot = lora_slots.get(seq.lora_int_id)
+        if slot is None:
+            continue
+        if ranges and ranges[-1][0] == slot and ranges[-1][2] == end - n:
+            ranges[-1] = (slot, ranges[-1][1], end)
+        else:
+            ranges.append((slot, end - n, end))
+    return ranges
