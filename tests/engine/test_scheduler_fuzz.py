@@ -22,7 +22,6 @@ from hypothesis import strategies as st
 
 from engine import LLM, SamplingParams
 from engine.block_manager import BlockManager
-from engine.layers.sampler import SampledToken
 from engine.llm_engine import EngineStats, LLMEngine
 from engine.model_runner import StepOutput
 from engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
