@@ -34,8 +34,7 @@ def launch(work: Callable[[], T], device: torch.device, read_back: bool = False)
     """Runs `work`, which queues device work and returns its results. With `read_back`
     they include host copies made with non-blocking copies: on a GPU an event then marks
     when they land."""
-    with torch.inference_mode():
-        value = work()
+    value = work()
     if read_back and device.type == "cuda":
         event = torch.cuda.Event()
         event.record()

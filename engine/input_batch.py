@@ -115,11 +115,9 @@ class InputBatch:
         if lora_slots:
             order = sorted(range(len(seqs)), key=lambda i: lora_slots.get(seqs[i].lora_int_id, -1))
             seqs, nums = [seqs[i] for i in order], [nums[i] for i in order]
-        children = [child for child, _ in batch.forks]
-        self._join(seqs)
-        self._join(children)
-        self._sync_block_tables(seqs)
-        self._sync_block_tables(children)
+        joining = seqs + [child for child, _ in batch.forks]
+        self._join(joining)
+        self._sync_block_tables(joining)
 
         device, size = self.device, self.block_size
         starts = [seq.num_computed_tokens for seq in seqs]

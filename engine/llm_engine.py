@@ -294,9 +294,7 @@ class LLMEngine:
         """(tokens generated, max_tokens) of every completion still queued or running: what
         a progress estimate needs. Safe to call from another thread (a snapshot)."""
         seqs = list(self.scheduler.running) + list(self.scheduler.waiting)
-        max_len = self.model_config.max_model_len
-        return [(seq.num_output_tokens, seq.sampling_params.max_output_tokens(seq.num_prompt_tokens, max_len))
-                for seq in seqs]
+        return [(seq.num_output_tokens, seq.max_num_tokens - seq.num_prompt_tokens) for seq in seqs]
 
     def abort_all(self) -> None:
         """Drops every queued and running request, returning their blocks; a step in

@@ -267,7 +267,8 @@ class ModelRunner:
 
         def sample() -> tuple[SamplerOutput | None, list[tuple[PromptRows, SamplerOutput]]]:
             hidden = step.forward.result()
-            prompt = [(rows, self._prompt_logprobs(rows, hidden).to_host(non_blocking)) for rows in inputs.prompt_rows]
+            prompt = [(prompt_rows, self._prompt_logprobs(prompt_rows, hidden).to_host(non_blocking))
+                      for prompt_rows in inputs.prompt_rows]
             if meta is None:
                 return None, prompt
             sampled = self.sampler.sample(self.model.compute_logits(hidden[rows_t]), meta)
@@ -282,10 +283,11 @@ class ModelRunner:
         sampled, prompt = step.sampling.result()
         step.forward = step.sampling = None  # the hidden states go
         output = StepOutput(step.sample_seqs, [], None, {})
-        if sampled is not None:
+        if sampled is not None and sampled.logprobs is not None:
+            output.logprobs = sampled.entries()
+            output.token_ids = [entry.token_id for entry in output.logprobs]
+        elif sampled is not None:
             output.token_ids = sampled.token_ids.tolist()
-            if sampled.logprobs is not None:
-                output.logprobs = sampled.entries()
         for rows, logprobs in prompt:
             output.prompt_logprobs[rows.seq] = [(rows.first_position + 1 + i, entry)
                                                 for i, entry in enumerate(logprobs.entries())]

@@ -174,25 +174,25 @@ class Scheduler:
     def finish(self, seq: Sequence) -> None:
         """Retires a sequence and releases its blocks. It is running, or waiting after a
         preemption that came while its last token was being sampled."""
+        self._remove(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def _remove(self, seq: Sequence) -> None:
+        """Takes a sequence out of the running set (freeing its blocks and its batch row)
+        or out of the waiting queue."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
             self.released.append(seq)
             self.block_manager.free(seq)
         else:
             self.waiting.remove(seq)
-        seq.status = SequenceStatus.FINISHED
 
     def abort_seq_group(self, request_id: str) -> list[Sequence]:
         """Drops every sequence of one request, waiting or running, freeing the blocks of
         the running ones; returns them, finished with finish_reason "abort"."""
         aborted = [s for s in (*self.waiting, *self.running) if s.request_id == request_id]
         for seq in aborted:
-            if seq.status is SequenceStatus.RUNNING:
-                self.running.remove(seq)
-                self.released.append(seq)
-                self.block_manager.free(seq)
-            else:
-                self.waiting.remove(seq)
+            self._remove(seq)
             _mark_aborted(seq)
         return aborted
 
