@@ -3,10 +3,12 @@
 import copy
 import logging
 import math
-from collections.abc import Callable, Mapping
-from dataclasses import MISSING, InitVar, dataclass, fields
+import textwrap
+from collections.abc import Mapping
+from dataclasses import MISSING, Field, InitVar, dataclass, field, fields
 from typing import Any
 
+from engine import sampling_rules as rules
 from engine.exceptions import ParameterTypeError, VLLMValidationError
 from engine.structured_output.params import StructuredOutputsParams
 
@@ -20,53 +22,18 @@ MIN_TEMPERATURE = 1e-2
 LOGIT_BIAS_LIMIT = 100.0
 
 
+def _setting(default: object, help: str, rule: rules.Rule) -> Any:
+    """A field with its meaning and its allowed values, read by `sampling_settings()`."""
+    return field(default=default, metadata={"help": help, "rule": rule})
+
+
 @dataclass
 class SamplingParams:
     """How to sample the completions of one prompt, with vLLM's semantics.
 
-    Args:
-        n: Completions per prompt; they share the prompt's KV cache. Must be 1 when
-            decoding greedily (the completions would be identical).
-        temperature: Softmax temperature in [0, 2]; 0 means greedy decoding (and then
-            top_p, top_k and min_p are reset to off). Positive values below 0.01 are
-            raised to 0.01.
-        top_p: Keep the smallest set of tokens whose probability adds up to `top_p` (1 = off).
-        top_k: Keep the `top_k` most likely tokens (0 or -1 = off).
-        min_p: Drop tokens less likely than `min_p` times the most likely one (0 = off).
-        seed: Seed of this request's own random generators, so that its samples do not
-            depend on the engine's seed or on the rest of the batch (-1 = None).
-        presence_penalty: Subtracted from the logit of every token already generated.
-        frequency_penalty: Subtracted once per earlier occurrence in the generated text.
-        repetition_penalty: Divides positive (multiplies negative) logits of tokens seen in
-            the prompt or the output; 1 = off.
-        stop: Strings that end the generation; not part of the text unless
-            `include_stop_str_in_output`.
-        stop_token_ids: Token ids that end the generation besides EOS (duplicates dropped).
-        include_stop_str_in_output: Keep the stop string at the end of the text.
-        ignore_eos: Keep generating past the EOS token.
-        max_tokens: Most tokens to generate per completion (vLLM's default is 16); None
-            generates until EOS, a stop or the model's context length.
-        min_tokens: EOS and `stop_token_ids` are suppressed until this many were generated.
-        logprobs: Return the log-probabilities of this many most likely tokens at each
-            step, plus the sampled token's; -1 returns the whole vocabulary. Capped by
-            the engine's `max_logprobs`.
-        prompt_logprobs: The same for every prompt token after the first.
-        detokenize: Turn the tokens into text; False leaves `text` empty and the
-            logprobs' `decoded_token` None (and allows no stop strings).
-        skip_special_tokens: Leave special tokens out of the text.
-        spaces_between_special_tokens: Put spaces around special tokens in the text.
-        logit_bias: Token id to a finite value added to its logit.
-        allowed_token_ids: Only these tokens may be generated.
-        bad_words: Words that may not be generated (as any of their tokenizations;
-            duplicates dropped).
-        structured_outputs: What the completion must match (a JSON schema, a regex, a
-            choice, a grammar); it finishes with "stop" once that is complete.
-        extra_args: Free-form values carried with the request for custom code; the
-            engine does not read them.
-        best_of: Refused, with the way to get the same result (vLLM's V1 engine refused
-            it and vLLM 0.33 dropped it).
-        logits_processors: Refused, with the settings that replace them (vLLM's V1
-            engine takes no per-request logits processors).
+    Every field is declared once, with its meaning (`metadata["help"]`) and its allowed
+    values (`metadata["rule"]`); the Args below, the errors, and the Dagster side's
+    config fields and descriptions are derived from them (`sampling_settings()`).
 
     Raises:
         VLLMValidationError: a `ValueError` naming every invalid field and its allowed
@@ -74,31 +41,80 @@ class SamplingParams:
             wrong type or is one vLLM no longer takes.
     """
 
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool = False
-    ignore_eos: bool = False
-    max_tokens: int | None = 16
-    min_tokens: int = 0
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
-    detokenize: bool = True
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    logit_bias: dict[int, float] | None = None
-    allowed_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None
-    structured_outputs: StructuredOutputsParams | None = None
-    extra_args: dict[str, Any] | None = None
+    n: int = _setting(1, "Completions per prompt; they share the prompt's KV cache. Must be 1 when decoding "
+                         "greedily (the completions would be identical).",
+                      rules.Rule("a positive integer", lambda v, p: rules.integer(v), lambda v, p: v >= 1))
+    temperature: float = _setting(1.0, "Softmax temperature; 0 means greedy decoding (and then top_p, top_k and "
+                                       "min_p are reset to off). Positive values below 0.01 are raised to 0.01.",
+                                  rules.number_in(0, 2, "0 = greedy"))
+    top_p: float = _setting(1.0, "Keep the smallest set of tokens whose probability adds up to top_p.",
+                            rules.Rule("in (0, 1] (1 = off)", lambda v, p: rules.number(v), lambda v, p: 0 < v <= 1))
+    top_k: int = _setting(0, "Keep the top_k most likely tokens.",
+                          rules.Rule("-1, 0 (both off) or a positive integer", lambda v, p: rules.integer(v),
+                                     lambda v, p: v >= -1))
+    min_p: float = _setting(0.0, "Drop tokens less likely than min_p times the most likely one.",
+                            rules.number_in(0, 1, "0 = off"))
+    seed: int | None = _setting(None, "Seed of this request's own random generators, so that its samples do not "
+                                      "depend on the engine's seed or on the rest of the batch (-1 = None).",
+                                rules.Rule("an integer or None", rules.optional(lambda v, p: rules.integer(v))))
+    presence_penalty: float = _setting(0.0, "Subtracted from the logit of every token already generated.",
+                                       rules.number_in(-2, 2))
+    frequency_penalty: float = _setting(0.0, "Subtracted once per earlier occurrence in the generated text.",
+                                        rules.number_in(-2, 2))
+    repetition_penalty: float = _setting(1.0, "Divides positive (multiplies negative) logits of tokens seen in "
+                                              "the prompt or the output.",
+                                         rules.Rule("a finite number > 0 (1 = off)", lambda v, p: rules.number(v),
+                                                    lambda v, p: 0 < v < math.inf))
+    stop: str | list[str] | None = _setting(None, "Strings that end the generation; not part of the text unless "
+                                                  "include_stop_str_in_output.",
+                                            rules.Rule("a list of non-empty strings",
+                                                       rules.list_of(lambda s: isinstance(s, str)),
+                                                       lambda v, p: all(v)))
+    stop_token_ids: list[int] | None = _setting(None, "Token ids that end the generation besides EOS (duplicates "
+                                                      "dropped).",
+                                                rules.Rule("a list of non-negative integers",
+                                                           rules.list_of(rules.integer),
+                                                           lambda v, p: min(v, default=0) >= 0))
+    include_stop_str_in_output: bool = _setting(False, "Keep the stop string at the end of the text.", rules.flag())
+    ignore_eos: bool = _setting(False, "Keep generating past the EOS token.", rules.flag())
+    max_tokens: int | None = _setting(16, "Most tokens to generate per completion (vLLM's default is 16); None "
+                                          "generates until EOS, a stop or the model's context length.",
+                                      rules.Rule("a positive integer", rules.optional(lambda v, p: rules.integer(v)),
+                                                 lambda v, p: v is None or v >= 1))
+    min_tokens: int = _setting(0, "EOS and stop_token_ids are suppressed until this many were generated.",
+                               rules.min_tokens())
+    logprobs: int | None = _setting(None, "Return the log-probabilities of this many most likely tokens at each "
+                                          "step, plus the sampled token's; -1 returns the whole vocabulary. "
+                                          "Capped by the engine's max_logprobs.", rules.logprobs())
+    prompt_logprobs: int | None = _setting(None, "The same as logprobs for every prompt token after the first.",
+                                           rules.logprobs())
+    detokenize: bool = _setting(True, "Turn the tokens into text; False leaves text empty and the logprobs' "
+                                      "decoded_token None (and allows no stop strings).", rules.flag())
+    skip_special_tokens: bool = _setting(True, "Leave special tokens out of the text.", rules.flag())
+    spaces_between_special_tokens: bool = _setting(True, "Put spaces around special tokens in the text.",
+                                                   rules.flag())
+    logit_bias: dict[int, float] | None = _setting(None, "Token id to a finite value added to its logit.",
+                                                   rules.token_bias())
+    allowed_token_ids: list[int] | None = _setting(None, "Only these tokens may be generated.",
+                                                   rules.Rule("None or a non-empty list of non-negative token ids",
+                                                              rules.optional(rules.list_of(rules.integer)),
+                                                              lambda v, p: v is None or (v and min(v) >= 0)))
+    bad_words: list[str] | None = _setting(None, "Words that may not be generated (as any of their tokenizations; "
+                                                 "duplicates dropped).",
+                                           rules.Rule("a list of words that are not blank",
+                                                      rules.list_of(lambda s: isinstance(s, str)),
+                                                      lambda v, p: all(s.strip() for s in v)))
+    structured_outputs: StructuredOutputsParams | None = _setting(
+        None, "What the completion must match (a JSON schema, a regex, a choice, a grammar); it finishes with "
+              "'stop' once that is complete.",
+        rules.Rule("None or a StructuredOutputsParams",
+                   rules.optional(lambda v, p: isinstance(v, StructuredOutputsParams))))
+    extra_args: dict[str, Any] | None = _setting(None, "Free-form values carried with the request for custom "
+                                                       "code; the engine does not read them.",
+                                                 rules.Rule("None or a dict",
+                                                            rules.optional(lambda v, p: isinstance(v, dict))))
+    # Refused with the way to get the same result (vLLM's V1 engine refused best_of and
+    # vLLM 0.33 dropped it; it takes no per-request logits processors).
     best_of: InitVar[int | None] = None
     logits_processors: InitVar[list | None] = None
 
@@ -162,12 +178,12 @@ class SamplingParams:
             # A wrong type (stop=5) stays as given, for problems() to name.
             if value is None or isinstance(value, (list, tuple)):
                 setattr(self, name, _without_duplicates(value or []) if name != "stop" else list(value or []))
-        if _integer(self.seed) and self.seed == -1:
+        if rules.integer(self.seed) and self.seed == -1:
             self.seed = None
         for name in ("logprobs", "prompt_logprobs"):
             if isinstance(getattr(self, name), bool):
                 setattr(self, name, int(getattr(self, name)))
-        if _number(self.temperature) and 0 < self.temperature < MIN_TEMPERATURE:
+        if rules.number(self.temperature) and 0 < self.temperature < MIN_TEMPERATURE:
             logger.warning("temperature %s is below %s, where the logits overflow; using %s (as vLLM does)",
                            self.temperature, MIN_TEMPERATURE, MIN_TEMPERATURE)
             self.temperature = MIN_TEMPERATURE
@@ -180,7 +196,12 @@ class SamplingParams:
     @staticmethod
     def rule(name: str) -> str:
         """The allowed values of a field, in words (e.g. "in [0, 2] (0 = greedy)")."""
-        return _RULES[name].words
+        return _SETTINGS[name].metadata["rule"].words
+
+    @staticmethod
+    def describe(name: str) -> str:
+        """A field's meaning and allowed values in one text, as docs and UIs show it."""
+        return f"{_SETTINGS[name].metadata['help']} Must be {SamplingParams.rule(name)}."
 
     def problems(self) -> list[str]:
         """Every invalid field, as `field must be <rule>, got <value>` strings (empty when
@@ -189,10 +210,10 @@ class SamplingParams:
 
     def _problems(self) -> list["_Problem"]:
         found = []
-        for name, rule in _RULES.items():
-            value = getattr(self, name)
-            wrong_type = not _holds(rule.type_ok, value, self)
-            if wrong_type or not _holds(rule.value_ok, value, self):
+        for name, setting in _SETTINGS.items():
+            rule, value = setting.metadata["rule"], getattr(self, name)
+            wrong_type = not rule.holds_type(value, self)
+            if wrong_type or not rule.holds_value(value, self):
                 found.append(_Problem(name, value, f"{name} must be {rule.words}, got {value!r}", wrong_type))
         return found or _conflicts(self)
 
@@ -220,16 +241,6 @@ def logprobs_count(setting: int | None, vocab_size: int) -> int | None:
     """A `logprobs`, `prompt_logprobs` or `max_logprobs` setting as a number of tokens:
     -1 is the whole vocabulary."""
     return vocab_size if setting == -1 else setting
-
-
-@dataclass(frozen=True)
-class _Rule:
-    """A field's allowed values: in words, as a type test and as a value test (run only
-    on a value of the right type)."""
-
-    words: str
-    type_ok: "Callable[[Any, SamplingParams], bool]"
-    value_ok: "Callable[[Any, SamplingParams], bool]" = lambda v, p: True
 
 
 @dataclass(frozen=True)
@@ -276,7 +287,7 @@ def _conflicts(params: SamplingParams) -> list[_Problem]:
 
 def _takes_none(name: str) -> bool:
     """Whether None is a value of the field's own rather than "unset"."""
-    return _holds(_RULES[name].type_ok, None, None) if name in _RULES else True
+    return _SETTINGS[name].metadata["rule"].holds_type(None, None) if name in _SETTINGS else True
 
 
 def _bias_key(key: object) -> object:
@@ -287,7 +298,7 @@ def _bias_key(key: object) -> object:
 
 
 def _clip_bias(value: object) -> object:
-    return min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, value)) if _finite(value) else value
+    return min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, value)) if rules.finite(value) else value
 
 
 def _without_duplicates(values: list | tuple) -> list:
@@ -297,82 +308,24 @@ def _without_duplicates(values: list | tuple) -> list:
         return list(values)
 
 
-def _number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+def sampling_settings() -> tuple[Field, ...]:
+    """The fields of `SamplingParams`, each with its type, default, `metadata["help"]` and
+    `metadata["rule"]`."""
+    return fields(SamplingParams)
 
 
-def _finite(value: object) -> bool:
-    return _number(value) and math.isfinite(value)
+_SETTINGS: dict[str, Field] = {f.name: f for f in sampling_settings()}
 
 
-def _integer(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _args_doc() -> str:
+    """The Args section of `SamplingParams`' docstring, from the fields' own declarations."""
+    lines = ["", "    Args:"]
+    for setting in sampling_settings():
+        text = f"{setting.name} (default {setting.default!r}): {SamplingParams.describe(setting.name)}"
+        lines.append(textwrap.fill(text, 100, initial_indent=" " * 8, subsequent_indent=" " * 12))
+    lines += ["        best_of, logits_processors: Refused, each with the settings that give the same",
+              "            result (as in vLLM's V1 engine).", ""]
+    return "\n".join(lines)
 
 
-def _flag(value: object, params: object = None) -> bool:
-    return isinstance(value, bool)
-
-
-def _list_of(test: Callable[[object], bool]) -> "Callable[[Any, SamplingParams], bool]":
-    return lambda v, p: isinstance(v, list) and all(test(x) for x in v)
-
-
-def _optional(test: "Callable[[Any, SamplingParams], bool]") -> "Callable[[Any, SamplingParams], bool]":
-    return lambda v, p: v is None or test(v, p)
-
-
-def _holds(test: "Callable[[Any, SamplingParams], bool]", value: object, params: "SamplingParams | None") -> bool:
-    try:
-        return bool(test(value, params))
-    except TypeError:
-        return False
-
-
-def _number_in(low: float, high: float) -> _Rule:
-    return _Rule(f"in [{low:g}, {high:g}]", lambda v, p: _number(v), lambda v, p: low <= v <= high)
-
-
-def _logprobs_rule() -> _Rule:
-    return _Rule("None, -1 (the whole vocabulary) or a non-negative integer",
-                 _optional(lambda v, p: _integer(v)), lambda v, p: v is None or v >= -1)
-
-
-# Each field's rule. NaN fails every comparison, so the ranges refuse it too.
-_RULES: dict[str, _Rule] = {
-    "n": _Rule("a positive integer", lambda v, p: _integer(v), lambda v, p: v >= 1),
-    "temperature": _Rule("in [0, 2] (0 = greedy)", lambda v, p: _number(v),
-                         lambda v, p: 0 <= v <= 2),
-    "top_p": _Rule("in (0, 1] (1 = off)", lambda v, p: _number(v), lambda v, p: 0 < v <= 1),
-    "top_k": _Rule("-1, 0 (both off) or a positive integer", lambda v, p: _integer(v), lambda v, p: v >= -1),
-    "min_p": _Rule("in [0, 1] (0 = off)", lambda v, p: _number(v), lambda v, p: 0 <= v <= 1),
-    "seed": _Rule("an integer or None", _optional(lambda v, p: _integer(v))),
-    "presence_penalty": _number_in(-2, 2),
-    "frequency_penalty": _number_in(-2, 2),
-    "repetition_penalty": _Rule("a finite number > 0 (1 = off)", lambda v, p: _number(v),
-                                lambda v, p: 0 < v < math.inf),
-    "stop": _Rule("a list of non-empty strings", _list_of(lambda s: isinstance(s, str)), lambda v, p: all(v)),
-    "stop_token_ids": _Rule("a list of non-negative integers", _list_of(_integer), lambda v, p: min(v, default=0) >= 0),
-    "include_stop_str_in_output": _Rule("true or false", _flag),
-    "ignore_eos": _Rule("true or false", _flag),
-    "max_tokens": _Rule("a positive integer",
-                        _optional(lambda v, p: _integer(v)), lambda v, p: v is None or v >= 1),
-    "min_tokens": _Rule("an integer in [0, max_tokens]", lambda v, p: _integer(v),
-                        lambda v, p: 0 <= v <= (p.max_tokens if _integer(p.max_tokens) else
-                                                math.inf if p.max_tokens is None else 0)),
-    "logprobs": _logprobs_rule(),
-    "prompt_logprobs": _logprobs_rule(),
-    "detokenize": _Rule("true or false", _flag),
-    "skip_special_tokens": _Rule("true or false", _flag),
-    "spaces_between_special_tokens": _Rule("true or false", _flag),
-    "logit_bias": _Rule("None or a mapping of token id to a finite number",
-                        _optional(lambda v, p: isinstance(v, dict) and all(_integer(k) and _number(x)
-                                                                           for k, x in v.items())),
-                        lambda v, p: v is None or all(math.isfinite(x) for x in v.values())),
-    "allowed_token_ids": _Rule("None or a non-empty list of non-negative token ids",
-                               _optional(_list_of(_integer)), lambda v, p: v is None or (v and min(v) >= 0)),
-    "bad_words": _Rule("a list of words that are not blank", _list_of(lambda s: isinstance(s, str)),
-                       lambda v, p: all(s.strip() for s in v)),
-    "structured_outputs": _Rule("None or a StructuredOutputsParams",
-                                _optional(lambda v, p: isinstance(v, StructuredOutputsParams))),
-    "extra_args": _Rule("None or a dict", _optional(lambda v, p: isinstance(v, dict))),
-}
+SamplingParams.__doc__ = SamplingParams.__doc__.replace("\n    Raises:", _args_doc() + "\n    Raises:", 1)
