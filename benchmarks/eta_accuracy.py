@@ -15,7 +15,7 @@ import time
 import pandas as pd
 
 from dagster_llm import GenerationRun, PartitionInput, RunOptions, SamplingConfig
-from dagster_llm.prompts import TableSpec, read_rows
+from dagster_llm.core.prompts import PartitionSettings, PromptTableRules, read_rows
 from engine import LLM
 
 TOPICS = ["a lighthouse", "tax forms", "a lost cat", "quantum dots", "bread", "a chess opening", "rain", "Mars"]
@@ -35,7 +35,8 @@ def main() -> None:
     })
     lines: list[tuple[float, str]] = []
     with LLM(args.model) as llm:
-        rows = read_rows(frame, None, SamplingConfig(temperature=0), None, TableSpec(chat=True), llm.get_tokenizer())
+        settings = PartitionSettings(None, SamplingConfig(temperature=0), None, None, llm.get_default_sampling_params())
+        rows = read_rows(frame, settings, PromptTableRules(chat=True), llm.get_tokenizer())
         run = GenerationRun(llm, {}, RunOptions(model_id=args.model, code_version="eta", resume=False,
                                                 progress_interval_s=args.interval),
                             lambda line: lines.append((time.monotonic(), line)))

@@ -1,35 +1,44 @@
-"""Dagster integration of the engine: LLM generation over prompt tables as assets."""
+"""Dagster integration of the engine: LLM generation over prompt tables as assets.
 
-from dagster_llm.assets import build_generation_asset
-from dagster_llm.checks import CheckThresholds
-from dagster_llm.components import GenerationComponent
-from dagster_llm.generation import GenerationRun, PartitionInput, PartitionResult, PartitionStats, RunOptions
-from dagster_llm.resource import LLMResource
-from dagster_llm.sampling import SAMPLING_FIELDS, GenerationRunConfig, SamplingConfig, SamplingOverrides
-from dagster_llm.storage import ParquetIOManager
-from dagster_llm.store import PartitionFiles, PartitionLockedError, partition_file, write_parquet_atomically
-from dagster_llm.structured import OutputColumn, OutputSpecError, StructuredOutput
+`dagster_llm.core` does the work without Dagster; the rest is the Dagster skin: the
+resource, the IO manager, the asset factory and component (both read `GenerationSpec`).
+The names below load on first use, so that `import dagster_llm.core` does not import
+Dagster.
+"""
 
-__all__ = [
-    "SAMPLING_FIELDS",
-    "CheckThresholds",
-    "GenerationComponent",
-    "GenerationRun",
-    "GenerationRunConfig",
-    "LLMResource",
-    "OutputColumn",
-    "OutputSpecError",
-    "ParquetIOManager",
-    "PartitionFiles",
-    "PartitionInput",
-    "PartitionLockedError",
-    "PartitionResult",
-    "PartitionStats",
-    "RunOptions",
-    "SamplingConfig",
-    "SamplingOverrides",
-    "StructuredOutput",
-    "build_generation_asset",
-    "partition_file",
-    "write_parquet_atomically",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "SAMPLING_FIELDS": "dagster_llm.core.sampling",
+    "CheckThresholds": "dagster_llm.core.checks",
+    "GenerationComponent": "dagster_llm.components",
+    "GenerationRun": "dagster_llm.core.generation",
+    "GenerationRunConfig": "dagster_llm.run_config",
+    "GenerationSpec": "dagster_llm.spec",
+    "LLMResource": "dagster_llm.resource",
+    "OutputColumn": "dagster_llm.core.structured",
+    "OutputSpecError": "dagster_llm.core.structured",
+    "ParquetIOManager": "dagster_llm.io_manager",
+    "PartitionFiles": "dagster_llm.core.table_store",
+    "PartitionInput": "dagster_llm.core.generation",
+    "PartitionLockedError": "dagster_llm.core.table_store",
+    "PartitionResult": "dagster_llm.core.generation",
+    "PartitionStats": "dagster_llm.core.generation",
+    "RunOptions": "dagster_llm.core.generation",
+    "SamplingConfig": "dagster_llm.core.sampling",
+    "SamplingOverrides": "dagster_llm.run_config",
+    "StructuredOutput": "dagster_llm.core.structured",
+    "TableStore": "dagster_llm.core.table_store",
+    "build_generation_asset": "dagster_llm.assets",
+    "generation_asset": "dagster_llm.assets",
+    "partition_file": "dagster_llm.core.table_store",
+    "write_parquet_atomically": "dagster_llm.core.table_store",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'dagster_llm' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

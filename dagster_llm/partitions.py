@@ -7,8 +7,9 @@ from typing import Any, Generic, TypeVar
 
 import dagster as dg
 
-from dagster_llm.schema import output_columns_problem
-from dagster_llm.structured import OutputSpecError, StructuredOutput
+from dagster_llm.core.schema import output_columns_problem
+from dagster_llm.core.structured import OutputSpecError, StructuredOutput
+from dagster_llm.spec import GenerationSpec
 
 T = TypeVar("T")
 
@@ -60,14 +61,8 @@ class PartitionChoice(Generic[T]):
         return next((pattern for pattern in self.by_partition if fnmatch.fnmatchcase(key, pattern)), None)
 
 
-def output_choice(
-    asset_name: str,
-    output_schema: Mapping[str, Any] | type | None,
-    choices: Sequence[str] | None,
-    output_schema_by_partition: Mapping[str, Mapping[str, Any] | type | None] | None,
-    choices_by_partition: Mapping[str, Sequence[str] | None] | None,
-    partitions_def: dg.PartitionsDefinition | None,
-) -> PartitionChoice[StructuredOutput | None]:
+def output_choice(spec: GenerationSpec, partitions_def: dg.PartitionsDefinition | None
+                  ) -> PartitionChoice[StructuredOutput | None]:
     """Each partition's structured output: its entry in `output_schema_by_partition` or
     `choices_by_partition` (None: free text), else the default schema or choices.
 
@@ -76,11 +71,12 @@ def output_choice(
             partition), columns that clash with the generation table's, or a partition named
             by both mappings.
     """
-    default = _structured(asset_name, "output_schema/choices", output_schema, choices)
+    asset_name = spec.name
+    default = _structured(asset_name, "output_schema/choices", spec.output_schema, spec.choices)
     by_schema = {key: _structured(asset_name, f"output_schema_by_partition[{key!r}]", value, None)
-                 for key, value in (output_schema_by_partition or {}).items()}
+                 for key, value in spec.output_schema_by_partition.items()}
     by_choices = {key: _structured(asset_name, f"choices_by_partition[{key!r}]", None, value)
-                  for key, value in (choices_by_partition or {}).items()}
+                  for key, value in spec.choices_by_partition.items()}
     schemas = PartitionChoice(default, by_schema, partitions_def, asset_name, "output_schema_by_partition")
     labels = PartitionChoice(default, by_choices, partitions_def, asset_name, "choices_by_partition")
     enumerable = partitions_def is not None and not isinstance(partitions_def, dg.DynamicPartitionsDefinition)

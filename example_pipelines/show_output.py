@@ -11,7 +11,7 @@ import dagster as dg
 import pandas as pd
 
 from dagster_llm import ParquetIOManager
-from dagster_llm.schema import GENERATION_SCHEMA
+from dagster_llm.core.schema import GENERATION_SCHEMA
 
 
 def main() -> None:

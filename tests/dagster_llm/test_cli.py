@@ -15,6 +15,8 @@ import dagster as dg
 import pandas as pd
 import pytest
 
+from engine import SamplingParams
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DAGSTER = Path(sys.executable).parent / "dagster"
 MODEL = "smollm2-135m-instruct"
@@ -116,6 +118,7 @@ def test_invalid_run_config_fails_before_generating(tmp_path: Path) -> None:
 
     output = result.stdout + result.stderr
     assert result.returncode != 0
-    assert "ops.ticket_summaries.config.sampling.temperature must be in [0, 2] (0 = greedy), got -1" in output
+    assert f"ops.ticket_summaries.config.sampling.temperature must be {SamplingParams.rule('temperature')}, got -1" \
+        in output
     assert "ValidationError" not in output
     assert not (output_dir / "tables" / "ticket_summaries").exists()

@@ -1,6 +1,7 @@
 """The generation asset on tiny random models: contents, metadata, partitions, errors, versions."""
 
 import hashlib
+import shutil
 import json
 
 import dagster as dg
@@ -8,7 +9,7 @@ import pandas as pd
 import pytest
 
 import engine
-from dagster_llm import SamplingConfig, build_generation_asset, partition_file
+from dagster_llm import LLMResource, SamplingConfig, build_generation_asset, partition_file
 
 PARTS = dg.StaticPartitionsDefinition(["a", "b"])
 PROMPTS = {
@@ -49,7 +50,7 @@ def latest(instance, key: str, partition: str):
 
 def test_partition_contents_equal_direct_generation_and_carry_full_metadata(env):
     prompts = prompts_asset()
-    gen = build_generation_asset("gen", upstream=prompts, sampling=SamplingConfig(max_tokens=6))
+    gen = build_generation_asset("gen", upstream=prompts, sampling=SamplingConfig(temperature=0, max_tokens=6))
     with dg.instance_for_test() as instance:
         result = run([prompts, gen], env, partition="a", instance=instance)
         table = pd.read_parquet(partition_file(env["root"], dg.AssetKey("gen"), "a"))
@@ -110,7 +111,8 @@ def test_sampling_by_partition_and_run_overrides(env):
     run([prompts, gen], env, partition_range=("a", "b"))
     a = pd.read_parquet(partition_file(env["root"], dg.AssetKey("gen"), "a"))
     b = pd.read_parquet(partition_file(env["root"], dg.AssetKey("gen"), "b"))
-    assert (a["temperature"] == 0).all() and (a["max_tokens"] == 3).all()
+    # Unset fields take the model's defaults: vLLM's, as the tiny model has no generation config.
+    assert (a["temperature"] == engine.SamplingParams().temperature).all() and (a["max_tokens"] == 3).all()
     assert (b["temperature"] == 0.9).all() and (b["seed"] == 11).all() and (b["max_tokens"] == 5).all()
     run([prompts, gen], env, partition="b", run_config={"ops": {"gen": {"config": {"sampling": {"max_tokens": 2}}}}})
     b2 = pd.read_parquet(partition_file(env["root"], dg.AssetKey("gen"), "b"))
@@ -172,12 +174,15 @@ def test_invalid_sampling_config_fails_before_the_model_loads(env):
     result = run([prompts, gen], env, partition="a", raise_on_error=False,
                  run_config={"ops": {"gen": {"config": {"sampling": {"temperature": -1}}}}})
     failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
-    assert "ops.gen.config.sampling.temperature must be in [0, 2] (0 = greedy), got -1" in str(failure.event_specific_data.error)
+    rule = engine.SamplingParams.rule
+    assert f"ops.gen.config.sampling.temperature must be {rule('temperature')}, got -1" in str(
+        failure.event_specific_data.error)
     assert not env["loads"]
     result = run([prompts, gen], env, partition="a", raise_on_error=False,
                  run_config={"ops": {"gen": {"config": {"sampling": {"top_p": 0, "max_tokens": 0}}}}})
     message = str(next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE").event_specific_data.error)
-    assert "sampling.top_p must be in (0, 1]" in message and "sampling.max_tokens must be a positive integer" in message
+    assert f"sampling.top_p must be {rule('top_p')}" in message
+    assert f"sampling.max_tokens must be {rule('max_tokens')}" in message
     assert "ValidationError" not in message and not env["loads"]
     with pytest.raises(Exception, match="top_p"):
         build_generation_asset("gen2", upstream=prompts, sampling=SamplingConfig(top_p=2.0))
@@ -262,4 +267,30 @@ def test_resource_creates_the_engine_lazily_and_frees_it(env):
         assert not env["loads"]
         first = resources.llm.get_llm()
         assert resources.llm.get_llm() is first and len(env["loads"]) == 1
-    assert first.llm_engine is None  # closed at teardown
+    with pytest.raises(RuntimeError, match="closed"):  # at teardown
+        first.llm_engine
+
+
+def test_unset_sampling_fields_take_the_models_generation_config_as_llm_generate_does(env, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(env["model"], model)
+    (model / "generation_config.json").write_text(json.dumps({"temperature": 0.3, "top_k": 5, "max_new_tokens": 4}))
+    resources = {**env["resources"], "llm": LLMResource(model_id=str(model), dtype="float32", kv_cache_memory=10 << 20)}
+    prompts = prompts_asset()
+    gen = build_generation_asset("gen", upstream=prompts, sampling=SamplingConfig(seed=3, ignore_eos=True),
+                                 sampling_by_partition={"b": SamplingConfig(temperature=0, max_tokens=2)})
+    with dg.instance_for_test() as instance:
+        dg.materialize([prompts, gen], partition_key="a", resources=resources, instance=instance)
+        dg.materialize([prompts, gen], partition_key="b", resources=resources, instance=instance)
+        a = pd.read_parquet(partition_file(env["root"], dg.AssetKey("gen"), "a"))
+        assert (a["temperature"] == 0.3).all() and (a["top_k"] == 5).all() and (a["max_tokens"] == 4).all()
+        assert (a["completion_tokens"] == 4).all() and (a["seed"] == 3).all()
+        with engine.LLM(str(model), dtype="float32") as llm:
+            params = llm.get_default_sampling_params()
+            params.seed, params.ignore_eos = 3, True
+            direct = llm.generate(list(PROMPTS["a"]["prompt"]), params, use_tqdm=False)
+        assert list(a["generated_text"]) == [o.outputs[0].text for o in direct]
+        assert latest(instance, "gen", "a").metadata["sampling_config"].value["temperature"] == 0.3
+        # Set fields win over the model's defaults; the table records what ran (greedy turns top_k off).
+        b = pd.read_parquet(partition_file(env["root"], dg.AssetKey("gen"), "b"))
+        assert (b["temperature"] == 0).all() and (b["max_tokens"] == 2).all() and (b["top_k"] == 0).all()

@@ -9,7 +9,7 @@ from dagster_llm import LLMResource, SamplingConfig, build_generation_asset, par
 from tests.dagster_llm.test_generation_asset import PROMPTS, latest, prompts_asset, run
 from tests.lora_adapters import build_lora_adapter
 
-SAMPLING = SamplingConfig(max_tokens=6, ignore_eos=True)
+SAMPLING = SamplingConfig(temperature=0, max_tokens=6, ignore_eos=True)
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -30,7 +30,7 @@ def lora_env(env, tiny_models):
 def direct(model, prompts, adapter_folder):
     with engine.LLM(str(model), dtype="float32", enable_lora=True, max_lora_rank=8) as llm:
         request = engine.LoRARequest("x", 1, str(adapter_folder)) if adapter_folder else None
-        outs = llm.generate(list(prompts), SAMPLING.to_sampling_params(), lora_request=request, use_tqdm=False)
+        outs = llm.generate(list(prompts), SAMPLING.effective_params(llm.get_default_sampling_params()), lora_request=request, use_tqdm=False)
         digest = llm.add_lora(request) if request else None
     return [o.outputs[0].text for o in outs], digest
 

@@ -11,13 +11,14 @@ from transformers import AutoTokenizer
 
 import engine
 from dagster_llm import GenerationRun, PartitionFiles, PartitionInput, RunOptions, SamplingConfig, build_generation_asset
-from dagster_llm.progress import PROMPT_TOKEN_WEIGHT, GenerationProgress, StepTimes, WorkCounters
-from dagster_llm.prompts import TableSpec, read_rows
-from dagster_llm.store import POSITION_COLUMN, data_version_of
-from dagster_llm.watch import LaunchingProcessDied, ParentWatch
+from dagster_llm.core.progress import PROMPT_TOKEN_WEIGHT, GenerationProgress, StepCost, StepTimes, WorkCounters
+from dagster_llm.core.prompts import PartitionSettings, PromptTableRules, read_rows
+from dagster_llm.core.table_store import POSITION_COLUMN, data_version_of
+from dagster_llm.core.watch import LaunchingProcessDied, ParentWatch
+from engine import EngineStats, SamplingParams, UnfinishedOutput
 from tests.dagster_llm.test_generation_asset import PROMPTS, latest, prompts_asset, run
 
-SAMPLING = SamplingConfig(max_tokens=5, ignore_eos=True)
+SAMPLING = SamplingConfig(temperature=0, max_tokens=5, ignore_eos=True)
 
 
 def test_downstream_assets_load_one_partition_and_a_range_through_the_io_manager(env):
@@ -88,7 +89,8 @@ def llm(tiny_models):
 
 
 def rows_of(llm, frame, sampling=SAMPLING, key="p"):
-    return read_rows(frame, key, sampling, None, TableSpec(), llm.get_tokenizer())
+    settings = PartitionSettings(key, sampling, None, None, llm.get_default_sampling_params())
+    return read_rows(frame, settings, PromptTableRules(), llm.get_tokenizer())
 
 
 FRAME = pd.DataFrame({"id": [f"r{i}" for i in range(8)], "prompt": [f"Row {i} says" for i in range(8)]})
@@ -118,25 +120,25 @@ def test_an_interrupted_partition_resumes_from_its_shards_and_generates_only_the
     saved = files.finished_rows(version)
     assert 0 < saved.num_rows < 8
 
-    tokens_before = llm.llm_engine.stats.num_generated_tokens
+    tokens_before = llm.get_stats().num_generated_tokens
     [result] = GenerationRun(llm, {}, options, lambda _: None).generate(
         [PartitionInput("p", rows_of(llm, FRAME), files)])
     assert result.stats.resumed_rows == saved.num_rows and result.stats.generated_rows == 8 - saved.num_rows
-    assert llm.llm_engine.stats.num_generated_tokens - tokens_before == 5 * (8 - saved.num_rows)
+    assert llm.get_stats().num_generated_tokens - tokens_before == 5 * (8 - saved.num_rows)
     table = pd.read_parquet(files.path)
     assert list(table["id"]) == list(FRAME["id"]) and table["id"].is_unique and POSITION_COLUMN not in table
     assert not files.shard_root.exists()
-    straight = llm.generate(list(FRAME["prompt"]), SAMPLING.to_sampling_params(), use_tqdm=False)
+    straight = llm.generate(list(FRAME["prompt"]), SAMPLING.effective_params(llm.get_default_sampling_params()),
+                            use_tqdm=False)
     assert list(table["generated_text"]) == [o.outputs[0].text for o in straight]
 
 
 def test_partitions_of_a_range_commit_one_after_another(llm, tmp_path):
     options = RunOptions(model_id="tiny", code_version="1")
-    stats = llm.llm_engine.stats
-    start = stats.num_generated_tokens
+    start = llm.get_stats().num_generated_tokens
     parts = [PartitionInput(key, rows_of(llm, FRAME, key=key), PartitionFiles(tmp_path / f"{key}.parquet"))
              for key in "xyz"]
-    committed = [(r.key, stats.num_generated_tokens - start)
+    committed = [(r.key, llm.get_stats().num_generated_tokens - start)
                  for r in GenerationRun(llm, {}, options, lambda _: None).generate(parts)]
     assert [key for key, _ in committed] == ["x", "y", "z"]
     # With two sequences at a time, x is stored after about a third of the work, not at the end.
@@ -159,7 +161,7 @@ def test_shards_of_another_data_version_are_discarded_not_mixed(llm, tmp_path):
 def test_a_second_writer_of_a_partition_is_refused_with_a_clear_message(env):
     prompts = prompts_asset()
     gen = build_generation_asset("gen", upstream=prompts, sampling=SAMPLING)
-    files = env["resources"]["io_manager"].partition_files(dg.AssetKey("gen"), "a")
+    files = env["resources"]["io_manager"].table_store().partition(["gen"], "a")
     with files.lock("run 1234 of gen"):
         result = run([prompts, gen], env, partition="a", raise_on_error=False)
     message = str(next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE").event_specific_data.error)
@@ -178,7 +180,7 @@ def test_a_second_writer_of_a_partition_is_refused_with_a_clear_message(env):
     ("prompt", ["ok", [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]}], "fine"],
      "prompt: message 0: content part 0 is 'image_url', not a text part"),
     ("stop", [None, 5, None], "sampling override column stop: input should be a valid list, got 5"),
-    ("temperature", [None, -1.0, None], "sampling override column temperature must be in [0, 2] (0 = greedy)"),
+    ("temperature", [None, -1.0, None], f"sampling override column temperature must be {SamplingParams.rule('temperature')}"),
 ])
 def test_each_bad_input_becomes_its_rows_error_with_a_message(env, column, values, expected):
     frame = pd.DataFrame({"id": ["x", "y", "z"], "prompt": ["ok", "good", "fine"]})
@@ -210,7 +212,8 @@ def test_chat_rows_take_openai_text_parts(tiny_models):
     parts = [{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}]
     frame = pd.DataFrame({"id": ["parts", "text"],
                           "prompt": pd.Series([parts, [{"role": "user", "content": "Hi\nthere"}]], dtype=object)})
-    rows = read_rows(frame, "p", SAMPLING, None, TableSpec(), tokenizer)
+    rows = read_rows(frame, PartitionSettings("p", SAMPLING, None, None, SamplingParams()), PromptTableRules(),
+                     tokenizer)
     assert [r.error for r in rows] == [None, None]
     assert rows[0].prompt == rows[1].prompt and rows[0].prompt["prompt_token_ids"]
 
@@ -229,7 +232,7 @@ def test_the_eta_comes_from_tokens_and_adapts_to_early_stops():
     counters = WorkCounters(rows_total=4, prompt_tokens_total=400, max_output_tokens_total=400,
                             prompt_tokens_done=400, output_tokens_done=100)
     # Two rows of 100 max_tokens are open with 20 tokens each; two finished, one at its max.
-    counters.open_outputs = [(20, 100), (20, 100)]
+    counters.open_outputs = [UnfinishedOutput(20, 100), UnfinishedOutput(20, 100)]
     counters.rows_done, counters.finished_rows_at_max = 2, 1
     reaching_max = 1.5 / 3
     assert counters.share_reaching_max() == pytest.approx(reaching_max)
@@ -239,10 +242,10 @@ def test_the_eta_comes_from_tokens_and_adapts_to_early_stops():
     done, total = 400 * PROMPT_TOKEN_WEIGHT + 100, 400 * PROMPT_TOKEN_WEIGHT + 100 + 2 * left
     assert counters.eta_seconds(elapsed_s=10.0) == pytest.approx(10.0 * (total - done) / done)
     # With decode steps timed: the longest row's steps at the overhead, plus each token's share.
-    counters.step_cost = (0.05, 0.01)
+    counters.step_cost = StepCost(0.05, 0.01)
     assert counters.eta_seconds(elapsed_s=10.0) == pytest.approx(0.05 * left + 0.01 * 2 * left)
     # A row still waiting to start keeps the estimate on tokens.
-    counters.open_outputs = [(0, 100), (20, 100)]
+    counters.open_outputs = [UnfinishedOutput(0, 100), UnfinishedOutput(20, 100)]
     assert counters.eta_seconds(elapsed_s=10.0) == pytest.approx(10.0 * (100 * 0.75 + left) / done)
     assert WorkCounters(rows_total=1).eta_seconds(1.0) is None
 
@@ -255,14 +258,14 @@ def test_step_times_fit_overhead_and_per_token_cost_once_batches_differ():
     assert times.fit() is None  # one batch size, more or less: nothing to separate
     for batch in (90, 40, 10):
         times.add(batch, 0.04 + 0.002 * batch)
-    overhead, per_token = times.fit()
-    assert overhead == pytest.approx(0.04) and per_token == pytest.approx(0.002)
+    cost = times.fit()
+    assert cost.overhead_s == pytest.approx(0.04) and cost.per_token_s == pytest.approx(0.002)
 
 
 def test_progress_lines_keep_coming_while_one_step_blocks():
     lines = []
     progress = GenerationProgress(lines.append, 0.05, WorkCounters(rows_total=1, max_output_tokens_total=10),
-                                  lambda: (0, 0, 0))
+                                  EngineStats)
     with progress:
         time.sleep(0.3)  # one long prefill step: no callback from the engine meanwhile
     assert len(lines) >= 4 and lines[0].startswith("generation progress: 0/1 rows")

@@ -11,13 +11,20 @@ import pyarrow.parquet as pq
 import pydantic
 import pytest
 
-from dagster_llm import CheckThresholds, GenerationComponent, SamplingConfig, StructuredOutput, build_generation_asset
-from dagster_llm.checks import evaluate
+from dagster_llm import (
+    CheckThresholds,
+    GenerationComponent,
+    GenerationSpec,
+    SamplingConfig,
+    StructuredOutput,
+    build_generation_asset,
+)
+from dagster_llm.core.checks import evaluate
+from dagster_llm.core.prompts import PromptRow
 from dagster_llm.partitions import output_choice
-from dagster_llm.prompts import PromptRow
-from dagster_llm.schema import generation_schema, records_table, result_record
-from dagster_llm.structured import ENUM_TYPE
-from engine import CompletionOutput, RequestOutput
+from dagster_llm.core.schema import generation_schema, records_table, result_record
+from dagster_llm.core.structured import ENUM_TYPE
+from engine import CompletionOutput, RequestOutput, SamplingParams
 
 PARTS = dg.StaticPartitionsDefinition(["a", "b"])
 
@@ -101,7 +108,7 @@ def test_a_valid_output_becomes_typed_columns_that_survive_parquet(tmp_path):
     parsed = output.parse(json.dumps(VALUE), "stop", 64)
     assert parsed.error is None
     assert parsed.values["maybe"] is None and parsed.values["tree"] == json.dumps(VALUE["tree"])
-    row = PromptRow("p", 0, "r1", "prompt", SamplingConfig(), output=output)
+    row = PromptRow("p", 0, "r1", "prompt", SamplingConfig(), SamplingParams(), output=output)
     record = result_record(row, _request_output(json.dumps(VALUE)), "model")
     pq.write_table(records_table([record], output), tmp_path / "t.parquet")
     table = pq.read_table(tmp_path / "t.parquet")
@@ -124,7 +131,7 @@ def test_a_valid_output_becomes_typed_columns_that_survive_parquet(tmp_path):
 ])
 def test_an_output_that_does_not_parse_is_the_rows_error(text, finish, message):
     output = StructuredOutput(Part)
-    row = PromptRow("p", 0, "r1", "prompt", SamplingConfig(max_tokens=7), output=output)
+    row = PromptRow("p", 0, "r1", "prompt", SamplingConfig(max_tokens=7), SamplingParams(max_tokens=7), output=output)
     record = result_record(row, _request_output(text, finish), "model")
     assert record["error"].startswith("structured output: ") and message in record["error"]
     assert record["generated_text"] == text and record["name"] is None and record["count"] is None
@@ -140,14 +147,15 @@ def test_choices_are_a_dictionary_column_and_other_text_is_an_error():
 
 
 def test_a_row_that_could_not_run_keeps_its_own_error_and_null_columns():
-    row = PromptRow("p", 0, "r1", None, SamplingConfig(), error="prompt: is null", output=StructuredOutput(Part))
+    row = PromptRow("p", 0, "r1", None, SamplingConfig(), SamplingParams(), error="prompt: is null",
+                    output=StructuredOutput(Part))
     record = result_record(row, None, "model")
     assert record["error"] == "prompt: is null" and record["name"] is None and record["count"] is None
 
 
 def test_parse_rate_check_counts_generated_rows_and_no_error_rows_does_not():
     output = StructuredOutput(Part)
-    rows = [PromptRow("p", i, f"r{i}", "x", SamplingConfig(), output=output) for i in range(4)]
+    rows = [PromptRow("p", i, f"r{i}", "x", SamplingConfig(), SamplingParams(), output=output) for i in range(4)]
     rows[3].fail("prompt: is empty")
     texts = ['{"name":"a","count":1}', '{"name":"b","count":2}', '{"name":']
     records = [result_record(r, _request_output(t, "length"), "m") for r, t in zip(rows, texts)]
@@ -169,7 +177,7 @@ def test_parse_rate_check_counts_generated_rows_and_no_error_rows_does_not():
     ({"output_schema": {"type": "array", "items": {"type": "string"}}}, "must describe a JSON object with properties"),
     ({"output_schema": {"type": "object", "properties": {"error": {"type": "string"}, "model": {"type": "string"}}}},
      "output field(s) ['error', 'model'] would replace the generation table's column(s)"),
-    ({"output_schema": "{}"}, "must be a JSON schema (a dict) or a pydantic model class, got str"),
+    ({"output_schema": "missing.json"}, "output_schema: cannot read a JSON schema from"),
     ({"choices": []}, "choices must be a non-empty list of non-empty strings"),
     ({"choices": ["a", "a"]}, "choices repeat a label"),
     ({"choices_by_partition": {"c": ["x"]}}, "choices_by_partition names ['c'], which match no partition key"),
@@ -200,7 +208,10 @@ def test_the_definition_declares_the_columns_the_check_and_the_code_version():
 
 def test_each_partition_takes_its_own_output():
     days = dg.DailyPartitionsDefinition(start_date="2024-06-01", end_date="2024-06-05")
-    outputs = output_choice("gen", Part, None, {"2024-06-03": None}, {"2024-06-0[24]": ["x", "y"]}, days)
+    spec = GenerationSpec(name="gen", upstream="prompts", output_schema=Part,
+                          output_schema_by_partition={"2024-06-03": None},
+                          choices_by_partition={"2024-06-0[24]": ["x", "y"]})
+    outputs = output_choice(spec, days)
     assert [c.name for c in outputs.for_partition("2024-06-01").columns] == ["name", "count"]
     assert outputs.for_partition("2024-06-02").choices == ("x", "y")
     assert outputs.for_partition("2024-06-03") is None  # free text

@@ -11,7 +11,7 @@ import pydantic
 import pytest
 
 from dagster_llm import SamplingConfig, build_generation_asset, partition_file
-from dagster_llm.structured import ENUM_TYPE
+from dagster_llm.core.structured import ENUM_TYPE
 from tests.dagster_llm.test_generation_asset import latest, prompts_asset, run
 
 pytestmark = pytest.mark.slow

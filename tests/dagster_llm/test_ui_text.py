@@ -5,7 +5,8 @@ import pyarrow as pa
 import pytest
 
 from dagster_llm import GenerationRunConfig, LLMResource, ParquetIOManager
-from dagster_llm.assets import PREVIEW_ROWS, preview_markdown
+from dagster_llm.metadata import PREVIEW_ROWS, preview_markdown
+from engine import SamplingParams
 
 RST_MARKERS = (".. code-block", "::\n", ":class:", ":func:", ".. note")
 
@@ -36,7 +37,8 @@ def test_run_config_descriptions_name_the_rules():
     assert not [t for t in texts if any(marker in t for marker in RST_MARKERS)]
     temperature = GenerationRunConfig.to_config_schema().as_field().config_type.fields["sampling"]
     description = temperature.config_type.fields["temperature"].description
-    assert description == "Overrides temperature. Softmax temperature: in [0, 2] (0 = greedy)."
+    assert description == f"Overrides temperature. {SamplingParams.describe('temperature')}"
+    assert SamplingParams.rule("temperature") in description
 
 
 def table(rows: int, **columns) -> pa.Table:

@@ -1,55 +1,63 @@
 """Prompt tables in: column checks, per-row overrides, chat rendering and every row's
-problem found before the model runs. Free of Dagster: rows in, `PromptRow`s out."""
+problem found before the model runs. Rows in, `PromptRow`s out."""
 
-import functools
 import json
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import pandas as pd
 import pyarrow as pa
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from dagster_llm.sampling import SAMPLING_FIELD_NAMES, SamplingConfig, merge_sampling
-from dagster_llm.structured import StructuredOutput
+from dagster_llm.core.sampling import SAMPLING_FIELD_NAMES, SamplingConfig
+from dagster_llm.core.structured import StructuredOutput
 from engine import SamplingParams
-from engine.llm import chat_messages_problem, invalid_unicode_problem, text_messages
+from engine.chat_utils import chat_messages_problem, invalid_unicode_problem, render_chat
 
 
 class PromptTableError(ValueError):
     """The prompt table as a whole cannot be read (a missing column, a wrong type)."""
 
 
-@dataclass(frozen=True)
-class TableSpec:
+class PromptTableRules(BaseModel):
     """How a generation asset reads its prompt tables."""
 
-    id_column: str = "id"
-    prompt_column: str = "prompt"
-    chat: bool = False
-    adapter_column: str = "adapter"
-    adapters: Sequence[str] = ()
-    duplicate_ids: str = "error"
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prompt_column: str = Field(default="prompt", description="Column with the prompt text or chat messages.")
+    id_column: str = Field(default="id", description="Column that identifies a row; copied to the output.")
+    chat: bool = Field(default=False, description="Render plain-text prompts with the model's chat template, "
+                                                  "as one user message.")
+    adapters: dict[str, str] = Field(
+        default_factory=dict, description="LoRA adapter name to PEFT adapter folder (in a component: relative "
+                                          "to its folder).")
+    adapter_column: str = Field(default="adapter", description="Optional prompt-table column naming a row's "
+                                                               "adapter; empty or null cells keep the partition's.")
+    duplicate_ids: Literal["error", "keep"] = Field(
+        default="error", description="'error' (a repeated id is an error row and fails the unique_ids check) or "
+                                     "'keep' (every copy is generated).")
+
+    @field_validator("adapters", mode="before")
+    @classmethod
+    def _folders_as_text(cls, value: object) -> object:
+        return {name: str(folder) for name, folder in value.items()} if isinstance(value, dict) else value
 
 
 @dataclass
 class PromptRow:
-    """One row of a partition's prompt table, ready to generate unless `error` is set."""
+    """One row of a partition's prompt table, ready to generate unless `error` is set.
+    `params` are the engine's params of the row's final sampling and output constraint."""
 
     partition: str | None
     position: int
     id: str | None
     prompt_text: str | None
     sampling: SamplingConfig
+    params: SamplingParams
     adapter: str | None = None
     prompt: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
     output: StructuredOutput | None = None
-
-    @functools.cached_property
-    def sampling_params(self) -> SamplingParams:
-        """The engine's params of the row's (final) sampling and output constraint, built once."""
-        return self.sampling.to_sampling_params(self.output.params if self.output is not None else None)
 
     def fail(self, problem: str) -> None:
         """Records a problem; the first one found is the row's error."""
@@ -65,7 +73,7 @@ def to_dataframe(value: object, upstream: str, where: str) -> pd.DataFrame:
                            "pandas DataFrame or a pyarrow Table (a {partition: table} dict for a range)")
 
 
-def check_columns(frame: pd.DataFrame, spec: TableSpec, where: str) -> None:
+def check_columns(frame: pd.DataFrame, spec: PromptTableRules, where: str) -> None:
     missing = [c for c in (spec.id_column, spec.prompt_column) if c not in frame.columns]
     if missing:
         argument = "id_column" if missing[0] == spec.id_column else "prompt_column"
@@ -74,30 +82,59 @@ def check_columns(frame: pd.DataFrame, spec: TableSpec, where: str) -> None:
                                "to the generation asset.")
 
 
-def read_rows(frame: pd.DataFrame, partition: str | None, sampling: SamplingConfig, adapter: str | None,
-              spec: TableSpec, tokenizer: Any, output: StructuredOutput | None = None) -> list[PromptRow]:
+@dataclass(frozen=True)
+class PartitionSettings:
+    """What one partition's rows share: its sampling, adapter and structured output (None:
+    free text), and the model's default sampling that unset fields take."""
+
+    key: str | None
+    sampling: SamplingConfig
+    adapter: str | None
+    output: StructuredOutput | None
+    defaults: SamplingParams
+
+    def params(self, sampling: SamplingConfig) -> SamplingParams:
+        return sampling.effective_params(self.defaults, self.output.params if self.output is not None else None)
+
+
+def read_rows(frame: pd.DataFrame, partition: PartitionSettings, spec: PromptTableRules,
+              tokenizer: Any) -> list[PromptRow]:
     """The partition's rows, rendered to token ids; a row that cannot run gets its error.
-    `output` is what every completion of the partition must be (None: free text)."""
+
+    Raises:
+        PromptTableError: the partition's own sampling clashes with the model's defaults.
+    """
+    try:
+        shared = partition.params(partition.sampling)
+    except ValueError as exc:
+        where = f" of partition {partition.key!r}" if partition.key is not None else ""
+        raise PromptTableError(f"the sampling{where}: {exc}") from None
     overrides = [c for c in SAMPLING_FIELD_NAMES if c in frame.columns]
     first_position: dict[str, int] = {}
     rows = []
     for position, record in enumerate(frame.to_dict("records")):
         raw_id = record[spec.id_column]
-        row = PromptRow(partition, position, None if _missing(raw_id) else str(raw_id), None, sampling, adapter,
-                        output=output)
+        row = PromptRow(partition.key, position, None if _missing(raw_id) else str(raw_id), None,
+                        partition.sampling, shared, partition.adapter, output=partition.output)
         _check_id(row, first_position, spec)
         _apply_adapter(row, record, spec)
-        changes = {c: _plain(record[c]) for c in overrides if not _missing(record[c])}
-        try:
-            row.sampling = merge_sampling(sampling, changes, "column ")
-        except ValueError as exc:
-            row.fail(f"sampling override {exc}: fix the cell or drop the column")
+        _apply_overrides(row, {c: _plain(record[c]) for c in overrides if not _missing(record[c])}, partition)
         _render(row, record[spec.prompt_column], spec, tokenizer)
         rows.append(row)
     return rows
 
 
-def _check_id(row: PromptRow, first_position: dict[str, int], spec: TableSpec) -> None:
+def _apply_overrides(row: PromptRow, changes: dict[str, Any], partition: PartitionSettings) -> None:
+    if not changes:
+        return
+    try:
+        row.sampling = row.sampling.merged(changes, "column ")
+        row.params = partition.params(row.sampling)
+    except ValueError as exc:
+        row.fail(f"sampling override {exc}: fix the cell or drop the column")
+
+
+def _check_id(row: PromptRow, first_position: dict[str, int], spec: PromptTableRules) -> None:
     if row.id is None:
         row.fail(f"{spec.id_column}: is null: give every row an id")
     elif row.id in first_position and spec.duplicate_ids == "error":
@@ -107,7 +144,7 @@ def _check_id(row: PromptRow, first_position: dict[str, int], spec: TableSpec) -
         first_position.setdefault(row.id, row.position)
 
 
-def _apply_adapter(row: PromptRow, record: dict, spec: TableSpec) -> None:
+def _apply_adapter(row: PromptRow, record: dict, spec: PromptTableRules) -> None:
     value = record.get(spec.adapter_column)
     if spec.adapter_column not in record or _missing(value) or value == "":
         return
@@ -118,7 +155,7 @@ def _apply_adapter(row: PromptRow, record: dict, spec: TableSpec) -> None:
                  "declare it in adapters= or fix the row")
 
 
-def _render(row: PromptRow, value: object, spec: TableSpec, tokenizer: Any) -> None:
+def _render(row: PromptRow, value: object, spec: PromptTableRules, tokenizer: Any) -> None:
     """Sets the row's prompt text (as stored) and the engine prompt (token ids)."""
     value = _plain(value)
     column = spec.prompt_column
@@ -130,7 +167,7 @@ def _render(row: PromptRow, value: object, spec: TableSpec, tokenizer: Any) -> N
         row.prompt_text = json.dumps(value, ensure_ascii=False, default=str)
         problem = chat_messages_problem(value)
         if problem is None:
-            messages = [{"role": m["role"], "content": m["content"]} for m in text_messages(value)]
+            messages = [{"role": m["role"], "content": m["content"]} for m in value]
         else:
             row.fail(f"{column}: {problem}")
     elif isinstance(value, str):
@@ -150,12 +187,9 @@ def _render(row: PromptRow, value: object, spec: TableSpec, tokenizer: Any) -> N
         row.prompt = {"prompt": value, "prompt_token_ids": tokenizer(value).input_ids}
         return
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        row.prompt = render_chat(tokenizer, messages)
     except Exception as exc:  # a template may raise anything for messages it does not accept
         row.fail(f"{column}: the model's chat template rejected the messages ({exc})")
-        return
-    # The template already holds any BOS token: do not add a second one.
-    row.prompt = {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids}
 
 
 def _missing(value: object) -> bool:

@@ -1,24 +1,24 @@
 """Quality checks of a generation table: error rows, empty completions, truncation, ids,
-and the parse rate of a structured output."""
+and the parse rate of a structured output; their thresholds and descriptions."""
 
 from dataclasses import dataclass
 
-import dagster as dg
 import pyarrow as pa
 import pyarrow.compute as pc
+from pydantic import BaseModel, ConfigDict, Field
 
 
-@dataclass(frozen=True)
-class CheckThresholds:
-    """Highest acceptable share of rows (0 to 1) for each check before it fails, the lowest
-    acceptable parse rate of a structured output, and whether repeated ids pass
-    (`duplicate_ids='keep'` sets it)."""
+class CheckThresholds(BaseModel):
+    """Highest acceptable share of rows (0 to 1) for each check before it fails, and the
+    lowest acceptable parse rate of a structured output."""
 
-    max_error_rate: float = 0.0
-    max_empty_rate: float = 0.0
-    max_truncation_rate: float = 0.5
-    allow_duplicate_ids: bool = False
-    min_parse_rate: float = 1.0
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_error_rate: float = Field(default=0.0, ge=0, le=1, description="Error rows above this share fail the check.")
+    max_empty_rate: float = Field(default=0.0, ge=0, le=1, description="Empty generations above this share fail.")
+    max_truncation_rate: float = Field(default=0.5, ge=0, le=1, description="Truncated rows above this share fail.")
+    min_parse_rate: float = Field(default=1.0, ge=0, le=1, description="Structured outputs parsed below this share "
+                                                                       "fail the parse_rate check.")
 
 
 DESCRIPTIONS = {
@@ -41,10 +41,11 @@ class CheckOutcome:
     metadata: dict
 
 
-def evaluate(table: pa.Table, thresholds: CheckThresholds, structured: bool | None = None
-             ) -> dict[str, CheckOutcome]:
+def evaluate(table: pa.Table, thresholds: CheckThresholds, structured: bool | None = None,
+             allow_duplicate_ids: bool = False) -> dict[str, CheckOutcome]:
     """Each check's outcome for one partition's generation table. `structured`: None where
-    the asset has no structured output (no parse_rate check), else whether this partition has."""
+    the asset has no structured output (no parse_rate check), else whether this partition
+    has. `allow_duplicate_ids` (`duplicate_ids='keep'`) lets repeated ids pass."""
     rows = table.num_rows
     ran = pc.is_valid(table["generated_text"])
     errors = rows - (pc.sum(ran.cast(pa.int64())).as_py() or 0) if rows else 0
@@ -57,7 +58,7 @@ def evaluate(table: pa.Table, thresholds: CheckThresholds, structured: bool | No
         ("no_error_rows", errors, rows, thresholds.max_error_rate),
         ("no_empty_generations", empty, generated.num_rows, thresholds.max_empty_rate),
         ("truncation_rate", truncated, generated.num_rows, thresholds.max_truncation_rate),
-        ("unique_ids", repeated, rows, 1.0 if thresholds.allow_duplicate_ids else 0.0),
+        ("unique_ids", repeated, rows, 1.0 if allow_duplicate_ids else 0.0),
     ):
         rate = count / denominator if denominator else 0.0
         outcomes[name] = CheckOutcome(rate <= limit, {"rows": count, "rate": round(rate, 4), "max_rate": limit})
@@ -75,13 +76,3 @@ def _parse_rate(generated: pa.Table, min_rate: float, structured: bool) -> Check
     rate = parsed / generated.num_rows if generated.num_rows else 1.0
     return CheckOutcome(rate >= min_rate, {"parse_rate": round(rate, 4), "parsed_rows": parsed,
                                            "failed_rows": failed, "min_parse_rate": min_rate})
-
-
-def check_specs(asset_key: dg.AssetKey, partitions_def: dg.PartitionsDefinition | None,
-                structured: bool) -> list[dg.AssetCheckSpec]:
-    """The asset's checks; parse_rate where any partition has a structured output."""
-    descriptions = {**DESCRIPTIONS, **({PARSE_RATE: PARSE_RATE_DESCRIPTION} if structured else {})}
-    return [
-        dg.AssetCheckSpec(name, asset=asset_key, description=description, partitions_def=partitions_def)
-        for name, description in descriptions.items()
-    ]

@@ -16,11 +16,12 @@ from typing import Any
 
 import pyarrow as pa
 
-from dagster_llm.progress import GenerationProgress, WorkCounters
-from dagster_llm.prompts import PromptRow
-from dagster_llm.schema import records_table, result_record
-from dagster_llm.store import POSITION_COLUMN, PartitionFiles, with_data_version
-from dagster_llm.structured import OutputSpecError, StructuredOutput
+from dagster_llm.core.progress import GenerationProgress, WorkCounters
+from dagster_llm.core.prompts import PromptRow
+from dagster_llm.core.sampling import used_values
+from dagster_llm.core.schema import records_table, result_record
+from dagster_llm.core.structured import OutputSpecError, StructuredOutput
+from dagster_llm.core.table_store import POSITION_COLUMN, PartitionFiles, with_data_version
 from engine import LLM, LoRARequest
 
 
@@ -38,7 +39,7 @@ class RunOptions:
 
 @dataclass(frozen=True)
 class PartitionInput:
-    """One partition to generate: its prompt rows, its files (None: nothing is saved until
+    """One partition to generate: its prompt rows, its storage (None: nothing is saved until
     the caller stores the table) and what its completions must be (None: free text)."""
 
     key: str | None
@@ -141,7 +142,7 @@ class GenerationRun:
         for part in parts:
             if part.output is None:
                 continue
-            problem = self.llm.llm_engine.structured_output.problem(part.output.params)
+            problem = self.llm.structured_output_problem(part.output.params)
             if problem is not None:
                 where = f"partition {part.key!r}: " if part.key is not None else ""
                 raise OutputSpecError(f"{where}{problem}; change the schema (or choices) to what the grammar "
@@ -157,7 +158,7 @@ class GenerationRun:
                     if row.adapter == name:
                         row.fail(f"adapter {name!r}: {exc}")
         ready = [row for row in rows if row.error is None]
-        problems = self.llm.validate([r.prompt for r in ready], [r.sampling_params for r in ready],
+        problems = self.llm.validate([r.prompt for r in ready], [r.params for r in ready],
                                      [self._lora(r) for r in ready])
         for row, problem in zip(ready, problems):
             if problem is not None:
@@ -168,7 +169,7 @@ class GenerationRun:
 
     def _data_version(self, part: _Partition, model_fingerprint: str) -> str:
         """Digest of everything the partition's table depends on."""
-        rows = [(r.id, r.prompt_text, r.sampling.model_dump(), r.adapter, self.fingerprints.get(r.adapter), r.error)
+        rows = [(r.id, r.prompt_text, used_values(r.params), r.adapter, self.fingerprints.get(r.adapter), r.error)
                 for r in part.rows]
         output = part.output.describe() if part.output is not None else None
         return digest({"code_version": self.options.code_version, "model": model_fingerprint, "rows": rows,
@@ -191,23 +192,14 @@ class GenerationRun:
 
     def _run(self, todo: list[PromptRow], by_key: dict[str | None, _Partition], started: float
              ) -> Iterator[PartitionResult]:
-        stats = self.llm.llm_engine.stats
-        def prompt_tokens() -> int:  # computed, or found in the prefix cache
-            return stats.num_prompt_tokens_computed + stats.num_cached_prompt_tokens
-
-        prompt_start, output_start, steps_start = prompt_tokens(), stats.num_generated_tokens, stats.num_steps
-        params = [row.sampling_params for row in todo]
+        params = [row.params for row in todo]
         counters = WorkCounters(
             rows_total=len(todo),
             prompt_tokens_total=sum(len(r.prompt["prompt_token_ids"]) for r in todo),
-            max_output_tokens_total=sum(p.max_tokens for p in params),
+            max_output_tokens_total=sum(self._max_tokens(r) for r in todo),
         )
-        progress = GenerationProgress(
-            self.log, self.options.progress_interval_s, counters,
-            lambda: (prompt_tokens() - prompt_start, stats.num_generated_tokens - output_start,
-                     stats.num_steps - steps_start),
-            self.check_alive, self.llm.llm_engine.unfinished_outputs,
-        )
+        progress = GenerationProgress(self.log, self.options.progress_interval_s, counters, self.llm.get_stats,
+                                      self.check_alive, self.llm.unfinished_outputs)
         with progress:
             finished = self.llm.generate_as_completed([r.prompt for r in todo], params, use_tqdm=progress.bar,
                                                       lora_request=[self._lora(r) for r in todo])
@@ -217,11 +209,15 @@ class GenerationRun:
                 part.records[row.position] = result_record(row, output, self.options.model_id)
                 part.unsaved.append(row.position)
                 part.pending -= 1
-                progress.row_finished(len(output.outputs[0].token_ids), params[index].max_tokens)
+                progress.row_finished(len(output.outputs[0].token_ids), self._max_tokens(row))
                 if part.pending == 0:
                     yield self._commit(part, started)
                 elif self._shard_due(part):
                     self._save_shard(part)
+
+    def _max_tokens(self, row: PromptRow) -> int:
+        """The most tokens the row may generate (max_tokens None: what the context leaves)."""
+        return row.params.max_output_tokens(len(row.prompt["prompt_token_ids"]), self.llm.max_model_len)
 
     def _shard_due(self, part: _Partition) -> bool:
         return part.files is not None and (

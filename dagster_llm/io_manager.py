@@ -1,5 +1,6 @@
-"""`ParquetIOManager`: tables as Parquet files, one per partition, for any asset; the
-generation assets also commit partitions and shards through it as rows finish.
+"""`ParquetIOManager`: tables as Parquet files, one per partition, for any asset. It owns
+the `TableStore` through which the generation assets also commit partitions and shards as
+rows finish: one writer of the generation table.
 
 The class docstring is what the Dagster UI shows, so it is plain prose; the example
 lives here:
@@ -26,16 +27,9 @@ from pathlib import Path
 import dagster as dg
 import pandas as pd
 import pyarrow as pa
-import pyarrow.parquet as pq
 from pydantic import Field
 
-from dagster_llm.store import (
-    DATA_VERSION_KEY,
-    PartitionFiles,
-    data_version_of,
-    partition_file,
-    write_parquet_atomically,
-)
+from dagster_llm.core.table_store import TableMissingError, TableStore
 
 Table = pd.DataFrame | pa.Table
 
@@ -58,13 +52,13 @@ class ParquetIOManager(dg.ConfigurableIOManager):
     def root(self) -> Path:
         return Path(self.base_path or Path(os.environ.get("DAGSTER_LLM_OUTPUT_DIR", "output")) / "tables")
 
+    def table_store(self) -> TableStore:
+        """The tables, shards and locks under `root`: what generation runs write through."""
+        return TableStore(self.root)
+
     def path_for(self, asset_key: dg.AssetKey, partition_key: str | None) -> Path:
         """The file of one partition (None: the unpartitioned asset's file)."""
-        return partition_file(self.root, asset_key, partition_key)
-
-    def partition_files(self, asset_key: dg.AssetKey, partition_key: str | None) -> PartitionFiles:
-        """The committed file, shards and lock of one partition."""
-        return PartitionFiles(self.path_for(asset_key, partition_key))
+        return self.table_store().partition(asset_key.path, partition_key).path
 
     def handle_output(self, context: dg.OutputContext, obj: Table | dict[str, Table] | None) -> None:
         """Stores one table, or a {partition_key: table} dict when the run spans partitions."""
@@ -77,16 +71,16 @@ class ParquetIOManager(dg.ConfigurableIOManager):
                 "{partition_key: table} dict, one table per partition"
             )
         tables = obj if isinstance(obj, dict) else {keys[0]: obj}
+        store = self.table_store()
         for key in keys:
             table = tables[key]
             table = table if isinstance(table, pa.Table) else pa.Table.from_pandas(table, preserve_index=False)
-            path = self.path_for(context.asset_key, key)
-            version = (table.schema.metadata or {}).get(DATA_VERSION_KEY)
-            if version is None or data_version_of(path) != version.decode():
-                write_parquet_atomically(table, path)
+            partition = store.partition(context.asset_key.path, key)
+            partition.write(table)
         if len(keys) == 1:
             # One materialization per partition carries these: a range's total would be wrong on each.
-            context.add_output_metadata({"path": dg.MetadataValue.path(str(path)), "dagster/row_count": table.num_rows})
+            context.add_output_metadata({"path": dg.MetadataValue.path(str(partition.path)),
+                                         "dagster/row_count": table.num_rows})
 
     def load_input(self, context: dg.InputContext) -> Table | dict[str, Table]:
         """One table, or a {partition_key: table} dict when the input spans partitions."""
@@ -97,10 +91,11 @@ class ParquetIOManager(dg.ConfigurableIOManager):
         return tables[keys[0]] if len(keys) == 1 else tables
 
     def _read(self, asset_key: dg.AssetKey, key: str | None, arrow: bool) -> Table:
-        path = self.path_for(asset_key, key)
-        if not path.exists():
+        partition = self.table_store().partition(asset_key.path, key)
+        try:
+            table = partition.read()
+        except TableMissingError:
             which = f"partition {key!r} of " if key is not None else ""
-            raise dg.Failure(f"{which}{asset_key.to_user_string()} has no table at {path}: materialize it first "
-                             f"(or point the IO manager's base_path at where it was written)")
-        table = pq.read_table(path)
+            raise dg.Failure(f"{which}{asset_key.to_user_string()} has no table at {partition.path}: materialize it "
+                             "first (or point the IO manager's base_path at where it was written)") from None
         return table if arrow else table.to_pandas()

@@ -7,10 +7,10 @@ from typing import Any
 
 import pyarrow as pa
 
-from dagster_llm.prompts import PromptRow
-from dagster_llm.sampling import SAMPLING_FIELDS
-from dagster_llm.store import POSITION_COLUMN
-from dagster_llm.structured import OutputColumn, StructuredOutput
+from dagster_llm.core.prompts import PromptRow
+from dagster_llm.core.sampling import SAMPLING_FIELDS, used_values
+from dagster_llm.core.structured import OutputColumn, StructuredOutput
+from dagster_llm.core.table_store import POSITION_COLUMN
 from engine import RequestOutput
 
 _RESULT_COLUMNS: tuple[tuple[str, pa.DataType, str], ...] = (
@@ -29,7 +29,7 @@ _ERROR_COLUMN = ("error", pa.string(), "Why the row was not generated, or why it
 
 COLUMN_DESCRIPTIONS: dict[str, str] = {
     **{name: text for name, _, text in (*_RESULT_COLUMNS, _ERROR_COLUMN)},
-    **{f.name: f"Sampling setting used. {f.documented}" for f in SAMPLING_FIELDS},
+    **{f.name: f"Sampling setting used. {f.description}" for f in SAMPLING_FIELDS},
 }
 GENERATION_SCHEMA = pa.schema(
     [pa.field(name, kind) for name, kind, _ in _RESULT_COLUMNS]
@@ -77,11 +77,11 @@ def result_record(row: PromptRow, output: RequestOutput | None, model_id: str) -
         "completion_tokens": len(completion.token_ids) if completion else None,
         "model": model_id,
         "adapter": row.adapter,
-        **row.sampling.model_dump(),
+        **used_values(row.params),
         "error": row.error,
     }
     if row.output is not None:
-        parsed = row.output.parse(record["generated_text"], record["finish_reason"], row.sampling.max_tokens)
+        parsed = row.output.parse(record["generated_text"], record["finish_reason"], row.params.max_tokens)
         record.update(parsed.values)
         record["error"] = record["error"] or parsed.error
     return record

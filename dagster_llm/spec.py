@@ -1,0 +1,147 @@
+"""`GenerationSpec`: every option of a generation asset, declared once.
+
+The factory's keyword arguments and docs, the component's fields, the prompt-table rules,
+the check thresholds, the column schema and the settings digest of the code version are all
+read from this model. A new option is one field here (plus its use and its test); it joins
+the code version unless it is marked `operational` (it does not change the table's data).
+"""
+
+import json
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+from pydantic import BaseModel, Field, field_validator
+
+from dagster_llm.core.checks import CheckThresholds
+from dagster_llm.core.generation import digest
+from dagster_llm.core.prompts import PromptTableRules
+from dagster_llm.core.sampling import SamplingConfig
+
+_OPERATIONAL = {"operational": True}
+
+
+def _operational(default: Any, description: str) -> Any:
+    """A field that says how the asset runs or is shown, not what its table holds."""
+    return Field(default=default, description=description, json_schema_extra=_OPERATIONAL)
+
+
+class GenerationSpec(PromptTableRules, CheckThresholds):
+    """A generation asset: an upstream prompt table in, one completion per row out."""
+
+    name: str = _operational(..., "The generation asset's name.")
+    upstream: str = _operational(..., "Asset key of the prompt table, e.g. 'prompts' or 'raw/prompts' (the factory "
+                                      "also takes an AssetKey or the upstream AssetsDefinition).")
+    sampling: SamplingConfig = Field(
+        default_factory=SamplingConfig,
+        description="Sampling of partitions that sampling_by_partition does not name (SamplingConfig fields); "
+                    "unset fields take the model's defaults (its generation_config.json, else vLLM's).")
+    sampling_by_partition: dict[str, SamplingConfig] = Field(
+        default_factory=dict, description="Partition key or glob pattern (e.g. '2024-*', 'creative|*') to its "
+                                          "sampling; exact keys win over patterns, earlier patterns over later.")
+    adapter: str | None = Field(default=None, description="The LoRA adapter of partitions that adapter_by_partition "
+                                                          "does not name (None: the base model).")
+    adapter_by_partition: dict[str, str | None] = Field(
+        default_factory=dict, description="Partition key or glob pattern to an adapter name (None: the base model), "
+                                          "matched like sampling_by_partition.")
+    output_schema: dict[str, Any] | str | None = Field(
+        default=None, description="What every completion must be: a JSON schema whose top level is an object (a "
+                                  "pydantic model class in Python, or the path of a .json file), one typed column "
+                                  "per top-level field; a field named like a column of the generation table is a "
+                                  "definition error.")
+    choices: list[str] | None = Field(default=None, description="Labels of a classification: every completion is "
+                                                                "exactly one of them (a 'choice' column).")
+    output_schema_by_partition: dict[str, dict[str, Any] | str | None] = Field(
+        default_factory=dict, description="Partition key or glob pattern to its output schema (None: free text), "
+                                          "matched like sampling_by_partition.")
+    choices_by_partition: dict[str, list[str] | None] = Field(
+        default_factory=dict, description="Partition key or glob pattern to its choices (None: free text); a "
+                                          "partition named here and in output_schema_by_partition is an error.")
+    code_version: str = Field(default="1", description="Your version of the prompt logic; the settings that "
+                                                       "change the table are added to it, so changing them marks "
+                                                       "the asset stale.")
+    resource_key: str = _operational("llm", "Key of the LLMResource.")
+    io_manager_key: str = _operational("io_manager", "Key of the IO manager of the generation table.")
+    pool: str | None = _operational("llm", "Concurrency pool of the generation step; None claims no pool.")
+    max_partitions_per_run: int | None = _operational(
+        None, "None runs a whole backfill as one run (BackfillPolicy.single_run(), which `dagster asset "
+              "materialize --partition-range` needs); N splits backfills into runs of at most N partitions.")
+    key_prefix: list[str] = _operational([], "Prefix of the asset key (a string is one level).")
+    group_name: str | None = _operational(None, "Dagster asset group.")
+    description: str | None = _operational(None, "Asset description.")
+    progress_interval_s: float = _operational(5.0, "Seconds between progress lines in the event log.")
+    shard_rows: int = _operational(64, "Finished rows per shard (a shard is also written every 30 s).")
+
+    @field_validator("upstream", mode="before")
+    @classmethod
+    def _upstream_key(cls, value: object) -> object:
+        if isinstance(value, dg.AssetsDefinition):
+            value = value.key
+        return value.to_user_string() if isinstance(value, dg.AssetKey) else value
+
+    @field_validator("output_schema", mode="before")
+    @classmethod
+    def _model_schema(cls, value: object) -> object:
+        return value.model_json_schema() if isinstance(value, type) and issubclass(value, BaseModel) else value
+
+    @field_validator("output_schema_by_partition", mode="before")
+    @classmethod
+    def _model_schemas(cls, value: object) -> object:
+        if not isinstance(value, dict):
+            return value
+        return {key: cls._model_schema(schema) for key, schema in value.items()}
+
+    @field_validator("key_prefix", mode="before")
+    @classmethod
+    def _one_level(cls, value: object) -> object:
+        return [value] if isinstance(value, str) else [] if value is None else value
+
+    @property
+    def asset_key(self) -> dg.AssetKey:
+        return dg.AssetKey([*self.key_prefix, self.name])
+
+    @property
+    def upstream_key(self) -> dg.AssetKey:
+        return dg.AssetKey.from_user_string(self.upstream)
+
+    def with_files_from(self, folder: Path) -> "GenerationSpec":
+        """The spec with adapter folders and schema files (relative paths) read from `folder`.
+
+        Raises:
+            DagsterInvalidDefinitionError: a schema file that cannot be read as JSON.
+        """
+        return self.model_copy(update={
+            "adapters": {name: str(folder / path) for name, path in self.adapters.items()},
+            "output_schema": self._schema_file(self.output_schema, folder, "output_schema"),
+            "output_schema_by_partition": {
+                key: self._schema_file(value, folder, f"output_schema_by_partition[{key!r}]")
+                for key, value in self.output_schema_by_partition.items()},
+        })
+
+    def _schema_file(self, value: dict | str | None, folder: Path, field: str) -> dict | None:
+        if not isinstance(value, str):
+            return value
+        path = folder / value
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise dg.DagsterInvalidDefinitionError(
+                f"{self.name}: {field}: cannot read a JSON schema from {path} ({exc}); give the path of a .json "
+                "file (relative to the component's folder, or to the working directory in Python), or the "
+                "schema inline") from None
+
+    def settings_digest(self) -> str:
+        """Digest of every setting that changes the table: all fields but the operational
+        ones and the check thresholds (they judge the table, they do not change it).
+        Adapters enter each row's data version by the fingerprint of their weights."""
+        return digest(self.model_dump(mode="json", exclude=data_version_exclusions()))
+
+    def thresholds(self) -> CheckThresholds:
+        return CheckThresholds(**self.model_dump(include=set(CheckThresholds.model_fields)))
+
+
+def data_version_exclusions() -> set[str]:
+    """The spec's fields that do not enter the settings digest."""
+    operational = {name for name, info in GenerationSpec.model_fields.items()
+                   if info.json_schema_extra == _OPERATIONAL}
+    return operational | set(CheckThresholds.model_fields) | {"adapters"}
