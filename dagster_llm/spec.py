@@ -26,7 +26,7 @@ def _operational(default: Any, description: str) -> Any:
     return Field(default=default, description=description, json_schema_extra=_OPERATIONAL)
 
 
-class GenerationSpec(PromptTableRules, CheckThresholds):
+class GenerationSpec(CheckThresholds, PromptTableRules):
     """A generation asset: an upstream prompt table in, one completion per row out."""
 
     name: str = _operational(..., "The generation asset's name.")

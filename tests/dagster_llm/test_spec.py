@@ -4,6 +4,7 @@ the core imports without Dagster."""
 import inspect
 import subprocess
 import sys
+from pathlib import Path
 
 import dagster as dg
 import pytest
@@ -11,6 +12,7 @@ import pytest
 import dagster_llm.components
 from dagster_llm import GenerationComponent, GenerationSpec, SamplingConfig, build_generation_asset
 from dagster_llm.spec import data_version_exclusions
+from tests.dagster_llm.readme_tables import options_table, sampling_table
 
 SCHEMA = {"type": "object", "properties": {"topic": {"type": "string"}}, "required": ["topic"]}
 # A value other than the default for every option: a new option must be added here.
@@ -82,3 +84,9 @@ def test_the_core_imports_without_dagster():
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'dagster' and sys.modules[m] is not None))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_the_readme_tables_are_the_declarations():
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert options_table() in readme, "README: paste tests.dagster_llm.readme_tables.options_table()"
+    assert sampling_table() in readme, "README: paste tests.dagster_llm.readme_tables.sampling_table()"
