@@ -112,7 +112,7 @@ def decode_roofline(folder: Path, batch: int = 256, prompt_len: int = 128, steps
     with LLM(str(folder), dtype="bfloat16", max_num_seqs=batch) as llm:
         runner = llm.llm_engine.model_runner
         weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-        kv_per_token = runner.kv_bytes_per_token
+        kv_per_token = runner.kv_cache.bytes_per_token
         times = {}
         for new_tokens in (1, steps + 1):
             params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)

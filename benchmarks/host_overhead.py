@@ -72,7 +72,7 @@ class Round:
 
 def measure(llm: LLM, prompts: list[dict], params: SamplingParams, num_seqs: int) -> Round:
     """One generation: the median decode step, and the bare compute of one such step."""
-    engine = llm.engine
+    engine = llm.llm_engine
     runner = engine.model_runner
     step_times: list[float] = []
     decode_inputs: list[StepInputs] = []
@@ -105,7 +105,7 @@ def measure(llm: LLM, prompts: list[dict], params: SamplingParams, num_seqs: int
 def bare_compute(runner, inputs: StepInputs, repeats: int = 50) -> float:
     """Milliseconds of one decode step's forward pass, logits and argmax, inputs ready."""
     rows = torch.tensor(inputs.sample_rows)
-    runner.backend.prepare(inputs.attention)
+    runner.kv_cache.backend.prepare(inputs.attention)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()

@@ -58,7 +58,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp, LLM(dtype=args.dtype) as base, \
             LLM(dtype=args.dtype, enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank) as lora:
         prompts = [{"prompt_token_ids": p} for p in chat_prompt_ids(base.get_tokenizer(), args.num_prompts)]
-        dtype = base.llm_engine.model_config.dtype_name  # what "auto" picked
+        dtype = base.dtype  # what "auto" picked
         adapters = [LoRARequest(f"adapter{i}", i + 1, str(write_adapter(Path(tmp) / f"a{i}", lora, args.rank, i)))
                     for i in range(args.adapters)]
         mixed = [adapters[i % args.adapters] for i in range(len(prompts))]

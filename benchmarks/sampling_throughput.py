@@ -6,23 +6,19 @@ requests. Both runs alternate for `--repeats` rounds; the best of each is compar
     .venv/bin/python benchmarks/sampling_throughput.py --num-prompts 64 --output-len 64
 """
 
-import argparse
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.comparison import best_times, comparison_parser  # noqa: E402
 from benchmarks.prompts import chat_prompt_ids  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num-prompts", type=int, default=64)
+    parser = comparison_parser(__doc__.splitlines()[0])
     parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     length = dict(max_tokens=args.output_len, ignore_eos=True)
     kinds = [
@@ -34,23 +30,13 @@ def main() -> None:
     ]
     with LLM(dtype=args.dtype) as llm:
         prompts = [{"prompt_token_ids": p} for p in chat_prompt_ids(llm.get_tokenizer(), args.num_prompts)]
-        dtype = llm.llm_engine.model_config.dtype_name  # what "auto" picked
+        dtype = llm.dtype  # what "auto" picked
         greedy = [kinds[0]] * len(prompts)
         mixed = [kinds[i % 4] for i in range(len(prompts))]
         llm.generate(prompts[:4], mixed[:4], use_tqdm=False)  # warm-up
-
-        def timed(params: list[SamplingParams]) -> float:
-            llm.reset_prefix_cache()
-            started = time.perf_counter()
-            llm.generate(prompts, params, use_tqdm=False)
-            return time.perf_counter() - started
-
-        times = {"greedy": [], "mixed": []}
-        for _ in range(args.repeats):
-            times["greedy"].append(timed(greedy))
-            times["mixed"].append(timed(mixed))
+        times = best_times(llm, prompts, {"greedy": greedy, "mixed": mixed}, args.repeats)
     tokens = args.num_prompts * args.output_len
-    rates = {name: tokens / min(values) for name, values in times.items()}
+    rates = {name: tokens / seconds for name, seconds in times.items()}
     print(f"prompts={args.num_prompts} output_len={args.output_len} dtype={dtype} best of {args.repeats}")
     print(f"all greedy:     {rates['greedy']:8.1f} output tokens/s")
     print(f"mixed sampling: {rates['mixed']:8.1f} output tokens/s")

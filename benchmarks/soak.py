@@ -116,7 +116,7 @@ def run_chunk(llm: LLM, requests: list[Request]) -> tuple[int, int, int]:
     outputs = llm.generate(
         [{"prompt_token_ids": r.prompt_token_ids} for r in requests],
         [SamplingParams(temperature=0, max_tokens=r.max_tokens, n=r.n, ignore_eos=True) for r in requests],
-        priority=[r.priority for r in requests] if llm.engine.config.scheduling_policy == "priority" else None,
+        priority=[r.priority for r in requests] if llm.llm_engine.config.scheduling_policy == "priority" else None,
         use_tqdm=False,
     )
     prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
@@ -140,7 +140,7 @@ def soak(args: argparse.Namespace, path: Path) -> int:
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               scheduling_policy=args.policy, enable_prefix_caching=not args.no_prefix_caching,
               num_threads=args.threads, seed=args.seed)
-    engine = llm.engine
+    engine = llm.llm_engine
     bm = engine.block_manager
     requests = make_requests(args, engine.model_config.hf_config.vocab_size, engine.model_config.max_model_len)
     print(f"model {args.model}; {bm.num_blocks} KV blocks x {args.block_size} tokens; "

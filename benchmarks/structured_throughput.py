@@ -10,15 +10,15 @@ alternate for `--repeats` rounds; the best of each counts.
     .venv/bin/python benchmarks/structured_throughput.py --num-prompts 64
 """
 
-import argparse
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.comparison import best_times, comparison_parser  # noqa: E402
 from benchmarks.prompts import chat_prompt_ids  # noqa: E402
-from engine import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
+from engine import LLM, RequestOutput, SamplingParams, StructuredOutputsParams  # noqa: E402
 
 # An answer card: nested object, enum, bounded numbers, a bounded array and strings.
 SCHEMA = {
@@ -40,11 +40,8 @@ SCHEMA = {
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num-prompts", type=int, default=64)
+    parser = comparison_parser(__doc__.splitlines()[0])
     parser.add_argument("--max-tokens", type=int, default=160)
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--model", default=None, help="model folder (default: the embedded model)")
     parser.add_argument("--unbounded-strings", action="store_true",
                         help="drop the strings' maxLength: their masks are much cheaper to fill")
@@ -52,7 +49,7 @@ def main() -> None:
     schema = unbounded_strings(SCHEMA) if args.unbounded_strings else SCHEMA
     constraint = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
     with LLM(args.model, dtype=args.dtype) as llm:
-        dtype = llm.llm_engine.model_config.dtype_name  # what "auto" picked
+        dtype = llm.dtype  # what "auto" picked
         prompts = [{"prompt_token_ids": p} for p in chat_prompt_ids(llm.get_tokenizer(), args.num_prompts)]
         constrained = [SamplingParams(temperature=0, max_tokens=args.max_tokens, structured_outputs=constraint)
                        ] * len(prompts)
@@ -62,20 +59,12 @@ def main() -> None:
         lengths = [len(o.outputs[0].token_ids) for o in first]
         plain = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
 
-        def timed(params: list[SamplingParams]) -> float:
-            llm.reset_prefix_cache()
-            started = time.perf_counter()
-            outputs = llm.generate(prompts, params, use_tqdm=False)
-            elapsed = time.perf_counter() - started
+        def same_lengths(outputs: list[RequestOutput]) -> None:
             assert [len(o.outputs[0].token_ids) for o in outputs] == lengths, "the workloads differ"
-            return elapsed
 
-        times = {"plain": [], "json": []}
-        for _ in range(args.repeats):
-            times["plain"].append(timed(plain))
-            times["json"].append(timed(constrained))
+        times = best_times(llm, prompts, {"plain": plain, "json": constrained}, args.repeats, same_lengths)
     tokens = sum(lengths)
-    rates = {name: tokens / min(values) for name, values in times.items()}
+    rates = {name: tokens / seconds for name, seconds in times.items()}
     stopped = sum(o.outputs[0].finish_reason == "stop" for o in first)
     print(f"schema: {'strings without maxLength' if args.unbounded_strings else 'strings with maxLength'}")
     print(f"prompts={args.num_prompts} output tokens={tokens} (mean {tokens / len(lengths):.0f} per row, "

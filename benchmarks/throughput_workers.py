@@ -78,7 +78,7 @@ def run_ours(workload: Workload, opts: WorkerOptions, prefix_caching: bool = Tru
         start = time.perf_counter()
         outputs = llm.generate([{"prompt_token_ids": p} for p in workload.prompts], params, use_tqdm=False)
         elapsed = time.perf_counter() - start
-        dtype = llm.llm_engine.model_config.dtype_name
+        dtype = llm.dtype
     _check_lengths([len(o.outputs[0].token_ids) for o in outputs], workload)
     return elapsed, dtype, f"{dtype}, prefix caching {'on' if prefix_caching else 'off'}"
 

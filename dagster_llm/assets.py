@@ -55,17 +55,10 @@ def build_generation_asset(name: str, upstream: str | dg.AssetKey | dg.AssetsDef
 
     A row that cannot run (null or bad prompt, bad override, unknown or broken adapter,
     repeated id, too long) gets its `error` and the others run. The asset carries four
-    checks per partition (error rows, empty generations, truncation rate, unique ids),
-    claims a slot of `pool`, and holds a lock per partition so that two runs never write
-    one partition at once.
-
-    Structured outputs: with `output_schema` the engine constrains every completion to
-    compact JSON of that schema, and the table gains one typed column per top-level field,
-    named as the field (see `dagster_llm.core.structured` for the types), after `error`;
-    `generated_text` keeps the raw JSON. With `choices` each completion is one of the
-    labels, in a `choice` column. A row whose output does not parse or validate (for
-    instance cut off by max_tokens) keeps its text and gets an `error`; a fifth check,
-    `parse_rate`, reports the share that parsed.
+    checks per partition (error rows, empty generations, truncation rate, unique ids; a
+    fifth, `parse_rate`, with a structured output: one typed column per top-level field of
+    `output_schema`, or a `choice` column), claims a slot of `pool`, and holds a lock per
+    partition so that two runs never write one partition at once.
 
     Args:
         name: The asset's name.

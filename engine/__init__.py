@@ -4,9 +4,10 @@ Never imports Dagster; `dagster_llm` builds on it.
 """
 
 from engine.llm import LLM
+from engine.llm_engine import EngineStats
 from engine.lora import LoRARequest
 from engine.model_loader import ModelLoadError
-from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, UnfinishedOutput
 from engine.sampling_params import SamplingParams
 from engine.structured_output.params import StructuredOutputsParams
 
@@ -15,6 +16,7 @@ __version__ = "0.1.0"
 __all__ = [
     "LLM",
     "CompletionOutput",
+    "EngineStats",
     "Logprob",
     "LoRARequest",
     "ModelLoadError",
@@ -22,4 +24,5 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "StructuredOutputsParams",
+    "UnfinishedOutput",
 ]

@@ -186,13 +186,11 @@ def default_num_threads() -> int:
     return available_cpus()
 
 
-def set_num_threads(requested: int | None) -> int:
-    """Sets the threads of PyTorch's CPU operators for this process: `requested`, or
-    `default_num_threads()`. Returns the number set."""
-    count = requested or default_num_threads()
+def set_num_threads(count: int) -> None:
+    """Sets the threads of PyTorch's CPU operators for this process (the engine's
+    num_threads, `default_num_threads()` unless set)."""
     if torch.get_num_threads() != count:
         torch.set_num_threads(count)
-    return count
 
 
 # glibc's mallopt parameters.

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.layers.attention import AttentionMetadata
+from engine.lora.slots import LoRARange
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 
@@ -34,7 +35,7 @@ class StepInputs:
     """One step's rows on the device: each sequence's new tokens back to back.
 
     `sample_seqs[i]` samples from row `sample_rows[i]` (a forked child from its parent's
-    last row); `lora_ranges` are (adapter slot, first row, end row).
+    last row); `lora_ranges` are the runs of rows that share an adapter slot.
     """
 
     input_ids: torch.Tensor
@@ -44,7 +45,7 @@ class StepInputs:
     sample_seqs: list[Sequence] = field(default_factory=list)
     sample_rows: list[int] = field(default_factory=list)
     prompt_rows: list[PromptRows] = field(default_factory=list)
-    lora_ranges: list[tuple[int, int, int]] = field(default_factory=list)
+    lora_ranges: list[LoRARange] = field(default_factory=list)
     # Rows whose input id is a token still being sampled, and the batch slots it lands in.
     pending_rows: torch.Tensor | None = None
     pending_slots: torch.Tensor | None = None
@@ -180,15 +181,15 @@ class InputBatch:
 
 
 def _lora_ranges(seqs: list[Sequence], ends: list[int], nums: list[int],
-                 lora_slots: dict[int, int]) -> list[tuple[int, int, int]]:
-    """(adapter slot, first row, end row) of each run of rows with one adapter."""
-    ranges: list[tuple[int, int, int]] = []
+                 lora_slots: dict[int, int]) -> list[LoRARange]:
+    """The runs of rows with one adapter slot (sequences come grouped by slot)."""
+    ranges: list[LoRARange] = []
     for seq, end, n in zip(seqs, ends, nums):
         slot = lora_slots.get(seq.lora_int_id)
         if slot is None:
             continue
-        if ranges and ranges[-1][0] == slot and ranges[-1][2] == end - n:
-            ranges[-1] = (slot, ranges[-1][1], end)
+        if ranges and ranges[-1].slot == slot and ranges[-1].end == end - n:
+            ranges[-1] = LoRARange(slot, ranges[-1].start, end)
         else:
-            ranges.append((slot, end - n, end))
+            ranges.append(LoRARange(slot, end - n, end))
     return ranges

@@ -20,18 +20,13 @@ from engine.model_runner import LaunchedStep, ModelRunner
 from engine.layers.sampler import SampledToken
 from engine.lora.manager import LoRAManager
 from engine.lora.request import LoRARequest
-from engine.outputs import CompletionOutput, Logprob, RequestOutput
+from engine.outputs import CompletionOutput, Logprob, RequestOutput, UnfinishedOutput
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence
 from engine.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
-
-# Default token budget of one step. On a CPU a step of 1,024 tokens measured 1.3-1.5x the
-# throughput of 4,096 on prefill-heavy batches (its activations stay in cache between
-# operators); on a GPU a larger step keeps the device busy.
-_DEFAULT_STEP_TOKENS = {"cpu": 1024, "cuda": 4096}
 
 
 @dataclass
@@ -53,36 +48,15 @@ class LLMEngine:
         check_model_folder(path, tokenizer_path)
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(tokenizer_path)
         self.model_config = ModelConfig.resolve(path, config, self.tokenizer.eos_token_id)
-        if config.max_num_batched_tokens is None:
-            step_tokens = _DEFAULT_STEP_TOKENS[self.model_config.device.type]
-            config.max_num_batched_tokens = (
-                step_tokens if config.enable_chunked_prefill else max(step_tokens, self.model_config.max_model_len)
-            )
-        elif not config.enable_chunked_prefill and config.max_num_batched_tokens < self.model_config.max_model_len:
-            raise ValueError(
-                f"max_num_batched_tokens={config.max_num_batched_tokens} is below max_model_len="
-                f"{self.model_config.max_model_len}: without chunked prefill a long prompt could never "
-                f"run. Raise it, lower max_model_len, or enable_chunked_prefill=True"
-            )
-        if config.async_scheduling is None:
-            config.async_scheduling = self.model_config.device.type == "cuda"
+        config = config.resolve(self.model_config)  # every default decided, once
         self.config = config
         self.structured_output = StructuredOutputManager(
             self.tokenizer, self.model_config.hf_config.vocab_size, sorted(self.model_config.eos_token_ids))
         self.model_runner = ModelRunner(config, self.model_config)
         self.block_manager = BlockManager(
-            self.model_runner.num_blocks, config.block_size, config.enable_prefix_caching
+            self.model_runner.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching
         )
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                enable_chunked_prefill=config.enable_chunked_prefill,
-                policy=config.scheduling_policy,
-                max_loras=config.max_loras if config.enable_lora else 0,
-            ),
-            self.block_manager,
-        )
+        self.scheduler = Scheduler(config, self.block_manager)
         self.stats = EngineStats()
         self._seq_ids = itertools.count()
         self._token_texts: dict[tuple[bool, bool], dict[int, str]] = {}  # by detokenizer settings
@@ -99,6 +73,18 @@ class LLMEngine:
     def kv_cache_tokens(self) -> int:
         """How many tokens the KV cache holds in all."""
         return self.block_manager.num_blocks * self.config.block_size
+
+    def add_lora(self, lora_request: LoRARequest) -> str:
+        """Reads an adapter into host memory and checks it against the model; returns its
+        fingerprint (sha256 of its config and weights).
+
+        Raises:
+            ValueError: the engine was created without enable_lora, or the adapter cannot
+                run (`LoRAError`, naming it, the problem and the fix).
+        """
+        if self.lora_manager is None:
+            raise ValueError("adapters need LLM(enable_lora=True, max_lora_rank=...)")
+        return self.lora_manager.check(lora_request).digest
 
     def add_request(
         self,
@@ -290,11 +276,11 @@ class LLMEngine:
         """Drops one request's queued and running sequences, returning their blocks."""
         return self.scheduler.abort_seq_group(request_id)
 
-    def unfinished_outputs(self) -> list[tuple[int, int]]:
-        """(tokens generated, max_tokens) of every completion still queued or running: what
+    def unfinished_outputs(self) -> list[UnfinishedOutput]:
+        """Tokens generated and max_tokens of every completion still queued or running: what
         a progress estimate needs. Safe to call from another thread (a snapshot)."""
         seqs = list(self.scheduler.running) + list(self.scheduler.waiting)
-        return [(seq.num_output_tokens, seq.max_num_tokens - seq.num_prompt_tokens) for seq in seqs]
+        return [UnfinishedOutput(seq.num_output_tokens, seq.max_num_tokens - seq.num_prompt_tokens) for seq in seqs]
 
     def abort_all(self) -> None:
         """Drops every queued and running request, returning their blocks; a step in

@@ -62,3 +62,12 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     metrics: RequestMetrics | None = None
     lora_request: LoRARequest | None = None
+
+
+@dataclass(frozen=True)
+class UnfinishedOutput:
+    """A completion still queued or running: the tokens it has generated so far and the
+    most it may generate (its max_tokens, or what the model's context leaves)."""
+
+    num_generated_tokens: int
+    max_tokens: int

@@ -5,16 +5,8 @@ import time
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
+from engine.config import EngineConfig
 from engine.sequence import Sequence, SequenceStatus
-
-
-@dataclass
-class SchedulerConfig:
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    enable_chunked_prefill: bool
-    policy: str  # "fcfs" or "priority"
-    max_loras: int = 0  # distinct LoRA adapters in one step (0: LoRA off)
 
 
 @dataclass
@@ -54,7 +46,9 @@ class Scheduler:
     distinct adapters in the step is passed over, and requests behind it may run.
     """
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+        """`config` is resolved (`EngineConfig.resolve`): the scheduler reads max_num_seqs,
+        max_num_batched_tokens, enable_chunked_prefill, scheduling_policy and max_loras."""
         self.config = config
         self.block_manager = block_manager
         self.waiting: list[Sequence] = []
@@ -63,7 +57,7 @@ class Scheduler:
         self.num_preemptions = 0
 
     def _rank(self, seq: Sequence) -> tuple[int, int]:
-        if self.config.policy == "priority":
+        if self.config.scheduling_policy == "priority":
             return (seq.priority, seq.seq_id)
         return (0, seq.seq_id)
 
@@ -74,38 +68,59 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
-        budget = self.config.max_num_batched_tokens
-        scheduled: dict[Sequence, int] = {}
-        preempted = False
-        cached_prompt_tokens = 0
+        """The next step: running sequences first, then waiting ones while nothing was preempted.
 
+        Raises:
+            RuntimeError: nothing could be placed although requests wait (the KV cache is
+                too small for the next one).
+        """
+        plan = _StepPlan(self.config.max_num_batched_tokens)
+        self._schedule_running(plan)
+        if not plan.preempted:
+            self._schedule_waiting(plan)
+        if (not plan.scheduled and not plan.preempted and self.has_unfinished()
+                and not any(s.num_pending_tokens for s in (*self.running, *self.waiting))):
+            raise RuntimeError(
+                "the scheduler could not place any request: the KV cache is too small for "
+                f"the next request ({self.waiting[0] if self.waiting else self.running[0]})"
+            )
+        copies, self.block_manager.pending_copies = self.block_manager.pending_copies, []
+        released, self.released = self.released, []
+        return ScheduledBatch(list(plan.scheduled), list(plan.scheduled.values()), block_copies=copies,
+                              cached_prompt_tokens=plan.cached_prompt_tokens, released=released)
+
+    def _schedule_running(self, plan: "_StepPlan") -> None:
+        """Gives each running sequence its next tokens, in rank order, preempting the
+        least important ones when blocks run out."""
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and plan.budget > 0:
             seq = self.running[i]
             num_tokens = seq.num_tokens + seq.num_pending_tokens
             if seq.num_pending_tokens and num_tokens >= seq.max_num_tokens:
                 i += 1  # its pending token is its last: it finishes when that token is read back
                 continue
-            num_new = min(num_tokens - seq.num_computed_tokens, budget)
+            num_new = min(num_tokens - seq.num_computed_tokens, plan.budget)
             while not self.block_manager.allocate(seq, num_new):
                 victim = max(self.running, key=self._rank)
                 self._preempt(victim)
-                preempted = True
-                if victim in scheduled:
-                    budget += scheduled.pop(victim)
+                plan.preempted = True
+                if victim in plan.scheduled:
+                    plan.budget += plan.scheduled.pop(victim)
                     i -= 1
                 if victim is seq:
                     break
             else:
-                scheduled[seq] = num_new
-                budget -= num_new
+                plan.add(seq, num_new)
                 i += 1
 
+    def _schedule_waiting(self, plan: "_StepPlan") -> None:
+        """Admits waiting sequences in rank order while the budget, max_num_seqs, max_loras
+        and the free blocks allow, reusing cached prefix blocks."""
         adapters = {s.lora_int_id for s in self.running} - {None}
         # Running parents fork their other completions once their prompts are computed.
         num_seqs = sum(1 + s.num_pending_children for s in self.running)
         index = 0
-        while index < len(self.waiting) and budget > 0 and not preempted:
+        while index < len(self.waiting) and plan.budget > 0:
             seq = self.waiting[index]
             if seq.num_pending_tokens:
                 break  # preempted while its token was being sampled: it recomputes once the token is back
@@ -115,39 +130,31 @@ class Scheduler:
                 index += 1
                 continue
             # Prompt logprobs need every prompt position computed, so no cache hits then.
-            wants_prompt_logprobs = seq.sampling_params.prompt_logprobs is not None
-            cached = [] if wants_prompt_logprobs else self.block_manager.find_cached_blocks(seq)
+            cached = [] if seq.sampling_params.prompt_logprobs is not None else self.block_manager.find_cached_blocks(seq)
             num_new = seq.num_tokens - len(cached) * self.block_manager.block_size
-            if num_new > budget:
+            if num_new > plan.budget:
                 if not self.config.enable_chunked_prefill:
                     break
-                num_new = budget
+                num_new = plan.budget
             if not self.block_manager.allocate(seq, num_new, cached):
                 break
             self.waiting.pop(index)
             if seq.lora_int_id is not None:
                 adapters.add(seq.lora_int_id)
-            seq.num_computed_tokens = len(cached) * self.block_manager.block_size
-            if seq.metrics.first_scheduled_time is None:
-                seq.metrics.first_scheduled_time = time.monotonic()
-                seq.num_cached_tokens = seq.num_computed_tokens
-                cached_prompt_tokens += seq.num_cached_tokens
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            self._admit(seq, len(cached) * self.block_manager.block_size, plan)
             num_seqs += 1 + seq.num_pending_children
-            scheduled[seq] = num_new
-            budget -= num_new
+            plan.add(seq, num_new)
 
-        if (not scheduled and not preempted and self.has_unfinished()
-                and not any(s.num_pending_tokens for s in (*self.running, *self.waiting))):
-            raise RuntimeError(
-                "the scheduler could not place any request: the KV cache is too small for "
-                f"the next request ({self.waiting[0] if self.waiting else self.running[0]})"
-            )
-        copies, self.block_manager.pending_copies = self.block_manager.pending_copies, []
-        released, self.released = self.released, []
-        return ScheduledBatch(list(scheduled), list(scheduled.values()), block_copies=copies,
-                              cached_prompt_tokens=cached_prompt_tokens, released=released)
+    def _admit(self, seq: Sequence, num_cached: int, plan: "_StepPlan") -> None:
+        """Moves a waiting sequence whose blocks were allocated into the running set; its
+        first admission records its prefix-cache hits."""
+        seq.num_computed_tokens = num_cached
+        if seq.metrics.first_scheduled_time is None:
+            seq.metrics.first_scheduled_time = time.monotonic()
+            seq.num_cached_tokens = num_cached
+            plan.cached_prompt_tokens += num_cached
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -213,3 +220,18 @@ def _mark_aborted(seq: Sequence) -> None:
     seq.status = SequenceStatus.FINISHED
     seq.finish_reason = "abort"
     seq.num_pending_children = 0
+
+
+@dataclass
+class _StepPlan:
+    """The step being filled: tokens per scheduled sequence, the token budget left,
+    whether a sequence was preempted, and the prefix-cache hits of first admissions."""
+
+    budget: int
+    scheduled: dict[Sequence, int] = field(default_factory=dict)
+    preempted: bool = False
+    cached_prompt_tokens: int = 0
+
+    def add(self, seq: Sequence, num_new: int) -> None:
+        self.scheduled[seq] = num_new
+        self.budget -= num_new

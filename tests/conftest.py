@@ -1,11 +1,13 @@
 """Shared fixtures for the engine and Dagster tests."""
 
 import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
+from engine import LLM
 from engine.hardware import chosen_cpu_kind, detect_cpu
 from tests.tiny_models import FAMILIES, build_tiny_model
 
@@ -30,3 +32,19 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
     """One tiny random model folder per supported family."""
     root = tmp_path_factory.mktemp("tiny_models")
     return {family: build_tiny_model(root / family, family) for family in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def make_llm(tiny_models) -> Iterator[Callable[..., LLM]]:
+    """Builds `LLM(<tiny model folder of family>, **settings)`: `make_llm(dtype="float32",
+    max_model_len=128)` or `make_llm("qwen2", ...)`. Every LLM it built is closed when the
+    test module ends, so a module-scoped `llm` fixture is `return make_llm(...)`."""
+    built: list[LLM] = []
+
+    def make(family: str = "llama", **settings) -> LLM:
+        built.append(LLM(str(tiny_models[family]), **settings))
+        return built[-1]
+
+    yield make
+    for llm in built:
+        llm.close()

@@ -1,16 +1,10 @@
 """Picks the attention backend for a device and the `attention_backend` setting."""
 
-import logging
-
 import torch
 
 from engine.kernels import cpu_attention
 from engine.kernels import triton as triton_kernels
 from engine.layers.attention import AttentionBackend
-
-logger = logging.getLogger(__name__)
-
-BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
 def resolve_backend_name(setting: str, device: torch.device) -> str:

@@ -43,6 +43,17 @@ def padded_context(length: int) -> int:
     return -(-length // KEY_CHUNK) * KEY_CHUNK
 
 
+@dataclass(frozen=True)
+class _GroupEntry:
+    """A sequence of the step, as a group takes it: its index in the step, its first row
+    among the step's rows, its new tokens and the tokens already in the cache."""
+
+    index: int
+    first_row: int
+    num_new: int
+    num_computed: int
+
+
 @dataclass
 class AttentionGroup:
     """Sequences attended together as one padded batch.
@@ -98,19 +109,19 @@ class TorchAttentionBackend(AttentionBackend):
         decode, prefill = [], []
         starts = itertools.accumulate(meta.query_lens, initial=0)
         for index, (start, new, context) in enumerate(zip(starts, meta.query_lens, meta.context_lens)):
-            (decode if new == 1 else prefill).append((index, start, new, context - new))
+            (decode if new == 1 else prefill).append(_GroupEntry(index, start, new, context - new))
         meta.backend_data = [self._group(g, meta) for g in (decode, prefill) if g]
 
-    def _group(self, entries: list[tuple[int, int, int, int]], meta: AttentionMetadata) -> AttentionGroup:
-        """Padded batch of (sequence, first row, new tokens, computed tokens) entries."""
+    def _group(self, entries: list[_GroupEntry], meta: AttentionMetadata) -> AttentionGroup:
+        """The entries' sequences as one padded batch."""
         device, block_size = meta.slot_mapping.device, meta.block_size
-        rows = torch.tensor([e[1] for e in entries], device=device)
-        num_new = torch.tensor([e[2] for e in entries], device=device)
-        computed = torch.tensor([e[3] for e in entries], device=device)
+        rows = torch.tensor([e.first_row for e in entries], device=device)
+        num_new = torch.tensor([e.num_new for e in entries], device=device)
+        computed = torch.tensor([e.num_computed for e in entries], device=device)
         max_query = int(num_new.max())
         max_context = padded_context(int((computed + num_new).max()))
         max_blocks = -(-max_context // block_size)
-        tables = meta.block_tables[torch.tensor([e[0] for e in entries], device=device)].long()
+        tables = meta.block_tables[torch.tensor([e.index for e in entries], device=device)].long()
         if tables.shape[1] < max_blocks:
             tables = torch.nn.functional.pad(tables, (0, max_blocks - tables.shape[1]))
         query = torch.arange(max_query, device=device)
@@ -122,7 +133,7 @@ class TorchAttentionBackend(AttentionBackend):
         query_pos = computed.unsqueeze(1) + query  # [seqs, max_query]
         mask = key_pos.view(1, 1, -1) <= query_pos.unsqueeze(2)
         return AttentionGroup(query_index, key_slots, mask.unsqueeze(1), valid,
-                              num_computed=[e[3] for e in entries], num_new=[e[2] for e in entries])
+                              num_computed=[e.num_computed for e in entries], num_new=[e.num_new for e in entries])
 
     def forward(self, layer: Attention, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         out = torch.empty_like(q)

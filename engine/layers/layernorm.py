@@ -13,7 +13,7 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    """`kernel`, when set (see `engine.layers.kernels`), computes the same thing in one
+    """`kernel`, when set (see `engine.layers.triton_routing`), computes the same thing in one
     fused launch: kernel(x, weight, eps, residual)."""
 
     kernel: Callable | None = None

@@ -35,7 +35,7 @@ class RotaryEmbedding(nn.Module):
 
     The table's sine carries the sign of the rotation (-sin on the first half), so a
     rotation is x * cos + roll(x, half) * signed_sin. `kernel`, when set (see
-    `engine.layers.kernels`), does it in one launch: kernel(positions, x, cos, sin).
+    `engine.layers.triton_routing`), does it in one launch: kernel(positions, x, cos, sin).
     """
 
     kernel: Callable | None = None

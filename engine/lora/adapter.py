@@ -114,41 +114,69 @@ def load_adapter(
         tensors = load_file(folder / WEIGHTS_FILE)
     except Exception as exc:  # safetensors raises its own error types for corrupt files
         raise LoRAError(f"{where}: {WEIGHTS_FILE} cannot be read ({exc}); save the adapter again") from exc
+    trained_for = config.get("base_model_name_or_path") or "an unnamed base model"
+    check = _ModuleCheck(where, config, targets, supported, max_rank, dtype,
+                         mismatch=f"the adapter was trained for {trained_for!r}; this engine runs {base_model!r}")
+    modules = {module: check.module_lora(module, pair) for module, pair in sorted(_lora_pairs(where, tensors).items())}
+    if not modules:
+        raise LoRAError(f"{where}: {WEIGHTS_FILE} holds no LoRA weights")
+    return LoRAAdapter(request, modules, digest.hexdigest())
 
+
+def _lora_pairs(where: str, tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """The weights file's tensors by module path, then "A" or "B"."""
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         match = _KEY.match(key)
         if match is None:
             raise LoRAError(f"{where}: tensor {key!r} is not a LoRA A or B matrix; only LoRA weights are supported")
         pairs.setdefault(match["module"], {})[match["which"]] = tensor
-    trained_for = config.get("base_model_name_or_path") or "an unnamed base model"
-    mismatch = f"the adapter was trained for {trained_for!r}; this engine runs {base_model!r}"
-    modules = {}
-    for module, pair in sorted(pairs.items()):
+    return pairs
+
+
+@dataclass(frozen=True)
+class _ModuleCheck:
+    """Checks one adapter's modules against the model's projections (`load_adapter`'s
+    arguments); `mismatch` says which base model the adapter was trained for, and which
+    this engine runs."""
+
+    where: str
+    config: dict
+    targets: Mapping[str, tuple[int, int]]
+    supported: list[str]
+    max_rank: int
+    dtype: torch.dtype
+    mismatch: str
+
+    def module_lora(self, module: str, pair: dict[str, torch.Tensor]) -> ModuleLoRA:
+        """The module's A and B matrices, once they fit its projection, B scaled.
+
+        Raises:
+            LoRAError: a matrix without its partner, a projection the model lacks, shapes
+                from another base model, or a rank above max_lora_rank.
+        """
+        where = self.where
         if set(pair) != {"A", "B"}:
             raise LoRAError(f"{where}: {module} has lora_{''.join(pair)} but not its partner; save the adapter again")
-        if module not in targets:
+        if module not in self.targets:
             leaf = module.rpartition(".")[2]
-            if any(t.endswith("." + leaf) for t in targets):
-                raise LoRAError(f"{where}: targets {module}, which this model lacks: {mismatch}")
+            if any(t.endswith("." + leaf) for t in self.targets):
+                raise LoRAError(f"{where}: targets {module}, which this model lacks: {self.mismatch}")
             raise LoRAError(f"{where}: targets {module}, which this model lacks or cannot adapt "
-                            f"(LoRA goes on {', '.join(supported)})")
+                            f"(LoRA goes on {', '.join(self.supported)})")
         a, b = pair["A"], pair["B"]
-        in_features, out_features = targets[module]
+        in_features, out_features = self.targets[module]
         rank = a.shape[0]
         if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_features or b.shape != (out_features, rank):
             raise LoRAError(
                 f"{where}: {module} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}, but the model's "
-                f"projection maps {in_features} to {out_features} features: {mismatch}"
+                f"projection maps {in_features} to {out_features} features: {self.mismatch}"
             )
-        if rank > max_rank:
-            raise LoRAError(f"{where}: {module} has rank {rank}, above max_lora_rank={max_rank}; create the "
+        if rank > self.max_rank:
+            raise LoRAError(f"{where}: {module} has rank {rank}, above max_lora_rank={self.max_rank}; create the "
                             f"LLM with max_lora_rank={_next_power_of_two(rank)} or more")
-        scaling = _scaling(config, module, rank)
-        modules[module] = ModuleLoRA(a.to(torch.float32).to(dtype), (b.to(torch.float32) * scaling).to(dtype))
-    if not modules:
-        raise LoRAError(f"{where}: {WEIGHTS_FILE} holds no LoRA weights")
-    return LoRAAdapter(request, modules, digest.hexdigest())
+        scaling = _scaling(self.config, module, rank)
+        return ModuleLoRA(a.to(torch.float32).to(self.dtype), (b.to(torch.float32) * scaling).to(self.dtype))
 
 
 def _scaling(config: dict, module: str, rank: int) -> float:

@@ -25,6 +25,15 @@ class LoRAStats:
     num_slot_evictions: int = 0
 
 
+@dataclass
+class _AdaptedProjection:
+    """One of the model's projections: its adapter slots, and the Hugging Face path of
+    each of its shards (q/k/v of a fused projection), whose adapter weights go there."""
+
+    slots: LoRASlots
+    shard_paths: list[str]
+
+
 class LoRAManager:
     """Keeps up to `max_cpu_loras` adapters in host memory and `max_loras` in device slots.
 
@@ -57,13 +66,14 @@ class LoRAManager:
         self.batch = LoRABatch(max_loras)
         self.stats = LoRAStats()
         self._shapes = {path: (layer.in_features, sizes[shard]) for path, (layer, shard, sizes) in targets.items()}
-        # Each projection's slots, with the Hugging Face path of each of its shards.
-        self._layers: dict[Linear, tuple[LoRASlots, list[str]]] = {}
+        self._projections: list[_AdaptedProjection] = []
+        shard_paths: dict[Linear, list[str]] = {}
         for path, (layer, shard, sizes) in targets.items():
-            if layer not in self._layers:
+            if layer not in shard_paths:
+                shard_paths[layer] = [""] * len(sizes)
                 slots = LoRASlots(layer, sizes, max_loras, max_lora_rank, self.batch, dtype, device)
-                self._layers[layer] = (slots, [""] * len(sizes))
-            self._layers[layer][1][shard] = path
+                self._projections.append(_AdaptedProjection(slots, shard_paths[layer]))
+            shard_paths[layer][shard] = path
         self._known: dict[int, LoRARequest] = {}
         self._host: OrderedDict[int, LoRAAdapter] = OrderedDict()
         self._slot_of: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, least recent first
@@ -121,7 +131,7 @@ class LoRAManager:
         return {lora_id: self._slot_of[lora_id] for lora_id in wanted}
 
     def _load_slot(self, slot: int, adapter: LoRAAdapter) -> None:
-        for slots, paths in self._layers.values():
-            slots.load(slot, [adapter.modules.get(p) for p in paths])
+        for projection in self._projections:
+            projection.slots.load(slot, [adapter.modules.get(p) for p in projection.shard_paths])
         self.stats.num_slot_loads += 1
         logger.debug("LoRA adapter %r in slot %d", adapter.request.lora_name, slot)

@@ -13,6 +13,19 @@ from engine.lora.adapter import ModuleLoRA
 _MIN_GROUP_ROWS = 8
 
 
+@dataclass(frozen=True)
+class LoRARange:
+    """Rows [start, end) of a step that run with the adapter in `slot`."""
+
+    slot: int
+    start: int
+    end: int
+
+    @property
+    def num_rows(self) -> int:
+        return self.end - self.start
+
+
 @dataclass
 class LoRABatch:
     """The step's rows grouped by slot, for batched products.
@@ -38,27 +51,27 @@ class LoRABatch:
     segments: torch.Tensor | None = None
     max_rows: int = 0
 
-    def set(self, ranges: list[tuple[int, int, int]], num_rows: int, device: torch.device) -> None:
-        """`ranges` are (slot, first row, end row), one per slot in use."""
-        self.slot_list = [slot for slot, _, _ in ranges]
+    def set(self, ranges: list[LoRARange], num_rows: int, device: torch.device) -> None:
+        """`ranges` are the step's runs of rows, one per slot in use."""
+        self.slot_list = [r.slot for r in ranges]
         self.every_slot = self.slot_list == list(range(self.num_slots))
         self.slots = self.gather = self.scatter = self.block = self.segments = None
         if not ranges:
             return
         if self.kernel is not None:
-            columns = [[start for _, start, _ in ranges], [end - start for _, start, end in ranges], self.slot_list]
+            columns = [[r.start for r in ranges], [r.num_rows for r in ranges], self.slot_list]
             self.segments = torch.tensor(columns, dtype=torch.int32, device=device)
-            self.max_rows = max(end - start for _, start, end in ranges)
+            self.max_rows = max(r.num_rows for r in ranges)
             return
         self.slots = torch.tensor(self.slot_list, device=device)
-        width = max(_MIN_GROUP_ROWS, max(end - start for _, start, end in ranges))
-        first = ranges[0][1]
-        if all((start, end) == (first + i * width, first + (i + 1) * width) for i, (_, start, end) in enumerate(ranges)):
+        width = max(_MIN_GROUP_ROWS, max(r.num_rows for r in ranges))
+        first = ranges[0].start
+        if all((r.start, r.end) == (first + i * width, first + (i + 1) * width) for i, r in enumerate(ranges)):
             self.block = (first, width)
             return
         gather = torch.full((len(ranges), width), num_rows, dtype=torch.long)
-        for group, (_, start, end) in enumerate(ranges):
-            gather[group, : end - start] = torch.arange(start, end)
+        for group, r in enumerate(ranges):
+            gather[group, : r.num_rows] = torch.arange(r.start, r.end)
         self.gather = gather.to(device)
         self.scatter = torch.where(gather == num_rows, 0, gather).to(device)
 

@@ -60,7 +60,7 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU. `activation`, when set (see `engine.layers.kernels`), computes silu(gate) *
+    """SwiGLU. `activation`, when set (see `engine.layers.triton_routing`), computes silu(gate) *
     up from the fused gate/up output in one launch."""
 
     activation: Callable | None = None
@@ -171,8 +171,9 @@ class LlamaForCausalLM(nn.Module):
     def lora_targets(self) -> dict[str, tuple[Linear, int, list[int]]]:
         """The projections a LoRA adapter may change, by their Hugging Face path
         ("model.layers.0.self_attn.q_proj") -> (our Linear, shard index, shard sizes)."""
-        unfused = {fused: [leaf for leaf, (f, _) in sorted(_FUSED.items(), key=lambda kv: kv[1][1]) if f == fused]
-                   for fused, _ in _FUSED.values()}
+        unfused: dict[str, list[str]] = {}  # fused projection -> its Hugging Face leaves, in shard order
+        for (fused, _), leaf in sorted((place, leaf) for leaf, place in _FUSED.items()):
+            unfused.setdefault(fused, []).append(leaf)
         targets = {}
         for name, module in self.model.layers.named_modules(prefix="model.layers"):
             if not isinstance(module, Linear):

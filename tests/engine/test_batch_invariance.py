@@ -98,7 +98,7 @@ def test_lora_deltas_do_not_depend_on_the_grouping():
     """A row's LoRA delta is the same bits whether its group is a view of the step's rows
     (even groups back to back), a padded gather (uneven groups), or alone."""
     from engine.lora.adapter import ModuleLoRA
-    from engine.lora.slots import LoRABatch, LoRASlots
+    from engine.lora.slots import LoRABatch, LoRARange, LoRASlots
 
     torch.manual_seed(0)
     dtype = torch.bfloat16
@@ -112,7 +112,7 @@ def test_lora_deltas_do_not_depend_on_the_grouping():
     x = torch.randn(40, 64).to(dtype)
 
     def deltas(ranges, rows):
-        batch.set(ranges, rows, torch.device("cpu"))
+        batch.set([LoRARange(*r) for r in ranges], rows, torch.device("cpu"))
         return slots.add_deltas(x[:rows], torch.zeros(rows, 96, dtype=dtype))
 
     even = deltas([(2, 0, 16), (0, 16, 32)], 32)

@@ -1,19 +1,21 @@
 """The LLM front end: validation before work, outputs in order, stops, seeds, progress, close."""
 
+import dataclasses
 import gc
 import shutil
 import weakref
 
 import pytest
+import torch
 
-from engine import LLM, ModelLoadError, RequestOutput, SamplingParams
+from engine import (
+    LLM, EngineStats, ModelLoadError, RequestOutput, SamplingParams, StructuredOutputsParams, UnfinishedOutput,
+)
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_models):
-    with LLM(str(tiny_models["llama"]), dtype="float32", max_model_len=128,
-             kv_cache_memory=64 * 16 * 1024) as llm:
-        yield llm
+def llm(make_llm):
+    return make_llm(dtype="float32", max_model_len=128, kv_cache_memory=64 * 16 * 1024)
 
 
 def test_empty_prompt_list_returns_empty(llm):
@@ -190,6 +192,8 @@ def test_close_frees_the_engine(tiny_models, enable_lora):
     assert weights() is None and cache() is None
     with pytest.raises(RuntimeError, match="closed"):
         llm.generate(["a"])
+    with pytest.raises(RuntimeError, match="this LLM was closed; create a new one"):
+        llm.llm_engine
 
 
 @pytest.mark.parametrize("damage,message", [
@@ -240,3 +244,45 @@ def test_more_completions_than_max_num_seqs_is_a_row_problem(tiny_models):
         assert small.validate(["a", "b"], [SamplingParams(n=2), SamplingParams(n=3)]) == [
             None, "sampling_params: n=3 completions run side by side, but max_num_seqs is 2: lower n or raise "
                   "max_num_seqs"]
+
+
+def test_get_stats_is_a_snapshot_of_the_engine_counters(llm):
+    before = llm.get_stats()
+    assert isinstance(before, EngineStats)
+    kept = dataclasses.asdict(before)
+    [out] = llm.generate("Stats count every token", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                         use_tqdm=False)
+    after = llm.get_stats()
+    assert dataclasses.asdict(before) == kept  # a copy: later work leaves it as it was
+    assert after.num_generated_tokens - before.num_generated_tokens == 4
+    assert after.num_steps > before.num_steps
+    prompt_tokens = (after.num_prompt_tokens_computed - before.num_prompt_tokens_computed
+                     + after.num_cached_prompt_tokens - before.num_cached_prompt_tokens)
+    assert prompt_tokens == len(out.prompt_token_ids)
+
+
+def test_unfinished_outputs_lists_the_completions_still_running(llm):
+    params = [SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=0, max_tokens=30, ignore_eos=True, n=2)]
+    finished = iter(llm.generate_as_completed(["a b", "c d"], params, use_tqdm=False))
+    assert llm.unfinished_outputs() == []  # requests are queued when iteration starts
+    index, _ = next(finished)
+    assert index == 0
+    unfinished = llm.unfinished_outputs()
+    assert all(isinstance(u, UnfinishedOutput) for u in unfinished)
+    assert [u.max_tokens for u in unfinished] == [30, 30]
+    assert all(0 < u.num_generated_tokens < 30 for u in unfinished)
+    finished.close()
+    assert llm.unfinished_outputs() == []
+
+
+def test_structured_output_problem_says_why_a_constraint_cannot_compile(llm):
+    assert llm.structured_output_problem(StructuredOutputsParams(json={"type": "integer"})) is None
+    problem = llm.structured_output_problem(StructuredOutputsParams(regex="a(b"))
+    assert problem.startswith("the regex constraint does not compile: Regex parsing error")
+
+
+def test_dtype_names_the_dtype_the_engine_runs_in(llm, tiny_models):
+    assert llm.dtype == "float32"
+    with LLM(str(tiny_models["llama"]), kv_cache_memory=64 * 16 * 1024) as auto:
+        assert getattr(torch, auto.dtype) == auto.llm_engine.model_config.dtype  # what "auto" picked

@@ -197,7 +197,7 @@ def test_adapters_under_preemption_priorities_chunking_and_forks(qwen2_with_adap
     with LLM(str(base), dtype="bfloat16", enable_lora=True, max_loras=3, max_lora_rank=8) as llm:
         alone = [completions(llm.generate(p, s, lora_request=a, use_tqdm=False))[0]
                  for p, s, a in zip(prompts, params, adapters)]
-        room_for_160_tokens = 160 * llm.llm_engine.model_runner.kv_bytes_per_token
+        room_for_160_tokens = 160 * llm.llm_engine.model_runner.kv_cache.bytes_per_token
     with LLM(str(base), dtype="bfloat16", enable_lora=True, max_loras=2, max_lora_rank=8, scheduling_policy="priority",
              kv_cache_memory=room_for_160_tokens, max_num_batched_tokens=40) as small:
         outs = small.generate(prompts, params, lora_request=adapters, priority=[rng.randint(0, 3) for _ in range(20)],

@@ -15,9 +15,8 @@ EOS = 2  # the tiny models' EOS id
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_models):
-    with LLM(str(tiny_models["llama"]), dtype="float32") as llm:
-        yield llm
+def llm(make_llm):
+    return make_llm(dtype="float32")
 
 
 def texts(outputs):
@@ -81,7 +80,7 @@ def check_seeded_requests_do_not_depend_on_the_batch(model: str, dtype: str) -> 
         assert [completion(reversed_outs[len(mixed) - 1 - p]) for p in positions] == alone
         llm.reset_prefix_cache()
         assert [completion(run(llm, [r])[0]) for r in seeded] == alone
-        room_for_600_tokens = 600 * llm.llm_engine.model_runner.kv_bytes_per_token
+        room_for_600_tokens = 600 * llm.llm_engine.model_runner.kv_cache.bytes_per_token
     with LLM(model, dtype=dtype, kv_cache_memory=room_for_600_tokens, max_num_batched_tokens=48) as small:
         outs = run(small, mixed)
         assert small.llm_engine.scheduler.num_preemptions > 0

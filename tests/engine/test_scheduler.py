@@ -6,14 +6,17 @@ import pytest
 
 from engine.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.config import EngineConfig
+from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, chunked=True,
                    policy="fcfs", prefix_caching=True) -> Scheduler:
     bm = BlockManager(num_blocks, block_size, prefix_caching)
-    return Scheduler(SchedulerConfig(max_num_seqs, budget, chunked, policy), bm)
+    config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked,
+                          scheduling_policy=policy)
+    return Scheduler(config, bm)
 
 
 def make_seq(seq_id: int, prompt_len: int, max_tokens: int, priority: int = 0, start: int = 0) -> Sequence:

@@ -22,10 +22,14 @@ from hypothesis import strategies as st
 
 from engine import LLM, SamplingParams
 from engine.block_manager import BlockManager
+from engine.config import EngineConfig
 from engine.llm_engine import EngineStats, LLMEngine
 from engine.model_runner import StepOutput
-from engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence, SequenceStatus
+
+# Hundreds of generated workloads and a set of LLMs: outside the quick set (-m 'not slow').
+pytestmark = pytest.mark.slow
 
 # ----------------------------------------------------------------------------------------
 # Level 1: the engine loop over the real Scheduler and BlockManager, with a stand-in model.
@@ -136,16 +140,15 @@ def make_engine(num_blocks: int, block_size: int, max_num_seqs: int, max_num_bat
                 async_scheduling: bool) -> LLMEngine:
     """An LLMEngine whose step loop is the real one, over a stand-in model runner."""
     engine = LLMEngine.__new__(LLMEngine)
-    engine.config = SimpleNamespace(async_scheduling=async_scheduling)
+    engine.config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                 enable_chunked_prefill=enable_chunked_prefill, scheduling_policy=policy,
+                                 async_scheduling=async_scheduling)
     engine._in_flight = None
     engine._token_texts = {}
     engine.tokenizer = _FakeTokenizer()
     engine.model_config = SimpleNamespace(eos_token_ids=set(), max_model_len=1 << 20, device=torch.device("cpu"))
     engine.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
-    engine.scheduler = Scheduler(
-        SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, policy),
-        engine.block_manager,
-    )
+    engine.scheduler = Scheduler(engine.config, engine.block_manager)
     engine.model_runner = FakeModelRunner(engine.scheduler)
     engine.stats = EngineStats()
     engine._seq_ids = itertools.count()
@@ -385,7 +388,7 @@ def reference(tiny_models) -> Reference:
 def constrained(tiny_models, reference) -> dict[str, LLM]:
     """One LLM per `CONSTRAINED` config and scheduling mode (by name, and by name plus
     " async"), shared by every example of the module."""
-    bytes_per_block = reference.llm.llm_engine.model_runner.kv_bytes_per_token * 16
+    bytes_per_block = reference.llm.llm_engine.model_runner.kv_cache.bytes_per_token * 16
     llms = {
         c.name + (" async" if mode else ""): LLM(
             str(tiny_models["llama"]), dtype="float32", max_model_len=_MAX_MODEL_LEN, block_size=16,

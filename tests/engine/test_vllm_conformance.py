@@ -20,9 +20,8 @@ PROMPT = "Paris is the capital of"
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_models):
-    with LLM(str(tiny_models["llama"]), dtype="float32", max_model_len=96, kv_cache_memory=64 * 16 * 1024) as llm:
-        yield llm
+def llm(make_llm):
+    return make_llm(dtype="float32", max_model_len=96, kv_cache_memory=64 * 16 * 1024)
 
 
 def completion(llm: LLM, params: SamplingParams, prompt: object = PROMPT, **kwargs):

@@ -51,6 +51,30 @@ def _attend_tile(q, k_cache_ptr, v_cache_ptr, table_ptr, key_positions, key_ok, 
 
 
 @triton.jit
+def _attend_keys(q, k_cache_ptr, v_cache_ptr, table_ptr, key_start, key_end, positions, kv_head, dims, dim_ok, scale,
+                 ROWS: tl.constexpr, CAUSAL: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, TILE_N: tl.constexpr, PRECISION: tl.constexpr):
+    """The ROWS queries `q` over keys [key_start, key_end) of one KV head, a tile of
+    TILE_N keys at a time (`_attend_tile`): returns the running maximum, sum of weights
+    and weighted value sum. CAUSAL: query i sees only keys at or before `positions[i]`."""
+    top = tl.full([ROWS], float("-inf"), tl.float32)
+    total = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+    offsets = tl.arange(0, TILE_N)
+    for tile_start in range(key_start, key_end, TILE_N):
+        key_positions = tile_start + offsets
+        key_ok = key_positions < key_end
+        if CAUSAL:
+            visible = (key_positions[None, :] <= positions[:, None]) & key_ok[None, :]
+        else:
+            visible = key_ok[None, :]
+        top, total, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, table_ptr, key_positions, key_ok, visible,
+                                       kv_head, dims, dim_ok, scale, top, total, acc, NUM_KV_HEADS, HEAD_DIM,
+                                       BLOCK_SIZE, PRECISION)
+    return top, total, acc
+
+
+@triton.jit
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_ptr, seq_lens_ptr, block_tables_ptr,
                     scale, table_stride, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -70,19 +94,10 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_ptr, s
         dim_ok = dims < HEAD_DIM
         q_offsets = ((q_start + rows)[:, None] * NUM_HEADS + head) * HEAD_DIM + dims[None, :]
         q = tl.load(q_ptr + q_offsets, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
-        positions = computed + rows
-        top = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        total = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         key_end = tl.minimum(context, computed + (m_block + 1) * BLOCK_M)
-        offsets = tl.arange(0, TILE_N)
-        for start in range(0, key_end, TILE_N):
-            key_positions = start + offsets
-            key_ok = key_positions < key_end
-            visible = (key_positions[None, :] <= positions[:, None]) & key_ok[None, :]
-            top, total, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * table_stride,
-                                           key_positions, key_ok, visible, kv_head, dims, dim_ok, scale, top, total,
-                                           acc, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, PRECISION)
+        top, total, acc = _attend_keys(q, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * table_stride, 0, key_end,
+                                       computed + rows, kv_head, dims, dim_ok, scale, BLOCK_M, True, NUM_KV_HEADS,
+                                       HEAD_DIM, BLOCK_SIZE, BLOCK_D, TILE_N, PRECISION)
         out = acc / total[:, None]
         tl.store(out_ptr + q_offsets, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
 
@@ -107,17 +122,10 @@ def _decode_partition_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_acc_ptr, part
         dim_ok = dims < HEAD_DIM
         q = tl.load(q_ptr + (seq * NUM_HEADS + heads)[:, None] * HEAD_DIM + dims[None, :],
                     mask=member_ok[:, None] & dim_ok[None, :], other=0.0)
-        top = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-        total = tl.zeros([GROUP_PAD], tl.float32)
-        acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
-        offsets = tl.arange(0, TILE_N)
         end = tl.minimum(context, start + PARTITION)
-        for key_start in range(start, end, TILE_N):
-            key_positions = key_start + offsets
-            key_ok = key_positions < end
-            top, total, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * table_stride,
-                                           key_positions, key_ok, key_ok[None, :], kv_head, dims, dim_ok, scale, top,
-                                           total, acc, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, PRECISION)
+        top, total, acc = _attend_keys(q, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * table_stride, start, end,
+                                       members, kv_head, dims, dim_ok, scale, GROUP_PAD, False, NUM_KV_HEADS,
+                                       HEAD_DIM, BLOCK_SIZE, BLOCK_D, TILE_N, PRECISION)
         stat = (seq * NUM_HEADS + heads) * num_splits + split
         tl.store(part_top_ptr + stat, top, mask=member_ok)
         tl.store(part_total_ptr + stat, total, mask=member_ok)

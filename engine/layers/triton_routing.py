@@ -1,5 +1,5 @@
-"""Which kernels the model's element-wise layers use: PyTorch's operators (the default) or
-fused Triton kernels, chosen once by the model runner for the whole model."""
+"""Routes the model's element-wise layers through fused Triton kernels instead of PyTorch's
+operators (their default), chosen once by the model runner for the whole model."""
 
 from torch import nn
 
@@ -7,7 +7,7 @@ from engine.layers.layernorm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 
 
-def use_triton_kernels(model: nn.Module) -> None:
+def route_through_triton(model: nn.Module) -> None:
     """Routes RMSNorm (with its residual add), the rotary embedding and SiLU-and-multiply
     through the Triton kernels of `engine.kernels.triton`."""
     from engine.kernels.triton.activation import silu_and_mul

@@ -1,0 +1,83 @@
+"""Conversations: checking chat messages and rendering them to an engine prompt with the
+model's chat template (what `LLM.chat` and the Dagster prompts share)."""
+
+from typing import Any
+
+
+def chat_messages_problem(messages: object) -> str | None:
+    """Why `messages` is not a conversation a chat template can render (a list of
+    {"role": str, "content": str or a list of text parts} with valid Unicode), or None."""
+    if not isinstance(messages, list) or not messages:
+        return f"messages: expected a non-empty list of {{'role', 'content'}} dicts, got {type(messages).__name__}"
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            return f"message {i}: expected a dict with 'role' and 'content', got {message!r:.80}"
+        content = message["content"]
+        if isinstance(content, list):
+            if (problem := _text_parts_problem(content, i)) is not None:
+                return problem
+            content = _joined(content)
+        for field, value in (("role", message["role"]), ("content", content)):
+            if not isinstance(value, str):
+                return (f"message {i}: {field} must be a string, got {type(value).__name__} "
+                        f"({value!r:.40}): convert it upstream")
+            if (problem := invalid_unicode_problem(value, f"message {i} {field}")) is not None:
+                return problem
+    return None
+
+
+def text_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation with every content as a string (text parts joined by newlines),
+    for templates that render strings; other keys are kept. Assumes `chat_messages_problem`
+    found nothing."""
+    return [{**m, "content": _joined(m["content"])} if isinstance(m["content"], list) else m for m in messages]
+
+
+def render_chat(
+    tokenizer,
+    messages: list[dict[str, Any]],
+    *,
+    chat_template: str | None = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    tools: list[dict[str, Any]] | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One conversation as an engine prompt, {"prompt": text, "prompt_token_ids": ids},
+    rendered with the tokenizer's chat template (or `chat_template`) and vLLM's arguments.
+
+    The text is tokenized without adding special tokens, because the template already
+    holds any BOS token: a second one would change the output. Assumes
+    `chat_messages_problem(messages)` found nothing.
+    """
+    text = tokenizer.apply_chat_template(text_messages(messages), tokenize=False, chat_template=chat_template,
+                                         tools=tools, add_generation_prompt=add_generation_prompt,
+                                         continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
+    return {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids}
+
+
+def invalid_unicode_problem(prompt: object, field: str = "prompt") -> str | None:
+    """Why the prompt's text (a str, or the "prompt" of a dict) cannot be encoded as UTF-8
+    (a lone surrogate), as `<field>: ...`, or None."""
+    text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
+    if not isinstance(text, str):
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return (f"{field}: holds a lone surrogate {text[exc.start]!r} at character {exc.start}, which is not "
+                "valid Unicode: fix the text's encoding upstream (e.g. decode the source bytes as UTF-8)")
+    return None
+
+
+def _text_parts_problem(parts: list, index: int) -> str | None:
+    for j, part in enumerate(parts):
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            return (f"message {index}: content part {j} is {kind!r}, not a text part "
+                    "({'type': 'text', 'text': str}): only text can be rendered (no multimodal models here)")
+    return None
+
+
+def _joined(parts: list[dict[str, str]]) -> str:
+    return "\n".join(part["text"] for part in parts)

@@ -1,0 +1,190 @@
+"""Request checks: the rows of a `generate` call turned into requests the engine can run,
+or into the text of each bad row's problems ("field: reason and what to do"), before any
+work starts."""
+
+from collections.abc import Callable, Sequence as SequenceABC
+from dataclasses import dataclass
+from typing import Any
+
+from engine.chat_utils import invalid_unicode_problem
+from engine.llm_engine import LLMEngine
+from engine.lora.request import LoRARequest
+from engine.sampling_params import SamplingParams, logprobs_count
+
+PromptType = str | dict[str, Any]
+# The per-call arguments of `LLM.generate` and its siblings: one value for every prompt or one per prompt.
+Prompts = PromptType | SequenceABC[PromptType]
+SamplingParamsArg = SamplingParams | SequenceABC[SamplingParams] | None
+LoRARequestArg = LoRARequest | SequenceABC[LoRARequest | None] | None
+PriorityArg = int | SequenceABC[int] | None
+UseTqdm = bool | Callable[..., Any]
+
+
+@dataclass
+class Request:
+    """A row that passed every check, ready for `LLMEngine.add_request`."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    priority: int
+    lora_request: LoRARequest | None
+
+
+@dataclass(frozen=True)
+class RowCheck:
+    """One row's outcome: its `request` when it can run, else its `problem` (several joined by "; ")."""
+
+    request: Request | None
+    problem: str | None
+
+
+def valid_requests(rows: list[RowCheck]) -> list[Request]:
+    """The rows' requests when every row passed.
+
+    Raises:
+        ValueError: listing every bad row by index, with its problems.
+    """
+    problems = [f"row {i}, {row.problem}" for i, row in enumerate(rows) if row.problem is not None]
+    if problems:
+        raise ValueError(f"{len(problems)} invalid prompt row(s); nothing was run:\n  " + "\n  ".join(problems))
+    return [row.request for row in rows]
+
+
+class RequestChecker:
+    """Checks a call's rows against one engine: the prompt's form, length and token ids,
+    and the sampling settings against the engine's limits (context, KV cache, max_num_seqs,
+    max_logprobs, the vocabulary, structured outputs, LoRA)."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.max_len = engine.model_config.max_model_len
+        self.vocab = engine.model_config.hf_config.vocab_size
+        self._adapter_problems: dict[LoRARequest, str | None] = {}  # each adapter is read once per call
+
+    def check(self, prompts: SequenceABC[PromptType], sampling_params: SamplingParamsArg,
+              lora_request: LoRARequestArg, priority: PriorityArg) -> list[RowCheck]:
+        """Each row as a ready `Request`, or as the text of its problems.
+
+        Raises:
+            ValueError: when the arguments as a whole do not fit (list lengths).
+        """
+        prompts = list(prompts)
+        problems: list[str] = []
+        params_list = _per_prompt("sampling_params", sampling_params, len(prompts), problems)
+        adapters = _per_prompt("lora_request", lora_request, len(prompts), problems)
+        priorities = _per_prompt("priority", priority, len(prompts), problems)
+        if problems:
+            raise ValueError("generate() was called with invalid arguments; nothing was run:\n  " + "\n  ".join(problems))
+        if any(params is None for params in params_list):
+            defaults = SamplingParams(**self.engine.model_config.sampling_defaults)
+            params_list = [defaults if params is None else params for params in params_list]
+        return [self._check_row(*row) for row in zip(prompts, params_list, adapters, priorities)]
+
+    def _check_row(self, prompt: Any, params: Any, adapter: Any, priority: Any) -> RowCheck:
+        priority = 0 if priority is None else priority
+        found = self._argument_problems(params, adapter, priority)
+        if (bad_text := invalid_unicode_problem(prompt)) is not None:
+            return RowCheck(None, "; ".join([*found, bad_text]))
+        if not isinstance(params, SamplingParams):
+            params = SamplingParams()  # the prompt is still checked, against the defaults
+        text, ids = self._tokenize(prompt)
+        if (problem := _prompt_problem(prompt, ids, self.max_len, self.vocab) or self._params_problem(ids, params)):
+            found.append(problem)
+        if found:
+            return RowCheck(None, "; ".join(found))
+        return RowCheck(Request(text, ids, params, priority, adapter), None)
+
+    def _argument_problems(self, params: Any, adapter: Any, priority: Any) -> list[str]:
+        """The row's adapter, sampling params and priority that cannot be used as given."""
+        found = []
+        if not isinstance(adapter, (LoRARequest, type(None))):
+            found.append(f"lora_request: expected a LoRARequest or None, got {type(adapter).__name__}")
+        elif adapter is not None and (problem := self._adapter_problem(adapter)):
+            found.append(f"lora_request: {problem}")
+        if not isinstance(params, SamplingParams):
+            found.append(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
+        if not isinstance(priority, int):
+            found.append(f"priority: expected an integer, got {priority!r}")
+        return found
+
+    def _params_problem(self, ids: list[int], params: SamplingParams) -> str | None:
+        """The first way the sampling settings do not fit the engine with this prompt, or None."""
+        engine, vocab = self.engine, self.vocab
+        needed = len(ids) + params.max_output_tokens(len(ids), self.max_len)
+        if any(t >= vocab for t in params.token_ids()):
+            return (f"sampling_params: stop_token_ids, logit_bias or allowed_token_ids name ids "
+                    f"outside the vocabulary [0, {vocab}): fix the ids")
+        if needed > engine.kv_cache_tokens:
+            return (f"max_tokens: prompt plus max_tokens needs {needed} tokens of KV cache, which holds "
+                    f"{engine.kv_cache_tokens}: lower max_tokens or raise kv_cache_memory / gpu_memory_utilization")
+        if params.n > engine.config.max_num_seqs:
+            return (f"sampling_params: n={params.n} completions run side by side, but max_num_seqs is "
+                    f"{engine.config.max_num_seqs}: lower n or raise max_num_seqs")
+        if (problem := self._logprobs_problem(params)) is not None:
+            return problem
+        if params.structured_outputs is not None and (problem := self._structured_problem(params)):
+            return f"structured_outputs: {problem}"
+        return None
+
+    def _logprobs_problem(self, params: SamplingParams) -> str | None:
+        """Why the request asks for more logprobs per token than `max_logprobs` allows, or None."""
+        limit = logprobs_count(self.engine.config.max_logprobs, self.vocab)
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = logprobs_count(getattr(params, name), self.vocab)
+            if asked is not None and asked > limit:
+                return (f"{name}: asks for {asked} logprobs per token, but max_logprobs is {limit}: "
+                        f"ask for at most {limit}, or raise LLM(max_logprobs=...) (-1 allows the whole vocabulary)")
+        return None
+
+    def _structured_problem(self, params: SamplingParams) -> str | None:
+        """Why the request's structured output cannot run (compiling its grammar, once per
+        distinct constraint), or None."""
+        if params.min_tokens:
+            return (f"min_tokens={params.min_tokens} clashes with it (the grammar decides where the "
+                    "output ends): set min_tokens to 0")
+        return self.engine.structured_output.problem(params.structured_outputs)
+
+    def _adapter_problem(self, adapter: LoRARequest) -> str | None:
+        """Why the adapter cannot run (reading it into host memory to find out), or None."""
+        if adapter not in self._adapter_problems:
+            try:
+                self.engine.add_lora(adapter)
+                self._adapter_problems[adapter] = None
+            except ValueError as exc:  # LoRAError included
+                self._adapter_problems[adapter] = str(exc)
+        return self._adapter_problems[adapter]
+
+    def _tokenize(self, prompt: Any) -> tuple[str | None, list[int] | None]:
+        """The prompt's text and token ids; ids are None for a prompt of an unknown form."""
+        if isinstance(prompt, dict) and isinstance(prompt.get("prompt_token_ids"), list):
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
+        if not isinstance(text, str):
+            return None, None
+        return text, self.engine.tokenizer(text).input_ids if text else []
+
+
+def _prompt_problem(prompt: Any, ids: list[int] | None, max_len: int, vocab: int) -> str | None:
+    """What is wrong with the prompt itself (its form, length or token ids), or None."""
+    if ids is None:
+        return ("prompt: expected a str, {'prompt': str} or {'prompt_token_ids': [int, ...]}, "
+                f"got {type(prompt).__name__}")
+    if not ids:
+        return "prompt: is empty: drop the row or give it text"
+    if len(ids) >= max_len:
+        return (f"prompt: has {len(ids)} tokens, but max_model_len is {max_len}: shorten it "
+                f"to at most {max_len - 1} tokens, or raise max_model_len")
+    if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+        return f"prompt_token_ids: holds ids outside the vocabulary [0, {vocab}): fix the ids"
+    return None
+
+
+def _per_prompt(name: str, value: Any, count: int, problems: list[str]) -> list[Any]:
+    """One value per prompt from a single value or a list of them."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != count:
+            problems.append(f"{name}: got {len(value)} values for {count} prompts; give one per prompt or a single value")
+            return [None] * count
+        return list(value)
+    return [value] * count

@@ -1,0 +1,168 @@
+"""The paged KV cache: how many blocks the memory budget holds, and the cache tensors of
+the model's attention layers."""
+
+import itertools
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine.config import EngineConfig
+from engine.layers.attention import Attention, AttentionBackend, AttentionMetadata
+from engine.layers.attention_selector import make_backend
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CacheBudget:
+    """Bytes for the KV cache, and how they were arrived at (for the log and for errors)."""
+
+    num_bytes: int
+    how: str
+
+
+class KVCache:
+    """The keys and values of every attention layer of a model, in `num_blocks` blocks of
+    `block_size` slots each, laid out as the attention backend reads them.
+
+    One extra block past the managed ones is the null block: zeros that padded key
+    positions point to, so attention never reads memory nothing has written.
+    """
+
+    def __init__(self, model: nn.Module, backend_name: str, block_size: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.layers = [m for m in model.modules() if isinstance(m, Attention)]
+        self.backend_name = backend_name
+        self.block_size = block_size
+        self.dtype = dtype
+        self.device = device
+        self.num_blocks = 0
+        self.null_slot = 0
+        self.backend: AttentionBackend | None = None
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of keys and values that one token takes across all layers."""
+        element = torch.empty(0, dtype=self.dtype).element_size()
+        return 2 * sum(layer.num_kv_heads * layer.head_dim for layer in self.layers) * element
+
+    def allocate(self, num_blocks: int) -> None:
+        """Gives every layer caches of `num_blocks` blocks plus the null block, replacing
+        any it had, and the backend that reads them."""
+        self.num_blocks = num_blocks
+        num_slots = (num_blocks + 1) * self.block_size
+        self.null_slot = num_blocks * self.block_size
+        self.backend = make_backend(self.backend_name, self.null_slot)
+        for layer in self.layers:
+            shape = self.backend.cache_shape(num_slots, self.block_size, layer.num_kv_heads, layer.head_dim)
+            for name in ("k_cache", "v_cache"):
+                cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+                self.backend.slot_major(cache)[self.null_slot :].zero_()
+                setattr(layer, name, cache)
+            layer.backend = self.backend
+
+    def free(self) -> None:
+        """Drops every layer's caches, so that their memory can be returned."""
+        for layer in self.layers:
+            layer.k_cache = layer.v_cache = torch.empty(0)
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy on write: copies each (source, destination) block, in every layer, so that
+        forked sequences get their own copy of a shared partial block."""
+        if not copies:
+            return
+        size = self.block_size
+        src = torch.cat([torch.arange(s * size, (s + 1) * size) for s, _ in copies]).to(self.device)
+        dst = torch.cat([torch.arange(d * size, (d + 1) * size) for _, d in copies]).to(self.device)
+        for layer in self.layers:
+            for cache in (layer.k_cache, layer.v_cache):
+                slots = self.backend.slot_major(cache)
+                slots[dst] = slots[src]
+
+
+def plan_num_blocks(config: EngineConfig, model: nn.Module, kv_cache: KVCache, gpu_used_at_start: int) -> int:
+    """Blocks that fit the memory budget (kv_cache_memory, or on a GPU what
+    gpu_memory_utilization leaves after a measured step), at most what max_num_seqs
+    sequences of max_model_len need; logged with how the number was arrived at.
+
+    Raises:
+        ValueError: the budget holds no block, or no GPU memory is left for one.
+    """
+    if config.kv_cache_memory is not None:
+        budget = CacheBudget(config.kv_cache_memory, f"kv_cache_memory={config.kv_cache_memory / 2**30:.2f} GiB")
+    else:
+        budget = _gpu_cache_budget(config, model, kv_cache, gpu_used_at_start)
+    block_bytes = kv_cache.bytes_per_token * config.block_size
+    num_blocks = budget.num_bytes // block_bytes
+    how = budget.how
+    if num_blocks < 1:
+        raise ValueError(f"the KV cache budget ({how}) holds no block of {block_bytes} bytes; raise it")
+    most_needed = config.max_num_seqs * -(-config.max_model_len // config.block_size)
+    if num_blocks > most_needed:
+        num_blocks = most_needed
+        how += f", capped at what max_num_seqs={config.max_num_seqs} full-length sequences need"
+    logger.info(
+        "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %d bytes per token) from %s",
+        num_blocks, config.block_size, num_blocks * config.block_size,
+        num_blocks * block_bytes / 2**30, kv_cache.bytes_per_token, how,
+    )
+    return num_blocks
+
+
+def _gpu_cache_budget(config: EngineConfig, model: nn.Module, kv_cache: KVCache, used_at_start: int) -> CacheBudget:
+    """Bytes for the KV cache as vLLM counts them: `gpu_memory_utilization` of the GPU,
+    less the weights, the peak activations of a measured forward pass at the step budget,
+    and the memory this process holds outside PyTorch's allocator (CUDA context, library
+    workspaces) beyond the `used_at_start` bytes in use before the engine loaded anything.
+
+    Raises:
+        ValueError: nothing is left for the KV cache.
+    """
+    device = kv_cache.device
+    weights = torch.cuda.memory_allocated(device)
+    activations = _profile_step(config, model, kv_cache)
+    free, total = torch.cuda.mem_get_info(device)
+    non_torch = max(0, (total - free) - used_at_start - torch.cuda.memory_reserved(device))
+    budget = int(total * config.gpu_memory_utilization) - weights - activations - non_torch
+    how = (f"gpu_memory_utilization={config.gpu_memory_utilization} of {total / 2**30:.1f} GiB, less "
+           f"weights {weights / 2**30:.2f} GiB, activations {activations / 2**30:.2f} GiB (measured at "
+           f"{config.max_num_batched_tokens} tokens) and {non_torch / 2**30:.2f} GiB outside PyTorch")
+    if budget <= 0:
+        raise ValueError(f"no GPU memory is left for the KV cache ({how}); raise gpu_memory_utilization or "
+                         "lower max_num_batched_tokens")
+    return CacheBudget(budget, how)
+
+
+def _profile_step(config: EngineConfig, model: nn.Module, kv_cache: KVCache) -> int:
+    """Peak bytes above the weights of a forward pass over `max_num_batched_tokens`
+    tokens (prompts of at most max_model_len) and the sampler's logits for max_num_seqs
+    rows, on a one-block scratch cache that is freed afterwards."""
+    tokens, longest, device = config.max_num_batched_tokens, config.max_model_len, kv_cache.device
+    lengths = [min(longest, tokens - start) for start in range(0, tokens, longest)]
+    kv_cache.allocate(1)
+    positions = torch.cat([torch.arange(n) for n in lengths]).to(device)
+    meta = _scratch_metadata(lengths, positions, kv_cache)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    weights = torch.cuda.memory_allocated(device)
+    with torch.inference_mode():
+        kv_cache.backend.prepare(meta)
+        hidden = model(torch.zeros_like(positions), positions, meta)
+        model.compute_logits(hidden[: min(config.max_num_seqs, tokens)]).float().sort(dim=-1)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - weights
+    kv_cache.free()
+    return peak
+
+
+def _scratch_metadata(lengths: list[int], positions: torch.Tensor, kv_cache: KVCache) -> AttentionMetadata:
+    """Attention inputs of prompts of these lengths whose keys and values all go to the null slot."""
+    device, size = kv_cache.device, kv_cache.block_size
+    return AttentionMetadata(
+        slot_mapping=torch.full((len(positions),), kv_cache.null_slot, dtype=torch.long, device=device),
+        query_start_loc=torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(lengths, dtype=torch.int32, device=device),
+        block_tables=torch.zeros(len(lengths), -(-max(lengths) // size), dtype=torch.int32, device=device),
+        positions=positions, query_lens=lengths, context_lens=lengths, block_size=size)
