@@ -8,8 +8,6 @@ import pyarrow as pa
 import pyarrow.parquet
 import pytest
 from transformers import AutoTokenizer
-
-import engine
 from dagster_llm import GenerationRun, PartitionFiles, PartitionInput, RunOptions, SamplingConfig, build_generation_asset
 from dagster_llm.core.progress import PROMPT_TOKEN_WEIGHT, GenerationProgress, StepCost, StepTimes, WorkCounters
 from dagster_llm.core.prompts import PartitionSettings, PromptTableRules, read_rows
@@ -83,9 +81,8 @@ def test_a_rerun_reuses_the_committed_partition_unless_told_not_to(env):
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_models):
-    with engine.LLM(str(tiny_models["llama"]), dtype="float32", max_num_seqs=2, kv_cache_memory=64 * 16 * 1024) as llm:
-        yield llm
+def llm(make_llm):
+    return make_llm(dtype="float32", max_num_seqs=2, kv_cache_memory=64 * 16 * 1024)
 
 
 def rows_of(llm, frame, sampling=SAMPLING, key="p"):

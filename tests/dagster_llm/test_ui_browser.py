@@ -25,6 +25,7 @@ import pandas as pd
 import pytest
 
 from dagster_llm import partition_file
+from engine import SamplingParams
 from tests.dagster_llm.test_webserver import Webserver, free_port, wait_for_run, wait_until_up
 
 pytestmark = [pytest.mark.ui, pytest.mark.slow]
@@ -251,10 +252,11 @@ def test_out_of_range_sampling_value_fails_before_the_model_loads(ui, page):
     run = ui.finished_run(launch_from_launchpad(page))
     assert run["status"] == "FAILURE"
     failure = " ".join(ui.messages(run["runId"]))
-    assert "ops.ticket_summaries.config.sampling.temperature must be in [0, 2] (0 = greedy), got -1" in failure
+    rule = SamplingParams.rule("temperature")
+    assert f"ops.ticket_summaries.config.sampling.temperature must be {rule}, got -1" in failure
     assert "Fix the value in the Launchpad" in failure and "ValidationError" not in failure
     assert not partition_file(ui.tables, SUMMARIES, "2024-06-01").exists()
-    page.get_by_text("must be in [0, 2]").first.wait_for()
+    page.get_by_text(f"must be {rule}").first.wait_for()
     shot(page, "06-bad-sampling-value")
 
 
