@@ -8,6 +8,7 @@ export when the code location reloads).
 
 import csv
 import datetime as dt
+from collections.abc import Callable
 from pathlib import Path
 
 import dagster as dg
@@ -65,6 +66,18 @@ def with_body(tickets: pd.DataFrame) -> pd.DataFrame:
     return tickets.assign(body=body)[body != ""].reset_index(drop=True)
 
 
+def per_day_prompts(context: dg.AssetExecutionContext, raw_tickets: pd.DataFrame | dict[str, pd.DataFrame],
+                    prompts_of: Callable[[pd.DataFrame], pd.DataFrame]) -> pd.DataFrame | dict[str, pd.DataFrame]:
+    """Each day's tickets that have a body, made into a prompt table by `prompts_of`; logs
+    how many were dropped."""
+    tables = {}
+    for day, frame in by_day(context, raw_tickets).items():
+        kept = with_body(frame)
+        context.log.info(f"{day}: {len(kept)} tickets, {len(frame) - len(kept)} empty dropped")
+        tables[day] = prompts_of(kept)
+    return per_day_output(context, tables)
+
+
 @dg.asset(partitions_def=days, group_name="support", kinds={"csv"},
           backfill_policy=dg.BackfillPolicy.single_run())
 def raw_support_tickets(context: dg.AssetExecutionContext):
@@ -78,16 +91,11 @@ def raw_support_tickets(context: dg.AssetExecutionContext):
           backfill_policy=dg.BackfillPolicy.single_run())
 def support_prompts(context: dg.AssetExecutionContext, raw_support_tickets):
     """Tickets with whitespace trimmed and empty bodies dropped, worded as prompts."""
-    cleaned = {}
-    for day, frame in by_day(context, raw_support_tickets).items():
-        kept = with_body(frame)
-        context.log.info(f"{day}: {len(kept)} tickets, {len(frame) - len(kept)} empty dropped")
-        cleaned[day] = pd.DataFrame({
-            "id": kept["ticket_id"],
-            "customer": kept["customer"],
-            "prompt": [PROMPT.format(body=b) for b in kept["body"]],
-        })
-    return per_day_output(context, cleaned)
+    return per_day_prompts(context, raw_support_tickets, lambda kept: pd.DataFrame({
+        "id": kept["ticket_id"],
+        "customer": kept["customer"],
+        "prompt": [PROMPT.format(body=b) for b in kept["body"]],
+    }))
 
 
 ticket_summaries = build_generation_asset(

@@ -6,7 +6,7 @@ import json
 import dagster as dg
 import pandas as pd
 
-from example_pipelines.defs.daily_tickets import by_day, days, per_day_output, with_body
+from example_pipelines.defs.daily_tickets import days, per_day_prompts
 
 SYSTEM = (
     "You triage customer support tickets of a software company. Answer with JSON: a one-line summary, "
@@ -40,8 +40,5 @@ def triage_messages(body: str) -> list[dict[str, str]]:
           backfill_policy=dg.BackfillPolicy.single_run())
 def triage_prompts(context: dg.AssetExecutionContext, raw_support_tickets):
     """The day's tickets with a body, as triage chat prompts (id, prompt)."""
-    prompts = {}
-    for day, frame in by_day(context, raw_support_tickets).items():
-        kept = with_body(frame)
-        prompts[day] = pd.DataFrame({"id": kept["ticket_id"], "prompt": [triage_messages(b) for b in kept["body"]]})
-    return per_day_output(context, prompts)
+    return per_day_prompts(context, raw_support_tickets, lambda kept: pd.DataFrame(
+        {"id": kept["ticket_id"], "prompt": [triage_messages(b) for b in kept["body"]]}))

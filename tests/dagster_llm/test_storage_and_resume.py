@@ -8,6 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet
 import pytest
 from transformers import AutoTokenizer
+
 from dagster_llm import GenerationRun, PartitionFiles, PartitionInput, RunOptions, SamplingConfig, build_generation_asset
 from dagster_llm.core.progress import PROMPT_TOKEN_WEIGHT, GenerationProgress, StepCost, StepTimes, WorkCounters
 from dagster_llm.core.prompts import PartitionSettings, PromptTableRules, read_rows
