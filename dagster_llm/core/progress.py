@@ -135,17 +135,13 @@ class GenerationProgress:
         self.counters = counters
         self.stats = stats
         self.check = check
-        self.started = time.monotonic()
-        self._start = stats()
         self._stop = threading.Event()
-        self._last = _Mark(self.started, 0, 0, 0)
+        self._restart()
         self._step_times = StepTimes()
         self._thread: threading.Thread | None = None
 
     def __enter__(self) -> "GenerationProgress":
-        self.started = time.monotonic()
-        self._start = self.stats()
-        self._last = _Mark(self.started, 0, 0, 0)
+        self._restart()
         self._thread = threading.Thread(target=self._tick, name="generation-progress", daemon=True)
         self._thread.start()
         return self
@@ -156,6 +152,12 @@ class GenerationProgress:
             self._thread.join()
         if exc_info[0] is None:
             self.log(self.line())
+
+    def _restart(self) -> None:
+        """Counts time and the engine's work from now."""
+        self.started = time.monotonic()
+        self._start = self.stats()
+        self._last = _Mark(self.started, 0, 0, 0)
 
     def _tick(self) -> None:
         while not self._stop.wait(self.interval_s):
