@@ -75,8 +75,17 @@ class EngineConfig:
     max_loras: int = _setting(1, "Most distinct adapters in one step (device slots).")
     max_lora_rank: int = _setting(16, "Highest adapter rank accepted.")
     max_cpu_loras: int | None = _setting(None, "Adapters kept in host memory (default: max_loras).")
-    num_threads: int | None = _setting(None, "CPU threads for PyTorch's operators, set for the whole process "
-                                             "(default: OMP_NUM_THREADS if set, else the cores this process may use).")
+    num_threads: int | None = _setting(None, "CPU threads for PyTorch's operators, set for each process that runs "
+                                             "a rank (default: OMP_NUM_THREADS if set, else the cores this process "
+                                             "may use, divided among the ranks).")
+    tensor_parallel_size: int = _setting(1, "Ranks one model is split over, one process each (Megatron-style: "
+                                            "attention by heads, the MLP by columns, the vocabulary in slices, one "
+                                            "all-reduce after each row-parallel projection): GPUs over NCCL, or on a "
+                                            "CPU shares of its cores over gloo.")
+    data_parallel_size: int = _setting(1, "Replicas of the model, each in its own process on its own devices (or "
+                                          "share of CPU cores). A call's prompts are dealt out among them by "
+                                          "estimated work and come back in input order; a seeded request gives the "
+                                          "same tokens whatever the number of replicas.")
     attention_backend: str = _setting("auto", "'auto' (Triton kernels on a GPU; on a CPU the compiled "
                                               "paged-attention kernel where it builds, else PyTorch's products), "
                                               "'triton' (a GPU, or Triton's interpreter under TRITON_INTERPRET=1), "
@@ -88,7 +97,7 @@ class EngineConfig:
             problems.append(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             problems.append(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
-        for name in ("max_num_seqs", "block_size"):
+        for name in ("max_num_seqs", "block_size", "tensor_parallel_size", "data_parallel_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 problems.append(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory", "num_threads"):
@@ -116,6 +125,16 @@ class EngineConfig:
             problems.append(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if problems:
             raise ValueError("Invalid engine settings: " + "; ".join(problems))
+
+    @property
+    def world_size(self) -> int:
+        """Processes the engine runs in: tensor_parallel_size x data_parallel_size."""
+        return self.tensor_parallel_size * self.data_parallel_size
+
+    def default_threads_per_rank(self) -> int:
+        """CPU threads of each rank when num_threads is not set: the process's threads
+        (`default_num_threads`) shared among the ranks, at least one."""
+        return max(1, default_num_threads() // self.world_size)
 
     def resolve(self, model_config: "ModelConfig") -> "EngineConfig":
         """These settings with every default filled in for the model and the device it
@@ -148,7 +167,7 @@ class EngineConfig:
             kv_cache_memory=self.kv_cache_memory or (DEFAULT_KV_CACHE_MEMORY if on_cpu else None),
             async_scheduling=device.type == "cuda" if self.async_scheduling is None else self.async_scheduling,
             max_cpu_loras=self.max_cpu_loras or self.max_loras,
-            num_threads=self.num_threads or (default_num_threads() if on_cpu else None),
+            num_threads=self.num_threads or (self.default_threads_per_rank() if on_cpu else None),
             attention_backend=resolve_backend_name(self.attention_backend, device),
         )
 

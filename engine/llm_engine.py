@@ -5,7 +5,7 @@ import itertools
 import logging
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -14,6 +14,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.distributed.plan import ReplicaPlan, check_tensor_parallel, plan_parallelism
 from engine.hardware import release_freed_memory
 from engine.model_loader import check_model_folder, resolve_model_path
 from engine.model_runner import LaunchedStep, ModelRunner
@@ -42,17 +43,31 @@ class EngineStats:
 class LLMEngine:
     """Owns the tokenizer, the scheduler, the block manager and the model runner."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, replica: ReplicaPlan | None = None) -> None:
+        """`replica` places this engine's ranks when it is one data-parallel replica of
+        several; by default the first replica of the plan for `config` on this machine.
+
+        Raises:
+            ValueError: a setting that cannot run: a model folder that cannot be used, a
+                plan this machine or model cannot hold (`plan_parallelism`,
+                `check_tensor_parallel`).
+            WorkerError: a tensor-parallel rank failed to start.
+        """
         path = resolve_model_path(config.model)
         tokenizer_path = Path(config.tokenizer).expanduser() if config.tokenizer else path
         check_model_folder(path, tokenizer_path)
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(tokenizer_path)
-        self.model_config = ModelConfig.resolve(path, config, self.tokenizer.eos_token_id)
-        config = config.resolve(self.model_config)  # every default decided, once
+        model_config = ModelConfig.resolve(path, config, self.tokenizer.eos_token_id)
+        check_tensor_parallel(model_config.hf_config, config.tensor_parallel_size)
+        if replica is None:
+            replica = plan_parallelism(config.tensor_parallel_size, config.data_parallel_size,
+                                       model_config.device).replicas[0]
+        self.model_config = model_config = replace(model_config, device=replica.placements[0].device)
+        config = config.resolve(model_config)  # every default decided, once
         self.config = config
         self.structured_output = StructuredOutputManager(
-            self.tokenizer, self.model_config.hf_config.vocab_size, sorted(self.model_config.eos_token_ids))
-        self.model_runner = ModelRunner(config, self.model_config)
+            self.tokenizer, model_config.hf_config.vocab_size, sorted(model_config.eos_token_ids))
+        self.model_runner = ModelRunner(config, model_config, replica)
         self.block_manager = BlockManager(
             self.model_runner.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching
         )

@@ -7,14 +7,16 @@ import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.distributed.communicator import TensorParallelGroup
 from engine.embedded_model import EMBEDDED_MODEL_NAME, ensure_embedded_model
-from engine.layers.linear import Linear
+from engine.layers.linear import Linear, ShardSlice
 from engine.models import MODEL_REGISTRY
 
 logger = logging.getLogger(__name__)
@@ -89,13 +91,32 @@ def weights_fingerprint(path: Path) -> str:
     return digest.hexdigest()
 
 
-def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor in the files; a damaged file raises ModelLoadError naming it."""
+class CheckpointTensor:
+    """A tensor of an open safetensors file, read only when asked: whole, or the slice a
+    tensor-parallel rank holds (so no rank reads the whole checkpoint into memory)."""
+
+    def __init__(self, reader: Any, name: str) -> None:
+        self._reader = reader
+        self._name = name
+        self.shape = tuple(reader.get_slice(name).get_shape())
+
+    def read(self, piece: ShardSlice | None = None) -> torch.Tensor:
+        """The tensor, or its slice `piece`."""
+        if piece is None:
+            return self._reader.get_tensor(self._name)
+        index = [slice(None)] * len(self.shape)
+        index[piece.dim] = slice(piece.start, piece.start + piece.length)
+        return self._reader.get_slice(self._name)[tuple(index)]
+
+
+def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, CheckpointTensor]]:
+    """Every tensor in the files, to be read while the iteration is at it; a damaged file
+    raises ModelLoadError naming it."""
     for file in files:
         try:
             with safe_open(file, framework="pt") as reader:
                 for name in reader.keys():
-                    yield name, reader.get_tensor(name)
+                    yield name, CheckpointTensor(reader, name)
         except ModelLoadError:
             raise
         except Exception as exc:  # safetensors raises several types for a damaged file
@@ -105,8 +126,9 @@ def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
             ) from exc
 
 
-def load_model(model_config: ModelConfig) -> nn.Module:
-    """Builds the model family named in config.json and fills it from the folder's weights."""
+def load_model(model_config: ModelConfig, group: TensorParallelGroup | None = None) -> nn.Module:
+    """Builds the model family named in config.json and fills it from the folder's
+    weights: with a tensor-parallel `group`, this rank's share of them."""
     started = time.perf_counter()
     hf_config = model_config.hf_config
     architectures = getattr(hf_config, "architectures", None) or []
@@ -118,7 +140,7 @@ def load_model(model_config: ModelConfig) -> nn.Module:
         )
     files = check_model_folder(model_config.path)
     with torch.device("meta"):
-        model = model_class(hf_config, max_position=model_config.max_model_len)
+        model = model_class(hf_config, max_position=model_config.max_model_len, group=group)
     model.materialize(model_config.device, model_config.dtype)
     try:
         model.load_weights(iter_safetensors(files))

@@ -1,7 +1,9 @@
-"""Linear layers whose matrix products run through the kernel this CPU does best, and
-may add per-request LoRA deltas."""
+"""Linear layers whose matrix products run through the kernel this CPU does best, may
+add per-request LoRA deltas, and may be split over tensor-parallel ranks (column- or
+row-parallel, as in Megatron-LM and vLLM)."""
 
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -11,6 +13,7 @@ from torch import nn
 from engine.hardware import detect_cpu
 
 if TYPE_CHECKING:
+    from engine.distributed.communicator import TensorParallelGroup
     from engine.lora.slots import LoRASlots
 
 logger = logging.getLogger(__name__)
@@ -64,6 +67,29 @@ def project(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")[:rows]
 
 
+@dataclass(frozen=True)
+class ShardSlice:
+    """The part of a checkpoint tensor one tensor-parallel rank holds: `length` entries
+    of dimension `dim` (0: output features, 1: input features) from `start`, of `full`."""
+
+    dim: int
+    start: int
+    length: int
+    full: int
+
+    @classmethod
+    def even(cls, dim: int, full: int, rank: int, size: int) -> "ShardSlice | None":
+        """Rank `rank`'s equal share of `full` entries; None (all of it) for one rank."""
+        if size == 1:
+            return None
+        length = full // size
+        return cls(dim, rank * length, length, full)
+
+    def of(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This slice of a whole tensor in memory."""
+        return tensor.narrow(self.dim, self.start, self.length)
+
+
 class Linear(nn.Linear):
     """`nn.Linear` whose weight may be reordered once into oneDNN's blocked layout.
 
@@ -79,6 +105,10 @@ class Linear(nn.Linear):
 
     packed_weight: torch.Tensor | None = None
     lora: "LoRASlots | None" = None
+    # Rows of each checkpoint tensor stacked here (q/k/v, gate/up; one when not fused).
+    shard_sizes: list[int] | None = None
+    # For each of them, the slice of the checkpoint tensor this rank holds (None: all).
+    checkpoint_slices: list[ShardSlice | None] | None = None
 
     def prepack(self) -> None:
         """Reorders the weight for oneDNN where that helps, and drops the original copy."""
@@ -102,3 +132,47 @@ class Linear(nn.Linear):
         if self.lora is not None:
             out = self.lora.add_deltas(x, out)
         return out
+
+
+class ColumnParallelLinear(Linear):
+    """A projection whose output features are split over the tensor-parallel ranks: each
+    rank computes its share of the outputs from the whole input, and nothing is summed.
+    A fused projection stacks several checkpoint tensors (q, k, v): `slices` says which
+    rows of each this rank holds (None: all of it, for one rank). `padded_sizes`, when
+    given, are the rows each takes here, at least the slice's (a padded vocabulary)."""
+
+    def __init__(self, in_features: int, full_sizes: list[int], slices: list[ShardSlice | None], bias: bool,
+                 padded_sizes: list[int] | None = None) -> None:
+        sizes = padded_sizes or [size if piece is None else piece.length for size, piece in zip(full_sizes, slices)]
+        super().__init__(in_features, sum(sizes), bias=bias)
+        self.shard_sizes = sizes
+        self.checkpoint_slices = slices
+
+    @classmethod
+    def split(cls, in_features: int, full_sizes: list[int], group: "TensorParallelGroup",
+              bias: bool) -> "ColumnParallelLinear":
+        """Each stacked tensor split evenly over the group's ranks."""
+        return cls(in_features, full_sizes, [ShardSlice.even(0, n, group.rank, group.size) for n in full_sizes], bias)
+
+
+class RowParallelLinear(Linear):
+    """A projection whose input features are split over the tensor-parallel ranks: each
+    rank multiplies its share of the input (the output of a column-parallel layer, which
+    is already split that way) and the partial outputs are summed over the ranks (one
+    all-reduce), the bias added once after the sum. A LoRA delta is partial too (A's
+    columns split like the weight's) and is summed with the product."""
+
+    def __init__(self, in_features: int, out_features: int, group: "TensorParallelGroup", bias: bool) -> None:
+        super().__init__(in_features // group.size, out_features, bias=bias)
+        self.group = group
+        self.shard_sizes = [out_features]
+        self.checkpoint_slices = [ShardSlice.even(1, in_features, group.rank, group.size)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.group.size == 1:
+            return super().forward(x)
+        out = project(x, self.weight, self.packed_weight)
+        if self.lora is not None:
+            out = self.lora.add_deltas(x, out)
+        self.group.all_reduce(out)
+        return out if self.bias is None else out + self.bias

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 import torch
 
 from engine.layers.linear import Linear
-from engine.lora.adapter import LoRAAdapter, LoRAError, describe, load_adapter
+from engine.lora.adapter import LoRAAdapter, LoRAError, ModuleLoRA, describe, load_adapter
 from engine.lora.request import LoRARequest
-from engine.lora.slots import LoRABatch, LoRASlots
+from engine.lora.slots import LoRABatch, LoRASlots, LoRATarget
 
 logger = logging.getLogger(__name__)
 
@@ -27,11 +27,11 @@ class LoRAStats:
 
 @dataclass
 class _AdaptedProjection:
-    """One of the model's projections: its adapter slots, and the Hugging Face path of
-    each of its shards (q/k/v of a fused projection), whose adapter weights go there."""
+    """One of the model's projections: its adapter slots, and the target of each of its
+    shards (q/k/v of a fused projection) by Hugging Face path, whose adapter weights go there."""
 
     slots: LoRASlots
-    shard_paths: list[str]
+    shards: list[tuple[str, LoRATarget] | None]
 
 
 class LoRAManager:
@@ -44,12 +44,12 @@ class LoRAManager:
 
     Args:
         targets: Each adaptable projection's Hugging Face path ("model.layers.0.self_attn.
-            q_proj") -> (the engine's Linear, shard index, shard sizes of that Linear).
+            q_proj") -> its `LoRATarget` (on a tensor-parallel rank, the rank's share).
     """
 
     def __init__(
         self,
-        targets: dict[str, tuple[Linear, int, list[int]]],
+        targets: dict[str, LoRATarget],
         *,
         max_loras: int,
         max_cpu_loras: int,
@@ -65,15 +65,17 @@ class LoRAManager:
         self.base_model = base_model
         self.batch = LoRABatch(max_loras)
         self.stats = LoRAStats()
-        self._shapes = {path: (layer.in_features, sizes[shard]) for path, (layer, shard, sizes) in targets.items()}
+        self._shapes = {path: target.checkpoint_shape for path, target in targets.items()}
         self._projections: list[_AdaptedProjection] = []
-        shard_paths: dict[Linear, list[str]] = {}
-        for path, (layer, shard, sizes) in targets.items():
-            if layer not in shard_paths:
-                shard_paths[layer] = [""] * len(sizes)
+        shards: dict[Linear, list[tuple[str, LoRATarget] | None]] = {}
+        for path, target in targets.items():
+            layer = target.layer
+            if layer not in shards:
+                sizes = layer.shard_sizes or [layer.out_features]
+                shards[layer] = [None] * len(sizes)
                 slots = LoRASlots(layer, sizes, max_loras, max_lora_rank, self.batch, dtype, device)
-                self._projections.append(_AdaptedProjection(slots, shard_paths[layer]))
-            shard_paths[layer][shard] = path
+                self._projections.append(_AdaptedProjection(slots, shards[layer]))
+            shards[layer][target.shard] = (path, target)
         self._known: dict[int, LoRARequest] = {}
         self._host: OrderedDict[int, LoRAAdapter] = OrderedDict()
         self._slot_of: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, least recent first
@@ -132,6 +134,15 @@ class LoRAManager:
 
     def _load_slot(self, slot: int, adapter: LoRAAdapter) -> None:
         for projection in self._projections:
-            projection.slots.load(slot, [adapter.modules.get(p) for p in projection.shard_paths])
+            projection.slots.load(slot, [_local_lora(adapter, shard) for shard in projection.shards])
         self.stats.num_slot_loads += 1
         logger.debug("LoRA adapter %r in slot %d", adapter.request.lora_name, slot)
+
+
+def _local_lora(adapter: LoRAAdapter, shard: tuple[str, LoRATarget] | None) -> ModuleLoRA | None:
+    """The adapter's matrices for one shard of a projection, as this rank holds it."""
+    if shard is None:
+        return None
+    path, target = shard
+    lora = adapter.modules.get(path)
+    return None if lora is None else target.local(lora)

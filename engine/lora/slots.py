@@ -5,12 +5,43 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.layers.linear import Linear
+from engine.layers.linear import Linear, ShardSlice
 from engine.lora.adapter import ModuleLoRA
 
 # Each slot's group of rows is padded to at least this many: like the dense projections
 # (see layers/linear.py), tiny products take other kernels that round differently.
 _MIN_GROUP_ROWS = 8
+
+
+@dataclass(frozen=True)
+class LoRATarget:
+    """A projection an adapter may change: our `layer`, and which of the checkpoint
+    tensors stacked in it (q, k or v of a fused q/k/v) the adapter's module names."""
+
+    layer: Linear
+    shard: int
+
+    @property
+    def _slice(self) -> ShardSlice | None:
+        return (self.layer.checkpoint_slices or [None] * (self.shard + 1))[self.shard]
+
+    @property
+    def checkpoint_shape(self) -> tuple[int, int]:
+        """(in_features, out_features) of the whole projection, as the adapter was trained."""
+        piece, sizes = self._slice, self.layer.shard_sizes or [self.layer.out_features]
+        in_features = piece.full if piece is not None and piece.dim == 1 else self.layer.in_features
+        out_features = piece.full if piece is not None and piece.dim == 0 else sizes[self.shard]
+        return in_features, out_features
+
+    def local(self, lora: ModuleLoRA) -> ModuleLoRA:
+        """The adapter's matrices for this rank: split like the layer's weight (B's rows
+        for a column-parallel projection, A's columns for a row-parallel one)."""
+        piece = self._slice
+        if piece is None:
+            return lora
+        if piece.dim == 0:
+            return ModuleLoRA(lora.a, piece.of(lora.b).contiguous())
+        return ModuleLoRA(lora.a.narrow(1, piece.start, piece.length).contiguous(), lora.b)
 
 
 @dataclass(frozen=True)

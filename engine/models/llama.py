@@ -5,16 +5,23 @@ one matrix each, so a layer runs two matrix products where the checkpoint has fi
 """
 
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
+from engine.distributed.communicator import TensorParallelGroup
 from engine.layers.attention import Attention, AttentionMetadata
 from engine.layers.layernorm import RMSNorm
-from engine.layers.linear import Linear
+from engine.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear, ShardSlice
 from engine.layers.rotary import RotaryEmbedding
+from engine.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from engine.lora.slots import LoRATarget
+
+if TYPE_CHECKING:
+    from engine.model_loader import CheckpointTensor
 
 # Checkpoint tensor suffix -> (fused parameter suffix, shard index within it).
 _FUSED = {
@@ -31,16 +38,30 @@ def head_dim_of(config: PretrainedConfig) -> int:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool):
+    """Grouped-query attention. Over tensor-parallel ranks each rank computes its share
+    of the query heads with the key/value heads they read (a key/value head is then
+    held by several ranks when there are fewer of them than ranks), and o_proj sums."""
+
+    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool,
+                 group: TensorParallelGroup):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        num_heads = config.num_attention_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
         self.head_dim = head_dim_of(config)
+        self.num_heads = num_heads // group.size
+        self.num_kv_heads = max(1, num_kv_heads // group.size)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=getattr(config, "attention_bias", False))
-        self.qkv_proj.shard_sizes = [self.q_size, self.kv_size, self.kv_size]
+        first_kv_head = group.rank * num_kv_heads // group.size
+        slices = [None, None, None]
+        if group.size > 1:
+            q = ShardSlice(0, group.rank * self.q_size, self.q_size, num_heads * self.head_dim)
+            kv = ShardSlice(0, first_kv_head * self.head_dim, self.kv_size, num_kv_heads * self.head_dim)
+            slices = [q, kv, kv]
+        full = [num_heads * self.head_dim, num_kv_heads * self.head_dim, num_kv_heads * self.head_dim]
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, full, slices, bias=qkv_bias)
+        self.o_proj = RowParallelLinear(num_heads * self.head_dim, config.hidden_size, group,
+                                        bias=getattr(config, "attention_bias", False))
         self.qk_norm = qk_norm
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -65,14 +86,14 @@ class LlamaMLP(nn.Module):
 
     activation: Callable | None = None
 
-    def __init__(self, config: PretrainedConfig):
+    def __init__(self, config: PretrainedConfig, group: TensorParallelGroup):
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
         bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
-        self.gate_up_proj.shard_sizes = [config.intermediate_size, config.intermediate_size]
+        size = config.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear.split(config.hidden_size, [size, size], group, bias=bias)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, group, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -83,10 +104,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool):
+    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool,
+                 group: TensorParallelGroup):
         super().__init__()
-        self.self_attn = LlamaAttention(config, rotary, qkv_bias, qk_norm)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = LlamaAttention(config, rotary, qkv_bias, qk_norm, group)
+        self.mlp = LlamaMLP(config, group)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -108,11 +130,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool):
+    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool,
+                 group: TensorParallelGroup):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, group)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, rotary, qkv_bias, qk_norm) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, rotary, qkv_bias, qk_norm, group) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -129,7 +152,8 @@ class LlamaForCausalLM(nn.Module):
     """A decoder-only transformer with rotary positions, grouped-query attention and SwiGLU.
 
     Construct it under `torch.device("meta")` and call `materialize` to place it on a
-    device without paying for random initialization, then `load_weights`.
+    device without paying for random initialization, then `load_weights`. With a
+    tensor-parallel `group` of several ranks it is this rank's share of the model.
     """
 
     qk_norm = False
@@ -138,14 +162,15 @@ class LlamaForCausalLM(nn.Module):
     def has_qkv_bias(cls, config: PretrainedConfig) -> bool:
         return bool(getattr(config, "attention_bias", False))
 
-    def __init__(self, config: PretrainedConfig, max_position: int):
+    def __init__(self, config: PretrainedConfig, max_position: int, group: TensorParallelGroup | None = None):
         super().__init__()
+        group = group or TensorParallelGroup()
         self.config = config
         self.max_position = max_position
         self.rotary = RotaryEmbedding(head_dim_of(config), max_position, config.rope_parameters)
-        self.model = LlamaModel(config, self.rotary, self.has_qkv_bias(config), self.qk_norm)
+        self.model = LlamaModel(config, self.rotary, self.has_qkv_bias(config), self.qk_norm, group)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, group)
 
     def materialize(self, device: torch.device, dtype: torch.dtype) -> None:
         """Allocates (uninitialized) parameters and builds the rotary table on `device`."""
@@ -158,9 +183,11 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states [tokens, hidden] of the step's tokens."""
         return self.model(input_ids, positions, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [rows, vocab] in float32 (see `Linear.forward_float32`)."""
-        return self.lm_head.forward_float32(hidden)
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits [rows, vocab] in float32 (see `Linear.forward_float32`), on tensor-parallel
+        rank 0; every rank must call it (the vocabulary's slices are gathered), the others
+        get None."""
+        return self.lm_head.logits(hidden)
 
     def prepack(self) -> None:
         """Prepares every projection for fast products once the weights are in."""
@@ -168,9 +195,10 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.prepack()
 
-    def lora_targets(self) -> dict[str, tuple[Linear, int, list[int]]]:
+    def lora_targets(self) -> dict[str, LoRATarget]:
         """The projections a LoRA adapter may change, by their Hugging Face path
-        ("model.layers.0.self_attn.q_proj") -> (our Linear, shard index, shard sizes)."""
+        ("model.layers.0.self_attn.q_proj"): our Linear and which of its stacked
+        checkpoint tensors the path names."""
         unfused: dict[str, list[str]] = {}  # fused projection -> its Hugging Face leaves, in shard order
         for (fused, _), leaf in sorted((place, leaf) for leaf, place in _FUSED.items()):
             unfused.setdefault(fused, []).append(leaf)
@@ -179,13 +207,13 @@ class LlamaForCausalLM(nn.Module):
             if not isinstance(module, Linear):
                 continue
             prefix, _, leaf = name.rpartition(".")
-            sizes = getattr(module, "shard_sizes", None) or [module.out_features]
             for shard, hf_leaf in enumerate(unfused.get(leaf, [leaf])):
-                targets[f"{prefix}.{hf_leaf}"] = (module, shard, sizes)
+                targets[f"{prefix}.{hf_leaf}"] = LoRATarget(module, shard)
         return targets
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copies checkpoint tensors in, fusing q/k/v and gate/up.
+    def load_weights(self, weights: Iterable[tuple[str, "CheckpointTensor"]]) -> None:
+        """Copies checkpoint tensors in, fusing q/k/v and gate/up; of a split projection
+        only this rank's slice is read.
 
         Raises:
             ValueError: a tensor the model does not have, one of the wrong shape, or a
@@ -194,7 +222,7 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         if self.tie_word_embeddings:
             del params["lm_head.weight"]
-        expected = {(name, shard) for name in params for shard in range(len(self._shard_sizes(name)))}
+        expected = {(name, shard) for name in params for shard in range(len(self._module_of(name)[1]))}
         loaded = set()
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.tie_word_embeddings):
@@ -207,14 +235,21 @@ class LlamaForCausalLM(nn.Module):
                 target = f"{prefix}.{fused_leaf}.{kind}"
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-            sizes = self._shard_sizes(target)
-            dest = params[target].data.narrow(0, sum(sizes[:shard]), sizes[shard])
-            if dest.shape != tensor.shape:
+            _, sizes, slices = self._module_of(target)
+            piece = slices[shard]
+            if piece is not None and piece.dim >= params[target].dim():
+                piece = None  # the bias of a row-parallel projection: whole on every rank
+            rows = piece.length if piece is not None and piece.dim == 0 else sizes[shard]
+            dest = params[target].data.narrow(0, sum(sizes[:shard]), rows)
+            whole = list(dest.shape)
+            if piece is not None:
+                whole[piece.dim] = piece.full
+            if tuple(tensor.shape) != tuple(whole):
                 raise ValueError(
                     f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the model "
-                    f"expects {tuple(dest.shape)}: config.json does not match the weights"
+                    f"expects {tuple(whole)}: config.json does not match the weights"
                 )
-            dest.copy_(tensor)
+            dest.copy_(tensor.read(piece))
             loaded.add((target, shard))
         absent = sorted({name for name, _ in expected - loaded})
         if absent:
@@ -222,7 +257,9 @@ class LlamaForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def _shard_sizes(self, param_name: str) -> list[int]:
-        """Row counts of the checkpoint tensors stacked in a parameter (one if not fused)."""
+    def _module_of(self, param_name: str) -> tuple[nn.Module, list[int], list[ShardSlice | None]]:
+        """The parameter's module, the rows of each checkpoint tensor stacked in it (one
+        if not fused) and the slice of each that this rank holds."""
         module = self.get_submodule(param_name.rpartition(".")[0])
-        return getattr(module, "shard_sizes", None) or [self.get_parameter(param_name).shape[0]]
+        sizes = getattr(module, "shard_sizes", None) or [self.get_parameter(param_name).shape[0]]
+        return module, sizes, getattr(module, "checkpoint_slices", None) or [None] * len(sizes)

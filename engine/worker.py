@@ -1,0 +1,164 @@
+"""One tensor-parallel rank's share of the model on its device: the weights, the paged
+KV cache of its heads and its LoRA adapter slots. It runs forward passes and computes
+the logits of chosen rows.
+
+Every rank's Worker makes the same calls in the same order: rank 0's model runner makes
+them and `WorkerGroup` (engine.distributed.worker_group) repeats them on the other
+ranks, so that the collectives inside the model pair up.
+"""
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.config import EngineConfig, ModelConfig
+from engine.distributed.communicator import TensorParallelGroup
+from engine.hardware import detect_cpu, keep_freed_memory, long_lived_allocations, set_num_threads
+from engine.kv_cache import KVCache, plan_num_blocks
+from engine.layers.attention import AttentionMetadata
+from engine.layers.linear import linear_kernel
+from engine.layers.triton_routing import route_through_triton
+from engine.lora.manager import LoRAManager
+from engine.lora.request import LoRARequest
+from engine.lora.slots import LoRARange
+from engine.model_loader import load_model
+
+if TYPE_CHECKING:
+    from engine.cuda_graphs import CUDAGraphRunner
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelInputs:
+    """What a forward pass reads beyond the weights and the cache: the step's tokens and
+    attention metadata, the blocks to copy on write first, and the runs of rows per
+    adapter slot."""
+
+    input_ids: torch.Tensor
+    attention: AttentionMetadata
+    block_copies: list[tuple[int, int]]
+    lora_ranges: list[LoRARange]
+
+    @property
+    def is_decode(self) -> bool:
+        """Whether every sequence computes one token (what a CUDA graph replays)."""
+        return self.attention.max_query_len == 1
+
+
+class Worker:
+    """The model's share on one rank (all of it with one rank), its KV cache and adapter slots."""
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, group: TensorParallelGroup) -> None:
+        """`config` is resolved (`EngineConfig.resolve`); `model_config.device` is this rank's."""
+        self.config = config
+        self.model_config = model_config
+        self.group = group
+        self.device = model_config.device
+        self.hidden: torch.Tensor | None = None  # the last forward pass's, until its logits are taken
+        used_at_start = self._set_up_device()
+        # Weights and cache in mappings of their own on a CPU: freed, they leave the process.
+        with long_lived_allocations() if self.device.type == "cpu" else contextlib.nullcontext():
+            self.model = load_model(model_config, group)
+            if config.attention_backend == "triton":
+                route_through_triton(self.model)
+            self.kv_cache = KVCache(self.model, config.attention_backend, config.block_size, model_config.dtype,
+                                    self.device)
+            # Every rank holds as many blocks: the fewest any rank's budget allows.
+            self.kv_cache.allocate(group.all_reduce_min(plan_num_blocks(config, self.model, self.kv_cache,
+                                                                        used_at_start)))
+        self.lora_manager = self._make_lora_manager() if config.enable_lora else None
+        self.cuda_graphs = self._capture_cuda_graphs()
+
+    def _set_up_device(self) -> int:
+        """Sets the CPU threads and logs the device and the kernels chosen; returns the
+        bytes of GPU memory in use before the engine loads anything (0 on a CPU)."""
+        model_config, config = self.model_config, self.config
+        if self.device.type == "cpu":
+            keep_freed_memory()
+            set_num_threads(config.num_threads)
+            logger.info("CPU: %s; dtype %s, %s matrix products, %s attention, %d threads", detect_cpu().describe(),
+                        model_config.dtype_name, linear_kernel(model_config.dtype, self.device),
+                        config.attention_backend, config.num_threads)
+            return 0
+        torch.cuda.set_device(self.device)
+        logger.info("GPU: %s; dtype %s, %s attention", torch.cuda.get_device_name(self.device),
+                    model_config.dtype_name, config.attention_backend)
+        free, total = torch.cuda.mem_get_info(self.device)
+        return total - free
+
+    def _make_lora_manager(self) -> LoRAManager:
+        """The adapter caches over the model's adaptable projections (products through the
+        SGMV kernel with the Triton backend)."""
+        config = self.config
+        manager = LoRAManager(
+            self.model.lora_targets(), max_loras=config.max_loras, max_cpu_loras=config.max_cpu_loras,
+            max_lora_rank=config.max_lora_rank, dtype=self.model_config.dtype, device=self.device,
+            base_model=str(config.model or self.model_config.path),
+        )
+        if config.attention_backend == "triton":
+            from engine.kernels.triton.lora import sgmv
+
+            manager.batch.kernel = sgmv
+        return manager
+
+    def _capture_cuda_graphs(self) -> "CUDAGraphRunner | None":
+        """Decode graphs, captured now, on a GPU with the Triton backend unless
+        enforce_eager, LoRA (whose adapter slots change between steps) or tensor
+        parallelism (its collectives are not captured) rule them out."""
+        config = self.config
+        if config.attention_backend != "triton" or self.device.type != "cuda" or config.enforce_eager:
+            return None
+        if config.enable_lora or self.group.size > 1:
+            logger.info("CUDA graphs are off with %s", "enable_lora (adapter slots change between steps)"
+                        if config.enable_lora else "tensor_parallel_size > 1")
+            return None
+        from engine.cuda_graphs import CUDAGraphRunner
+
+        graphs = CUDAGraphRunner(self.model, config.max_num_seqs, self.model_config.max_model_len,
+                                 config.block_size, self.device)
+        graphs.capture()
+        return graphs
+
+    @torch.inference_mode()
+    def execute_model(self, inputs: ModelInputs) -> torch.Tensor:
+        """Hidden states [tokens, hidden] of the step's rows (kept for `logits`): a CUDA
+        graph's replay for a decode step that fits one, else the model run eagerly."""
+        self.kv_cache.copy_blocks(inputs.block_copies)
+        num_tokens = len(inputs.input_ids)
+        if self.lora_manager is not None:
+            self.lora_manager.batch.set(inputs.lora_ranges, num_tokens, self.device)
+        graphs = self.cuda_graphs
+        if graphs is not None and inputs.is_decode and graphs.fits(num_tokens):
+            self.hidden = graphs.run(inputs.input_ids, inputs.attention)
+        else:
+            self.kv_cache.backend.prepare(inputs.attention)
+            self.hidden = self.model(inputs.input_ids, inputs.attention.positions, inputs.attention)
+        return self.hidden
+
+    @torch.inference_mode()
+    def logits(self, rows: torch.Tensor | list[int]) -> torch.Tensor | None:
+        """Logits [rows, vocab] in float32 of these rows of the last forward pass, on rank
+        0 (None on the others); the hidden states are dropped afterwards."""
+        if not isinstance(rows, torch.Tensor):
+            rows = torch.tensor(rows, dtype=torch.long).to(self.device)
+        hidden, self.hidden = self.hidden, None
+        return self.model.compute_logits(hidden[rows])
+
+    def activate_adapters(self, requests: list[LoRARequest]) -> dict[int, int]:
+        """Puts a step's adapters into slots: each one's slot by lora_int_id (the same on
+        every rank, since every rank makes the same calls)."""
+        return self.lora_manager.activate(requests)
+
+    def release(self) -> None:
+        """Drops the model, the KV cache and the adapters so that their memory can be returned."""
+        self.kv_cache.free()
+        del self.model
+        self.hidden = None
+        self.lora_manager = None  # it holds the model's projections and the adapters
+        self.cuda_graphs = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
