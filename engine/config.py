@@ -195,8 +195,7 @@ class ModelConfig:
         if not getattr(hf_config, "architectures", None) and hf_config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
             # As transformers' AutoModelForCausalLM (and vLLM) resolve a config.json without one.
             hf_config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[hf_config.model_type]]
-        device = torch.device("cuda" if engine.device == "auto" and torch.cuda.is_available() else
-                              "cpu" if engine.device == "auto" else engine.device)
+        device = resolve_device(engine.device)
         max_model_len = _max_model_len(hf_config, engine.max_model_len)
         eos = {eos_token_id} if eos_token_id is not None else set()
         defaults = {}
@@ -208,6 +207,13 @@ class ModelConfig:
             defaults = {name: generation[key] for key, name in _GENERATION_DEFAULTS.items() if key in generation}
         return cls(path, hf_config, _resolve_dtype(engine.dtype, hf_config, device), device, max_model_len, eos,
                    defaults)
+
+
+def resolve_device(setting: str) -> torch.device:
+    """The device a `device` setting names: "auto" is a GPU when there is one, else the CPU."""
+    if setting == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(setting)
 
 
 def engine_settings() -> list[Field]:

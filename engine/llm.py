@@ -3,12 +3,15 @@
 import dataclasses
 import gc
 import itertools
+import logging
 from collections.abc import Iterator, Sequence as SequenceABC
 from pathlib import Path
 from typing import Any
 
 from engine.chat_utils import chat_messages_problem, render_chat
-from engine.config import EngineConfig, engine_settings
+from engine.config import EngineConfig, engine_settings, resolve_device
+from engine.distributed.data_parallel import ReplicaPool, deal
+from engine.distributed.plan import plan_parallelism
 from engine.hardware import release_freed_memory
 from engine.inputs import (
     LoRARequestArg, PriorityArg, Prompts, PromptType, Request, RequestChecker, SamplingParamsArg, UseTqdm,
@@ -21,6 +24,8 @@ from engine.outputs import RequestOutput, UnfinishedOutput
 from engine.progress_bar import ProgressBar
 from engine.sampling_params import SamplingParams
 from engine.structured_output.params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
 
 
 class LLM:
@@ -44,8 +49,21 @@ class LLM:
         if unknown:
             raise TypeError(f"LLM() got unknown setting(s) {unknown}; the settings are {sorted(known - {'model'})}")
         config = EngineConfig(model=model, **settings)
-        self._llm_engine: LLMEngine | None = LLMEngine(config)
         self._request_ids = itertools.count()
+        self._replicas: ReplicaPool | None = None
+        if config.data_parallel_size == 1:
+            self._llm_engine: LLMEngine | None = LLMEngine(config)
+            return
+        plan = plan_parallelism(config.tensor_parallel_size, config.data_parallel_size, resolve_device(config.device))
+        self._replicas = ReplicaPool(config, plan.replicas[1:])  # they load while this process does
+        try:
+            self._llm_engine = LLMEngine(config, plan.replicas[0])
+            self._replicas.wait_ready()
+        except BaseException:
+            self._replicas.close()
+            raise
+        logger.info("Data parallel over %d replicas: %s", config.data_parallel_size,
+                    "; ".join(p.describe() for replica in plan.replicas for p in replica.placements))
 
     @property
     def llm_engine(self) -> LLMEngine:
@@ -90,17 +108,30 @@ class LLM:
         max_tokens is None may generate up to it."""
         return self.llm_engine.model_config.max_model_len
 
+    @property
+    def child_pids(self) -> list[int]:
+        """Process ids of the engine's child processes: tensor-parallel ranks 1.. and
+        data-parallel replicas 1.. (each replica's own ranks are its children)."""
+        replicas = self._replicas.pids if self._replicas is not None else []
+        return self.llm_engine.model_runner.workers.pids + replicas
+
     def get_stats(self) -> EngineStats:
         """A snapshot of the engine's counters since it started (steps, prompt tokens
-        computed and found in the prefix cache, tokens generated): later work leaves it as
-        it is, so two snapshots give what ran between them."""
-        return dataclasses.replace(self.llm_engine.stats)
+        computed and found in the prefix cache, tokens generated), summed over the
+        data-parallel replicas (theirs as last reported): later work leaves it as it is,
+        so two snapshots give what ran between them."""
+        stats = dataclasses.replace(self.llm_engine.stats)
+        if self._replicas is not None:
+            for f in dataclasses.fields(EngineStats):
+                setattr(stats, f.name, getattr(stats, f.name) + getattr(self._replicas.total_stats(), f.name))
+        return stats
 
     def unfinished_outputs(self) -> list[UnfinishedOutput]:
         """Tokens generated so far and max_tokens of every completion still queued or
-        running: what a progress estimate needs. Safe to call from another thread while
-        `generate` runs (a snapshot)."""
-        return self.llm_engine.unfinished_outputs()
+        running (on data-parallel replicas, as last reported): what a progress estimate
+        needs. Safe to call from another thread while `generate` runs (a snapshot)."""
+        remote = self._replicas.all_unfinished() if self._replicas is not None else []
+        return self.llm_engine.unfinished_outputs() + remote
 
     def structured_output_problem(self, params: StructuredOutputsParams) -> str | None:
         """Why the engine cannot run these structured-output constraints (their grammar
@@ -212,35 +243,57 @@ class LLM:
         return [row.problem for row in rows]
 
     def _run(self, requests: list[Request], use_tqdm: UseTqdm) -> Iterator[tuple[int, RequestOutput]]:
+        """Runs the requests (dealt out over the data-parallel replicas, this process's
+        engine being the first), yielding each one's output as it finishes."""
         if not requests:
             return
-        engine = self.llm_engine
-        seqs = [
-            engine.add_request(str(next(self._request_ids)), r.prompt, r.prompt_token_ids,
-                               r.sampling_params, r.priority, r.lora_request)
-            for r in requests
-        ]
-        index_of = {seq.request_id: i for i, seq in enumerate(seqs)}
-        progress = ProgressBar(use_tqdm, len(seqs))
+        engine, pool = self.llm_engine, self._replicas
+        ids = [str(next(self._request_ids)) for _ in requests]
+        shares = [list(range(len(requests)))] if pool is None else deal(
+            requests, len(pool.replicas) + 1, engine.model_config.max_model_len)
+        call, busy = 0, set()
+        if pool is not None:
+            call = pool.start_call([[(i, ids[i], requests[i]) for i in share] for share in shares[1:]])
+            busy = {position for position, share in enumerate(shares[1:]) if share}
+        index_of = {}
+        for i in shares[0]:
+            r = requests[i]
+            engine.add_request(ids[i], r.prompt, r.prompt_token_ids, r.sampling_params, r.priority, r.lora_request)
+            index_of[ids[i]] = i
+        progress = ProgressBar(use_tqdm, len(requests))
         try:
-            while engine.has_unfinished_requests():
-                # Completions of one request may finish in the same step: count it once.
-                done = list({s.group[0] for s in engine.step() if s.request_finished})
-                progress.update(done)
-                for seq in done:
-                    yield index_of[seq.request_id], engine.request_output(seq)
+            while engine.has_unfinished_requests() or busy:
+                finished = []
+                if engine.has_unfinished_requests():
+                    # Completions of one request may finish in the same step: count it once.
+                    done = list({s.group[0] for s in engine.step() if s.request_finished})
+                    finished = [(index_of[seq.request_id], engine.request_output(seq)) for seq in done]
+                if busy:  # a look at the replicas between steps; a wait once this engine is done
+                    for position, report in pool.reports(call, 0 if engine.has_unfinished_requests() else None):
+                        finished += report.finished
+                        if report.done:
+                            busy.discard(position)
+                progress.update([output for _, output in finished])
+                yield from finished
         except BaseException:  # GeneratorExit included: the caller stopped early
             engine.abort_all()
+            if busy:
+                pool.abort(call, busy)
             raise
         finally:
             progress.close()
 
     def reset_prefix_cache(self) -> bool:
-        """Forgets all cached prefixes; returns False while requests are running."""
-        return self.llm_engine.block_manager.reset_prefix_cache()
+        """Forgets all cached prefixes (of every replica); returns False while requests are running."""
+        done = self.llm_engine.block_manager.reset_prefix_cache()
+        return (self._replicas is None or self._replicas.reset_prefix_cache()) and done
 
     def close(self) -> None:
-        """Frees the model and the KV cache; the LLM cannot be used afterwards."""
+        """Frees the model and the KV cache and stops the engine's other processes; the
+        LLM cannot be used afterwards."""
+        if self._replicas is not None:
+            self._replicas.close()
+            self._replicas = None
         if self._llm_engine is not None:
             self._llm_engine.release()
             self._llm_engine = None

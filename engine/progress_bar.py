@@ -6,7 +6,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from engine.sequence import Sequence
+from engine.outputs import RequestOutput
 
 
 class ProgressBar:
@@ -25,13 +25,13 @@ class ProgressBar:
         self.input_tokens = 0
         self.output_tokens = 0
 
-    def update(self, finished: list[Sequence]) -> None:
-        """Counts the requests that finished (their first sequences). Called after every
-        step, so that a bar or a logger can tick during long decodes."""
+    def update(self, finished: list[RequestOutput]) -> None:
+        """Counts the requests that finished. Called after every step, so that a bar or a
+        logger can tick during long decodes."""
         if self.bar is None:
             return
-        self.input_tokens += sum(s.num_prompt_tokens for s in finished)
-        self.output_tokens += sum(c.num_output_tokens for s in finished for c in s.group)
+        self.input_tokens += sum(len(r.prompt_token_ids) for r in finished)
+        self.output_tokens += sum(len(c.token_ids) for r in finished for c in r.outputs)
         elapsed = max(time.perf_counter() - self.started, 1e-9)
         self.bar.postfix = (f"est. speed input: {self.input_tokens / elapsed:.2f} toks/s, "
                             f"output: {self.output_tokens / elapsed:.2f} toks/s")
