@@ -33,10 +33,11 @@ def write_adapter(folder: Path, llm: LLM, rank: int, seed: int) -> Path:
     """A PEFT-format adapter with random weights on every projection the model can adapt."""
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
-    for path, (layer, shard, sizes) in llm.llm_engine.model_runner.model.lora_targets().items():
+    for path, target in llm.llm_engine.model_runner.model.lora_targets().items():
         prefix = f"base_model.model.{path}"
-        tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, layer.in_features, generator=generator) * 0.02
-        tensors[f"{prefix}.lora_B.weight"] = torch.randn(sizes[shard], rank, generator=generator) * 0.02
+        in_features, out_features = target.checkpoint_shape
+        tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, in_features, generator=generator) * 0.02
+        tensors[f"{prefix}.lora_B.weight"] = torch.randn(out_features, rank, generator=generator) * 0.02
     folder.mkdir(parents=True)
     save_file(tensors, folder / "adapter_model.safetensors")
     modules = sorted({p.rpartition(".")[2] for p in llm.llm_engine.model_runner.model.lora_targets()})

@@ -150,7 +150,9 @@ def _profile_step(config: EngineConfig, model: nn.Module, kv_cache: KVCache) -> 
     with torch.inference_mode():
         kv_cache.backend.prepare(meta)
         hidden = model(torch.zeros_like(positions), positions, meta)
-        model.compute_logits(hidden[: min(config.max_num_seqs, tokens)]).float().sort(dim=-1)
+        logits = model.compute_logits(hidden[: min(config.max_num_seqs, tokens)])  # None on ranks 1..
+        if logits is not None:
+            logits.sort(dim=-1)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - weights
     kv_cache.free()

@@ -40,3 +40,22 @@ def test_embedded_model_bfloat16_matches_float32_greedy():
     agree = sum(a == b for a, b in zip(tokens["auto"], tokens["float32"]))
     print(f"bfloat16 agrees with float32 on the first 16 tokens of {agree} of 64 prompts")
     assert agree >= 60
+
+
+def test_two_ranks_over_gloo_on_one_gpu_match_one_rank(tiny_models, monkeypatch):
+    """The multi-process path on a GPU: tensor_parallel_size=2 with both ranks on the one
+    device (talking gloo) gives the same greedy tokens as one rank, in float32, with
+    chunked prefill and a prefix hit; data_parallel_size=2 on the same device likewise."""
+    from engine.distributed.plan import RANKS_ON_ONE_DEVICE_ENV
+
+    monkeypatch.setenv(RANKS_ON_ONE_DEVICE_ENV, "1")
+    shared = "The quick brown fox jumps over the lazy dog. " * 4
+    prompts = [shared + tail for tail in ("Paris", "Berlin", "numbers 1 2 3", "a paged cache")]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    tokens = {}
+    for name, settings in {"one": {}, "tp2": {"tensor_parallel_size": 2}, "dp2": {"data_parallel_size": 2}}.items():
+        with LLM(str(tiny_models["llama"]), dtype="float32", kv_cache_memory=64 << 20, max_num_batched_tokens=32,
+                 **settings) as llm:
+            tokens[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert tokens["tp2"] == tokens["one"]
+    assert tokens["dp2"] == tokens["one"]
