@@ -45,8 +45,10 @@ _EngineSettings = create_model("_EngineSettings", __base__=dg.ConfigurableResour
 class LLMResource(_EngineSettings):
     """An offline LLM engine (continuous batching, paged KV cache) shared by the
     generation assets of a process. Every engine setting is a field: dtype, device,
-    max_num_seqs, kv_cache_memory in bytes, enable_lora, attention_backend and the rest.
-    The engine loads on first use and is freed when the step ends.
+    max_num_seqs, kv_cache_memory in bytes, enable_lora, attention_backend,
+    tensor_parallel_size and data_parallel_size (several GPUs, or CPU cores, for one
+    run) and the rest. The engine loads on first use and is freed, with any processes it
+    started, when the step ends.
     """
 
     model_id: str = Field(

@@ -36,8 +36,9 @@ def build_tokenizer(folder: Path) -> None:
     fast.save_pretrained(folder)
 
 
-def build_tiny_model(folder: Path, family: str, seed: int = 0, tie: bool | None = None) -> Path:
-    """A random model of `family` with real config, safetensors weights and tokenizer."""
+def build_tiny_model(folder: Path, family: str, seed: int = 0, tie: bool | None = None, **overrides: object) -> Path:
+    """A random model of `family` with real config, safetensors weights and tokenizer;
+    `overrides` replace config fields shared by every family (`num_key_value_heads=1`)."""
     import transformers
 
     common = dict(
@@ -45,6 +46,7 @@ def build_tiny_model(folder: Path, family: str, seed: int = 0, tie: bool | None 
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
         bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )
+    common.update(overrides)
     if family == "llama":
         config = transformers.LlamaConfig(**common, tie_word_embeddings=True if tie is None else tie)
     elif family == "llama3":
