@@ -169,9 +169,15 @@ class WorkerGroup:
         return _FailureGuard(self)
 
     def _fail(self, exc: BaseException) -> None:
-        """Stops every rank after `exc` and raises the failing rank's error (or `exc`)."""
-        reason = next((why for child in self.remote if (why := child.failure()) is not None), None)
+        """Stops every rank after `exc` and raises the failing rank's error (or `exc`). An
+        interrupt does not wait for the ranks' errors: closing rank 0's connections ends
+        the collectives they wait in, and they exit."""
+        reason = None
+        if isinstance(exc, Exception):
+            reason = next((why for child in self.remote if (why := child.failure()) is not None), None)
         self._failed = reason or f"{type(exc).__name__}: {exc}"
+        if hasattr(self, "local"):
+            self.local.group.close()
         stop_all(self.remote)
         if reason is not None and not isinstance(exc, WorkerError):
             raise WorkerError(reason) from exc
