@@ -138,8 +138,8 @@ class ReplicaPool:
         """Sends each replica its share of a call; returns the call's number."""
         self._check()
         call = next(self._calls)
-        for replica, share in zip(self.replicas, shares):
-            replica.send(Assignment(call, share))
+        for position, share in enumerate(shares):
+            self._send(position, Assignment(call, share))
         return call
 
     def reports(self, call: int, timeout: float | None) -> Iterator[tuple[int, ReplicaReport]]:
@@ -149,8 +149,6 @@ class ReplicaPool:
         for conn in wait(list(conns), timeout):
             position = conns[conn]
             report = self._receive(position)
-            self.stats[position] = report.stats
-            self.unfinished[position] = report.unfinished
             if report.call == call:
                 yield position, report
 
@@ -159,7 +157,7 @@ class ReplicaPool:
         until each has dropped its requests."""
         for position in busy:
             try:
-                self.replicas[position].send(("abort", call))
+                self._send(position, ("abort", call))
                 while not ((report := self._receive(position)).done and report.call == call):
                     pass
             except WorkerError:
@@ -168,8 +166,8 @@ class ReplicaPool:
     def reset_prefix_cache(self) -> bool:
         """Forgets every replica's cached prefixes; False if any had requests running."""
         self._check()
-        for replica in self.replicas:
-            replica.send(("reset_prefix_cache", None))
+        for position in range(len(self.replicas)):
+            self._send(position, ("reset_prefix_cache", None))
         return all([self._reply(position) for position in range(len(self.replicas))])
 
     def close(self) -> None:
@@ -177,12 +175,24 @@ class ReplicaPool:
         stop_all(self.replicas)
         self.replicas = []
 
-    def _receive(self, position: int) -> "ReplicaReport | object":
+    def _send(self, position: int, message: object) -> None:
         try:
-            return self.replicas[position].recv()
+            self.replicas[position].send(message)
         except WorkerError as exc:
             self._broken = str(exc)
             raise
+
+    def _receive(self, position: int) -> "ReplicaReport | object":
+        """The replica's next message; a report's counters and unfinished work are kept."""
+        try:
+            message = self.replicas[position].recv()
+        except WorkerError as exc:
+            self._broken = str(exc)
+            raise
+        if isinstance(message, ReplicaReport):
+            self.stats[position] = message.stats
+            self.unfinished[position] = message.unfinished
+        return message
 
     def _reply(self, position: int) -> object:
         """The replica's answer to a request, past any report of an aborted call."""
