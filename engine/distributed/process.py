@@ -88,7 +88,10 @@ class ChildProcess:
                 if isinstance(message, ChildFailed):
                     self.error = message.traceback
             except (EOFError, OSError, pickle.UnpicklingError):
-                pass
+                try:  # its end is closed: it is exiting, and its status comes in a moment
+                    self.process.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    pass
         if self.error is not None:
             return f"{self.name} failed:\n{self.error}"
         code = self.process.poll()

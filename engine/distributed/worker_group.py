@@ -172,16 +172,22 @@ class WorkerGroup:
         """Stops every rank after `exc` and raises the failing rank's error (or `exc`). An
         interrupt does not wait for the ranks' errors: closing rank 0's connections ends
         the collectives they wait in, and they exit."""
-        reason = None
-        if isinstance(exc, Exception):
-            reason = next((why for child in self.remote if (why := child.failure()) is not None), None)
-        self._failed = reason or f"{type(exc).__name__}: {exc}"
+        if not isinstance(exc, Exception):  # an interrupt
+            self._failed = type(exc).__name__
+            self._stop()
+            raise exc
+        reason = next((why for child in self.remote if (why := child.failure()) is not None), None)
+        self._stop()
+        if reason is None and (isinstance(exc, WorkerError) or not isinstance(exc, RuntimeError)):
+            self._failed = f"{type(exc).__name__}: {exc}"
+            raise exc  # rank 0's own error (a collective's failure is a RuntimeError)
+        self._failed = reason or f"the tensor-parallel ranks lost their connection ({exc})"
+        raise WorkerError(self._failed) from exc
+
+    def _stop(self) -> None:
         if hasattr(self, "local"):
             self.local.group.close()
         stop_all(self.remote)
-        if reason is not None and not isinstance(exc, WorkerError):
-            raise WorkerError(reason) from exc
-        raise exc
 
 
 class _FailureGuard:

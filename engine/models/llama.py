@@ -250,6 +250,8 @@ class LlamaForCausalLM(nn.Module):
                     f"expects {tuple(whole)}: config.json does not match the weights"
                 )
             dest.copy_(tensor.read(piece))
+            if rows < sizes[shard]:  # the last rank's padded share of the vocabulary
+                params[target].data.narrow(0, sum(sizes[:shard]) + rows, sizes[shard] - rows).zero_()
             loaded.add((target, shard))
         absent = sorted({name for name, _ in expected - loaded})
         if absent:
