@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 import engine
-from dagster_llm import LLMResource, SamplingConfig, build_generation_asset, partition_file
+from dagster_llm import LLMResource, ParquetIOManager, SamplingConfig, build_generation_asset, partition_file
 
 PARTS = dg.StaticPartitionsDefinition(["a", "b"])
 PROMPTS = {
@@ -100,6 +100,44 @@ def test_single_run_backfill_loads_the_model_once_and_writes_each_partition(env)
         # The checks, evaluated per partition, still count as the step's outputs.
         messages = [entry.user_message for entry in instance.all_logs(result.run_id)]
         assert not [m for m in messages if "did not yield or return expected outputs" in m]
+
+
+def test_a_range_on_two_replicas_writes_the_tables_of_one(env, tmp_path):
+    """The resource's data_parallel_size: one run over a range deals every day's rows to
+    two replicas, and each partition's table equals the one a single replica writes; the
+    replica's process is gone when the step ends."""
+    prompts = prompts_asset()
+    gen = build_generation_asset("gen", upstream=prompts, sampling=SamplingConfig(max_tokens=8, temperature=0))
+    tables = {}
+    for replicas in (1, 2):
+        resource = env["resources"]["llm"].model_copy(update={"data_parallel_size": replicas})
+        root = tmp_path / f"replicas{replicas}"
+        resources = {"llm": resource, "io_manager": ParquetIOManager(base_path=str(root))}
+        with dg.instance_for_test() as instance:
+            tags = {"dagster/asset_partition_range_start": "a", "dagster/asset_partition_range_end": "b"}
+            assert dg.materialize([prompts, gen], tags=tags, resources=resources, instance=instance).success
+        columns = ["id", "generated_text", "completion_tokens"]
+        tables[replicas] = {key: pd.read_parquet(partition_file(root, dg.AssetKey("gen"), key))[columns]
+                            for key in ("a", "b")}
+    for key in ("a", "b"):
+        pd.testing.assert_frame_equal(tables[2][key], tables[1][key])
+    assert not [p for p in _child_processes() if "engine.distributed.child" in p]
+
+
+def _child_processes() -> list[str]:
+    """The command lines of this process's live children."""
+    import os
+    from pathlib import Path
+
+    children = [pid for task in Path(f"/proc/{os.getpid()}/task").iterdir()
+                for pid in (task / "children").read_text().split()]
+    lines = []
+    for pid in children:
+        try:
+            lines.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode())
+        except OSError:
+            pass
+    return lines
 
 
 def test_sampling_by_partition_and_run_overrides(env):
