@@ -94,7 +94,7 @@ def measure(llm: LLM, prompts: list[dict], params: SamplingParams, num_seqs: int
         outputs = llm.generate(prompts, params, use_tqdm=False)
     finally:
         del engine.step, runner.launch_forward
-    full = [i for i, inputs in enumerate(decode_inputs) if inputs.is_decode and inputs.num_tokens == num_seqs]
+    full = [i for i, inputs in enumerate(decode_inputs) if inputs.attention.is_decode and inputs.num_tokens == num_seqs]
     # The steps whose launched batch is a full decode step (async: the step that launches it).
     steps = [step_times[i] for i in full[2:-2]]
     return Round(statistics.median(steps) * 1e3, bare_compute(runner, decode_inputs[full[len(full) // 2]]),

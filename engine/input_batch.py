@@ -50,10 +50,6 @@ class StepInputs:
     pending_rows: torch.Tensor | None = None
     pending_slots: torch.Tensor | None = None
 
-    @property
-    def is_decode(self) -> bool:
-        """Whether every sequence computes one token (what a CUDA graph replays)."""
-        return self.attention.max_query_len == 1
 
 
 def upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

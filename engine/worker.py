@@ -43,10 +43,6 @@ class ModelInputs:
     block_copies: list[tuple[int, int]]
     lora_ranges: list[LoRARange]
 
-    @property
-    def is_decode(self) -> bool:
-        """Whether every sequence computes one token (what a CUDA graph replays)."""
-        return self.attention.max_query_len == 1
 
 
 class Worker:
@@ -132,7 +128,7 @@ class Worker:
         if self.lora_manager is not None:
             self.lora_manager.batch.set(inputs.lora_ranges, num_tokens, self.device)
         graphs = self.cuda_graphs
-        if graphs is not None and inputs.is_decode and graphs.fits(num_tokens):
+        if graphs is not None and inputs.attention.is_decode and graphs.fits(num_tokens):
             self.hidden = graphs.run(inputs.input_ids, inputs.attention)
         else:
             self.kv_cache.backend.prepare(inputs.attention)

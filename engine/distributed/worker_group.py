@@ -12,7 +12,9 @@ interrupt in the middle of a call, the ranks are out of step and are stopped: th
 engine cannot be used again.
 """
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import torch
@@ -165,8 +167,15 @@ class WorkerGroup:
         for child in self.remote:
             child.send((method, args))
 
-    def _failing_as_worker_error(self) -> "_FailureGuard":
-        return _FailureGuard(self)
+    @contextlib.contextmanager
+    def _failing_as_worker_error(self) -> Iterator[None]:
+        """Turns any failure inside a call across the ranks into `_fail`."""
+        try:
+            yield
+        except BaseException as exc:
+            if self._failed is None:
+                self._fail(exc)
+            raise
 
     def _fail(self, exc: BaseException) -> None:
         """Stops every rank after `exc` and raises the failing rank's error (or `exc`). An
@@ -188,18 +197,3 @@ class WorkerGroup:
         if hasattr(self, "local"):
             self.local.group.close()
         stop_all(self.remote)
-
-
-class _FailureGuard:
-    """Turns any failure inside a call across the ranks into `WorkerGroup._fail`."""
-
-    def __init__(self, group: WorkerGroup) -> None:
-        self.group = group
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: type | None, exc: BaseException | None, tb: object) -> bool:
-        if exc is not None and self.group._failed is None:
-            self.group._fail(exc)
-        return False

@@ -43,6 +43,11 @@ class AttentionMetadata:
         return max(self.query_lens, default=0)
 
     @property
+    def is_decode(self) -> bool:
+        """Whether every sequence computes one token (what a CUDA graph replays)."""
+        return self.max_query_len == 1
+
+    @property
     def max_seq_len(self) -> int:
         return max(self.context_lens, default=0)
 
