@@ -4,13 +4,14 @@
 import importlib
 import logging
 import os
-import pickle
 import signal
 import sys
 import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
+
+from engine.distributed.process import ChildFailed, receive_message, send_message
 
 # How often the child checks that its parent is alive.
 _PARENT_CHECK_S = 0.2
@@ -27,7 +28,7 @@ def main(fd: int, parent_pid: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True, name="parent-watch").start()
     conn = Connection(fd)
-    target, payload, cores = pickle.loads(conn.recv_bytes())
+    target, payload, cores = receive_message(conn)
     if cores:
         os.sched_setaffinity(0, cores)
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s [pid {os.getpid()}] %(levelname)s %(message)s")
@@ -35,10 +36,8 @@ def main(fd: int, parent_pid: int) -> None:
     try:
         getattr(importlib.import_module(module_name), function)(conn, payload)
     except BaseException:
-        from engine.distributed.process import ChildFailed
-
         try:
-            conn.send_bytes(pickle.dumps(ChildFailed(traceback.format_exc())))
+            send_message(conn, ChildFailed(traceback.format_exc()))
         except OSError:
             pass
         sys.stdout.flush()

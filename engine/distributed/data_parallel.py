@@ -14,7 +14,6 @@ d's engine seed (for requests without one) is the LLM's seed + d.
 import dataclasses
 import itertools
 import logging
-import pickle
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -22,7 +21,7 @@ from multiprocessing.connection import Connection, wait
 
 from engine.config import EngineConfig
 from engine.distributed.plan import ReplicaPlan
-from engine.distributed.process import ChildProcess, WorkerError, stop_all
+from engine.distributed.process import ChildProcess, WorkerError, receive_message, send_message, stop_all
 from engine.inputs import Request
 from engine.llm_engine import EngineStats, LLMEngine
 from engine.outputs import RequestOutput, UnfinishedOutput
@@ -213,10 +212,10 @@ def serve(conn: Connection, start: ReplicaStart) -> None:
     """A replica's main loop: build the engine, then run each call's share, reporting as
     requests finish, until the parent says stop (None) or its connection closes."""
     engine = LLMEngine(start.config, start.replica)
-    _send(conn, "ready")
+    send_message(conn, "ready")
     while True:
         try:
-            message = pickle.loads(conn.recv_bytes())
+            message = receive_message(conn)
         except EOFError:
             return  # the parent is gone
         if message is None:
@@ -225,9 +224,9 @@ def serve(conn: Connection, start: ReplicaStart) -> None:
         if isinstance(message, Assignment):
             _run_share(conn, engine, message)
         elif message[0] == "reset_prefix_cache":
-            _send(conn, engine.block_manager.reset_prefix_cache())
+            send_message(conn, engine.block_manager.reset_prefix_cache())
         elif message[0] == "abort":  # the share had finished before the abort arrived
-            _send(conn, ReplicaReport(message[1], stats=engine.stats, done=True))
+            send_message(conn, ReplicaReport(message[1], stats=engine.stats, done=True))
 
 
 def _run_share(conn: Connection, engine: LLMEngine, assignment: Assignment) -> None:
@@ -241,16 +240,12 @@ def _run_share(conn: Connection, engine: LLMEngine, assignment: Assignment) -> N
         done = list({s.group[0] for s in engine.step() if s.request_finished})
         report.finished += [(index_of[seq.request_id], engine.request_output(seq)) for seq in done]
         if conn.poll():  # only an abort can arrive while a share runs
-            pickle.loads(conn.recv_bytes())
+            receive_message(conn)
             engine.abort_all()
             break
         if report.finished or time.monotonic() - last_report > _REPORT_INTERVAL_S:
             report.stats, report.unfinished = engine.stats, engine.unfinished_outputs()
-            _send(conn, report)
+            send_message(conn, report)
             report, last_report = ReplicaReport(assignment.call), time.monotonic()
     report.stats, report.done = engine.stats, True
-    _send(conn, report)
-
-
-def _send(conn: Connection, message: object) -> None:
-    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+    send_message(conn, report)

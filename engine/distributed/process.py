@@ -22,6 +22,16 @@ from typing import Any
 _STOP_TIMEOUT_S = 10.0
 
 
+def send_message(conn: Connection, message: Any) -> None:
+    """Sends one message over a parent-child connection (raises OSError once it is closed)."""
+    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def receive_message(conn: Connection) -> Any:
+    """The next message on a parent-child connection (raises EOFError once it is closed)."""
+    return pickle.loads(conn.recv_bytes())
+
+
 class WorkerError(RuntimeError):
     """A process of the engine failed or died; the message names it and says why."""
 
@@ -54,7 +64,7 @@ class ChildProcess:
             WorkerError: the child is gone.
         """
         try:
-            self.conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+            send_message(self.conn, message)
         except OSError as exc:
             raise WorkerError(self.failure() or f"{self.name} cannot be reached ({exc})") from exc
 
@@ -69,7 +79,7 @@ class ChildProcess:
             ready = wait(waitables, timeout=None if self._exited is not None else 1.0)
             if self.conn in ready:
                 try:
-                    message = pickle.loads(self.conn.recv_bytes())
+                    message = receive_message(self.conn)
                 except (EOFError, OSError):
                     raise WorkerError(self.failure() or f"{self.name} closed its connection") from None
                 if isinstance(message, ChildFailed):
@@ -84,7 +94,7 @@ class ChildProcess:
         on its way), or how it exited; None while it runs without having failed."""
         if self.error is None and self.conn.poll(timeout if self.process.poll() is None else 0.5):
             try:
-                message = pickle.loads(self.conn.recv_bytes())
+                message = receive_message(self.conn)
                 if isinstance(message, ChildFailed):
                     self.error = message.traceback
             except (EOFError, OSError, pickle.UnpicklingError):
@@ -104,7 +114,7 @@ class ChildProcess:
         """Asks the child to exit, kills it if it does not, and reaps it."""
         if self.process.poll() is None:
             try:
-                self.conn.send_bytes(pickle.dumps(None))
+                send_message(self.conn, None)
             except OSError:
                 pass
             try:
@@ -130,7 +140,7 @@ def stop_all(children: list[ChildProcess]) -> None:
     for child in children:
         if child.process.poll() is None:
             try:
-                child.conn.send_bytes(pickle.dumps(None))
+                send_message(child.conn, None)
             except OSError:
                 pass
     for child in children:

@@ -2,10 +2,10 @@
 group, load this rank's share, then make each call rank 0 repeats to it, until rank 0
 says stop (None) or its connection closes."""
 
-import pickle
 from multiprocessing.connection import Connection
 
 from engine.distributed.communicator import TensorParallelGroup
+from engine.distributed.process import receive_message, send_message
 from engine.distributed.worker_group import ForwardCommand, RankStart
 from engine.worker import Worker
 
@@ -19,14 +19,14 @@ class _RemoteWorker(Worker):
 
 
 def serve(conn: Connection, start: RankStart) -> None:
-    conn.send_bytes(pickle.dumps("started"))
+    send_message(conn, "started")
     group = TensorParallelGroup.connect(start.rank, start.size, start.store_port, start.backend,
                                         start.model_config.device)
     worker = _RemoteWorker(start.config, start.model_config, group)
-    conn.send_bytes(pickle.dumps("ready"))
+    send_message(conn, "ready")
     while True:
         try:
-            message = pickle.loads(conn.recv_bytes())
+            message = receive_message(conn)
         except EOFError:
             return  # rank 0 is gone
         if message is None:
