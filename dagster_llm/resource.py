@@ -26,9 +26,11 @@ resource page and the Launchpad), so it is plain prose; the example lives here:
 from typing import Any
 
 import dagster as dg
+import torch
 from pydantic import Field, PrivateAttr, create_model
 
 from engine import LLM
+from dagster_llm.core.devices import GPULease, lease_gpus
 from engine.config import engine_settings
 
 
@@ -56,16 +58,42 @@ class LLMResource(_EngineSettings):
         description="A local Hugging Face model folder, or 'smollm2-135m-instruct' for the embedded model.",
     )
 
+    gpu_lease_timeout_s: float = Field(
+        default=600.0,
+        description="With device 'auto' or 'cuda' on a GPU machine, the engine leases the GPUs it needs (its first "
+                    "free ones, tensor_parallel_size x data_parallel_size in a row) for its life, so that runs "
+                    "launched together use different GPUs; this is how long it waits for them before failing.",
+    )
+
     _llm: LLM | None = PrivateAttr(default=None)
+    _lease: GPULease | None = PrivateAttr(default=None)
+    _run_id: str = PrivateAttr(default="")
+
+    def setup_for_execution(self, context: dg.InitResourceContext) -> None:
+        self._run_id = context.run_id or ""
 
     def get_llm(self) -> LLM:
-        """The process's engine, loaded on first call."""
+        """The process's engine, loaded on first call (on its leased GPUs, on a GPU machine)."""
         if self._llm is None:
             settings = {name: getattr(self, name) for name in _engine_fields()}
-            self._llm = LLM(self.model_id, **settings)
+            if self.device in ("auto", "cuda") and torch.cuda.is_available():
+                self._lease = lease_gpus(self.tensor_parallel_size * self.data_parallel_size,
+                                         self.gpu_lease_timeout_s, holder=self._run_id)
+                settings["device"] = self._lease.device
+            try:
+                self._llm = LLM(self.model_id, **settings)
+            except BaseException:
+                self._release_gpus()
+                raise
         return self._llm
 
     def teardown_after_execution(self, context: dg.InitResourceContext) -> None:
         if self._llm is not None:
             self._llm.close()
             self._llm = None
+        self._release_gpus()
+
+    def _release_gpus(self) -> None:
+        if self._lease is not None:
+            self._lease.release()
+            self._lease = None
