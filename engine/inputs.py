@@ -30,6 +30,11 @@ class Request:
     priority: int
     lora_request: LoRARequest | None
 
+    def submit(self, engine: LLMEngine, request_id: str) -> None:
+        """Queues the request on `engine` under `request_id`."""
+        engine.add_request(request_id, self.prompt, self.prompt_token_ids, self.sampling_params, self.priority,
+                           self.lora_request)
+
 
 @dataclass(frozen=True)
 class RowCheck:

@@ -121,10 +121,7 @@ class LLM:
         data-parallel replicas (theirs as last reported): later work leaves it as it is,
         so two snapshots give what ran between them."""
         stats = dataclasses.replace(self.llm_engine.stats)
-        if self._replicas is not None:
-            for f in dataclasses.fields(EngineStats):
-                setattr(stats, f.name, getattr(stats, f.name) + getattr(self._replicas.total_stats(), f.name))
-        return stats
+        return stats if self._replicas is None else stats + self._replicas.total_stats()
 
     def unfinished_outputs(self) -> list[UnfinishedOutput]:
         """Tokens generated so far and max_tokens of every completion still queued or
@@ -257,17 +254,15 @@ class LLM:
             busy = {position for position, share in enumerate(shares[1:]) if share}
         index_of = {}
         for i in shares[0]:
-            r = requests[i]
-            engine.add_request(ids[i], r.prompt, r.prompt_token_ids, r.sampling_params, r.priority, r.lora_request)
+            requests[i].submit(engine, ids[i])
             index_of[ids[i]] = i
         progress = ProgressBar(use_tqdm, len(requests))
         try:
             while engine.has_unfinished_requests() or busy:
                 finished = []
                 if engine.has_unfinished_requests():
-                    # Completions of one request may finish in the same step: count it once.
-                    done = list({s.group[0] for s in engine.step() if s.request_finished})
-                    finished = [(index_of[seq.request_id], engine.request_output(seq)) for seq in done]
+                    finished = [(index_of[seq.request_id], engine.request_output(seq))
+                                for seq in engine.step_requests()]
                 if busy:  # a look at the replicas between steps; a wait once this engine is done
                     for position, report in pool.reports(call, 0 if engine.has_unfinished_requests() else None):
                         finished += report.finished

@@ -5,7 +5,7 @@ import itertools
 import logging
 import time
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -38,6 +38,10 @@ class EngineStats:
     num_prompt_tokens_computed: int = 0
     num_generated_tokens: int = 0
     num_cached_prompt_tokens: int = 0
+
+    def __add__(self, other: "EngineStats") -> "EngineStats":
+        """Both engines' counters summed (data-parallel replicas)."""
+        return EngineStats(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(EngineStats)))
 
 
 class LLMEngine:
@@ -179,6 +183,11 @@ class LLMEngine:
             else:
                 finished += self._process(launched)
         return finished
+
+    def step_requests(self) -> list[Sequence]:
+        """Runs `step` and returns the requests it finished, each once (by its first
+        completion's sequence), however many of their completions ended in it."""
+        return list({seq.group[0] for seq in self.step() if seq.request_finished})
 
     def _launch_forward(self, batch: ScheduledBatch) -> LaunchedStep:
         """Forks the completions whose prompt this step finishes, queues the forward pass

@@ -11,7 +11,6 @@ seed, so a seeded request gives the same tokens on whichever replica runs it; re
 d's engine seed (for requests without one) is the LLM's seed + d.
 """
 
-import dataclasses
 import itertools
 import logging
 import time
@@ -123,11 +122,7 @@ class ReplicaPool:
 
     def total_stats(self) -> EngineStats:
         """The replicas' counters summed, as last reported."""
-        total = EngineStats()
-        for stats in self.stats:
-            for f in dataclasses.fields(EngineStats):
-                setattr(total, f.name, getattr(total, f.name) + getattr(stats, f.name))
-        return total
+        return sum(self.stats, EngineStats())
 
     def all_unfinished(self) -> list[UnfinishedOutput]:
         """The replicas' unfinished work, as last reported."""
@@ -231,14 +226,13 @@ def serve(conn: Connection, start: ReplicaStart) -> None:
 
 def _run_share(conn: Connection, engine: LLMEngine, assignment: Assignment) -> None:
     index_of = {}
-    for index, request_id, r in assignment.requests:
-        engine.add_request(request_id, r.prompt, r.prompt_token_ids, r.sampling_params, r.priority, r.lora_request)
+    for index, request_id, request in assignment.requests:
+        request.submit(engine, request_id)
         index_of[request_id] = index
     report = ReplicaReport(assignment.call)
     last_report = time.monotonic()
     while engine.has_unfinished_requests():
-        done = list({s.group[0] for s in engine.step() if s.request_finished})
-        report.finished += [(index_of[seq.request_id], engine.request_output(seq)) for seq in done]
+        report.finished += [(index_of[seq.request_id], engine.request_output(seq)) for seq in engine.step_requests()]
         if conn.poll():  # only an abort can arrive while a share runs
             receive_message(conn)
             engine.abort_all()

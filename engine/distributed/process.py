@@ -55,6 +55,7 @@ class ChildProcess:
         self.conn = Connection(parent_end.detach())
         self._exited = os.pidfd_open(self.pid) if hasattr(os, "pidfd_open") else None
         self.error: str | None = None
+        self._asked = False  # told to exit
         self.send((target, payload, cores))
 
     def send(self, message: Any) -> None:
@@ -110,13 +111,19 @@ class ChildProcess:
         how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
         return f"{self.name} (pid {self.pid}) died with {how}"
 
-    def stop(self) -> None:
-        """Asks the child to exit, kills it if it does not, and reaps it."""
-        if self.process.poll() is None:
+    def ask_to_exit(self) -> None:
+        """Tells a running child to exit (once), without waiting for it."""
+        if self.process.poll() is None and not self._asked:
+            self._asked = True
             try:
                 send_message(self.conn, None)
             except OSError:
                 pass
+
+    def stop(self) -> None:
+        """Asks the child to exit, kills it if it does not, and reaps it."""
+        self.ask_to_exit()
+        if self.process.poll() is None:
             try:
                 self.process.wait(_STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:
@@ -138,10 +145,6 @@ class ChildFailed:
 def stop_all(children: list[ChildProcess]) -> None:
     """Stops every child: all are asked first, so they exit together."""
     for child in children:
-        if child.process.poll() is None:
-            try:
-                send_message(child.conn, None)
-            except OSError:
-                pass
+        child.ask_to_exit()
     for child in children:
         child.stop()
