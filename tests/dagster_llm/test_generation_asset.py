@@ -3,6 +3,7 @@
 import hashlib
 import shutil
 import json
+from pathlib import Path
 
 import dagster as dg
 import pandas as pd
@@ -10,6 +11,7 @@ import pytest
 
 import engine
 from dagster_llm import LLMResource, ParquetIOManager, SamplingConfig, build_generation_asset, partition_file
+from tests.processes import child_pids
 
 PARTS = dg.StaticPartitionsDefinition(["a", "b"])
 PROMPTS = {
@@ -121,23 +123,9 @@ def test_a_range_on_two_replicas_writes_the_tables_of_one(env, tmp_path):
                             for key in ("a", "b")}
     for key in ("a", "b"):
         pd.testing.assert_frame_equal(tables[2][key], tables[1][key])
-    assert not [p for p in _child_processes() if "engine.distributed.child" in p]
+    commands = [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in child_pids()]
+    assert not [command for command in commands if b"engine.distributed.child" in command]
 
-
-def _child_processes() -> list[str]:
-    """The command lines of this process's live children."""
-    import os
-    from pathlib import Path
-
-    children = [pid for task in Path(f"/proc/{os.getpid()}/task").iterdir()
-                for pid in (task / "children").read_text().split()]
-    lines = []
-    for pid in children:
-        try:
-            lines.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode())
-        except OSError:
-            pass
-    return lines
 
 
 def test_sampling_by_partition_and_run_overrides(env):

@@ -18,13 +18,12 @@ import select
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -38,8 +37,8 @@ from engine.inputs import PromptType, Request, RequestChecker, valid_requests
 from engine.outputs import RequestOutput
 from engine.structured_output.params import StructuredOutputsParams
 from tests.lora_adapters import build_lora_adapter
+from tests.processes import child_pids, is_gone, wait_until_gone, within
 
-T = TypeVar("T")
 
 REPO = Path(__file__).resolve().parents[2]
 VOCAB = 320  # the tiny models' vocabulary
@@ -117,55 +116,8 @@ def bar_calling(hook: Callable[[int], None]) -> Callable[..., HookBar]:
     return lambda **tqdm_arguments: HookBar(hook)
 
 
-def within(seconds: float, call: Callable[[], T]) -> T:
-    """`call()`'s result, or its exception, from a daemon thread: a call still running
-    after `seconds` fails the test (a hang) instead of blocking the run."""
-    outcome: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            outcome["result"] = call()
-        except BaseException as exc:  # handed over to the caller's thread
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=run, daemon=True, name="within")
-    thread.start()
-    thread.join(seconds)
-    if thread.is_alive():
-        pytest.fail(f"still running after {seconds} s: it hangs")
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["result"]
 
 
-def is_gone(pid: int) -> bool:
-    """Whether process `pid` has exited: no longer there, or a zombie nobody reaped yet."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return True
-    return stat.rpartition(")")[2].split()[0] in ("Z", "X")
-
-
-def still_running(pids: list[int], seconds: float) -> list[int]:
-    """The pids still running after up to `seconds` (none, as soon as all have exited)."""
-    deadline = time.monotonic() + seconds
-    while (alive := [pid for pid in pids if not is_gone(pid)]) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return alive
-
-
-def live_children() -> set[int]:
-    """The live processes whose parent is this one."""
-    children = set()
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            state, ppid = stat.read_text().rpartition(")")[2].split()[:2]
-        except OSError:
-            continue
-        if int(ppid) == os.getpid() and state not in ("Z", "X"):
-            children.add(int(stat.parent.name))
-    return children
 
 
 def wait_for_exit(pid: int) -> None:
@@ -518,7 +470,7 @@ def test_close_leaves_no_replica_process(tiny_models):
     assert len(pids) == 1 and not is_gone(pids[0])
     llm.generate(TEXTS, greedy(4), use_tqdm=False)
     llm.close()
-    assert still_running(pids, 5.0) == []
+    assert wait_until_gone(pids, 5.0) == []
 
 
 # The LLM owner of the SIGKILL test: it prints its replicas' pids, then a line once a long
@@ -560,7 +512,7 @@ def test_replicas_exit_when_their_owner_is_killed(tiny_models, tmp_path):
         owner.kill()
         owner.wait()
         owner.stdout.close()
-    assert still_running(pids, 10.0) == []
+    assert wait_until_gone(pids, 10.0) == []
 
 
 @pytest.mark.parametrize("tensor_parallel_size, data_parallel_size", [(1, 3), (2, 2)])
@@ -571,7 +523,7 @@ def test_more_processes_than_cores_fail_before_anything_starts(tiny_models, monk
     monkeypatch.setattr(plan_module, "available_cpus", lambda: 2)
     usable = min(len(os.sched_getaffinity(0)), 2)
     count = tensor_parallel_size * data_parallel_size
-    children, started = live_children(), time.monotonic()
+    children, started = child_pids(), time.monotonic()
     message = (rf"tensor_parallel_size={tensor_parallel_size} x data_parallel_size={data_parallel_size} = {count} "
                rf"processes, but this process may use {usable} CPU core\(s\).*lower tensor_parallel_size or "
                rf"data_parallel_size so that their product is at most {usable}")
@@ -579,4 +531,4 @@ def test_more_processes_than_cores_fail_before_anything_starts(tiny_models, monk
         LLM(str(tiny_models["llama"]), **SETTINGS, tensor_parallel_size=tensor_parallel_size,
             data_parallel_size=data_parallel_size)
     assert time.monotonic() - started < 5.0
-    assert live_children() <= children
+    assert child_pids() <= children

@@ -17,12 +17,10 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 import torch
@@ -39,9 +37,9 @@ from engine.layers.linear import Linear, ShardSlice
 from engine.outputs import RequestOutput
 from engine.structured_output.params import StructuredOutputsParams
 from tests.lora_adapters import build_lora_adapter
+from tests.processes import child_pids, is_gone, wait_until_gone, within
 from tests.tiny_models import FAMILIES, build_tiny_model
 
-T = TypeVar("T")
 
 REPO = Path(__file__).resolve().parents[2]
 VOCAB = 320  # the tiny models' vocabulary
@@ -61,59 +59,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 # -- helpers -------------------------------------------------------------------------------
 
 
-def within(seconds: float, call: Callable[[], T]) -> T:
-    """`call()`'s result, or its exception, from a daemon thread: a call still running
-    after `seconds` fails the test (a hang) instead of blocking the run."""
-    outcome: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            outcome["result"] = call()
-        except BaseException as exc:  # noqa: BLE001 (handed to the caller's thread)
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=run, daemon=True, name="within")
-    thread.start()
-    thread.join(seconds)
-    if thread.is_alive():
-        pytest.fail(f"still running after {seconds} s: it hangs")
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["result"]
 
 
-def is_gone(pid: int) -> bool:
-    """Whether process `pid` has exited: no longer there, or a zombie nobody reaped yet
-    whose threads have all ended (its main thread shows "Z" while the others, and its
-    open files, may still be going)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-        threads = len(os.listdir(f"/proc/{pid}/task"))
-    except FileNotFoundError:
-        return True
-    return state in ("Z", "X") and threads <= 1
-
-
-def wait_until_gone(pids: list[int], seconds: float) -> list[int]:
-    """The pids still running after up to `seconds` (none, once all have exited)."""
-    deadline = time.monotonic() + seconds
-    while (alive := [pid for pid in pids if not is_gone(pid)]) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return alive
-
-
-def child_pids() -> set[int]:
-    """The live processes whose parent is this one."""
-    children = set()
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            _, _, rest = stat.read_text().rpartition(")")
-        except OSError:
-            continue
-        state, ppid = rest.split()[:2]
-        if int(ppid) == os.getpid() and state not in ("Z", "X"):
-            children.add(int(stat.parent.name))
-    return children
 
 
 def worker_pids(llm: LLM) -> list[int]:

@@ -1,0 +1,68 @@
+"""Helpers of the tests that start, kill and wait for processes: a call with a time
+limit (a hang fails the test instead of blocking the run), and the state of processes
+as /proc shows it."""
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+T = TypeVar("T")
+
+
+def within(seconds: float, call: Callable[[], T]) -> T:
+    """`call()`'s result, or its exception, from a daemon thread: a call still running
+    after `seconds` fails the test (a hang) instead of blocking the run."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = call()
+        except BaseException as exc:  # handed over to the caller's thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True, name="within")
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        pytest.fail(f"still running after {seconds} s: it hangs")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
+
+
+def is_gone(pid: int) -> bool:
+    """Whether process `pid` has exited: no longer there, or a zombie nobody reaped yet
+    whose threads have all ended (its main thread shows "Z" while the others, and its
+    open files, may still be going)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+        threads = len(os.listdir(f"/proc/{pid}/task"))
+    except FileNotFoundError:
+        return True
+    return state in ("Z", "X") and threads <= 1
+
+
+def wait_until_gone(pids: list[int], seconds: float) -> list[int]:
+    """The pids still running after up to `seconds` (none, as soon as all have exited)."""
+    deadline = time.monotonic() + seconds
+    while (alive := [pid for pid in pids if not is_gone(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return alive
+
+
+def child_pids() -> set[int]:
+    """The live processes whose parent is this one."""
+    children = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, ppid = stat.read_text().rpartition(")")[2].split()[:2]
+        except OSError:
+            continue
+        if int(ppid) == os.getpid() and state not in ("Z", "X"):
+            children.add(int(stat.parent.name))
+    return children
