@@ -413,6 +413,27 @@ def test_more_processes_than_gpus_are_refused(monkeypatch: pytest.MonkeyPatch) -
     assert [p.device for p in plan.replicas[0].placements] == [torch.device("cuda", 1), torch.device("cuda", 2)]
 
 
+def test_each_kind_of_machine_gets_its_placement_and_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plan picks by hardware (detection mocked): GPUs one per process over NCCL,
+    replica by replica; every rank on the first GPU over gloo when asked to
+    (RANKS_ON_ONE_DEVICE_ENV); on a CPU gloo, with rank 0 of replica 0 unpinned and the
+    others each pinned to their own equal share of the cores."""
+    monkeypatch.delenv(plan_module.RANKS_ON_ONE_DEVICE_ENV, raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    gpus = plan_parallelism(2, 2, torch.device("cuda", 0))
+    assert [r.backend for r in gpus.replicas] == ["nccl", "nccl"]
+    assert [[p.device.index for p in r.placements] for r in gpus.replicas] == [[0, 1], [2, 3]]
+    monkeypatch.setenv(plan_module.RANKS_ON_ONE_DEVICE_ENV, "1")
+    one = plan_parallelism(2, 2, torch.device("cuda", 0))
+    assert [r.backend for r in one.replicas] == ["gloo", "gloo"]
+    assert {p.device for r in one.replicas for p in r.placements} == {torch.device("cuda", 0)}
+    monkeypatch.setattr(plan_module, "available_cpus", lambda: 4)
+    monkeypatch.setattr(plan_module.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    cpus = plan_parallelism(2, 2, torch.device("cpu"))
+    assert [r.backend for r in cpus.replicas] == ["gloo", "gloo"]
+    assert [[p.cores for p in r.placements] for r in cpus.replicas] == [[None, (1,)], [(2,), (3,)]]
+
+
 @pytest.mark.parametrize(("tp", "cores", "problem"), [
     (3, None, "num_attention_heads=4 is not divisible by it"),
     (2, 1, "may use 1 CPU core(s)"),
