@@ -22,7 +22,7 @@ _EXPORTS = {
     "ParquetIOManager": "dagster_llm.io_manager",
     "PartitionFiles": "dagster_llm.core.table_store",
     "PartitionInput": "dagster_llm.core.generation",
-    "PartitionLockedError": "dagster_llm.core.table_store",
+    "PartitionLockedError": "dagster_llm.core.leases",
     "PartitionResult": "dagster_llm.core.generation",
     "PartitionStats": "dagster_llm.core.generation",
     "RunOptions": "dagster_llm.core.generation",

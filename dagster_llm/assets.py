@@ -8,6 +8,7 @@ materialization with its checks.
 import contextlib
 import inspect
 import textwrap
+import time
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,10 +22,11 @@ from pydantic import ValidationError
 import engine
 from dagster_llm.core.checks import DESCRIPTIONS, PARSE_RATE, PARSE_RATE_DESCRIPTION, evaluate
 from dagster_llm.core.generation import GenerationRun, PartitionInput, PartitionResult, RunOptions, digest
+from dagster_llm.core.leases import LeaseLostError, PartitionLockedError, StoreWithoutLeaseError
 from dagster_llm.core.prompts import PartitionSettings, PromptTableError, check_columns, read_rows, to_dataframe
 from dagster_llm.core.sampling import SamplingConfig, used_values
 from dagster_llm.core.structured import OutputSpecError, StructuredOutput
-from dagster_llm.core.table_store import PartitionLockedError, TableStore
+from dagster_llm.core.table_store import TableStore
 from dagster_llm.core.watch import LaunchingProcessDied, ParentWatch
 from dagster_llm.io_manager import ParquetIOManager
 from dagster_llm.metadata import PartitionFacts, column_schema, partition_metadata, upstream_data_version
@@ -215,7 +217,7 @@ class _GenerationStep:
                 for result in run.generate(parts):
                     results[result.key] = result
                     yield from self._committed(result)
-            except LaunchingProcessDied as exc:
+            except (LaunchingProcessDied, LeaseLostError) as exc:
                 raise dg.Failure(str(exc)) from None
             except OutputSpecError as exc:
                 raise dg.Failure(f"{self.spec.name}: {exc}") from None
@@ -269,10 +271,17 @@ class _GenerationStep:
             return
         owner = f"run {self.context.run.run_id} of {self.spec.asset_key.to_user_string()}"
         try:
-            with self.store.locks(self.spec.asset_key.path, self.keys, owner):
+            with self.store.locks(self.spec.asset_key.path, self.keys, owner) as held:
+                now = time.time()
+                for key, lock in zip(self.keys, held):
+                    if lock.taken_over is not None:
+                        self.context.log.warning(f"partition {key}: took over the lease of "
+                                                 f"{lock.taken_over.describe(now)}; its saved rows are resumed")
                 yield
         except PartitionLockedError as exc:
             raise dg.Failure(f"{self.spec.name}: partition {exc}") from None
+        except StoreWithoutLeaseError as exc:
+            raise dg.Failure(f"{self.spec.name}: {exc}; nothing was run") from None
 
     def _options(self) -> RunOptions:
         return RunOptions(model_id=self.resource.model_id, code_version=self.d.code_version,

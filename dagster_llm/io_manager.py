@@ -22,21 +22,23 @@ lives here:
 """
 
 import os
-from pathlib import Path
+from typing import Any
 
 import dagster as dg
 import pandas as pd
 import pyarrow as pa
 from pydantic import Field
+from upath import UPath
 
-from dagster_llm.core.table_store import TableMissingError, TableStore
+from dagster_llm.core.table_store import DEFAULT_LEASE_TTL_S, TableMissingError, TableStore, storage_path
 
 Table = pd.DataFrame | pa.Table
 
 
 class ParquetIOManager(dg.ConfigurableIOManager):
     """Stores pandas DataFrames or pyarrow Tables as Parquet, one file per partition
-    (base_path/asset key/partition.parquet, written atomically). A run over several
+    (base_path/asset key/partition.parquet, published whole), on a local disk or an object
+    store (base_path s3://bucket/prefix, gs://, az://, file://). A run over several
     partitions hands over and receives a {partition_key: table} dict, a run over one
     partition the table itself. Inputs load as pandas DataFrames, or as pyarrow Tables
     where the input is annotated pa.Table. A generation table is not rewritten when its
@@ -45,18 +47,32 @@ class ParquetIOManager(dg.ConfigurableIOManager):
 
     base_path: str | None = Field(
         default=None,
-        description="Root folder of the tables (default: $DAGSTER_LLM_OUTPUT_DIR/tables, or output/tables).",
+        description="Where the tables live: a folder, or an object-store URL such as s3://bucket/prefix, "
+        "gs://bucket/prefix or az://container/prefix (default: $DAGSTER_LLM_OUTPUT_DIR/tables, or output/tables).",
+    )
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Options of the store's fsspec file system, e.g. {\"endpoint_url\": \"http://minio:9000\"} for an "
+        "S3-compatible server. Credentials come from the store's own conventions (as dagster-aws and "
+        "dagster-gcp read them): AWS_* variables, profiles or the pod's role; Google's application default "
+        "credentials; AZURE_STORAGE_* variables.",
+    )
+    lease_ttl_s: float = Field(
+        default=DEFAULT_LEASE_TTL_S,
+        description="On an object store, how long a partition's writer lease outlives its last renewal: a run "
+        "killed mid-partition leaves its partition to the next run after this (renewed every third of it).",
     )
 
     @property
-    def root(self) -> Path:
-        return Path(self.base_path or Path(os.environ.get("DAGSTER_LLM_OUTPUT_DIR", "output")) / "tables")
+    def root(self) -> UPath:
+        default = os.path.join(os.environ.get("DAGSTER_LLM_OUTPUT_DIR", "output"), "tables")
+        return storage_path(self.base_path or default, self.storage_options)
 
     def table_store(self) -> TableStore:
         """The tables, shards and locks under `root`: what generation runs write through."""
-        return TableStore(self.root)
+        return TableStore(self.root, self.lease_ttl_s)
 
-    def path_for(self, asset_key: dg.AssetKey, partition_key: str | None) -> Path:
+    def path_for(self, asset_key: dg.AssetKey, partition_key: str | None) -> UPath:
         """The file of one partition (None: the unpartitioned asset's file)."""
         return self.table_store().partition(asset_key.path, partition_key).path
 
@@ -79,7 +95,7 @@ class ParquetIOManager(dg.ConfigurableIOManager):
             partition.write(table)
         if len(keys) == 1:
             # One materialization per partition carries these: a range's total would be wrong on each.
-            context.add_output_metadata({"path": dg.MetadataValue.path(str(partition.path)),
+            context.add_output_metadata({"path": dg.MetadataValue.path(partition.location),
                                          "dagster/row_count": table.num_rows})
 
     def load_input(self, context: dg.InputContext) -> Table | dict[str, Table]:
@@ -96,6 +112,6 @@ class ParquetIOManager(dg.ConfigurableIOManager):
             table = partition.read()
         except TableMissingError:
             which = f"partition {key!r} of " if key is not None else ""
-            raise dg.Failure(f"{which}{asset_key.to_user_string()} has no table at {partition.path}: materialize it "
+            raise dg.Failure(f"{which}{asset_key.to_user_string()} has no table at {partition.location}: materialize it "
                              "first (or point the IO manager's base_path at where it was written)") from None
         return table if arrow else table.to_pandas()

@@ -70,7 +70,7 @@ class LLMResource(_EngineSettings):
     _run_id: str = PrivateAttr(default="")
 
     def setup_for_execution(self, context: dg.InitResourceContext) -> None:
-        self._run_id = context.run_id or ""
+        self._run_id = context.run.run_id if context.run else ""
 
     def get_llm(self) -> LLM:
         """The process's engine, loaded on first call (on its leased GPUs, on a GPU machine)."""

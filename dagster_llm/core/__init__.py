@@ -7,7 +7,8 @@ from dagster_llm.core.generation import GenerationRun, PartitionInput, Partition
 from dagster_llm.core.prompts import PartitionSettings, PromptRow, PromptTableError, PromptTableRules, read_rows
 from dagster_llm.core.sampling import SAMPLING_FIELDS, SamplingConfig, SamplingField
 from dagster_llm.core.structured import OutputColumn, OutputSpecError, StructuredOutput
-from dagster_llm.core.table_store import PartitionFiles, PartitionLockedError, TableStore
+from dagster_llm.core.leases import PartitionLockedError
+from dagster_llm.core.table_store import PartitionFiles, TableStore
 
 __all__ = [
     "SAMPLING_FIELDS",

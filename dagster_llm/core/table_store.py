@@ -1,56 +1,91 @@
-"""Where generation tables live: one storage interface for the committed tables, the shards
-of rows finished by a run that has not committed yet, and the lock that keeps a second
-writer out. `ParquetIOManager` owns a `TableStore`; a generation run writes through the
-same one, so there is one writer of the table.
+"""Where generation tables live, on a local disk or an object store (any fsspec URL:
+`s3://`, `gs://`, `az://`, `file://`, or a plain path): one storage interface for the
+committed tables, the shards of rows finished by a run that has not committed yet, and the
+lock that keeps a second writer out. `ParquetIOManager` owns a `TableStore`; a generation
+run writes through the same one, so there is one writer of the table.
 
-    <root>/<asset>/<partition>.parquet            the committed table (atomic rename)
+    <root>/<asset>/<partition>.parquet            the committed table
     <root>/<asset>/.<partition>.shards/<version>/  shards of finished rows, by data version
-    <root>/<asset>/.<partition>.lock               held (flock) by the process generating it
+    <root>/<asset>/.<partition>.lock               the writer lock on a local disk (flock)
+    <root>/<asset>/.<partition>.lease/             the writer lease on an object store
 
-Readers only ever open the committed table, so they never see a partial one. Shards of
-another data version than the current one are deleted, never mixed in.
+Every file is written beside its key and then moved into place (a rename on a disk, a
+server-side copy on a store, whose objects appear whole or not at all), so readers only
+ever see whole tables. Between the upload and the move the writer confirms its lease, so a
+run whose lease was taken over never publishes. Shards of another data version than the
+current one are deleted, never mixed in.
 """
 
 import contextlib
-import fcntl
-import os
-import shutil
-import tempfile
 import time
-from collections.abc import Iterator, Sequence
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from os import PathLike
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from fsspec import AbstractFileSystem
+from fsspec.implementations.local import LocalFileSystem
+from upath import UPath
+
+from dagster_llm.core.leases import EXCLUSIVE_CREATE_PROTOCOLS, FileLock, HeldLock, StoreLease, StoreWithoutLeaseError
 
 # Parquet schema metadata key holding the data version a table was generated for.
 DATA_VERSION_KEY = b"dagster_llm.data_version"
 # Column of shard rows: the row's position in its partition's prompt table.
 POSITION_COLUMN = "_position"
-
-
-class PartitionLockedError(RuntimeError):
-    """Another process is generating the same partition."""
+# How long a lease on an object store outlives its last renewal (a killed writer's partition
+# is free again after this).
+DEFAULT_LEASE_TTL_S = 60.0
 
 
 class TableMissingError(LookupError):
     """A table that was never committed was asked for."""
 
 
-def write_parquet_atomically(table: pa.Table, path: Path) -> None:
-    """Writes beside the target and renames, so that readers never see half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
+def storage_path(location: str | PathLike[str], storage_options: Mapping[str, Any] | None = None) -> UPath:
+    """`location` (a path or an fsspec URL) as a path on its file system; `storage_options`
+    go to the file system (e.g. `endpoint_url` for an S3-compatible server). Credentials come
+    from each store's own conventions: AWS's environment and profiles, Google's application
+    default credentials, Azure's environment."""
+    return UPath(location, **(storage_options or {}))
+
+
+def is_local(fs: AbstractFileSystem) -> bool:
+    return isinstance(fs, LocalFileSystem)
+
+
+def write_parquet_atomically(table: pa.Table, path: Path | UPath,
+                             before_publish: Callable[[], None] = lambda: None) -> None:
+    """Writes `table` beside `path`, calls `before_publish`, then moves it into place, so
+    that readers never see half a file (and nothing is published if `before_publish` raises)."""
+    path = UPath(path)
+    fs = path.fs
+    if is_local(fs):
+        fs.makedirs(path.parent.path, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     try:
-        pq.write_table(table, tmp)
-        os.replace(tmp, path)
+        pq.write_table(table, tmp.path, filesystem=fs)
+        before_publish()
+        fs.mv(tmp.path, path.path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            fs.rm_file(tmp.path)
         raise
 
 
-def partition_file(root: Path, asset_path: Sequence[str], partition_key: str | None) -> Path:
+def _listing(fs: AbstractFileSystem, folder: str) -> list[str]:
+    """The entries of `folder` as they are now (not a cached listing); none if it is missing."""
+    fs.invalidate_cache(folder)
+    try:
+        return sorted(fs.ls(folder, detail=False))
+    except FileNotFoundError:
+        return []
+
+
+def partition_file(root: Path | UPath, asset_path: Sequence[str], partition_key: str | None) -> Path | UPath:
     """`root/<asset key path>/<partition>.parquet`; multi-dimensional keys (with
     `keys_by_dimension`, as Dagster's) become Hive-style folders (`dim=value/...`), an
     unpartitioned asset is `data.parquet`. `asset_path` may also be an asset key (its `path`)."""
@@ -75,26 +110,33 @@ def data_version_in(table: pa.Table) -> str | None:
     return value.decode() if value else None
 
 
-def data_version_of(path: Path) -> str | None:
+def data_version_of(path: Path | UPath) -> str | None:
     """The data version stored in a Parquet file's schema, or None (no file, no version)."""
-    if not path.exists():
+    path = UPath(path)
+    path.fs.invalidate_cache(path.path)  # another process may have written it since
+    try:
+        schema = pq.read_schema(path.path, filesystem=path.fs)
+    except FileNotFoundError:
         return None
-    value = (pq.read_schema(path).metadata or {}).get(DATA_VERSION_KEY)
+    value = (schema.metadata or {}).get(DATA_VERSION_KEY)
     return value.decode() if value else None
 
 
 class PartitionFiles:
-    """The committed table, the shards and the lock of one partition, on a local disk."""
+    """The committed table, the shards and the writer lock of one partition, on a local disk
+    or an object store. While `lock` is held, every write first confirms it."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.shard_root = path.parent / f".{path.stem}.shards"
-        self.lock_path = path.parent / f".{path.stem}.lock"
+    def __init__(self, path: Path | UPath, lease_ttl_s: float = DEFAULT_LEASE_TTL_S) -> None:
+        self.path = UPath(path)
+        self.fs = self.path.fs
+        self.shard_root = self.path.with_name(f".{self.path.stem}.shards")
+        self.lease_ttl_s = lease_ttl_s
+        self._held: HeldLock | None = None
 
     @property
     def location(self) -> str:
         """Where the committed table is, as a user would look for it."""
-        return str(self.path.resolve())
+        return str(self.path.resolve()) if is_local(self.fs) else str(self.path)
 
     def read(self) -> pa.Table:
         """The committed table.
@@ -102,89 +144,103 @@ class PartitionFiles:
         Raises:
             TableMissingError: nothing was committed.
         """
-        if not self.path.exists():
-            raise TableMissingError(self.location)
-        return pq.read_table(self.path)
+        self.fs.invalidate_cache(self.path.path)  # another process may have written it since
+        try:
+            return pq.read_table(self.path.path, filesystem=self.fs)
+        except FileNotFoundError:
+            raise TableMissingError(self.location) from None
 
     def write(self, table: pa.Table) -> None:
         """Commits `table`, unless the committed table already holds its data version."""
         version = data_version_in(table)
         if version is None or data_version_of(self.path) != version:
-            write_parquet_atomically(table, self.path)
+            write_parquet_atomically(table, self.path, self._confirm)
 
     def finished_rows(self, version: str) -> pa.Table | None:
         """Rows already generated for `version`, with their positions (`POSITION_COLUMN`):
         the committed table when it was generated for this version, else this version's
         shards. Shards of other versions are deleted."""
         if data_version_of(self.path) == version:
-            table = pq.read_table(self.path)
+            table = self.read()
             return table.append_column(POSITION_COLUMN, pa.array(range(table.num_rows), pa.int32()))
-        if self.shard_root.exists():
-            for stale in self.shard_root.iterdir():
-                if stale.name != version:
-                    shutil.rmtree(stale, ignore_errors=True)
-        shards = sorted((self.shard_root / version).glob("shard-*.parquet")) if self.shard_root.exists() else []
+        for stale in _listing(self.fs, self.shard_root.path):
+            if UPath(stale).name != version:
+                self.fs.rm(stale, recursive=True)
+        shards = [name for name in _listing(self.fs, (self.shard_root / version).path)
+                  if UPath(name).name.startswith("shard-")]
         if not shards:
             return None
-        return pa.concat_tables([pq.read_table(shard) for shard in shards])
+        return pa.concat_tables([pq.read_table(shard, filesystem=self.fs) for shard in shards])
 
     def append_shard(self, version: str, rows: pa.Table) -> None:
         """Persists finished rows (with their positions) of `version`."""
-        folder = self.shard_root / version
-        folder.mkdir(parents=True, exist_ok=True)
-        write_parquet_atomically(rows, folder / f"shard-{time.time_ns():020d}.parquet")
+        name = f"shard-{time.time_ns():020d}-{uuid.uuid4().hex[:8]}.parquet"
+        write_parquet_atomically(rows, self.shard_root / version / name, self._confirm)
 
     def commit(self, table: pa.Table, version: str) -> None:
         """Replaces the committed table atomically and drops the shards it absorbs."""
-        write_parquet_atomically(with_data_version(table, version), self.path)
-        shutil.rmtree(self.shard_root, ignore_errors=True)
+        write_parquet_atomically(with_data_version(table, version), self.path, self._confirm)
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(self.shard_root.path, recursive=True)
 
-    @contextlib.contextmanager
-    def lock(self, owner: str) -> Iterator[None]:
-        """Holds the partition's writer lock (released when the process dies, too).
+    def writer_lock(self) -> FileLock | StoreLease:
+        """The partition's writer lock: an flock on a local disk, a lease on an object store.
 
         Raises:
-            PartitionLockedError: another process holds it; the message names it.
+            StoreWithoutLeaseError: the store cannot create an object only if it is absent.
         """
-        self.lock_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.lock_path, "a+") as handle:
+        name = self.path.stem
+        if is_local(self.fs):
+            return FileLock(Path(self.path.with_name(f".{name}.lock").path), name)
+        protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
+        if protocol not in EXCLUSIVE_CREATE_PROTOCOLS:
+            raise StoreWithoutLeaseError(f"{self.path}: {protocol}:// offers no create-if-absent write, which the lease that "
+                             "keeps one writer per partition needs; keep the tables on a local disk or on "
+                             f"{', '.join(sorted(p + '://' for p in EXCLUSIVE_CREATE_PROTOCOLS))}")
+        return StoreLease(self.fs, self.path.with_name(f".{name}.lease").path, name, self.lease_ttl_s)
+
+    @contextlib.contextmanager
+    def lock(self, owner: str) -> Iterator[HeldLock]:
+        """Holds the partition's writer lock while the block runs.
+
+        Raises:
+            PartitionLockedError: another writer holds it; the message names it.
+        """
+        with self.writer_lock().hold(owner) as held:
+            self._held = held
             try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                handle.seek(0)
-                holder = handle.read().strip() or "another process"
-                raise PartitionLockedError(
-                    f"{self.path.stem} is being generated by {holder}; two runs never write one partition "
-                    "at once: wait for that run to finish (or cancel it), then materialize again"
-                ) from None
-            handle.truncate(0)
-            handle.write(f"{owner} (pid {os.getpid()})")
-            handle.flush()
-            try:
-                yield
+                yield held
             finally:
-                handle.truncate(0)
-                fcntl.flock(handle, fcntl.LOCK_UN)
+                self._held = None
+
+    def _confirm(self) -> None:
+        if self._held is not None:
+            self._held.confirm()
 
 
 class TableStore:
-    """The tables of every asset under one root folder: a partition's files by asset key path
-    (e.g. `["support", "answers"]`) and partition key (None: an unpartitioned asset)."""
+    """The tables of every asset under one root (a folder or an object-store prefix): a
+    partition's files by asset key path (e.g. `["support", "answers"]`) and partition key
+    (None: an unpartitioned asset)."""
 
-    def __init__(self, root: Path) -> None:
-        self.root = root
+    def __init__(self, root: Path | UPath, lease_ttl_s: float = DEFAULT_LEASE_TTL_S) -> None:
+        self.root = UPath(root)
+        self.lease_ttl_s = lease_ttl_s
+        self._partitions: dict[str, PartitionFiles] = {}
 
     def partition(self, asset_path: Sequence[str], partition_key: str | None) -> PartitionFiles:
-        return PartitionFiles(partition_file(self.root, asset_path, partition_key))
+        """The partition's files; one object per partition, so that writes through it confirm
+        the lock `locks` took."""
+        path = partition_file(self.root, asset_path, partition_key)
+        return self._partitions.setdefault(str(path), PartitionFiles(path, self.lease_ttl_s))
 
     @contextlib.contextmanager
-    def locks(self, asset_path: Sequence[str], partition_keys: Sequence[str | None], owner: str) -> Iterator[None]:
+    def locks(self, asset_path: Sequence[str], partition_keys: Sequence[str | None], owner: str
+              ) -> Iterator[list[HeldLock]]:
         """Holds the writer locks of several partitions of one asset.
 
         Raises:
-            PartitionLockedError: one of them is held by another process.
+            PartitionLockedError: one of them is held by another writer.
         """
         with contextlib.ExitStack() as stack:
-            for key in partition_keys:
-                stack.enter_context(self.partition(asset_path, key).lock(owner))
-            yield
+            yield [stack.enter_context(self.partition(asset_path, key).lock(owner)) for key in partition_keys]

@@ -1,7 +1,14 @@
 """Fixtures of the Dagster tests."""
 
-import engine
+import logging
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
 import pytest
+from upath import UPath
+
+import engine
 
 from dagster_llm import LLMResource, ParquetIOManager
 
@@ -24,3 +31,44 @@ def env(tiny_models, tmp_path, monkeypatch):
     }
     return {"root": tmp_path / "tables", "resources": resources, "loads": loads,
             "model": tiny_models["llama"]}
+
+
+@dataclass(frozen=True)
+class S3Bucket:
+    """A bucket of its own on the tests' S3-compatible server: `url` (s3://name), what an
+    in-process client passes (`storage_options`) and what a child process's environment
+    needs (`env`: credentials and AWS_ENDPOINT_URL, as on a real deployment)."""
+
+    url: str
+    storage_options: dict[str, str]
+    env: dict[str, str]
+
+    def path(self, *parts: str) -> UPath:
+        return UPath(self.url, **self.storage_options).joinpath(*parts)
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[str]:
+    """moto's S3 server on a free loopback port, for the whole session; yields its URL."""
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_server: str) -> S3Bucket:
+    """A fresh bucket on the tests' S3 server."""
+    import s3fs
+
+    credentials = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    options = {"endpoint_url": s3_server, "key": "testing", "secret": "testing"}
+    name = f"tables-{uuid.uuid4().hex[:12]}"
+    s3fs.S3FileSystem(**options).mkdir(name)
+    return S3Bucket(f"s3://{name}", options, {**credentials, "AWS_ENDPOINT_URL": s3_server})

@@ -1,7 +1,9 @@
 """A code location for the crash tests: three partitions of 24 prompts on a tiny model,
 two sequences at a time, so that a partition takes long enough to be killed in the middle.
 
-The model folder and the output folder come from CRASH_TEST_MODEL and DAGSTER_LLM_OUTPUT_DIR.
+The model folder comes from CRASH_TEST_MODEL; the tables' root from CRASH_TEST_TABLES (a
+folder or an s3:// URL; default: under DAGSTER_LLM_OUTPUT_DIR) and the writer lease's time
+to live on an object store from CRASH_TEST_LEASE_TTL_S.
 """
 
 import os
@@ -27,11 +29,23 @@ def crash_prompts(context: dg.AssetExecutionContext):
 crash_gen = build_generation_asset("crash_gen", upstream=crash_prompts, shard_rows=2, progress_interval_s=1.0,
                                    sampling=SamplingConfig(max_tokens=MAX_TOKENS, ignore_eos=True))
 
+
+
+@dg.asset(partitions_def=parts, backfill_policy=dg.BackfillPolicy.single_run())
+def crash_lengths(context: dg.AssetExecutionContext, crash_gen):
+    """A downstream asset: the length of each completion, read through the IO manager."""
+    tables = crash_gen if isinstance(crash_gen, dict) else {context.partition_key: crash_gen}
+    lengths = {key: table.assign(chars=table["generated_text"].str.len())[["id", "chars"]]
+               for key, table in tables.items()}
+    return lengths if len(lengths) > 1 else lengths[context.partition_key]
+
+
 defs = dg.Definitions(
-    assets=[crash_prompts, crash_gen],
+    assets=[crash_prompts, crash_gen, crash_lengths],
     resources={
         "llm": LLMResource(model_id=os.environ.get("CRASH_TEST_MODEL", "smollm2-135m-instruct"), dtype="float32",
                            max_num_seqs=2, kv_cache_memory=10 << 20, num_threads=1),
-        "io_manager": ParquetIOManager(),
+        "io_manager": ParquetIOManager(base_path=os.environ.get("CRASH_TEST_TABLES"),
+                                       lease_ttl_s=float(os.environ.get("CRASH_TEST_LEASE_TTL_S", "60"))),
     },
 )

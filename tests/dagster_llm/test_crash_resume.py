@@ -1,6 +1,8 @@
 """Killing `dagster asset materialize` with SIGKILL in the middle of a partition: the step
 worker stops without writing, committed partitions stay, and the rerun generates only the
-rows that are missing, each id exactly once."""
+rows that are missing, each id exactly once. On the local disk and on an S3-compatible
+server (moto, on loopback), where runs with different instances (different pods) share the
+bucket: the writer lease keeps a second run out and expires when its holder was killed."""
 
 import os
 import signal
@@ -11,8 +13,11 @@ from pathlib import Path
 
 import dagster as dg
 import pandas as pd
+import pyarrow.parquet as pq
 import pytest
+from upath import UPath
 
+from dagster_llm.core.leases import StoreLease
 from tests.dagster_llm.crash_defs import MAX_TOKENS, ROWS
 
 pytestmark = pytest.mark.slow
@@ -26,11 +31,19 @@ def setup(tiny_models, tmp_path):
     env = {**os.environ, "DAGSTER_HOME": str(tmp_path / "home"), "DAGSTER_LLM_OUTPUT_DIR": str(tmp_path / "out"),
            "CRASH_TEST_MODEL": str(tiny_models["llama"])}
     (tmp_path / "home").mkdir()
-    return env, tmp_path / "out" / "tables" / "crash_gen"
+    return env, UPath(tmp_path / "out" / "tables" / "crash_gen")
 
 
-def materialize(env: dict, partition_args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([str(DAGSTER), "asset", "materialize", "-f", DEFS, "--select", "*crash_gen",
+@pytest.fixture
+def s3_setup(setup, s3_bucket):
+    """The crash pipeline's tables in a bucket of their own; leases live 8 s past their last renewal."""
+    env, _ = setup
+    env = {**env, **s3_bucket.env, "CRASH_TEST_TABLES": f"{s3_bucket.url}/tables", "CRASH_TEST_LEASE_TTL_S": "8"}
+    return env, s3_bucket.path("tables", "crash_gen")
+
+
+def materialize(env: dict, partition_args: list[str], select: str = "*crash_gen") -> subprocess.Popen:
+    return subprocess.Popen([str(DAGSTER), "asset", "materialize", "-f", DEFS, "--select", select,
                              *partition_args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
 
@@ -39,31 +52,57 @@ def wait_for(condition, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
+        time.sleep(0.05)
 
 
-def shard_rows(folder: Path, partition: str) -> int:
-    return sum(len(pd.read_parquet(p)) for p in (folder / f".{partition}.shards").glob("*/shard-*.parquet"))
+def listing(folder: UPath) -> list[str]:
+    """The files under `folder` now (never a cached listing)."""
+    folder.fs.invalidate_cache()
+    return folder.fs.find(folder.path) if folder.fs.exists(folder.path) else []
 
 
-def kill_launcher_and_wait_for_worker(cli: subprocess.Popen, folder: Path, partition: str) -> None:
+def exists(folder: UPath, name: str) -> bool:
+    return any(f.endswith(f"/{name}") for f in listing(folder))
+
+
+def shard_rows(folder: UPath, partition: str) -> int:
+    shards = [f for f in listing(folder / f".{partition}.shards") if f.endswith(".parquet")]
+    return sum(pq.read_metadata(f, filesystem=folder.fs).num_rows for f in shards)
+
+
+def read(folder: UPath, partition: str) -> pd.DataFrame:
+    folder.fs.invalidate_cache()
+    return pq.read_table((folder / f"{partition}.parquet").path, filesystem=folder.fs).to_pandas()
+
+
+def store_lease(folder: UPath, partition: str) -> StoreLease:
+    return StoreLease(folder.fs, (folder / f".{partition}.lease").path, partition, 8.0)
+
+
+def writer_pid(folder: UPath, partition: str) -> int:
+    """The pid of the process holding the partition's lock (local disk) or lease (store)."""
+    if isinstance(folder, Path):
+        return int((folder / f".{partition}.lock").read_text().rsplit("pid ", 1)[1].rstrip(")"))
+    return store_lease(folder, partition).latest().pid
+
+
+def kill_launcher_and_wait_for_worker(cli: subprocess.Popen, folder: UPath, partition: str) -> None:
     """SIGKILLs the CLI alone; its step worker (the lock holder) must stop within seconds."""
-    holder = (folder / f".{partition}.lock").read_text()
-    worker = int(holder.rsplit("pid ", 1)[1].rstrip(")"))
+    worker = writer_pid(folder, partition)
     os.kill(cli.pid, signal.SIGKILL)
     cli.wait()
-    wait_for(lambda: not Path(f"/proc/{worker}").exists() or "zombie" in _state(worker), 30, "the worker to stop")
+    wait_for(lambda: is_gone(worker), 30, "the worker to stop")
 
 
-def _state(pid: int) -> str:
+def is_gone(pid: int) -> bool:
     try:
-        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split("\n")[0].lower()
+        return "zombie" in Path(f"/proc/{pid}/status").read_text().split("State:")[1].split("\n")[0].lower()
     except (FileNotFoundError, IndexError):
-        return "zombie"
+        return True
 
 
-def finish(env: dict, partition_args: list[str]) -> str:
-    done = materialize(env, partition_args)
+def finish(env: dict, partition_args: list[str], select: str = "*crash_gen") -> str:
+    done = materialize(env, partition_args, select)
     output, _ = done.communicate(timeout=600)
     assert done.returncode == 0, output
     return output
@@ -76,21 +115,22 @@ def latest(env: dict, partition: str) -> dict:
         return {k: v.value for k, v in records[0].asset_materialization.metadata.items()} if records else {}
 
 
-def assert_complete(folder: Path, partition: str) -> pd.DataFrame:
-    table = pd.read_parquet(folder / f"{partition}.parquet")
+def assert_complete(folder: UPath, partition: str) -> pd.DataFrame:
+    table = read(folder, partition)
     assert list(table["id"]) == [f"{partition}-{i}" for i in range(ROWS)] and table["id"].is_unique
     assert table["error"].isna().all() and (table["completion_tokens"] == MAX_TOKENS).all()
     return table
 
 
-def test_killed_in_the_middle_of_a_partition_then_resumed(setup):
-    env, folder = setup
+@pytest.mark.parametrize("store", ["disk", "s3"])
+def test_killed_in_the_middle_of_a_partition_then_resumed(store, request):
+    env, folder = request.getfixturevalue("setup" if store == "disk" else "s3_setup")
     cli = materialize(env, ["--partition", "p1"])
     wait_for(lambda: shard_rows(folder, "p1") >= 4, 120, "shards of p1")
     kill_launcher_and_wait_for_worker(cli, folder, "p1")
     saved = shard_rows(folder, "p1")
     time.sleep(2)
-    assert shard_rows(folder, "p1") == saved and not (folder / "p1.parquet").exists()  # nothing written after
+    assert shard_rows(folder, "p1") == saved and not exists(folder, "p1.parquet")  # nothing written after
     assert 0 < saved < ROWS and not latest(env, "p1")
 
     finish(env, ["--partition", "p1"])
@@ -105,10 +145,10 @@ def test_killed_in_the_second_partition_of_a_range_keeps_the_first(setup):
     cli = materialize(env, ["--partition-range", "p1...p3"])
     wait_for(lambda: (folder / "p1.parquet").exists() and shard_rows(folder, "p2") >= 2, 180, "p1 and shards of p2")
     kill_launcher_and_wait_for_worker(cli, folder, "p2")
-    first = pd.read_parquet(folder / "p1.parquet")
+    first = read(folder, "p1")
     saved = shard_rows(folder, "p2")
     assert latest(env, "p1")["dagster/row_count"] == ROWS  # committed with its materialization
-    assert not (folder / "p2.parquet").exists() and not (folder / "p3.parquet").exists()
+    assert not exists(folder, "p2.parquet") and not exists(folder, "p3.parquet")
 
     finish(env, ["--partition-range", "p1...p3"])
     pd.testing.assert_frame_equal(assert_complete(folder, "p1"), first)
@@ -136,3 +176,58 @@ def test_two_runs_of_one_partition_on_a_fresh_instance_take_turns(setup, tmp_pat
             dg.AssetRecordsFilter(asset_key=dg.AssetKey("crash_gen"), asset_partitions=["p1"]), limit=2).records
     generated = sorted(r.asset_materialization.metadata["generated_rows"].value for r in records)
     assert generated == [0, ROWS]  # one generated everything, the other reused it: never both at once
+
+
+def test_a_second_instance_sharing_the_bucket_fails_fast_naming_the_first(s3_setup, tmp_path):
+    """Two runs of one partition from two processes with their own DAGSTER_HOMEs (two pods):
+    the second fails at once naming the first, which finishes undisturbed. The first's worker
+    is paused (well within its lease) while the second starts, so that it cannot finish first."""
+    env, folder = s3_setup
+    env = {**env, "CRASH_TEST_LEASE_TTL_S": "120"}
+    (tmp_path / "other_home").mkdir()
+    first = materialize(env, ["--partition", "p1"])
+    wait_for(lambda: shard_rows(folder, "p1") >= 2, 120, "shards of p1")
+    holder = store_lease(folder, "p1").latest()
+    os.kill(holder.pid, signal.SIGSTOP)
+    try:
+        second = materialize({**env, "DAGSTER_HOME": str(tmp_path / "other_home")}, ["--partition", "p1"])
+        output, _ = second.communicate(timeout=100)
+    finally:
+        os.kill(holder.pid, signal.SIGCONT)
+    assert second.returncode != 0 and first.poll() is None
+    assert f"p1 is being generated by {holder.holder} on {holder.host} (pid {holder.pid}, lease expires in" in output
+    output, _ = first.communicate(timeout=600)
+    assert first.returncode == 0, output
+    assert_complete(folder, "p1")
+    assert store_lease(folder, "p1").latest().released
+
+
+def test_a_killed_pods_lease_expires_and_the_next_run_takes_over(s3_setup, tmp_path):
+    """The run and its step worker killed together (a pod gone): the lease stays until it
+    expires, then a run on another instance takes over, resumes the saved rows, and a
+    downstream asset on a third instance reads the table from the store."""
+    env, folder = s3_setup
+    cli = materialize(env, ["--partition", "p1"])
+    wait_for(lambda: shard_rows(folder, "p1") >= 4, 120, "shards of p1")
+    worker = writer_pid(folder, "p1")
+    os.killpg(cli.pid, signal.SIGKILL)
+    os.kill(worker, signal.SIGKILL)
+    cli.wait()
+    wait_for(lambda: is_gone(worker), 30, "the worker to die")
+    saved = shard_rows(folder, "p1")
+    left = store_lease(folder, "p1").latest()
+    assert left.pid == worker and not left.released and left.expires_at > time.time()  # nobody gave it back
+
+    homes = [tmp_path / "second_home", tmp_path / "third_home"]
+    for home in homes:
+        home.mkdir()
+    wait_for(lambda: store_lease(folder, "p1").latest().expires_at < time.time(), 30, "the lease to expire")
+    output = finish({**env, "DAGSTER_HOME": str(homes[0])}, ["--partition", "p1"])
+    assert f"took over the lease of {left.holder} on {left.host} (pid {worker}, lease expired" in output
+    assert_complete(folder, "p1")
+    assert latest({**env, "DAGSTER_HOME": str(homes[0])}, "p1")["resumed_rows"] == saved
+
+    finish({**env, "DAGSTER_HOME": str(homes[1])}, ["--partition", "p1"], select="crash_lengths")
+    folder.fs.invalidate_cache()
+    lengths = pq.read_table((folder.parent / "crash_lengths" / "p1.parquet").path, filesystem=folder.fs)
+    assert lengths.column("id").to_pylist() == [f"p1-{i}" for i in range(ROWS)]
