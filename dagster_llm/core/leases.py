@@ -11,7 +11,7 @@ The newest generation says who holds the partition and until when. Taking the le
 renewing it and giving it back each create the next generation; of two processes racing
 for one generation exactly one succeeds, so there is never a doubt who holds it, without
 any service beside the store. A lease whose holder stopped renewing (a killed pod) expires,
-and the next run takes it over. Expiry is read on the reader's clock: machines whose
+and the next run takes it over; the same run resumed in a new pod takes it over at once. Expiry is read on the reader's clock: machines whose
 clocks disagree by more than a fraction of the lease's time to live should not share one.
 """
 
@@ -190,7 +190,8 @@ class _HeldLease(HeldLock):
     def take(self) -> None:
         now = time.time()
         latest = self.lease.latest()
-        if latest is not None and not latest.free_at(now):
+        # The same owner again is a run resumed in a new pod after its old one died.
+        if latest is not None and not latest.free_at(now) and latest.holder != self.owner:
             raise PartitionLockedError(locked_message(self.lease.partition, latest.describe(now)))
         self.taken_over = latest if latest is not None and not latest.released else None
         if not self._write_next(latest.generation + 1 if latest else 0, released=False):

@@ -90,6 +90,15 @@ def test_a_lease_is_renewed_while_held_and_an_expired_one_is_taken_over(s3_bucke
         held.lost = "stopped"  # the frozen holder gives nothing back at the end of its block
 
 
+def test_a_run_resumed_in_a_new_pod_takes_its_own_lease_over_at_once(s3_bucket):
+    with lease(s3_bucket).hold("run 7 of gen") as held:
+        held._stop.set()  # the old pod is gone: it renews nothing and gives nothing back
+        held._renewer.join()
+        held.lost = "gone"
+        with lease(s3_bucket).hold("run 7 of gen") as resumed:
+            assert resumed.taken_over.token == held.token
+
+
 def test_a_writer_whose_lease_was_taken_over_publishes_nothing(s3_bucket):
     files = PartitionFiles(s3_bucket.path("gen", "p.parquet"), lease_ttl_s=1.0)
     with files.lock("run 1") as held:
