@@ -16,6 +16,7 @@ _EXPORTS = {
     "GenerationRun": "dagster_llm.core.generation",
     "GenerationRunConfig": "dagster_llm.run_config",
     "GenerationSpec": "dagster_llm.spec",
+    "KubernetesStep": "dagster_llm.kubernetes",
     "LLMResource": "dagster_llm.resource",
     "OutputColumn": "dagster_llm.core.structured",
     "OutputSpecError": "dagster_llm.core.structured",

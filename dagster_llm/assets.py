@@ -30,7 +30,7 @@ from dagster_llm.core.table_store import TableStore
 from dagster_llm.core.watch import LaunchingProcessDied, ParentWatch
 from dagster_llm.io_manager import ParquetIOManager
 from dagster_llm.metadata import PartitionFacts, column_schema, partition_metadata, upstream_data_version
-from dagster_llm.partitions import PartitionChoice, output_choice
+from dagster_llm.partitions import PartitionChoice, RowShard, output_choice, sharded_partitions, upstream_partition
 from dagster_llm.resource import LLMResource
 from dagster_llm.run_config import GenerationRunConfig
 from dagster_llm.spec import GenerationSpec
@@ -149,9 +149,12 @@ def generation_asset(spec: GenerationSpec, partitions_def: dg.PartitionsDefiniti
         output=output, structured=any(o is not None for o in [output.default, *output.by_partition.values()]),
         # Ids by sorted name: stable across runs and processes.
         lora_requests={a: engine.LoRARequest(a, i + 1, path) for i, (a, path) in enumerate(sorted(spec.adapters.items()))},
-        code_version=f"{spec.code_version}+{spec.settings_digest()[:12]}", partitioned=partitions_def is not None,
+        code_version=f"{spec.code_version}+{spec.settings_digest()[:12]}",
+        partitioned=partitions_def is not None,
     )
     key = spec.asset_key
+    if spec.row_shards is not None:
+        partitions_def = sharded_partitions(spec.name, partitions_def, spec.row_shards)
 
     @dg.multi_asset(
         name="__".join(key.path),
@@ -165,16 +168,26 @@ def generation_asset(spec: GenerationSpec, partitions_def: dg.PartitionsDefiniti
         check_specs=_check_specs(key, partitions_def, d.structured),
         can_subset=True,
         partitions_def=partitions_def,
-        backfill_policy=None if partitions_def is None
-        else dg.BackfillPolicy.single_run() if spec.max_partitions_per_run is None
-        else dg.BackfillPolicy.multi_run(spec.max_partitions_per_run),
+        backfill_policy=_backfill_policy(spec, partitions_def),
         pool=spec.pool,
+        op_tags=spec.kubernetes.tags() if spec.kubernetes else None,
         required_resource_keys={spec.resource_key, spec.io_manager_key},
     )
     def _generate(context: dg.AssetExecutionContext, config: GenerationRunConfig, prompts: object):
         yield from _GenerationStep(d, context, config).execute(prompts)
 
     return _generate
+
+
+def _backfill_policy(spec: GenerationSpec, partitions_def: dg.PartitionsDefinition | None
+                     ) -> dg.BackfillPolicy | None:
+    """One run for a whole backfill, or runs of max_partitions_per_run partitions; row
+    shards run one per run unless max_partitions_per_run says otherwise."""
+    if partitions_def is None:
+        return None
+    if spec.max_partitions_per_run is None and spec.row_shards is None:
+        return dg.BackfillPolicy.single_run()
+    return dg.BackfillPolicy.multi_run(spec.max_partitions_per_run or 1)
 
 
 def _check_specs(asset_key: dg.AssetKey, partitions_def: dg.PartitionsDefinition | None,
@@ -252,13 +265,20 @@ class _GenerationStep:
                              "Launchpad (or --config-json) and launch again.") from None
 
     def _frames(self, prompts: object) -> dict[str | None, pd.DataFrame]:
-        given = prompts if isinstance(prompts, dict) and len(self.keys) > 1 else {self.keys[0]: prompts}
+        """Each partition's prompt table (a row shard's: its rows of its upstream partition)."""
+        sources = {key: upstream_partition(key) for key in self.keys}
+        upstream_keys = set(sources.values())
+        given = prompts if isinstance(prompts, dict) and len(upstream_keys) > 1 else {upstream_keys.pop(): prompts}
         frames = {}
         try:
             for key in self.keys:
-                where = f"of partition {key!r}" if key is not None else ""
-                frames[key] = to_dataframe(given[key], self.spec.upstream, where)
-                check_columns(frames[key], self.spec, where)
+                where = f"of partition {sources[key]!r}" if sources[key] is not None else ""
+                frame = to_dataframe(given[sources[key]], self.spec.upstream, where)
+                check_columns(frame, self.spec, where)
+                if self.spec.row_shards is not None:
+                    shard = RowShard.of(key, self.spec.row_shards)
+                    frame = frame[frame[self.spec.id_column].map(shard.holds)].reset_index(drop=True)
+                frames[key] = frame
         except PromptTableError as exc:
             raise dg.Failure(f"{self.spec.name}: {exc}") from None
         return frames

@@ -30,6 +30,7 @@ import pyarrow as pa
 from pydantic import Field
 from upath import UPath
 
+from dagster_llm.partitions import upstream_partition
 from dagster_llm.core.table_store import DEFAULT_LEASE_TTL_S, TableMissingError, TableStore, storage_path
 
 Table = pd.DataFrame | pa.Table
@@ -37,12 +38,11 @@ Table = pd.DataFrame | pa.Table
 
 class ParquetIOManager(dg.ConfigurableIOManager):
     """Stores pandas DataFrames or pyarrow Tables as Parquet, one file per partition
-    (base_path/asset key/partition.parquet, published whole), on a local disk or an object
-    store (base_path s3://bucket/prefix, gs://, az://, file://). A run over several
-    partitions hands over and receives a {partition_key: table} dict, a run over one
-    partition the table itself. Inputs load as pandas DataFrames, or as pyarrow Tables
-    where the input is annotated pa.Table. A generation table is not rewritten when its
-    file already holds its data version.
+    (base_path/asset key/partition.parquet, published whole), in a folder or on an object
+    store (s3://, gs://, az://). A run over several partitions hands over and receives a
+    {partition_key: table} dict; the row shards of one partition load as one table. Inputs
+    load as DataFrames, or as pyarrow Tables where annotated pa.Table. A generation table is
+    not rewritten when its file already holds its data version.
     """
 
     base_path: str | None = Field(
@@ -103,10 +103,15 @@ class ParquetIOManager(dg.ConfigurableIOManager):
         arrow = context.dagster_type.typing_type is pa.Table or getattr(
             context.dagster_type.typing_type, "__args__", None) == (str, pa.Table)
         keys = context.asset_partition_keys if context.has_asset_partitions else [None]
-        tables = {key: self._read(context.asset_key, key, arrow) for key in keys}
-        return tables[keys[0]] if len(keys) == 1 else tables
+        by_source: dict[str | None, list[pa.Table]] = {}
+        for key in keys:  # row shards of one upstream partition make one table
+            by_source.setdefault(upstream_partition(key), []).append(self._read(context.asset_key, key))
+        tables = {source: pa.concat_tables(parts, promote_options="default") for source, parts in by_source.items()}
+        if not arrow:
+            tables = {source: table.to_pandas() for source, table in tables.items()}
+        return next(iter(tables.values())) if len(tables) == 1 else tables
 
-    def _read(self, asset_key: dg.AssetKey, key: str | None, arrow: bool) -> Table:
+    def _read(self, asset_key: dg.AssetKey, key: str | None) -> pa.Table:
         partition = self.table_store().partition(asset_key.path, key)
         try:
             table = partition.read()
@@ -114,4 +119,4 @@ class ParquetIOManager(dg.ConfigurableIOManager):
             which = f"partition {key!r} of " if key is not None else ""
             raise dg.Failure(f"{which}{asset_key.to_user_string()} has no table at {partition.location}: materialize it "
                              "first (or point the IO manager's base_path at where it was written)") from None
-        return table if arrow else table.to_pandas()
+        return table

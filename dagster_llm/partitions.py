@@ -1,8 +1,11 @@
-"""A value chosen per partition (its sampling, its adapter, its structured output) by key
-or glob pattern."""
+"""Partitions of a generation asset: a value chosen per partition (its sampling, its
+adapter, its structured output) by key or glob pattern, and the row shards that split one
+upstream partition's rows over several runs."""
 
 import fnmatch
+import hashlib
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import dagster as dg
@@ -13,12 +16,58 @@ from dagster_llm.spec import GenerationSpec
 
 T = TypeVar("T")
 
+# The dimensions of a sharded asset's partitions: the upstream partition, and the shard.
+PARTITION_DIMENSION = "partition"
+SHARD_DIMENSION = "shard"
+
+
+def sharded_partitions(asset_name: str, partitions_def: dg.PartitionsDefinition | None, shards: int
+                       ) -> dg.MultiPartitionsDefinition:
+    """Each upstream partition split into `shards` static shards "0".."N-1" (a second dimension).
+
+    Raises:
+        DagsterInvalidDefinitionError: the upstream is not partitioned, or already has two dimensions.
+    """
+    if partitions_def is None or isinstance(partitions_def, dg.MultiPartitionsDefinition):
+        kind = "not partitioned" if partitions_def is None else "partitioned in two dimensions"
+        raise dg.DagsterInvalidDefinitionError(
+            f"{asset_name}: row_shards splits each upstream partition's rows, but the upstream asset is {kind}; "
+            "give the prompt table one partition dimension (e.g. daily, or a StaticPartitionsDefinition of one key)")
+    shard_keys = dg.StaticPartitionsDefinition([str(i) for i in range(shards)])
+    return dg.MultiPartitionsDefinition({PARTITION_DIMENSION: partitions_def, SHARD_DIMENSION: shard_keys})
+
+
+def upstream_partition(key: str | None) -> str | None:
+    """The upstream partition a key of the asset reads: the key itself, or a row shard's partition."""
+    dimensions = getattr(key, "keys_by_dimension", None)
+    if dimensions and set(dimensions) == {PARTITION_DIMENSION, SHARD_DIMENSION}:
+        return dimensions[PARTITION_DIMENSION]
+    return key
+
+
+@dataclass(frozen=True)
+class RowShard:
+    """Shard `index` of `count` of one upstream partition: the rows whose id hashes to it, so a
+    row stays in its shard however the partition's other rows change."""
+
+    index: int
+    count: int
+
+    @classmethod
+    def of(cls, key: dg.MultiPartitionKey, count: int) -> "RowShard":
+        return cls(int(key.keys_by_dimension[SHARD_DIMENSION]), count)
+
+    def holds(self, row_id: object) -> bool:
+        digest = hashlib.blake2b(str(row_id).encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "big") % self.count == self.index
+
 
 class PartitionChoice(Generic[T]):
     """Chooses a partition's value (its sampling, its adapter): its exact key, else the
     first matching glob pattern (in the mapping's order), else the default.
 
-    Multi-dimensional keys are matched in their string form, "dim1value|dim2value".
+    Multi-dimensional keys are matched in their string form, "dim1value|dim2value"; a row
+    shard takes its upstream partition's value.
     Mapping keys that name no partition (and patterns that match none) are definition
     errors, reported when the definitions load.
     """
@@ -54,6 +103,7 @@ class PartitionChoice(Generic[T]):
     def entry_for(self, key: str | None) -> str | None:
         """The mapping key that names partition `key` (its own key, else the first matching
         pattern), or None where the default applies."""
+        key = upstream_partition(key)
         if key is None:
             return None
         if key in self.by_partition:

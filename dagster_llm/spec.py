@@ -17,6 +17,7 @@ from dagster_llm.core.checks import CheckThresholds
 from dagster_llm.core.generation import digest
 from dagster_llm.core.prompts import PromptTableRules
 from dagster_llm.core.sampling import SamplingConfig
+from dagster_llm.kubernetes import KubernetesStep
 
 _OPERATIONAL = {"operational": True}
 
@@ -66,6 +67,14 @@ class GenerationSpec(CheckThresholds, PromptTableRules):
     max_partitions_per_run: int | None = _operational(
         None, "None runs a whole backfill as one run (BackfillPolicy.single_run(), which `dagster asset "
               "materialize --partition-range` needs); N splits backfills into runs of at most N partitions.")
+    row_shards: int | None = _operational(
+        None, "Split each upstream partition's rows into this many shards (a second, static partition dimension "
+              "named 'shard', rows by a hash of their id), so that one day's rows spread over several runs or "
+              "pods, each shard committing and resuming on its own; a downstream asset partitioned like the "
+              "upstream reads the day as one table. Each shard's data version covers its rows.")
+    kubernetes: KubernetesStep | None = _operational(
+        None, "The generation step's pod on Kubernetes (dagster-k8s): GPUs, model volume, environment, node "
+              "selector, set as the op's dagster-k8s/config tag (kubernetes.run_tags gives a job's run tags).")
     key_prefix: list[str] = _operational([], "Prefix of the asset key (a string is one level).")
     group_name: str | None = _operational(None, "Dagster asset group.")
     description: str | None = _operational(None, "Asset description.")
@@ -90,6 +99,13 @@ class GenerationSpec(CheckThresholds, PromptTableRules):
         if not isinstance(value, dict):
             return value
         return {key: cls._model_schema(schema) for key, schema in value.items()}
+
+    @field_validator("row_shards")
+    @classmethod
+    def _some_shards(cls, value: int | None) -> int | None:
+        if value is not None and value < 1:
+            raise ValueError("must be at least 1")
+        return value
 
     @field_validator("key_prefix", mode="before")
     @classmethod

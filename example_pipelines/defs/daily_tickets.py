@@ -15,6 +15,7 @@ import dagster as dg
 import pandas as pd
 
 from dagster_llm import SamplingConfig, build_generation_asset
+from dagster_llm.kubernetes import KubernetesStep, run_tags
 
 TICKETS_CSV = Path(__file__).resolve().parents[1] / "data" / "support_tickets.csv"
 
@@ -98,11 +99,19 @@ def support_prompts(context: dg.AssetExecutionContext, raw_support_tickets):
     }))
 
 
+# On Kubernetes (dagster-k8s): one GPU, the model from the `llm-models` volume claim. Local runs ignore it.
+GPU_POD = KubernetesStep(
+    gpus=1,
+    model_volume_claim="llm-models",
+    env={"DAGSTER_LLM_MODEL": "/models/Qwen2.5-7B-Instruct", "DAGSTER_LLM_DTYPE": "bfloat16"},
+)
+
 ticket_summaries = build_generation_asset(
     "ticket_summaries",
     upstream=support_prompts,
     chat=True,
     sampling=SamplingConfig(temperature=0.0, max_tokens=64),
+    kubernetes=GPU_POD,
     group_name="support",
     description="One-sentence summary and routing of each support ticket.",
 )
@@ -136,5 +145,7 @@ def ticket_summary_quality(context: dg.AssetExecutionContext, ticket_summaries) 
 daily_ticket_summaries_job = dg.define_asset_job(
     "daily_ticket_summaries_job",
     selection=[raw_support_tickets, support_prompts, ticket_summaries, ticket_summary_quality],
+    # Under K8sRunLauncher (one pod per run) the run's pod gets ticket_summaries' GPU and model volume.
+    tags=run_tags([ticket_summaries]),
 )
 daily_ticket_summaries_schedule = dg.build_schedule_from_partitioned_job(daily_ticket_summaries_job, hour_of_day=2)
