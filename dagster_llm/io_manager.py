@@ -72,10 +72,6 @@ class ParquetIOManager(dg.ConfigurableIOManager):
         """The tables, shards and locks under `root`: what generation runs write through."""
         return TableStore(self.root, self.lease_ttl_s)
 
-    def path_for(self, asset_key: dg.AssetKey, partition_key: str | None) -> UPath:
-        """The file of one partition (None: the unpartitioned asset's file)."""
-        return self.table_store().partition(asset_key.path, partition_key).path
-
     def handle_output(self, context: dg.OutputContext, obj: Table | dict[str, Table] | None) -> None:
         """Stores one table, or a {partition_key: table} dict when the run spans partitions."""
         if obj is None:

@@ -20,9 +20,9 @@ def main() -> None:
     parser.add_argument("partition")
     parser.add_argument("--rows", type=int, default=5)
     args = parser.parse_args()
-    path = ParquetIOManager().path_for(dg.AssetKey(args.asset), args.partition)
-    table = pd.read_parquet(path)
-    print(f"\n{args.asset} [{args.partition}]: {len(table)} rows in {path.resolve()}\n")
+    files = ParquetIOManager().table_store().partition(dg.AssetKey(args.asset).path, args.partition)
+    table = files.read().to_pandas()
+    print(f"\n{args.asset} [{args.partition}]: {len(table)} rows in {files.location}\n")
     typed = [c for c in table.columns if c not in GENERATION_SCHEMA.names]  # a structured output's columns
     shown = ["id", *typed] if typed else ["id", "generated_text", "finish_reason"]
     preview = table[shown + (["error"] if table["error"].notna().any() else [])].head(args.rows).astype(object)
