@@ -125,16 +125,18 @@ class StoreLease:
 
     def latest(self) -> LeaseRecord | None:
         """The newest generation on the store, or None (never leased)."""
-        self.fs.invalidate_cache(self.folder)
-        try:
-            names = sorted(self.fs.ls(self.folder, detail=False))
-        except FileNotFoundError:
-            return None
-        for name in reversed(names):
-            if name.endswith(".json"):
-                with contextlib.suppress(FileNotFoundError):  # pruned by the holder meanwhile
-                    return LeaseRecord(**json.loads(self.fs.cat_file(name)))
-        return None
+        while True:
+            self.fs.invalidate_cache(self.folder)
+            try:
+                names = [name for name in self.fs.ls(self.folder, detail=False) if name.endswith(".json")]
+            except FileNotFoundError:
+                return None
+            if not names:
+                return None
+            try:
+                return LeaseRecord(**json.loads(self.fs.cat_file(max(names))))
+            except FileNotFoundError:  # pruned: a newer generation was written meanwhile, list again
+                continue
 
     @contextlib.contextmanager
     def hold(self, owner: str) -> Iterator[HeldLock]:
@@ -231,7 +233,7 @@ class _HeldLease(HeldLock):
 
     def _renew_until_stopped(self) -> None:
         while not self._stop.wait(self.lease.ttl_s / 3):
-            with contextlib.suppress(LeaseLostError, OSError):  # an unreachable store: try again next time
+            with contextlib.suppress(Exception):  # lost (recorded in `lost`), or the store unreachable: try again
                 self.confirm()
             if self.lost is not None:
                 return
