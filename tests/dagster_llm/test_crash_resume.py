@@ -19,6 +19,7 @@ from upath import UPath
 
 from dagster_llm.core.leases import StoreLease
 from tests.dagster_llm.crash_defs import MAX_TOKENS, ROWS
+from tests.processes import is_gone
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -92,13 +93,6 @@ def kill_launcher_and_wait_for_worker(cli: subprocess.Popen, folder: UPath, part
     os.kill(cli.pid, signal.SIGKILL)
     cli.wait()
     wait_for(lambda: is_gone(worker), 30, "the worker to stop")
-
-
-def is_gone(pid: int) -> bool:
-    try:
-        return "zombie" in Path(f"/proc/{pid}/status").read_text().split("State:")[1].split("\n")[0].lower()
-    except (FileNotFoundError, IndexError):
-        return True
 
 
 def finish(env: dict, partition_args: list[str], select: str = "*crash_gen") -> str:
