@@ -28,7 +28,7 @@ class KubernetesStep(BaseModel):
     model_volume_claim: str | None = Field(
         default=None, description="A PersistentVolumeClaim holding model folders, mounted read-only at "
                                   "model_mount_path (the resource's model_id is then a folder under it). None: the "
-                                  "model is in the image (or copied in by an init container of the deployment's).")
+                                  "model is in the image, or model_id is an object-store URL the pod fetches.")
     model_mount_path: str = Field(default="/models", description="Where model_volume_claim is mounted.")
     env: dict[str, str] = Field(default_factory=dict, description="Environment variables of the pod's container.")
     node_selector: dict[str, str] = Field(

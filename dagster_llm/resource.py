@@ -31,6 +31,7 @@ from pydantic import Field, PrivateAttr, create_model
 
 from engine import LLM
 from dagster_llm.core.devices import GPULease, lease_gpus
+from dagster_llm.core.model_files import local_model_folder
 from engine.config import engine_settings
 
 
@@ -55,7 +56,9 @@ class LLMResource(_EngineSettings):
 
     model_id: str = Field(
         default="smollm2-135m-instruct",
-        description="A local Hugging Face model folder, or 'smollm2-135m-instruct' for the embedded model.",
+        description="A local Hugging Face model folder, 'smollm2-135m-instruct' for the embedded model, or a "
+                    "folder on an object store (s3://bucket/models/name, gs://, az://), fetched once per machine into "
+                    "$DAGSTER_LLM_CACHE/remote-models (credentials from the store's environment, as for the tables).",
     )
 
     gpu_lease_timeout_s: float = Field(
@@ -81,7 +84,7 @@ class LLMResource(_EngineSettings):
                                          self.gpu_lease_timeout_s, holder=self._run_id)
                 settings["device"] = self._lease.device
             try:
-                self._llm = LLM(self.model_id, **settings)
+                self._llm = LLM(local_model_folder(self.model_id), **settings)
             except BaseException:
                 self._release_gpus()
                 raise
