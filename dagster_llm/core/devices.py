@@ -10,7 +10,6 @@ included, so a crashed run never leaves a GPU taken. A GPU is named in the file 
 with different visible sets still agree on which GPU is which.
 """
 
-import fcntl
 import os
 import socket
 import tempfile
@@ -20,6 +19,8 @@ from pathlib import Path
 from typing import IO
 
 import torch
+
+from dagster_llm.core.flock import holder_of, try_flock
 
 DEVICE_LOCK_DIR_ENV = "DAGSTER_LLM_DEVICE_LOCK_DIR"
 # How often a process waiting for GPUs looks again.
@@ -82,7 +83,7 @@ def lease_gpus(count: int, timeout_s: float, holder: str = "") -> GPULease:
             if handles is not None:
                 return GPULease(first, count, handles)
         if time.monotonic() >= deadline:
-            holders = "; ".join(f"GPU {name}: {_holder(folder / f'gpu-{name}.lock')}" for name in names)
+            holders = "; ".join(f"GPU {name}: {holder_of(folder / f'gpu-{name}.lock') or 'unknown'}" for name in names)
             raise TimeoutError(
                 f"no {count} free GPU(s) after {timeout_s:g} s: every one is leased by another engine ({holders}). "
                 f"Give the llm pool at most as many slots as the machine has GPUs, or raise gpu_lease_timeout_s")
@@ -91,27 +92,13 @@ def lease_gpus(count: int, timeout_s: float, holder: str = "") -> GPULease:
 
 def _try_lock(paths: list[Path], holder: str) -> list[IO[str]] | None:
     """Exclusive locks on every path, or none of them."""
+    line = f"pid {os.getpid()} on {socket.gethostname()}{f', run {holder}' if holder else ''}\n"
     handles: list[IO[str]] = []
     for path in paths:
-        handle = path.open("a+")
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.close()
+        handle = try_flock(path, line)
+        if handle is None:
             for held in handles:
                 held.close()
             return None
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"pid {os.getpid()} on {socket.gethostname()}{f', run {holder}' if holder else ''}\n")
-        handle.flush()
         handles.append(handle)
     return handles
-
-
-def _holder(path: Path) -> str:
-    """Who holds a GPU's lock, as its holder wrote it."""
-    try:
-        return path.read_text().strip() or "unknown"
-    except OSError:
-        return "unknown"

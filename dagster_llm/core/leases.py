@@ -16,7 +16,6 @@ clocks disagree by more than a fraction of the lease's time to live should not s
 """
 
 import contextlib
-import fcntl
 import json
 import os
 import socket
@@ -28,6 +27,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from fsspec import AbstractFileSystem
+
+from dagster_llm.core.flock import holder_of, try_flock
 
 # fsspec protocols whose `pipe_file(..., mode="create")` is one atomic create-if-absent.
 EXCLUSIVE_CREATE_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
@@ -75,21 +76,14 @@ class FileLock:
             PartitionLockedError: another process holds it; the message names it.
         """
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a+") as handle:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                handle.seek(0)
-                raise PartitionLockedError(locked_message(self.partition, handle.read().strip() or "another process")
-                                           ) from None
+        handle = try_flock(self.path, f"{owner} on {socket.gethostname()} (pid {os.getpid()})")
+        if handle is None:
+            raise PartitionLockedError(locked_message(self.partition, holder_of(self.path) or "another process"))
+        try:
+            yield HeldLock()
+        finally:
             handle.truncate(0)
-            handle.write(f"{owner} on {socket.gethostname()} (pid {os.getpid()})")
-            handle.flush()
-            try:
-                yield HeldLock()
-            finally:
-                handle.truncate(0)
-                fcntl.flock(handle, fcntl.LOCK_UN)
+            handle.close()
 
 
 @dataclass(frozen=True)
