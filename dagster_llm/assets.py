@@ -149,8 +149,7 @@ def generation_asset(spec: GenerationSpec, partitions_def: dg.PartitionsDefiniti
         output=output, structured=any(o is not None for o in [output.default, *output.by_partition.values()]),
         # Ids by sorted name: stable across runs and processes.
         lora_requests={a: engine.LoRARequest(a, i + 1, path) for i, (a, path) in enumerate(sorted(spec.adapters.items()))},
-        code_version=f"{spec.code_version}+{spec.settings_digest()[:12]}",
-        partitioned=partitions_def is not None,
+        code_version=f"{spec.code_version}+{spec.settings_digest()[:12]}", partitioned=partitions_def is not None,
     )
     key = spec.asset_key
     if spec.row_shards is not None:

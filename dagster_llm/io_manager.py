@@ -30,8 +30,8 @@ import pyarrow as pa
 from pydantic import Field
 from upath import UPath
 
-from dagster_llm.partitions import upstream_partition
 from dagster_llm.core.table_store import DEFAULT_LEASE_TTL_S, TableMissingError, TableStore, storage_path
+from dagster_llm.partitions import upstream_partition
 
 Table = pd.DataFrame | pa.Table
 
