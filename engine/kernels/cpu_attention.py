@@ -4,7 +4,8 @@ PyTorch's batched products need each sequence's keys gathered into a padded copy
 and run decode's tiny products (a few query rows per sequence) at a fraction of the
 machine's speed. The kernel reads keys and values straight from the paged cache through
 the block table, one (row, KV head) task at a time in a fixed order, so a row's result
-does not depend on the rest of the step.
+does not depend on the rest of the step. A sliding window limits a row to its last keys
+(only those are read); a soft-cap bounds the scores before the softmax.
 
 It is compiled with the machine's own instruction set on first use (about a minute; then
 cached by PyTorch under ~/.cache/torch_extensions, keyed by the source, the CPU's flags and
@@ -51,9 +52,12 @@ def load() -> ModuleType | None:
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                    row_seq: torch.Tensor, row_keys: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
+                    row_seq: torch.Tensor, row_keys: torch.Tensor, block_size: int, scale: float,
+                    sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Each row of `q` [rows, heads, dim] attends over the first `row_keys[row]` keys of
-    sequence `row_seq[row]`, whose cache slots `block_tables` [seqs, max_blocks] gives.
-    The caches are [kv_heads, slots, dim]. Returns [rows, heads, dim]."""
+    sequence `row_seq[row]` (only the last `sliding_window` of them, where given), whose
+    cache slots `block_tables` [seqs, max_blocks] gives; scores are scale * (q . k),
+    soft-capped to softcap * tanh(score / softcap) where given. The caches are
+    [kv_heads, slots, dim]. Returns [rows, heads, dim]."""
     return load().paged_attention(q.contiguous(), k_cache, v_cache, block_tables, row_seq, row_keys,
-                                  block_size, scale)
+                                  block_size, scale, sliding_window or 0, softcap or 0.0)

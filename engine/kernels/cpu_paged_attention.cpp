@@ -4,6 +4,10 @@
 // Each (row, KV head) is one task, computed in a fixed order whatever else is in the
 // step: a row's result depends only on its query and its keys, so a token gets the
 // same bits in a decode step, a prefill chunk or a recompute, alone or in any batch.
+//
+// A row sees keys [first, n) of its sequence: first = 0, or n - W with a sliding window
+// of W keys. Scores are scale * (q . k), soft-capped to cap * tanh(score / cap) when a
+// cap is given, before the softmax.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -20,6 +24,16 @@
 namespace {
 
 constexpr int kLanes = 8;  // partial sums per dot product: one AVX2 register of floats
+
+// scores[first:n] = cap * tanh(scores / cap), in place; returns their maximum.
+inline float soft_cap(float* scores, int64_t first, int64_t n, float cap) {
+  float top = -std::numeric_limits<float>::infinity();
+  for (int64_t c = first; c < n; ++c) {
+    scores[c] = cap * std::tanh(scores[c] / cap);
+    top = std::max(top, scores[c]);
+  }
+  return top;
+}
 
 #if defined(__AVX2__) && defined(__FMA__)
 // exp(x) for x <= 0 (scores minus their maximum): Cephes' polynomial on x - n ln 2, times
@@ -83,12 +97,12 @@ __m256 scores_avx2(const float* q, const float* const* keys, int64_t c0, int64_t
   return top;
 }
 
-// scores[0:n] = exp(scores - max), zero past n; returns 1 / their sum.
-inline float exponentiate_avx2(float* scores, int64_t n, __m256 top) {
+// scores[first:n] = exp(scores - max), zero past n; returns 1 / their sum.
+inline float exponentiate_avx2(float* scores, int64_t first, int64_t n, __m256 top) {
   const __m256 top_all = _mm256_set1_ps(horizontal_max(top));
   const __m256 iota = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
   __m256 total = _mm256_setzero_ps();
-  for (int64_t c = 0; c < n; c += kLanes) {
+  for (int64_t c = first; c < n; c += kLanes) {
     const __m256 index = _mm256_add_ps(_mm256_set1_ps(static_cast<float>(c)), iota);
     const __m256 live = _mm256_cmp_ps(index, _mm256_set1_ps(static_cast<float>(n)), _CMP_LT_OQ);
     const __m256 p = _mm256_and_ps(live, exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(scores + c), top_all)));
@@ -98,11 +112,11 @@ inline float exponentiate_avx2(float* scores, int64_t n, __m256 top) {
   return 1.f / horizontal_sum(total);
 }
 
-// out[0:8V] (+)= sum over c in [c0, c1) of p[c] * values[c], in key order.
+// out[0:8V] += sum over c in [c0, c1) of p[c] * values[c], in key order.
 template <int V>
 void weighted_sum_avx2(const float* p, const float* const* values, int64_t c0, int64_t c1, float* out) {
   __m256 acc[V];
-  for (int i = 0; i < V; ++i) acc[i] = c0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(out + i * kLanes);
+  for (int i = 0; i < V; ++i) acc[i] = _mm256_loadu_ps(out + i * kLanes);
   for (int64_t c = c0; c < c1; ++c) {
     const __m256 w = _mm256_set1_ps(p[c]);
     for (int i = 0; i < V; ++i) acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(values[c] + i * kLanes), acc[i]);
@@ -110,28 +124,37 @@ void weighted_sum_avx2(const float* p, const float* const* values, int64_t c0, i
   for (int i = 0; i < V; ++i) _mm256_storeu_ps(out + i * kLanes, acc[i]);
 }
 
-// `count` query vectors q[i] (head size 8 * V) over the first n[i] of the same keys: the
-// heads that share one KV head, for one row or a few rows of one sequence. Keys and
-// values are read in blocks of kBlock, each block once for all the queries while it sits
-// in L1; each query's arithmetic is the same as alone: scores eight keys at a time, a
-// vectorised softmax, the value sum in key order, normalised once at the end. `scores`
-// holds `count` rows of `stride` >= max n + 8 floats.
+// `count` query vectors q[i] (head size 8 * V) over keys [first[i], n[i]) of the same
+// keys: the heads that share one KV head, for one row or a few rows of one sequence. Keys
+// and values are read in blocks of kBlock, each block once for all the queries while it
+// sits in L1; each query's arithmetic is the same as alone: scores eight keys at a time
+// from its first key, soft-capped (cap > 0), a vectorised softmax, the value sum in key
+// order, normalised once at the end. `scores` holds `count` rows of `stride` >= max n + 8
+// floats.
 template <int V>
-void attend_queries_avx2(const float* q, int64_t count, const int64_t* n, const float* const* keys,
-                         const float* const* values, float scale, float* scores, int64_t stride, float* out) {
+void attend_queries_avx2(const float* q, int64_t count, const int64_t* first, const int64_t* n,
+                         const float* const* keys, const float* const* values, float scale, float cap,
+                         float* scores, int64_t stride, float* out) {
   constexpr int64_t kBlock = 64;
   constexpr int dim = V * kLanes;
   const int64_t longest = *std::max_element(n, n + count);
   std::vector<__m256> top(count, _mm256_set1_ps(-std::numeric_limits<float>::infinity()));
   for (int64_t c0 = 0; c0 < longest; c0 += kBlock)
     for (int64_t i = 0; i < count; ++i)
-      if (c0 < n[i])
-        top[i] = scores_avx2<V>(q + i * dim, keys, c0, std::min(c0 + kBlock, n[i]), scale, scores + i * stride, top[i]);
+      if (c0 < n[i] && c0 + kBlock > first[i])
+        top[i] = scores_avx2<V>(q + i * dim, keys, std::max(c0, first[i]), std::min(c0 + kBlock, n[i]), scale,
+                                scores + i * stride, top[i]);
   std::vector<float> inv(count);
-  for (int64_t i = 0; i < count; ++i) inv[i] = exponentiate_avx2(scores + i * stride, n[i], top[i]);
+  for (int64_t i = 0; i < count; ++i) {
+    if (cap > 0.f) top[i] = _mm256_set1_ps(soft_cap(scores + i * stride, first[i], n[i], cap));
+    inv[i] = exponentiate_avx2(scores + i * stride, first[i], n[i], top[i]);
+  }
+  std::fill(out, out + count * dim, 0.f);
   for (int64_t c0 = 0; c0 < longest; c0 += kBlock)
     for (int64_t i = 0; i < count; ++i)
-      if (c0 < n[i]) weighted_sum_avx2<V>(scores + i * stride, values, c0, std::min(c0 + kBlock, n[i]), out + i * dim);
+      if (c0 < n[i] && c0 + kBlock > first[i])
+        weighted_sum_avx2<V>(scores + i * stride, values, std::max(c0, first[i]), std::min(c0 + kBlock, n[i]),
+                             out + i * dim);
   for (int64_t i = 0; i < count; ++i)
     for (int d = 0; d < dim; ++d) out[i * dim + d] *= inv[i];
 }
@@ -172,22 +195,25 @@ inline void softmax(float* s, int64_t n) {
   for (int64_t c = 0; c < n; ++c) s[c] *= inv;
 }
 
-// `count` query vectors q[i] (as floats) over the first n[i] of the same keys, into
-// out[i * dim : (i + 1) * dim]. `scores` holds `count` rows of `stride` >= max n + 8 floats.
+// `count` query vectors q[i] (as floats) over keys [first[i], n[i]) of the same keys,
+// scores soft-capped where cap > 0, into out[i * dim : (i + 1) * dim]. `scores` holds
+// `count` rows of `stride` >= max n + 8 floats.
 template <typename scalar_t>
-void attend_queries(const float* q, int64_t count, const int64_t* n, const scalar_t* const* keys,
-                    const scalar_t* const* values, int64_t dim, float scale, float* scores, int64_t stride,
-                    float* out) {
+void attend_queries(const float* q, int64_t count, const int64_t* first, const int64_t* n,
+                    const scalar_t* const* keys, const scalar_t* const* values, int64_t dim, float scale, float cap,
+                    float* scores, int64_t stride, float* out) {
 #if defined(__AVX2__) && defined(__FMA__)
   if constexpr (std::is_same_v<scalar_t, float>) {
-    if (dim == 64) return attend_queries_avx2<8>(q, count, n, keys, values, scale, scores, stride, out);
-    if (dim == 128) return attend_queries_avx2<16>(q, count, n, keys, values, scale, scores, stride, out);
+    if (dim == 64) return attend_queries_avx2<8>(q, count, first, n, keys, values, scale, cap, scores, stride, out);
+    if (dim == 128) return attend_queries_avx2<16>(q, count, first, n, keys, values, scale, cap, scores, stride, out);
   }
 #endif
   for (int64_t i = 0; i < count; ++i) {
-    dots(q + i * dim, keys, n[i], dim, scale, scores);
-    softmax(scores, n[i]);
-    weighted_sum(scores, values, n[i], dim, out + i * dim);
+    const int64_t seen = n[i] - first[i];
+    dots(q + i * dim, keys + first[i], seen, dim, scale, scores);
+    if (cap > 0.f) soft_cap(scores, 0, seen, cap);
+    softmax(scores, seen);
+    weighted_sum(scores, values + first[i], seen, dim, out + i * dim);
   }
 }
 
@@ -204,10 +230,15 @@ std::vector<std::pair<int64_t, int64_t>> row_tiles(const int64_t* seq_of, int64_
   return tiles;
 }
 
+// The cache slot of a sequence's key `key`, through its block table row.
+inline int64_t slot_of(const int64_t* table, int64_t block_size, int64_t key) {
+  return table[key / block_size] * block_size + key % block_size;
+}
+
 template <typename scalar_t>
 void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const at::Tensor& block_tables, const at::Tensor& row_seq, const at::Tensor& row_keys,
-            int64_t block_size, double scale, at::Tensor& out) {
+            int64_t block_size, double scale, int64_t window, double softcap, at::Tensor& out) {
   const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t kv_heads = k_cache.size(0), num_slots = k_cache.size(1);
   const int64_t group = heads / kv_heads, max_blocks = block_tables.size(1);
@@ -218,7 +249,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const int64_t* seq_of = row_seq.data_ptr<int64_t>();
   const int64_t* keys_of = row_keys.data_ptr<int64_t>();
   scalar_t* op = out.data_ptr<scalar_t>();
-  const float fscale = static_cast<float>(scale);
+  const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
 
   const auto tiles = row_tiles(seq_of, rows);
   const int64_t tasks = static_cast<int64_t>(tiles.size()) * kv_heads;
@@ -227,26 +258,28 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
 #pragma omp parallel num_threads(at::get_num_threads())
   {
     std::vector<float> query, scores, acc;
-    std::vector<int64_t> n;
+    std::vector<int64_t> first, n;
     std::vector<const scalar_t*> key_rows, value_rows;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < tasks; ++task) {
       const auto [first_row, end_row] = tiles[task / kv_heads];
       const int64_t h = task % kv_heads, count = (end_row - first_row) * group;
+      first.clear();
       n.clear();
-      for (int64_t row = first_row; row < end_row; ++row) n.insert(n.end(), group, keys_of[row]);
-      const int64_t longest = *std::max_element(n.begin(), n.end());
-      const int64_t* table = tables + seq_of[first_row] * max_blocks;
-      const scalar_t* k_head = kp + h * num_slots * dim;
-      const scalar_t* v_head = vp + h * num_slots * dim;
-      key_rows.resize(longest);
-      value_rows.resize(longest);
-      for (int64_t c = 0, block = 0; c < longest; ++block) {
-        const int64_t first = table[block] * block_size;
-        for (int64_t offset = 0; offset < block_size && c < longest; ++offset, ++c) {
-          key_rows[c] = k_head + (first + offset) * dim;
-          value_rows[c] = v_head + (first + offset) * dim;
-        }
+      for (int64_t row = first_row; row < end_row; ++row) {
+        first.insert(first.end(), group, window > 0 ? std::max<int64_t>(0, keys_of[row] - window) : 0);
+        n.insert(n.end(), group, keys_of[row]);
+      }
+      // Only the keys [base, base + span) that some query sees, indexed from base.
+      const int64_t base = *std::min_element(first.begin(), first.end());
+      const int64_t span = *std::max_element(n.begin(), n.end()) - base;
+      for (int64_t i = 0; i < count; ++i) first[i] -= base, n[i] -= base;
+      key_rows.resize(span);
+      value_rows.resize(span);
+      for (int64_t c = 0; c < span; ++c) {
+        const int64_t slot = slot_of(tables + seq_of[first_row] * max_blocks, block_size, base + c);
+        key_rows[c] = kp + (h * num_slots + slot) * dim;
+        value_rows[c] = vp + (h * num_slots + slot) * dim;
       }
       query.resize(count * dim);
       acc.resize(count * dim);
@@ -254,10 +287,10 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         const int64_t row = first_row + i / group, head = h * group + i % group;
         for (int64_t d = 0; d < dim; ++d) query[i * dim + d] = static_cast<float>(qp[(row * heads + head) * dim + d]);
       }
-      const int64_t stride = longest + kLanes;
+      const int64_t stride = span + kLanes;
       scores.resize(count * stride);
-      attend_queries(query.data(), count, n.data(), key_rows.data(), value_rows.data(), dim, fscale, scores.data(),
-                     stride, acc.data());
+      attend_queries(query.data(), count, first.data(), n.data(), key_rows.data(), value_rows.data(), dim, fscale, cap,
+                     scores.data(), stride, acc.data());
       for (int64_t i = 0; i < count; ++i) {
         scalar_t* o = op + ((first_row + i / group) * heads + h * group + i % group) * dim;
         for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<scalar_t>(acc[i * dim + d]);
@@ -269,18 +302,22 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
 }  // namespace
 
 // q [rows, heads, dim]; k_cache, v_cache [kv_heads, slots, dim]; block_tables [seqs,
-// max_blocks] int64; row_seq [rows] (the row's sequence), row_keys [rows] (how many of
-// its sequence's keys the row sees) int64. Returns [rows, heads, dim].
+// max_blocks] int64; row_seq [rows] (the row's sequence), row_keys [rows] (the row sees
+// its sequence's keys up to this count) int64; sliding_window: the row sees only the last
+// this many of them (0: all); softcap: scores capped to softcap * tanh(score / softcap)
+// (0: none). Returns [rows, heads, dim].
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& row_seq,
-                           const at::Tensor& row_keys, int64_t block_size, double scale) {
+                           const at::Tensor& row_keys, int64_t block_size, double scale, int64_t sliding_window,
+                           double softcap) {
+  TORCH_CHECK(sliding_window >= 0 && softcap >= 0, "sliding_window and softcap are 0 (none) or positive");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && row_seq.scalar_type() == at::kLong &&
               row_keys.scalar_type() == at::kLong, "int64 tables");
   at::Tensor out = at::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
     attend<scalar_t>(q, k_cache, v_cache, block_tables.contiguous(), row_seq.contiguous(),
-                     row_keys.contiguous(), block_size, scale, out);
+                     row_keys.contiguous(), block_size, scale, sliding_window, softcap, out);
   });
   return out;
 }

@@ -6,6 +6,11 @@ layout; each layer's `Attention` hands its queries, keys and values to the step'
 and attends. A backend is one module: `attention_torch` (PyTorch's batched products),
 `attention_cpu` (the compiled CPU kernel), `attention_triton` (Triton kernels, for GPUs);
 `attention_selector` picks one.
+
+Layers differ in what they see: each `Attention` carries its own scale, sliding window
+(a query at position p sees keys p - W < k <= p) and attention-logit soft-cap
+(C * tanh(score / C), Gemma 2), so one model can mix windowed and global layers; every
+backend reads them from the layer in `forward`, while `prepare` runs once per step.
 """
 
 from dataclasses import dataclass
@@ -86,14 +91,27 @@ class AttentionBackend:
 class Attention(nn.Module):
     """One layer's attention: writes the step's keys and values into this layer's paged
     cache, then attends over it, through `backend`. The model runner assigns the backend
-    and the caches once it knows how many blocks fit."""
+    and the caches once it knows how many blocks fit.
 
-    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int) -> None:
+    Scores are (q . k) * `scale` (default head_dim**-0.5), then soft-capped to
+    `logit_softcap` * tanh(score / `logit_softcap`) when it is set. With `sliding_window`
+    W a query at position p sees the W keys p - W < k <= p (transformers' semantics);
+    None sees its whole causal context.
+    """
+
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float | None = None,
+                 sliding_window: int | None = None, logit_softcap: float | None = None) -> None:
         super().__init__()
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be at least 1 key, got {sliding_window}")
+        if logit_softcap is not None and logit_softcap <= 0:
+            raise ValueError(f"logit_softcap must be positive, got {logit_softcap}")
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.num_kv_heads = num_kv_heads
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
+        self.sliding_window = sliding_window
+        self.logit_softcap = logit_softcap
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
         self.backend: AttentionBackend | None = None

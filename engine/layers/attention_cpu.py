@@ -1,7 +1,8 @@
 """The CPU attention backend: the compiled paged-attention kernel of
 `engine.kernels.cpu_attention`, reading keys and values straight from the cache through
 the block table, one (row tile, KV head) task at a time; a row's result does not depend on
-the rest of the step."""
+the rest of the step. The layer's sliding window and soft-cap go to the kernel, which reads
+only the keys inside a row's window."""
 
 from dataclasses import dataclass
 
@@ -37,4 +38,5 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def forward(self, layer: Attention, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         rows = meta.backend_data
         return cpu_attention.paged_attention(q, layer.k_cache, layer.v_cache, rows.block_tables, rows.row_seq,
-                                             rows.row_keys, meta.block_size, layer.scale)
+                                             rows.row_keys, meta.block_size, layer.scale, layer.sliding_window,
+                                             layer.logit_softcap)

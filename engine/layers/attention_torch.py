@@ -1,8 +1,12 @@
 """The PyTorch attention backend: each sequence's keys gathered from the paged cache into a
-padded batch, then batched matrix products. Runs on any device; the reference for the others."""
+padded batch, then batched matrix products. Runs on any device; the reference for the others.
+
+A layer with a sliding window reads, per sequence, only the key chunks that hold its
+window, and masks the keys before it; a soft-capped layer caps the scaled scores before
+masking and the softmax."""
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -62,20 +66,58 @@ class AttentionGroup:
     flat token rows (padding points at row 0); `key_slots` [seqs, max_context] are the
     cache slots of each sequence's whole context; `mask` [seqs, 1, max_query,
     max_context] is causal within that context and hides padding; `valid` [seqs,
-    max_query] marks the real queries. `num_computed` and `num_new` give, per sequence,
-    the tokens already in the cache before this step and the step's new ones.
+    max_query] marks the real queries; `query_pos` [seqs, max_query] are their
+    positions. `num_computed` and `num_new` give, per sequence, the tokens already in the
+    cache before this step and the step's new ones. `windowed` holds the key slots and
+    masks of windowed layers, by (window, sequences, query chunk): built by the step's
+    first layer with that window, reused by the others.
     """
 
     query_index: torch.Tensor
     key_slots: torch.Tensor
     mask: torch.Tensor
     valid: torch.Tensor
+    query_pos: torch.Tensor
     num_computed: list[int]
     num_new: list[int]
+    windowed: dict[tuple[int, int, int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
-    def context_needed(self, first: int, last: int, query_end: int) -> int:
-        """Keys that queries before `query_end` of sequences [first, last) can see."""
-        return max(c + min(query_end, n) for c, n in zip(self.num_computed[first:last], self.num_new[first:last]))
+    def key_starts(self, first: int, last: int, query_start: int, window: int | None) -> list[int]:
+        """Per sequence of [first, last), the first key its queries from `query_start` on
+        can see (its last query's, where it has none there), rounded down to whole
+        `KEY_CHUNK`s: a row's keys then fall in the same chunks in any batch. 0 without a
+        window."""
+        if window is None:
+            return [0] * (last - first)
+        return [max(0, c + min(query_start, n - 1) - window + 1) // KEY_CHUNK * KEY_CHUNK
+                for c, n in zip(self.num_computed[first:last], self.num_new[first:last])]
+
+    def keys_needed(self, first: int, last: int, query_start: int, query_end: int, window: int | None) -> int:
+        """Keys, from each sequence's `key_starts`, that queries [query_start, query_end)
+        of sequences [first, last) can see: the longest such span."""
+        starts = self.key_starts(first, last, query_start, window)
+        return max(c + min(query_end, n) - start
+                   for c, n, start in zip(self.num_computed[first:last], self.num_new[first:last], starts))
+
+    def keys(self, first: int, last: int, query_start: int, query_end: int,
+             window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Key slots [seqs, context] and mask [seqs, 1, queries, context] for queries
+        [query_start, query_end) of sequences [first, last), for a layer with `window`."""
+        context = padded_context(self.keys_needed(first, last, query_start, query_end, window))
+        if window is None:
+            context = min(context, self.key_slots.shape[1])
+            return self.key_slots[first:last, :context], self.mask[first:last, :, query_start:query_end, :context]
+        cached = (window, first, last, query_start)
+        if cached not in self.windowed:
+            starts = torch.tensor(self.key_starts(first, last, query_start, window), device=self.key_slots.device)
+            key_pos = starts.unsqueeze(1) + torch.arange(context, device=starts.device)
+            # Past the table's width every sequence has only null slots (its last column).
+            slots = self.key_slots[first:last].gather(1, key_pos.clamp(max=self.key_slots.shape[1] - 1))
+            query_pos = self.query_pos[first:last, query_start:query_end].unsqueeze(2)
+            key_pos = key_pos.unsqueeze(1)
+            mask = (key_pos <= query_pos) & (key_pos > query_pos - window)
+            self.windowed[cached] = slots, mask.unsqueeze(1)
+        return self.windowed[cached]
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -132,28 +174,25 @@ class TorchAttentionBackend(AttentionBackend):
         key_slots = torch.where(key_pos < (computed + num_new).unsqueeze(1), key_slots, self.null_slot)
         query_pos = computed.unsqueeze(1) + query  # [seqs, max_query]
         mask = key_pos.view(1, 1, -1) <= query_pos.unsqueeze(2)
-        return AttentionGroup(query_index, key_slots, mask.unsqueeze(1), valid,
+        return AttentionGroup(query_index, key_slots, mask.unsqueeze(1), valid, query_pos,
                               num_computed=[e.num_computed for e in entries], num_new=[e.num_new for e in entries])
 
     def forward(self, layer: Attention, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         out = torch.empty_like(q)
+        window = layer.sliding_window
         for group in meta.backend_data:
             seqs, max_query = group.query_index.shape
             for query_start in range(0, max_query, _QUERY_CHUNK):
                 query_end = min(query_start + _QUERY_CHUNK, max_query)
-                per_seq = layer.num_heads * (query_end - query_start) * group.context_needed(0, seqs, query_end)
-                step = max(1, _MAX_SCORES // per_seq)
+                keys_needed = group.keys_needed(0, seqs, query_start, query_end, window)
+                step = max(1, _MAX_SCORES // (layer.num_heads * (query_end - query_start) * keys_needed))
                 for first in range(0, seqs, step):
                     last = min(first + step, seqs)
-                    context = min(padded_context(group.context_needed(first, last, query_end)),
-                                  group.key_slots.shape[1])
-                    queries = slice(first, last), slice(query_start, query_end)
-                    slots = group.key_slots[first:last, :context]
+                    slots, mask = group.keys(first, last, query_start, query_end, window)
                     keys, values = gather(layer.k_cache, slots), gather(layer.v_cache, slots)
+                    queries = slice(first, last), slice(query_start, query_end)
                     rows = group.query_index[queries]
-                    attended = matmul_attention(
-                        layer, q[rows], keys, values, group.mask[first:last, :, query_start:query_end, :context]
-                    )
+                    attended = matmul_attention(layer, q[rows], keys, values, mask)
                     valid = group.valid[queries]
                     out[rows[valid]] = attended[valid]
         return out
@@ -178,7 +217,8 @@ def matmul_attention(layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torc
     fused kernel's blocking does), so a token's output is the same whether it runs in
     a decode step, a prefill chunk or a recompute after preemption. In float32 the
     keys go in `KEY_CHUNK`s (see there); other dtypes take the whole context at once,
-    except where they run in float32 (`product_dtype`).
+    except where they run in float32 (`product_dtype`). A soft-capped layer caps the
+    scaled scores (`layer.logit_softcap`) before the mask.
     """
     compute = product_dtype(v.dtype, v.device)
     if compute != v.dtype:
@@ -197,6 +237,8 @@ def matmul_attention(layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torc
             k, v, mask = F.pad(k, (0, 0, 0, extra)), F.pad(v, (0, 0, 0, extra)), F.pad(mask, (0, extra))
     scores = torch.cat([torch.matmul(q, part.transpose(2, 3)) for part in k.split(chunk, dim=2)], dim=3)
     scores = scores[:, :, :rows].float() * layer.scale
+    if layer.logit_softcap is not None:
+        scores = scores.div_(layer.logit_softcap).tanh_().mul_(layer.logit_softcap)
     scores = scores.view(kv_heads, seqs, group, queries, -1).masked_fill_(~mask.unsqueeze(0), float("-inf"))
     probs = scores.softmax(dim=-1).to(v.dtype).view(kv_heads, seqs, rows, -1)
     if rows < _MIN_QUERY_ROWS:

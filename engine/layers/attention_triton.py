@@ -3,7 +3,8 @@
 The caches are [num_blocks, block_size, kv_heads, head_dim]: a token's heads side by
 side, so that one block of keys for one KV head is a strided [block_size, head_dim] tile.
 Steps where every sequence has one new token run the split-K decode kernel; others run the
-variable-length prefill kernel, which also serves the decode rows among them.
+variable-length prefill kernel, which also serves the decode rows among them. Both take the
+layer's sliding window and soft-cap as compile-time constants: a kernel per kind of layer.
 """
 
 import torch
@@ -33,8 +34,9 @@ class TritonAttentionBackend(AttentionBackend):
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
 
     def forward(self, layer: Attention, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        options = {"sliding_window": layer.sliding_window, "softcap": layer.logit_softcap}
         if meta.max_query_len == 1:
             return decode_attention(q, layer.k_cache, layer.v_cache, meta.seq_lens, meta.block_tables,
-                                    meta.backend_data, layer.scale)
+                                    meta.backend_data, layer.scale, **options)
         return prefill_attention(q, layer.k_cache, layer.v_cache, meta.query_start_loc, meta.seq_lens,
-                                 meta.block_tables, meta.max_query_len, layer.scale)
+                                 meta.block_tables, meta.max_query_len, layer.scale, **options)

@@ -7,6 +7,12 @@ every sequence has one new token: the context is split into partitions that run 
 parallel (split-K), and a second kernel merges their softmax statistics; each program
 takes all the query heads of one KV head, so a key block is read once per group.
 
+Both take a layer's SLIDING_WINDOW (a query at position p sees keys p - W < k <= p) and
+SOFTCAP (scores become SOFTCAP * tanh(score / SOFTCAP) before the mask) as compile-time
+constants, 0 for none. With a window, key loops start at the earliest key a query sees
+(tiles wholly before the window are never read), and decode's partitions split the window
+rather than the whole context.
+
 The caches are [num_blocks, block_size, kv_heads, head_dim]. Products accumulate in
 float32; float32 inputs use IEEE products (no TF32), so they match PyTorch's float32.
 """
@@ -31,20 +37,33 @@ def _kv_offsets(table_ptr, key_positions, key_ok, kv_head, NUM_KV_HEADS: tl.cons
 
 
 @triton.jit
+def _tanh(x):
+    """tanh(x) as (1 - e) / (1 + e), e = exp(-2|x|) in (0, 1], with the sign of x (Triton
+    has no tanh): no overflow at any x, and within about 1e-7 of torch.tanh."""
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
 def _attend_tile(q, k_cache_ptr, v_cache_ptr, table_ptr, key_positions, key_ok, visible, kv_head, dims, dim_ok,
                  scale, top, total, acc, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr):
+                 BLOCK_SIZE: tl.constexpr, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
     """One tile of keys folded into the queries' running softmax (online softmax): returns
     the new running maximum, sum of weights and weighted value sum. `visible` [queries,
-    keys] masks the scores."""
+    keys] masks the scores; a query that has seen no key yet keeps a maximum of -inf and
+    adds nothing."""
     kv_offsets = _kv_offsets(table_ptr, key_positions, key_ok, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, dims)
     kv_mask = key_ok[:, None] & dim_ok[None, :]
     k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    if SOFTCAP:
+        scores = SOFTCAP * _tanh(scores / SOFTCAP)
     scores = tl.where(visible, scores, float("-inf"))
     new_top = tl.maximum(top, tl.max(scores, 1))
-    p = tl.exp(scores - new_top[:, None])
-    alpha = tl.exp(top - new_top)
+    shift = tl.where(new_top == float("-inf"), 0.0, new_top)  # exp(-inf - -inf) would be NaN
+    p = tl.exp(scores - shift[:, None])
+    alpha = tl.exp(top - shift)
     v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return new_top, total * alpha + tl.sum(p, 1), acc
@@ -53,10 +72,12 @@ def _attend_tile(q, k_cache_ptr, v_cache_ptr, table_ptr, key_positions, key_ok, 
 @triton.jit
 def _attend_keys(q, k_cache_ptr, v_cache_ptr, table_ptr, key_start, key_end, positions, kv_head, dims, dim_ok, scale,
                  ROWS: tl.constexpr, CAUSAL: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, TILE_N: tl.constexpr, PRECISION: tl.constexpr):
+                 BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, TILE_N: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
+                 SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
     """The ROWS queries `q` over keys [key_start, key_end) of one KV head, a tile of
     TILE_N keys at a time (`_attend_tile`): returns the running maximum, sum of weights
-    and weighted value sum. CAUSAL: query i sees only keys at or before `positions[i]`."""
+    and weighted value sum. CAUSAL: query i sees only keys at or before `positions[i]`,
+    and after `positions[i] - SLIDING_WINDOW` where that is set."""
     top = tl.full([ROWS], float("-inf"), tl.float32)
     total = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
@@ -66,11 +87,13 @@ def _attend_keys(q, k_cache_ptr, v_cache_ptr, table_ptr, key_start, key_end, pos
         key_ok = key_positions < key_end
         if CAUSAL:
             visible = (key_positions[None, :] <= positions[:, None]) & key_ok[None, :]
+            if SLIDING_WINDOW:
+                visible = visible & (key_positions[None, :] > positions[:, None] - SLIDING_WINDOW)
         else:
             visible = key_ok[None, :]
         top, total, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, table_ptr, key_positions, key_ok, visible,
                                        kv_head, dims, dim_ok, scale, top, total, acc, NUM_KV_HEADS, HEAD_DIM,
-                                       BLOCK_SIZE, PRECISION)
+                                       BLOCK_SIZE, SOFTCAP, PRECISION)
     return top, total, acc
 
 
@@ -78,7 +101,8 @@ def _attend_keys(q, k_cache_ptr, v_cache_ptr, table_ptr, key_start, key_end, pos
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_ptr, seq_lens_ptr, block_tables_ptr,
                     scale, table_stride, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-                    TILE_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+                    TILE_N: tl.constexpr, BLOCK_D: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
+                    SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
     seq = tl.program_id(0)
     m_block = tl.program_id(1)
     head = tl.program_id(2)
@@ -95,11 +119,24 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_ptr, s
         q_offsets = ((q_start + rows)[:, None] * NUM_HEADS + head) * HEAD_DIM + dims[None, :]
         q = tl.load(q_ptr + q_offsets, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
         key_end = tl.minimum(context, computed + (m_block + 1) * BLOCK_M)
-        top, total, acc = _attend_keys(q, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * table_stride, 0, key_end,
-                                       computed + rows, kv_head, dims, dim_ok, scale, BLOCK_M, True, NUM_KV_HEADS,
-                                       HEAD_DIM, BLOCK_SIZE, BLOCK_D, TILE_N, PRECISION)
-        out = acc / total[:, None]
+        key_start = 0
+        if SLIDING_WINDOW:  # the block's first row sees the earliest key
+            key_start = tl.maximum(0, computed + m_block * BLOCK_M - SLIDING_WINDOW + 1)
+        top, total, acc = _attend_keys(q, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * table_stride, key_start,
+                                       key_end, computed + rows, kv_head, dims, dim_ok, scale, BLOCK_M, True,
+                                       NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_D, TILE_N, SLIDING_WINDOW, SOFTCAP,
+                                       PRECISION)
+        out = acc / tl.where(total > 0, total, 1.0)[:, None]  # padding rows may see no key in their window
         tl.store(out_ptr + q_offsets, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+
+
+@triton.jit
+def _first_key(context, SLIDING_WINDOW: tl.constexpr):
+    """The first key a decode query (the context's last key) sees: where split 0 starts."""
+    first = 0
+    if SLIDING_WINDOW:
+        first = tl.maximum(0, context - SLIDING_WINDOW)
+    return first
 
 
 @triton.jit
@@ -107,12 +144,13 @@ def _decode_partition_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_acc_ptr, part
                              seq_lens_ptr, block_tables_ptr, scale, table_stride, num_splits,
                              NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                              BLOCK_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
-                             PARTITION: tl.constexpr, TILE_N: tl.constexpr, PRECISION: tl.constexpr):
+                             PARTITION: tl.constexpr, TILE_N: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
+                             SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     context = tl.load(seq_lens_ptr + seq)
-    start = split * PARTITION
+    start = _first_key(context, SLIDING_WINDOW) + split * PARTITION
     if start < context:
         group = NUM_HEADS // NUM_KV_HEADS
         members = tl.arange(0, GROUP_PAD)
@@ -125,7 +163,7 @@ def _decode_partition_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_acc_ptr, part
         end = tl.minimum(context, start + PARTITION)
         top, total, acc = _attend_keys(q, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * table_stride, start, end,
                                        members, kv_head, dims, dim_ok, scale, GROUP_PAD, False, NUM_KV_HEADS,
-                                       HEAD_DIM, BLOCK_SIZE, BLOCK_D, TILE_N, PRECISION)
+                                       HEAD_DIM, BLOCK_SIZE, BLOCK_D, TILE_N, SLIDING_WINDOW, SOFTCAP, PRECISION)
         stat = (seq * NUM_HEADS + heads) * num_splits + split
         tl.store(part_top_ptr + stat, top, mask=member_ok)
         tl.store(part_total_ptr + stat, total, mask=member_ok)
@@ -135,10 +173,11 @@ def _decode_partition_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_acc_ptr, part
 @triton.jit
 def _decode_merge_kernel(part_acc_ptr, part_top_ptr, part_total_ptr, out_ptr, seq_lens_ptr, num_splits,
                          NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                         SPLITS_PAD: tl.constexpr, PARTITION: tl.constexpr):
+                         SPLITS_PAD: tl.constexpr, PARTITION: tl.constexpr, SLIDING_WINDOW: tl.constexpr):
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    used = tl.cdiv(tl.load(seq_lens_ptr + seq), PARTITION)
+    context = tl.load(seq_lens_ptr + seq)
+    used = tl.cdiv(context - _first_key(context, SLIDING_WINDOW), PARTITION)
     splits = tl.arange(0, SPLITS_PAD)
     split_ok = splits < used
     dims = tl.arange(0, BLOCK_D)
@@ -159,12 +198,14 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
-                      seq_lens: torch.Tensor, block_tables: torch.Tensor, max_query_len: int,
-                      scale: float) -> torch.Tensor:
+                      seq_lens: torch.Tensor, block_tables: torch.Tensor, max_query_len: int, scale: float,
+                      sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Attention of q [tokens, heads, head_dim], the new tokens of each sequence back to
     back (sequence i's rows are query_start_loc[i]:query_start_loc[i + 1]), over each
     sequence's first seq_lens[i] keys (its cached context, then its new tokens) through
-    block_tables [seqs, max_blocks] (int32). Returns [tokens, heads, head_dim]."""
+    block_tables [seqs, max_blocks] (int32), causally, each query over only its last
+    `sliding_window` keys where given, scores soft-capped at `softcap` where given.
+    Returns [tokens, heads, head_dim]."""
     q = q.contiguous()
     out = torch.empty_like(q)
     _, block_size, kv_heads, head_dim = k_cache.shape
@@ -174,7 +215,8 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     _prefill_kernel[grid](q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale,
                           block_tables.stride(0), NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HEAD_DIM=head_dim,
                           BLOCK_SIZE=block_size, BLOCK_M=block_m, TILE_N=KEY_TILE,
-                          BLOCK_D=triton.next_power_of_2(head_dim), PRECISION=_precision(q.dtype))
+                          BLOCK_D=triton.next_power_of_2(head_dim), SLIDING_WINDOW=sliding_window or 0,
+                          SOFTCAP=float(softcap or 0), PRECISION=_precision(q.dtype))
     return out
 
 
@@ -184,11 +226,14 @@ def decode_splits(max_seq_len: int) -> int:
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
-                     block_tables: torch.Tensor, num_splits: int, scale: float) -> torch.Tensor:
+                     block_tables: torch.Tensor, num_splits: int, scale: float, sliding_window: int | None = None,
+                     softcap: float | None = None) -> torch.Tensor:
     """Attention of one new token per sequence, q [seqs, heads, head_dim], over each
-    sequence's first seq_lens[i] keys (0: a padding row, whose output is zeros), the
-    context split `num_splits` ways (at least `decode_splits(max(seq_lens))`; a fixed
-    number keeps the launch the same for CUDA graphs). Returns [seqs, heads, head_dim]."""
+    sequence's first seq_lens[i] keys (0: a padding row, whose output is zeros), or only
+    their last `sliding_window`, scores soft-capped at `softcap` where given. The keys
+    seen are split `num_splits` ways (at least `decode_splits(max(seq_lens))`; a fixed
+    number keeps the launch the same for CUDA graphs; splits past the keys seen do
+    nothing). Returns [seqs, heads, head_dim]."""
     q = q.contiguous()
     _, block_size, kv_heads, head_dim = k_cache.shape
     seqs, heads = q.shape[0], q.shape[1]
@@ -200,9 +245,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q, k_cache, v_cache, part_acc, part_top, part_total, seq_lens, block_tables, scale, block_tables.stride(0),
         num_splits, NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         GROUP_PAD=max(16, triton.next_power_of_2(heads // kv_heads)), BLOCK_D=block_d, PARTITION=DECODE_PARTITION,
-        TILE_N=KEY_TILE, PRECISION=_precision(q.dtype))
+        TILE_N=KEY_TILE, SLIDING_WINDOW=sliding_window or 0, SOFTCAP=float(softcap or 0),
+        PRECISION=_precision(q.dtype))
     out = torch.empty_like(q)
     _decode_merge_kernel[(seqs, heads)](part_acc, part_top, part_total, out, seq_lens, num_splits, NUM_HEADS=heads,
                                         HEAD_DIM=head_dim, BLOCK_D=block_d,
-                                        SPLITS_PAD=triton.next_power_of_2(num_splits), PARTITION=DECODE_PARTITION)
+                                        SPLITS_PAD=triton.next_power_of_2(num_splits), PARTITION=DECODE_PARTITION,
+                                        SLIDING_WINDOW=sliding_window or 0)
     return out
