@@ -1,0 +1,134 @@
+"""The experts of a mixture-of-experts layer in two grouped launches for all experts at once.
+
+A step's T * top_k slots (slot t * top_k + j: token t's j-th expert) are sorted by expert
+and each expert's run is padded to a multiple of BLOCK_M (the "align" step, as vLLM's
+moe_align_block_size), so that every block of BLOCK_M sorted slots belongs to one expert
+and experts without a slot get no block. One launch computes silu(gate) * up for every
+block, gathering x's rows by the slots' tokens; a second the down product, scaled by each
+slot's routing weight, into a [T, top_k, H] float32 buffer whose top_k rows per token
+are then summed: a fixed order, the same bits from run to run (no atomics).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels.triton.activation import silu_mul
+
+_BLOCK_K = 32
+
+
+@triton.jit
+def _expert_product(a_ptr, a_rows, row_ok, a_stride, w_ptr, w_rows, w_row_ok, K: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """a[a_rows] [BLOCK_M, K] times w[w_rows].T [K, BLOCK_N] in float32, w row-major [*, K]."""
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        a = tl.load(a_ptr + a_rows[:, None] * a_stride + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        w = tl.load(w_ptr + w_rows[None, :] * K + ks[:, None], mask=k_ok[:, None] & w_row_ok[None, :], other=0.0)
+        acc += tl.dot(a, w, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w13_ptr, act_ptr, sorted_slots_ptr, block_experts_ptr, num_slots, x_stride,
+                    TOP_K: tl.constexpr, NUM_EXPERTS: tl.constexpr, INTER: tl.constexpr, HIDDEN: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """act[slot, cols] = silu(gate) * up of x[slot // TOP_K] through the block's expert."""
+    block = tl.program_id(0)
+    expert = tl.load(block_experts_ptr + block)
+    if expert < NUM_EXPERTS:
+        slots = tl.load(sorted_slots_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+        slot_ok = slots < num_slots
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < INTER
+        w = w13_ptr + expert.to(tl.int64) * (2 * INTER * HIDDEN)
+        tokens = slots // TOP_K
+        gate = _expert_product(x_ptr, tokens, slot_ok, x_stride, w, cols, col_ok, HIDDEN, BLOCK_M, BLOCK_N, BLOCK_K,
+                               PRECISION)
+        up = _expert_product(x_ptr, tokens, slot_ok, x_stride, w, INTER + cols, col_ok, HIDDEN, BLOCK_M, BLOCK_N,
+                             BLOCK_K, PRECISION)
+        tl.store(act_ptr + slots[:, None] * INTER + cols[None, :], silu_mul(gate, up, act_ptr.dtype.element_ty),
+                 mask=slot_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(act_ptr, w2_ptr, weights_ptr, out_ptr, sorted_slots_ptr, block_experts_ptr, num_slots,
+                 NUM_EXPERTS: tl.constexpr, INTER: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """out[slot, cols] = weight[slot] * (act[slot] through the block's expert's down matrix),
+    the product rounded to act's dtype first as PyTorch's would be."""
+    block = tl.program_id(0)
+    expert = tl.load(block_experts_ptr + block)
+    if expert < NUM_EXPERTS:
+        slots = tl.load(sorted_slots_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+        slot_ok = slots < num_slots
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < HIDDEN
+        w = w2_ptr + expert.to(tl.int64) * (HIDDEN * INTER)
+        acc = _expert_product(act_ptr, slots, slot_ok, INTER, w, cols, col_ok, INTER, BLOCK_M, BLOCK_N, BLOCK_K,
+                              PRECISION)
+        scale = tl.load(weights_ptr + slots, mask=slot_ok, other=0.0)
+        acc = acc.to(act_ptr.dtype.element_ty).to(tl.float32) * scale[:, None]
+        tl.store(out_ptr + slots[:, None] * HIDDEN + cols[None, :], acc, mask=slot_ok[:, None] & col_ok[None, :])
+
+
+def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The slots sorted by expert, each expert's run padded to a multiple of `block_m`
+    with the invalid slot T * top_k: sorted_slots [blocks * block_m] int32; and each
+    block's expert, block_experts [blocks] int32, `num_experts` for blocks past the last.
+
+    No host sync (a CUDA graph can hold it): `blocks` is the bound slots // block_m +
+    min(experts, slots) rather than the count, and the surplus blocks' programs exit."""
+    flat = topk_ids.reshape(-1).long()
+    slots = flat.numel()
+    blocks = slots // block_m + min(num_experts, slots)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_ends = padded.cumsum(0)
+    order = torch.argsort(flat, stable=True)
+    expert_of = flat[order]
+    place_in_run = torch.arange(slots, device=flat.device) - (counts.cumsum(0) - counts)[expert_of]
+    sorted_slots = torch.full((blocks * block_m,), slots, dtype=torch.int32, device=flat.device)
+    sorted_slots[(padded_ends - padded)[expert_of] + place_in_run] = order.to(torch.int32)
+    block_starts = torch.arange(blocks, device=flat.device) * block_m
+    block_experts = torch.searchsorted(padded_ends, block_starts, right=True).to(torch.int32)
+    return sorted_slots, block_experts
+
+
+def _tile(width: int) -> int:
+    return min(64, max(16, triton.next_power_of_2(width)))
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, block_m: int | None = None) -> torch.Tensor:
+    """sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j],
+    for x [T, H], w13 [E, 2 * I, H] (each expert's gate rows, then its up rows) and
+    w2 [E, H, I]. Returns [T, H] in x's dtype. `block_m` (slots per block, a power of two
+    of at least 16) defaults to one for the step's average slots per expert."""
+    tokens, hidden = x.shape
+    num_experts, inter = w2.shape[0], w2.shape[2]
+    top_k = topk_ids.shape[1]
+    slots = tokens * top_k
+    if slots == 0:
+        return torch.zeros_like(x)
+    block_m = block_m or _tile(slots // num_experts)
+    sorted_slots, block_experts = align(topk_ids, num_experts, block_m)
+    blocks = block_experts.shape[0]
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    act = torch.empty(slots, inter, dtype=x.dtype, device=x.device)
+    block_n = _tile(inter)
+    _gate_up_kernel[(blocks, triton.cdiv(inter, block_n))](
+        x, w13.contiguous(), act, sorted_slots, block_experts, slots, x.stride(0), TOP_K=top_k,
+        NUM_EXPERTS=num_experts, INTER=inter, HIDDEN=hidden, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=_BLOCK_K,
+        PRECISION=precision)
+    out = torch.empty(slots, hidden, dtype=torch.float32, device=x.device)
+    block_n = _tile(hidden)
+    _down_kernel[(blocks, triton.cdiv(hidden, block_n))](
+        act, w2.contiguous(), topk_weights.float().contiguous(), out, sorted_slots, block_experts, slots,
+        NUM_EXPERTS=num_experts, INTER=inter, HIDDEN=hidden, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=_BLOCK_K,
+        PRECISION=precision)
+    return out.view(tokens, top_k, hidden).sum(dim=1).to(x.dtype)

@@ -1,0 +1,118 @@
+"""The mixture-of-experts feed-forward layer (Mixtral, Qwen2-MoE, Qwen3-MoE): the router's
+choice of experts per token, and the experts' SwiGLU products summed by routing weight.
+
+On a CPU the experts run as grouped products that skip idle experts: the step's
+(token, expert) slots are sorted by expert once, and each expert that received slots
+multiplies just their rows, through oneDNN's prepacked weights like every `Linear`. A GPU
+runs them in the fused Triton kernel (`engine.kernels.triton.fused_moe`).
+"""
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.layers.linear import prepack, project
+
+if TYPE_CHECKING:
+    from engine.distributed.communicator import TensorParallelGroup
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `top_k` experts of each token and their routing weights, as transformers' routers
+    choose them: softmax over all experts in float32, top-k, then (`renormalize`: Mixtral
+    always, Qwen2-MoE/Qwen3-MoE with `norm_topk_prob`) division by the top-k's sum.
+
+    Returns (weights [tokens, top_k] float32, ids [tokens, top_k] int64). Qwen2-MoE and
+    Qwen3-MoE then round the weights to the logits' dtype (Mixtral does not): a model
+    matching them casts `weights.to(router_logits.dtype)` itself."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+class FusedMoE(nn.Module):
+    """`num_experts` SwiGLU experts: w13 [E, 2 * I, H] holds each expert's gate rows then its
+    up rows (as transformers' `gate_up_proj`), w2 [E, H, I] its down matrix (`down_proj`).
+
+    Tensor parallelism splits every expert's intermediate dimension: each rank holds
+    I = intermediate_size / ranks of it (rank r the r-th slice: rows of the checkpoint's
+    gate and up, columns of its down), and the partial outputs are summed over the ranks.
+
+    `kernel`, when set (see `engine.layers.triton_routing`), computes the experts in one
+    fused call: kernel(x, w13, w2, topk_weights, topk_ids). `packed` holds each expert's
+    two matrices in oneDNN's layout once `prepack` has run (the 3-D weights are then empty);
+    they are opaque tensors without a storage, so a count of the weights' bytes adds their
+    numel * element_size as it does for `Linear.packed_weight`.
+    """
+
+    kernel: Callable | None = None
+    packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 group: "TensorParallelGroup | None" = None) -> None:
+        super().__init__()
+        local = intermediate_size // (group.size if group is not None else 1)
+        self.group = group
+        self.num_experts = num_experts
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * local, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, local))
+
+    def prepack(self) -> None:
+        """Reorders every expert's matrices for oneDNN where that helps (`Linear.prepack`)
+        and drops the 3-D originals, which the packed copies replace; a no-op where the
+        plain product is used, or where the Triton kernel runs, which reads the 3-D weights."""
+        if self.packed is not None or self.kernel is not None:
+            return
+        packed = [(prepack(self.w13[e]), prepack(self.w2[e])) for e in range(self.num_experts)]
+        if any(matrix is None for pair in packed for matrix in pair):
+            return
+        self.packed = packed
+        self.w13 = nn.Parameter(torch.empty(0, dtype=self.w13.dtype), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(0, dtype=self.w2.dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """out[t] = sum_j topk_weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])) with
+        e = topk_ids[t, j], for x [T, H]; [T, H] in x's dtype."""
+        if self.kernel is not None:
+            out = self.kernel(x, self.w13, self.w2, topk_weights, topk_ids)
+        else:
+            out = self._grouped(x, topk_weights, topk_ids)
+        if self.group is not None and self.group.size > 1:
+            self.group.all_reduce(out)
+        return out
+
+    def _grouped(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """The experts as one pair of products per expert that received slots, on its rows.
+
+        A token's slots are added into the float32 sum in expert order (the stable sort
+        keeps it), as transformers adds them: its result depends on its own experts only,
+        and each product's rows on nothing else in the batch (`project`)."""
+        if x.shape[0] == 0:
+            return torch.zeros_like(x)
+        top_k = topk_ids.shape[1]
+        flat_ids = topk_ids.reshape(-1)
+        order = torch.argsort(flat_ids, stable=True)
+        tokens = order // top_k
+        rows = x.index_select(0, tokens)
+        outputs, start = [], 0
+        for expert, count in enumerate(torch.bincount(flat_ids, minlength=self.num_experts).tolist()):
+            if count:
+                outputs.append(self._expert(expert, rows[start : start + count]))
+            start += count
+        weighted = torch.cat(outputs).float() * topk_weights.reshape(-1)[order, None]
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add_(0, tokens, weighted)
+        return out.to(x.dtype)
+
+    def _expert(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
+        """Expert `expert`'s SwiGLU of `rows` [n, H], in their dtype."""
+        if self.packed is not None:  # project reads the packed matrices, not the emptied weights
+            (w13, w2), (packed13, packed2) = (self.w13, self.w2), self.packed[expert]
+        else:
+            (w13, w2), (packed13, packed2) = (self.w13[expert], self.w2[expert]), (None, None)
+        gate, up = project(rows, w13, packed13).chunk(2, dim=-1)
+        return project(F.silu(gate).mul_(up), w2, packed2)
