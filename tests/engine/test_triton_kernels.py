@@ -23,14 +23,21 @@ def tolerance(dtype: torch.dtype) -> dict:
     return dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
 
 
-def reference_attention(q, k, v, first_position):
-    """q [new, heads, dim] at positions first_position.., k/v [context, kv_heads, dim]."""
+def reference_attention(q, k, v, first_position, scale=None, window=None, softcap=None):
+    """q [new, heads, dim] at positions first_position.., k/v [context, kv_heads, dim].
+    Scores scaled by `scale` (default dim**-0.5), then soft-capped at `softcap`; a query
+    at position p sees keys p - window < k <= p (all k <= p without a window)."""
     heads, kv_heads = q.shape[1], k.shape[1]
     k = k.float().repeat_interleave(heads // kv_heads, dim=1)
     v = v.float().repeat_interleave(heads // kv_heads, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * q.shape[-1] ** -0.5
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     positions = first_position + torch.arange(q.shape[0], device=q.device)
-    mask = torch.arange(k.shape[0], device=q.device)[None, :] <= positions[:, None]
+    keys = torch.arange(k.shape[0], device=q.device)
+    mask = keys[None, :] <= positions[:, None]
+    if window is not None:
+        mask &= keys[None, :] > positions[:, None] - window
     probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
     return torch.einsum("hqk,khd->qhd", probs, v)
 
@@ -142,7 +149,12 @@ def test_rms_norm_matches_the_layer(dtype, with_residual):
 @pytest.mark.parametrize("rope", [{"rope_theta": 10000.0},
                                   {"rope_theta": 500000.0, "rope_type": "llama3", "factor": 8.0,
                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                   "original_max_position_embeddings": 64}])
+                                   "original_max_position_embeddings": 64},
+                                  {"rope_theta": 10000.0, "partial_rotary_factor": 0.75},
+                                  {"rope_theta": 10000.0, "rope_type": "longrope", "short_factor": [1.0] * 16,
+                                   "long_factor": [1.0 + i / 4 for i in range(16)],
+                                   "original_max_position_embeddings": 64, "max_position_embeddings": 256}],
+                         ids=["default", "llama3", "partial", "longrope"])
 def test_rotary_matches_the_layer(dtype, rope):
     from engine.kernels.triton.rotary import rotary
     from engine.layers.rotary import RotaryEmbedding
@@ -157,13 +169,15 @@ def test_rotary_matches_the_layer(dtype, rope):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_and_mul_matches_reference(dtype):
-    from engine.kernels.triton.activation import silu_and_mul
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_gated_activation_matches_reference(dtype, activation):
+    from engine.kernels.triton.activation import act_and_mul
 
     torch.manual_seed(4)
     x = torch.randn(6, 2 * 40, device=DEVICE).to(dtype)
     gate, up = x.chunk(2, dim=-1)
-    torch.testing.assert_close(silu_and_mul(x), torch.nn.functional.silu(gate) * up, **tolerance(dtype))
+    act = torch.nn.functional.silu(gate) if activation == "silu" else torch.nn.functional.gelu(gate, approximate="tanh")
+    torch.testing.assert_close(act_and_mul(x, activation), act * up, **tolerance(dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
