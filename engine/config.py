@@ -238,14 +238,11 @@ def _resolve_dtype(dtype: str, hf_config: PretrainedConfig, device: torch.device
 
 def _max_model_len(hf_config: PretrainedConfig, requested: int | None) -> int:
     limit = getattr(hf_config, "max_position_embeddings", None) or 2048
-    window = getattr(hf_config, "sliding_window", None)
-    if window and getattr(hf_config, "use_sliding_window", True):
-        limit = min(limit, window)  # attention here is full; past the window it would differ
     if requested is None:
         return limit
     if requested > limit:
         raise ValueError(
             f"max_model_len={requested} exceeds the model's context of {limit} tokens "
-            f"(config.json max_position_embeddings / sliding_window); use at most {limit}"
+            f"(config.json max_position_embeddings); use at most {limit}"
         )
     return requested

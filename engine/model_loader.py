@@ -16,7 +16,9 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.distributed.communicator import TensorParallelGroup
 from engine.embedded_model import EMBEDDED_MODEL_NAME, ensure_embedded_model
+from engine.layers.fused_moe import FusedMoE
 from engine.layers.linear import Linear, ShardSlice
+from engine.layers.triton_routing import route_through_triton
 from engine.models import MODEL_REGISTRY
 
 logger = logging.getLogger(__name__)
@@ -108,6 +110,28 @@ class CheckpointTensor:
         index[piece.dim] = slice(piece.start, piece.start + piece.length)
         return self._reader.get_slice(self._name)[tuple(index)]
 
+    def rows(self, start: int, length: int) -> "CheckpointRows":
+        """Rows [start, start + length) of the tensor, as a tensor of their own (one of the
+        projections a checkpoint stores fused, as Phi-3's qkv_proj)."""
+        return CheckpointRows(self, start, length)
+
+
+class CheckpointRows:
+    """Rows of a `CheckpointTensor`, read only when asked, like it."""
+
+    def __init__(self, tensor: CheckpointTensor, start: int, length: int) -> None:
+        self._tensor = tensor
+        self._start = start
+        self.shape = (length, *tensor.shape[1:])
+
+    def read(self, piece: ShardSlice | None = None) -> torch.Tensor:
+        """These rows, or their slice `piece`."""
+        if piece is None:
+            piece = ShardSlice(0, 0, self.shape[0], self.shape[0])
+        if piece.dim == 0:
+            return self._tensor.read(ShardSlice(0, self._start + piece.start, piece.length, self._tensor.shape[0]))
+        return self._tensor.read(piece).narrow(0, self._start, self.shape[0])
+
 
 def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, CheckpointTensor]]:
     """Every tensor in the files, to be read while the iteration is at it; a damaged file
@@ -126,9 +150,12 @@ def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, CheckpointTensor]
             ) from exc
 
 
-def load_model(model_config: ModelConfig, group: TensorParallelGroup | None = None) -> nn.Module:
+def load_model(model_config: ModelConfig, group: TensorParallelGroup | None = None,
+               triton_kernels: bool = False) -> nn.Module:
     """Builds the model family named in config.json and fills it from the folder's
-    weights: with a tensor-parallel `group`, this rank's share of them."""
+    weights: with a tensor-parallel `group`, this rank's share of them. With
+    `triton_kernels` its layers run through Triton (`route_through_triton`), before the
+    rest are prepacked for this device."""
     started = time.perf_counter()
     hf_config = model_config.hf_config
     architectures = getattr(hf_config, "architectures", None) or []
@@ -148,6 +175,8 @@ def load_model(model_config: ModelConfig, group: TensorParallelGroup | None = No
         raise
     except ValueError as exc:
         raise ModelLoadError(f"{model_config.path}: {exc}") from exc
+    if triton_kernels:
+        route_through_triton(model)
     model.prepack()
     model.eval()
     logger.info(
@@ -163,4 +192,5 @@ def weight_bytes(model: nn.Module) -> int:
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                 for t in (*model.parameters(), *model.buffers()) if t.numel()}
     packed = [m.packed_weight for m in model.modules() if isinstance(m, Linear) and m.packed_weight is not None]
+    packed += [w for m in model.modules() if isinstance(m, FusedMoE) and m.packed for pair in m.packed for w in pair]
     return sum(storages.values()) + sum(p.numel() * p.element_size() for p in packed)  # oneDNN's are opaque

@@ -20,7 +20,6 @@ from engine.hardware import detect_cpu, keep_freed_memory, long_lived_allocation
 from engine.kv_cache import KVCache, plan_num_blocks
 from engine.layers.attention import AttentionMetadata
 from engine.layers.linear import linear_kernel
-from engine.layers.triton_routing import route_through_triton
 from engine.lora.manager import LoRAManager
 from engine.lora.request import LoRARequest
 from engine.lora.slots import LoRARange
@@ -58,9 +57,7 @@ class Worker:
         used_at_start = self._set_up_device()
         # Weights and cache in mappings of their own on a CPU: freed, they leave the process.
         with long_lived_allocations() if self.device.type == "cpu" else contextlib.nullcontext():
-            self.model = load_model(model_config, group)
-            if config.attention_backend == "triton":
-                route_through_triton(self.model)
+            self.model = load_model(model_config, group, triton_kernels=config.attention_backend == "triton")
             self.kv_cache = KVCache(self.model, config.attention_backend, config.block_size, model_config.dtype,
                                     self.device)
             # Every rank holds as many blocks: the fewest any rank's budget allows.

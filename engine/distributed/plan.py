@@ -45,6 +45,9 @@ class ParallelPlan:
     replicas: list[ReplicaPlan]
 
 
+_INTERMEDIATE_SIZES = ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size")
+
+
 def plan_parallelism(tensor_parallel_size: int, data_parallel_size: int, device: torch.device) -> ParallelPlan:
     """Places tensor_parallel_size x data_parallel_size processes: on GPUs, one device
     each from `device`'s index on; on a CPU, an equal share of the cores this process may
@@ -107,16 +110,16 @@ def check_tensor_parallel(hf_config: PretrainedConfig, tensor_parallel_size: int
         return
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    intermediate = hf_config.intermediate_size
+    # The MLP's, each expert's and the shared expert's intermediate features split over the ranks.
+    mlp_sizes = {name: getattr(hf_config, name) for name in _INTERMEDIATE_SIZES if getattr(hf_config, name, None)}
     problems = []
     if heads % tp:
         problems.append(f"num_attention_heads={heads} is not divisible by it")
     if kv_heads % tp and tp % kv_heads:
         problems.append(f"num_key_value_heads={kv_heads} neither divides it nor is divisible by it")
-    if intermediate % tp:
-        problems.append(f"intermediate_size={intermediate} is not divisible by it")
+    problems += [f"{name}={size} is not divisible by it" for name, size in mlp_sizes.items() if size % tp]
     if problems:
-        sizes = [n for n in range(1, heads + 1) if not heads % n and not intermediate % n
+        sizes = [n for n in range(1, heads + 1) if not heads % n and not any(size % n for size in mlp_sizes.values())
                  and (not kv_heads % n or not n % kv_heads)]
         raise ValueError(f"tensor_parallel_size={tp} does not split this model: {'; '.join(problems)}. "
                          f"Sizes that do: {sizes}")

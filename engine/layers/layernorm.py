@@ -14,9 +14,11 @@ from torch import nn
 
 class RMSNorm(nn.Module):
     """`kernel`, when set (see `engine.layers.triton_routing`), computes the same thing in one
-    fused launch: kernel(x, weight, eps, residual)."""
+    fused launch: kernel(x, weight, eps, residual). `weight_offset` is added to the
+    checkpoint's weight as it loads (see `GemmaRMSNorm`)."""
 
     kernel: Callable | None = None
+    weight_offset = 0.0
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -41,3 +43,9 @@ class RMSNorm(nn.Module):
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         out = self.weight * normed.to(dtype)
         return out if residual is None else (out, residual)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm scales by (1 + weight): the 1 is added once as the weight loads."""
+
+    weight_offset = 1.0

@@ -17,6 +17,12 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 # PEFT saves `base_model.model.<module path>.lora_A.weight` and `...lora_B.weight`.
 _KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<which>[AB])\.weight$")
+# The parts of a mixture-of-experts layer, as Mixtral's and Qwen-MoE's checkpoints name them:
+# experts, the router (`gate`), the shared expert and its gate.
+_MOE_MODULE = re.compile(r"\.(block_sparse_moe|experts|shared_expert)\.|\.mlp\.(gate|shared_expert_gate)$")
+_MOE_FIX = ("adapters on the experts, routers and shared experts of mixture-of-experts layers are not supported: "
+            "train the adapter on the attention projections (target_modules=[\"q_proj\", \"k_proj\", \"v_proj\", "
+            "\"o_proj\"])")
 
 
 class LoRAError(ValueError):
@@ -104,8 +110,9 @@ def load_adapter(
     named = config.get("target_modules")
     unknown = sorted(set(named) - set(supported)) if isinstance(named, list) else []
     if unknown:
+        moe = " (this model's MLPs are mixtures of experts: " + _MOE_FIX + ")" if _routed_mlps(targets) else ""
         raise LoRAError(f"{where}: targets {', '.join(unknown)}, which this model cannot adapt "
-                        f"(LoRA goes on {', '.join(supported)})")
+                        f"(LoRA goes on {', '.join(supported)}){moe}")
     folder = Path(request.lora_path).expanduser()
     digest = hashlib.sha256()
     for name in (CONFIG_FILE, WEIGHTS_FILE):
@@ -121,6 +128,13 @@ def load_adapter(
     if not modules:
         raise LoRAError(f"{where}: {WEIGHTS_FILE} holds no LoRA weights")
     return LoRAAdapter(request, modules, digest.hexdigest())
+
+
+def _routed_mlps(targets: Mapping[str, tuple[int, int]]) -> bool:
+    """Whether some layers' MLPs take no adapter because they are mixtures of experts: a
+    layer with attention targets and no MLP ones."""
+    layers = {t.split(".self_attn.")[0] for t in targets if ".self_attn." in t}
+    return any(not any(t.startswith(layer + ".mlp.") for t in targets) for layer in layers)
 
 
 def _lora_pairs(where: str, tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
@@ -158,6 +172,8 @@ class _ModuleCheck:
         where = self.where
         if set(pair) != {"A", "B"}:
             raise LoRAError(f"{where}: {module} has lora_{''.join(pair)} but not its partner; save the adapter again")
+        if _MOE_MODULE.search(module):
+            raise LoRAError(f"{where}: targets {module}, part of a mixture-of-experts layer; {_MOE_FIX}")
         if module not in self.targets:
             leaf = module.rpartition(".")[2]
             if any(t.endswith("." + leaf) for t in self.targets):

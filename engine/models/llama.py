@@ -1,10 +1,14 @@
-"""The Llama decoder (Llama 2/3, SmolLM, Mistral); Qwen2 and Qwen3 subclass it.
+"""The Llama decoder (Llama 2/3, SmolLM, Mistral), which the other families subclass.
 
 Weights load straight from safetensors. q/k/v and gate/up projections are fused into
-one matrix each, so a layer runs two matrix products where the checkpoint has five.
+one matrix each, so a layer runs two matrix products where the checkpoint has five. What
+differs between families and between layers (biases, norms on the heads, a sliding
+window, the MLP) comes from class hooks read once at construction (`attention_options`,
+`make_mlp`, `decoder_layer`), so a family is a small subclass.
 """
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -14,9 +18,10 @@ from transformers import PretrainedConfig
 
 from engine.distributed.communicator import TensorParallelGroup
 from engine.layers.attention import Attention, AttentionMetadata
+from engine.layers.fused_moe import FusedMoE
 from engine.layers.layernorm import RMSNorm
 from engine.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear, ShardSlice
-from engine.layers.rotary import RotaryEmbedding
+from engine.layers.rotary import RotaryEmbedding, rope_parameters
 from engine.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.lora.slots import LoRATarget
 
@@ -33,8 +38,48 @@ _FUSED = {
 }
 
 
+# config.json's hidden_act -> the gated activation it names (see engine.kernels.triton.activation).
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
+
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+
+
 def head_dim_of(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def layer_type_of(config: PretrainedConfig, index: int) -> str:
+    """Whether layer `index` attends over a sliding window or the whole context: config.json's
+    `layer_types` where it has them (Gemma, Qwen2), else every layer slides when it sets a
+    window (Mistral, Phi-3), unless `use_sliding_window` is false."""
+    types = getattr(config, "layer_types", None)
+    if types:
+        return types[index]
+    window = getattr(config, "sliding_window", None)
+    return SLIDING_ATTENTION if window and getattr(config, "use_sliding_window", True) else FULL_ATTENTION
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    """One layer's attention as its family and config.json set it (see `Attention` for
+    `scale`, `sliding_window` and `logit_softcap`)."""
+
+    layer_type: str = FULL_ATTENTION
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    scale: float | None = None
+    sliding_window: int | None = None
+    logit_softcap: float | None = None
+
+
+def check_shape(name: str, tensor: "CheckpointTensor", expected: list[int]) -> None:
+    """Raises ValueError when a checkpoint tensor's shape is not what the model expects."""
+    if tuple(tensor.shape) != tuple(expected):
+        raise ValueError(
+            f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the model "
+            f"expects {tuple(expected)}: config.json does not match the weights"
+        )
 
 
 class LlamaAttention(nn.Module):
@@ -42,9 +87,10 @@ class LlamaAttention(nn.Module):
     of the query heads with the key/value heads they read (a key/value head is then
     held by several ranks when there are fewer of them than ranks), and o_proj sums."""
 
-    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool,
-                 group: TensorParallelGroup):
+    def __init__(self, config: PretrainedConfig, options: AttentionOptions, rotary: RotaryEmbedding,
+                 norm: type[RMSNorm], group: TensorParallelGroup):
         super().__init__()
+        qkv_bias, qk_norm = options.qkv_bias, options.qk_norm
         num_heads = config.num_attention_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
         self.head_dim = head_dim_of(config)
@@ -64,10 +110,11 @@ class LlamaAttention(nn.Module):
                                         bias=getattr(config, "attention_bias", False))
         self.qk_norm = qk_norm
         if qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.q_norm = norm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = norm(self.head_dim, config.rms_norm_eps)
         self.rotary = [rotary]  # a list, so the shared table is not registered once per layer
-        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads)
+        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, scale=options.scale,
+                              sliding_window=options.sliding_window, logit_softcap=options.logit_softcap)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qk, v = self.qkv_proj(hidden).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
@@ -80,37 +127,47 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.view(-1, self.q_size))
 
 
+def activation_of(config: PretrainedConfig) -> str:
+    """The MLP's gated activation ("silu", "gelu_tanh") as config.json names it."""
+    name = getattr(config, "hidden_activation", None) or config.hidden_act
+    if name not in _ACTIVATIONS:
+        raise ValueError(f"hidden_act {name!r} is not supported (supported: {', '.join(_ACTIVATIONS)})")
+    return _ACTIVATIONS[name]
+
+
 class LlamaMLP(nn.Module):
-    """SwiGLU. `activation`, when set (see `engine.layers.triton_routing`), computes silu(gate) *
-    up from the fused gate/up output in one launch."""
+    """A gated MLP: SwiGLU, or GeGLU with tanh-approximated GELU (Gemma). `kernel`, when
+    set (see `engine.layers.triton_routing`), computes act(gate) * up from the fused gate/up
+    output in one launch: kernel(gate_up, activation)."""
 
-    activation: Callable | None = None
+    kernel: Callable | None = None
 
-    def __init__(self, config: PretrainedConfig, group: TensorParallelGroup):
+    def __init__(self, config: PretrainedConfig, group: TensorParallelGroup, intermediate_size: int | None = None):
         super().__init__()
-        if config.hidden_act != "silu":
-            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
+        self.activation = activation_of(config)
         bias = getattr(config, "mlp_bias", False)
-        size = config.intermediate_size
+        size = intermediate_size or config.intermediate_size
         self.gate_up_proj = ColumnParallelLinear.split(config.hidden_size, [size, size], group, bias=bias)
         self.down_proj = RowParallelLinear(size, config.hidden_size, group, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.activation is not None:
-            return self.down_proj(self.activation(gate_up))
+        if self.kernel is not None:
+            return self.down_proj(self.kernel(gate_up, self.activation))
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        act = F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")
+        return self.down_proj(act * up)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool,
-                 group: TensorParallelGroup):
+    """Pre-norm attention and MLP, each added to the residual stream."""
+
+    def __init__(self, config: PretrainedConfig, attention: LlamaAttention, mlp: nn.Module, norm: type[RMSNorm]):
         super().__init__()
-        self.self_attn = LlamaAttention(config, rotary, qkv_bias, qk_norm, group)
-        self.mlp = LlamaMLP(config, group)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = attention
+        self.mlp = mlp
+        self.input_layernorm = norm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = norm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
         self,
@@ -130,17 +187,21 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool,
-                 group: TensorParallelGroup):
+    """The embedding, the decoder layers and the final norm. `embed_scale` multiplies the
+    embeddings (Gemma: sqrt(hidden_size), rounded to the model's dtype as Gemma does)."""
+
+    def __init__(self, config: PretrainedConfig, layers: list[nn.Module], norm: type[RMSNorm],
+                 group: TensorParallelGroup, embed_scale: float | None = None):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, group)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, rotary, qkv_bias, qk_norm, group) for _ in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm(config.hidden_size, config.rms_norm_eps)
+        self.embed_scale = embed_scale
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
         residual = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, meta)
@@ -157,27 +218,60 @@ class LlamaForCausalLM(nn.Module):
     """
 
     qk_norm = False
+    norm_class: type[RMSNorm] = RMSNorm
+    decoder_layer_class: type[nn.Module] = LlamaDecoderLayer
 
     @classmethod
     def has_qkv_bias(cls, config: PretrainedConfig) -> bool:
         return bool(getattr(config, "attention_bias", False))
+
+    @classmethod
+    def attention_options(cls, config: PretrainedConfig, index: int) -> AttentionOptions:
+        """Layer `index`'s attention."""
+        layer_type = layer_type_of(config, index)
+        window = config.sliding_window if layer_type == SLIDING_ATTENTION else None
+        return AttentionOptions(layer_type, cls.has_qkv_bias(config), cls.qk_norm, sliding_window=window)
+
+    @classmethod
+    def make_mlp(cls, config: PretrainedConfig, index: int, group: TensorParallelGroup) -> nn.Module:
+        """Layer `index`'s MLP."""
+        return LlamaMLP(config, group)
 
     def __init__(self, config: PretrainedConfig, max_position: int, group: TensorParallelGroup | None = None):
         super().__init__()
         group = group or TensorParallelGroup()
         self.config = config
         self.max_position = max_position
-        self.rotary = RotaryEmbedding(head_dim_of(config), max_position, config.rope_parameters)
-        self.model = LlamaModel(config, self.rotary, self.has_qkv_bias(config), self.qk_norm, group)
+        options = [self.attention_options(config, i) for i in range(config.num_hidden_layers)]
+        self.rotary_embeddings = nn.ModuleDict({
+            kind: self._rotary(kind) for kind in sorted({o.layer_type for o in options})
+        })
+        layers = [
+            self.decoder_layer_class(
+                config, LlamaAttention(config, o, self.rotary_embeddings[o.layer_type], self.norm_class, group),
+                self.make_mlp(config, i, group), self.norm_class,
+            )
+            for i, o in enumerate(options)
+        ]
+        self.model = LlamaModel(config, layers, self.norm_class, group, self.embed_scale(config))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, group)
 
+    @classmethod
+    def embed_scale(cls, config: PretrainedConfig) -> float | None:
+        """What the embeddings are multiplied by (None: nothing)."""
+        return None
+
+    def _rotary(self, layer_type: str) -> RotaryEmbedding:
+        return RotaryEmbedding(head_dim_of(self.config), self.max_position, rope_parameters(self.config, layer_type))
+
     def materialize(self, device: torch.device, dtype: torch.dtype) -> None:
-        """Allocates (uninitialized) parameters and builds the rotary table on `device`."""
+        """Allocates (uninitialized) parameters and builds the rotary tables on `device`."""
         self.to_empty(device=device)
         self.to(dtype)
-        rope = RotaryEmbedding(head_dim_of(self.config), self.max_position, self.config.rope_parameters)
-        self.rotary.cos, self.rotary.sin = rope.cos.to(device), rope.sin.to(device)
+        for kind, rotary in self.rotary_embeddings.items():
+            fresh = self._rotary(kind)
+            rotary.cos, rotary.sin = fresh.cos.to(device), fresh.sin.to(device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states [tokens, hidden] of the step's tokens."""
@@ -192,7 +286,7 @@ class LlamaForCausalLM(nn.Module):
     def prepack(self) -> None:
         """Prepares every projection for fast products once the weights are in."""
         for module in self.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, (Linear, FusedMoE)):
                 module.prepack()
 
     def lora_targets(self) -> dict[str, LoRATarget]:
@@ -222,42 +316,56 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         if self.tie_word_embeddings:
             del params["lm_head.weight"]
-        expected = {(name, shard) for name in params for shard in range(len(self._module_of(name)[1]))}
+        expected = {(name, shard) for name in params for shard in range(self.num_checkpoint_tensors(name))}
         loaded = set()
-        for name, tensor in weights:
+        for name, tensor in self.checkpoint_tensors(weights):
             if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.tie_word_embeddings):
                 continue
-            module_path, _, kind = name.rpartition(".")
-            prefix, _, leaf = module_path.rpartition(".")
-            target, shard = name, 0
-            if leaf in _FUSED:
-                fused_leaf, shard = _FUSED[leaf]
-                target = f"{prefix}.{fused_leaf}.{kind}"
-            if target not in params:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-            _, sizes, slices = self._module_of(target)
-            piece = slices[shard]
-            if piece is not None and piece.dim >= params[target].dim():
-                piece = None  # the bias of a row-parallel projection: whole on every rank
-            rows = piece.length if piece is not None and piece.dim == 0 else sizes[shard]
-            dest = params[target].data.narrow(0, sum(sizes[:shard]), rows)
-            whole = list(dest.shape)
-            if piece is not None:
-                whole[piece.dim] = piece.full
-            if tuple(tensor.shape) != tuple(whole):
-                raise ValueError(
-                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the model "
-                    f"expects {tuple(whole)}: config.json does not match the weights"
-                )
-            dest.copy_(tensor.read(piece))
-            if rows < sizes[shard]:  # the last rank's padded share of the vocabulary
-                params[target].data.narrow(0, sum(sizes[:shard]) + rows, sizes[shard] - rows).zero_()
-            loaded.add((target, shard))
+            loaded.add(self.load_tensor(name, tensor, params))
         absent = sorted({name for name, _ in expected - loaded})
         if absent:
             raise ValueError(f"the checkpoint lacks {len(absent)} tensors, e.g. {absent[:3]}")
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def checkpoint_tensors(
+        self, weights: Iterable[tuple[str, "CheckpointTensor"]]
+    ) -> Iterable[tuple[str, "CheckpointTensor"]]:
+        """The checkpoint's tensors under the names `load_tensor` takes (a family whose
+        checkpoints fuse projections splits them here)."""
+        return weights
+
+    def num_checkpoint_tensors(self, param_name: str) -> int:
+        """How many checkpoint tensors fill the parameter (3 for a fused q/k/v)."""
+        return len(self._module_of(param_name)[1])
+
+    def load_tensor(self, name: str, tensor: "CheckpointTensor", params: dict[str, nn.Parameter]) -> tuple[str, int]:
+        """Copies one checkpoint tensor (this rank's slice of it) into its parameter;
+        returns (parameter name, which of its stacked tensors it was)."""
+        module_path, _, kind = name.rpartition(".")
+        prefix, _, leaf = module_path.rpartition(".")
+        target, shard = name, 0
+        if leaf in _FUSED:
+            fused_leaf, shard = _FUSED[leaf]
+            target = f"{prefix}.{fused_leaf}.{kind}"
+        if target not in params:
+            raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+        module, sizes, slices = self._module_of(target)
+        piece = slices[shard]
+        if piece is not None and piece.dim >= params[target].dim():
+            piece = None  # the bias of a row-parallel projection: whole on every rank
+        rows = piece.length if piece is not None and piece.dim == 0 else sizes[shard]
+        dest = params[target].data.narrow(0, sum(sizes[:shard]), rows)
+        whole = list(dest.shape)
+        if piece is not None:
+            whole[piece.dim] = piece.full
+        check_shape(name, tensor, whole)
+        dest.copy_(tensor.read(piece))
+        if isinstance(module, RMSNorm) and module.weight_offset:
+            dest.add_(module.weight_offset)
+        if rows < sizes[shard]:  # the last rank's padded share of the vocabulary
+            params[target].data.narrow(0, sum(sizes[:shard]) + rows, sizes[shard] - rows).zero_()
+        return target, shard
 
     def _module_of(self, param_name: str) -> tuple[nn.Module, list[int], list[ShardSlice | None]]:
         """The parameter's module, the rows of each checkpoint tensor stacked in it (one

@@ -1,8 +1,10 @@
 """Greedy outputs must equal transformers' `generate` token for token (float32, CPU).
 
 Each family's tiny random model runs a batch of 16 prompts of mixed lengths through the
-engine as configured normally, with chunked prefill forced (tiny step budget), with
-preemption forced (a KV cache of a few blocks), and with prefix caching hitting.
+engine as configured normally (the compiled CPU attention kernel where it builds), with
+chunked prefill forced (tiny step budget), with preemption forced (a KV cache of a few
+blocks), with prefix caching hitting, and on the PyTorch attention backend with all three.
+Most prompts are longer than the sliding window of the families that have one (16).
 """
 
 import json
@@ -95,6 +97,7 @@ CONFIGS = [
     ("chunked_prefill", {"max_num_batched_tokens": 7}),
     ("preemption", {"kv_cache_memory": 10 * 16 * 1024, "max_num_batched_tokens": 64}),
     ("small_blocks_no_prefix_cache", {"block_size": 4, "enable_prefix_caching": False, "max_num_seqs": 5}),
+    ("torch_backend", {"attention_backend": "torch", "kv_cache_memory": 10 * 16 * 1024, "max_num_batched_tokens": 16}),
 ]
 
 
@@ -106,17 +109,20 @@ def test_greedy_matches_transformers(tiny_models, references, family, name, sett
         assert engine_greedy(llm, prompts) == expected[family]
         assert_no_leaks(llm)
         engine = llm.llm_engine
-        if name == "preemption":
+        if name in ("preemption", "torch_backend"):
             assert engine.scheduler.num_preemptions > 0
         if name == "chunked_prefill":
             assert engine.stats.num_steps > sum(len(p["prompt_token_ids"]) for p in prompts) // 7
 
 
-# The families whose models run different Triton launches: Llama (also what Mistral loads as,
-# and Qwen2, whose q/k/v biases are in the PyTorch projection: the same kernels on the same
-# layouts), Llama 3 (its scaled rotary table) and Qwen3 (RMSNorm on each head, head_dim 32).
-# All five run on the default backend above (which is the Triton backend on a GPU).
-TRITON_FAMILIES = ("llama", "llama3", "qwen3")
+# The families whose models run different Triton launches: Llama (also what Qwen2 loads as,
+# its q/k/v biases in the PyTorch projection: the same kernels on the same layouts), Llama 3
+# (its scaled rotary table), Qwen3 (RMSNorm on each head, head_dim 32), Mistral (a window on
+# every layer), Gemma 2 (soft-capping, alternating windows, GeGLU), Gemma 3 (two rotary
+# tables), Phi-3 (partial rotation) and the mixtures of experts (the fused MoE kernel).
+# All of them run on the default backend above (which is the Triton backend on a GPU).
+TRITON_FAMILIES = ("llama", "llama3", "qwen3", "mistral", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe",
+                   "qwen3_moe")
 
 
 @pytest.mark.skipif(not triton_kernels.installed(), reason="triton is not installed")

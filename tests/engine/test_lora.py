@@ -205,3 +205,34 @@ def test_adapters_under_preemption_priorities_chunking_and_forks(qwen2_with_adap
         assert small.llm_engine.scheduler.num_preemptions > 0
         assert small.llm_engine.lora_manager.stats.num_slot_evictions > 0
     assert completions(outs) == alone
+
+
+def test_adapters_on_a_mixture_of_experts(tmp_path):
+    """Qwen2-MoE (a sparse first layer with a shared expert, a dense second layer): an
+    adapter on the attention projections matches PEFT; one that reaches into the
+    mixture-of-experts layer (PEFT's gate_proj matches the shared expert's) is refused
+    before any work, saying what to train instead, and so is one naming Mixtral's experts."""
+    base = build_tiny_model(tmp_path / "qwen2_moe", "qwen2_moe")
+    attention = build_lora_adapter(base, tmp_path / "attention", rank=4, alpha=8, target_modules=ATTENTION, seed=0)
+    gate = build_lora_adapter(base, tmp_path / "gate", rank=4, alpha=8, target_modules=["gate_proj"], seed=1)
+    prompts = prompts_of(3, 300, max_len=30)
+    expected = peft_greedy(base, attention, prompts, 8)
+    assert expected != peft_greedy(base, None, prompts, 8)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with LLM(str(base), dtype="float32", enable_lora=True, max_lora_rank=8) as llm:
+        good = LoRARequest("attention", 1, str(attention))
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=good, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        with pytest.raises(ValueError) as error:
+            llm.generate("a b", params, lora_request=LoRARequest("gate", 2, str(gate)), use_tqdm=False)
+    message = str(error.value)
+    assert "model.layers.0.mlp.shared_expert.gate_proj, part of a mixture-of-experts layer" in message
+    assert 'target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]' in message
+
+    mixtral = build_tiny_model(tmp_path / "mixtral", "mixtral")
+    experts = build_lora_adapter(mixtral, tmp_path / "experts", rank=4, alpha=8, target_modules=["q_proj"], seed=2)
+    config = json.loads((experts / "adapter_config.json").read_text())
+    (experts / "adapter_config.json").write_text(json.dumps({**config, "target_modules": ["q_proj", "w1"]}))
+    with LLM(str(mixtral), dtype="float32", enable_lora=True, max_lora_rank=8) as llm:
+        with pytest.raises(ValueError, match="targets w1, which this model cannot adapt .*mixtures of experts"):
+            llm.generate("a b", params, lora_request=LoRARequest("experts", 3, str(experts)), use_tqdm=False)

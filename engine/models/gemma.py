@@ -1,0 +1,93 @@
+"""Gemma 2 and Gemma 3 (text): the Llama decoder with Gemma's differences.
+
+Both: RMSNorm scaling by (1 + weight), embeddings times sqrt(hidden_size), GeGLU with
+tanh-approximated GELU, attention scaled by query_pre_attn_scalar^-0.5, "sandwich" norms
+(after attention and after the MLP as well as before each), and layers that alternate
+between a sliding window and the whole context (`layer_types`). Gemma 2 soft-caps the
+attention scores and the final logits; Gemma 3 normalises each head's queries and keys
+and gives its local and global layers their own rotary bases.
+"""
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from engine.layers.attention import AttentionMetadata
+from engine.layers.layernorm import GemmaRMSNorm, RMSNorm
+from engine.models.llama import (
+    SLIDING_ATTENTION,
+    AttentionOptions,
+    LlamaAttention,
+    LlamaForCausalLM,
+    layer_type_of,
+)
+
+
+class GemmaDecoderLayer(nn.Module):
+    """Attention and MLP, each between two norms before its output joins the residual."""
+
+    def __init__(self, config: PretrainedConfig, attention: LlamaAttention, mlp: nn.Module, norm: type[RMSNorm]):
+        super().__init__()
+        self.self_attn = attention
+        self.mlp = mlp
+        size, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = norm(size, eps)
+        self.post_attention_layernorm = norm(size, eps)
+        self.pre_feedforward_layernorm = norm(size, eps)
+        self.post_feedforward_layernorm = norm(size, eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden.float()  # the residual stream stays in float32 (see RMSNorm)
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.post_attention_layernorm(self.self_attn(positions, hidden, meta))
+        hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
+        return self.post_feedforward_layernorm(self.mlp(hidden)), residual
+
+
+class Gemma2ForCausalLM(LlamaForCausalLM):
+    norm_class = GemmaRMSNorm
+    decoder_layer_class = GemmaDecoderLayer
+
+    def __init__(self, config: PretrainedConfig, *args, **kwargs):
+        if getattr(config, "use_bidirectional_attention", False):
+            raise ValueError("use_bidirectional_attention=true (an embedding model such as EmbeddingGemma) is "
+                             "not supported: this engine generates text with causal attention")
+        super().__init__(config, *args, **kwargs)
+        self.final_logit_softcap = getattr(config, "final_logit_softcapping", None)
+
+    @classmethod
+    def attention_options(cls, config: PretrainedConfig, index: int) -> AttentionOptions:
+        layer_type = layer_type_of(config, index)
+        return AttentionOptions(
+            layer_type,
+            qkv_bias=cls.has_qkv_bias(config),
+            qk_norm=cls.qk_norm,
+            scale=config.query_pre_attn_scalar**-0.5,
+            sliding_window=config.sliding_window if layer_type == SLIDING_ATTENTION else None,
+            logit_softcap=getattr(config, "attn_logit_softcapping", None),
+        )
+
+    @classmethod
+    def embed_scale(cls, config: PretrainedConfig) -> float | None:
+        return config.hidden_size**0.5
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits as `LlamaForCausalLM.compute_logits`, soft-capped (Gemma 2):
+        cap * tanh(logits / cap)."""
+        logits = super().compute_logits(hidden)
+        if logits is None or not self.final_logit_softcap:
+            return logits
+        return torch.tanh(logits / self.final_logit_softcap) * self.final_logit_softcap
+
+
+class Gemma3ForCausalLM(Gemma2ForCausalLM):
+    qk_norm = True
