@@ -60,7 +60,7 @@ def _new_family_config(family: str, common: dict, tie: bool | None) -> "transfor
                                              layer_types=["sliding_attention", "full_attention"])
     if family == "phi3":
         rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}
-        return transformers.Phi3Config(**untied, rope_parameters=rope)
+        return transformers.Phi3Config(**{"rope_parameters": rope, **untied})
     moe = {"num_experts_per_tok": 2, "moe_intermediate_size": 48}
     if family == "mixtral":
         return transformers.MixtralConfig(**untied, num_local_experts=4, num_experts_per_tok=2)

@@ -28,6 +28,8 @@ from engine.models.llama import LlamaForCausalLM, LlamaMLP, check_shape
 if TYPE_CHECKING:
     from engine.model_loader import CheckpointTensor
 
+# A multiple of the widest vectorised loop step (2 x 16 floats on AVX-512): see `_shared_gate`.
+_GATE_LANES = 64
 _EXPERT = re.compile(r"^(?P<block>.+)\.experts\.(?P<expert>\d+)\.(?P<leaf>\w+)\.weight$")
 # An expert's checkpoint tensor -> (stacked parameter, shard of its rows: gate 0, up 1; None for down).
 _EXPERT_LEAVES = {
@@ -74,8 +76,15 @@ class SparseMoeBlock(nn.Module):
             weights = weights.to(logits.dtype)
         out = self.experts(x, weights, ids)
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            out = out + self._shared_gate(x) * self.shared_expert(x)
         return out
+
+    def _shared_gate(self, x: torch.Tensor) -> torch.Tensor:
+        """sigmoid(shared_expert_gate(x)) [T, 1]. PyTorch's CPU sigmoid computes the last
+        T % 32 values of a tensor with its scalar code, which rounds differently from the
+        vectorised one, so a token's gate would depend on how many tokens share the step:
+        each value is widened to a row of _GATE_LANES, all of which take the vector code."""
+        return torch.sigmoid(self.shared_expert_gate(x).expand(-1, _GATE_LANES).contiguous())[:, :1]
 
 
 class MoEForCausalLM(LlamaForCausalLM):

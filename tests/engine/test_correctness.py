@@ -264,3 +264,24 @@ def test_embedded_model_matches_transformers():
 def llm_kv_bytes_per_token_fp32() -> int:
     """SmolLM2-135M: 30 layers x (K and V) x 3 KV heads x 64 dims x 4 bytes."""
     return 30 * 2 * 3 * 64 * 4
+
+
+def test_longrope_short_and_long_factors_match_transformers(tmp_path):
+    """Phi-3's LongRoPE (with Phi-4-mini's partial rotation): an engine whose context stays
+    within the pretraining length uses the short factors, one that reaches past it the long
+    ones, for every position; transformers picks by the sequence's length, so each is
+    checked on prompts that stay on its side (short ones, and ones already past 32 tokens)."""
+    rotary_pairs = 16 * 3 // 4 // 2
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+            "original_max_position_embeddings": 32, "short_factor": [1.0 + i / 10 for i in range(rotary_pairs)],
+            "long_factor": [2.0 + i for i in range(rotary_pairs)]}
+    folder = build_tiny_model(tmp_path / "phi3_longrope", "phi3", max_position_embeddings=128, rope_parameters=rope,
+                              original_max_position_embeddings=32)
+    rng = random.Random(5)
+    short = [{"prompt_token_ids": [rng.randrange(3, 320) for _ in range(n)]} for n in (3, 11, 20)]
+    long = [{"prompt_token_ids": [rng.randrange(3, 320) for _ in range(n)]} for n in (33, 47, 70)]
+    params = SamplingParams(temperature=0, max_tokens=8)
+    for max_model_len, prompts in ((32, short), (128, long)):
+        with LLM(str(folder), dtype="float32", max_model_len=max_model_len) as llm:
+            outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert outputs == reference_greedy(folder, prompts, max_tokens=8), f"max_model_len={max_model_len}"

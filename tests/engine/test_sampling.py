@@ -89,8 +89,11 @@ def check_seeded_requests_do_not_depend_on_the_batch(model: str, dtype: str) -> 
 
 @pytest.mark.cpu_kinds
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_seeded_requests_do_not_depend_on_the_batch(tiny_models, dtype):
-    check_seeded_requests_do_not_depend_on_the_batch(str(tiny_models["llama"]), dtype)
+@pytest.mark.parametrize("family", ["llama", "gemma2", "qwen2_moe"])
+def test_seeded_requests_do_not_depend_on_the_batch(tiny_models, family, dtype):
+    """Llama; Gemma 2 (windows, soft-capping); Qwen2-MoE (experts grouped by the batch's
+    routing, a shared expert)."""
+    check_seeded_requests_do_not_depend_on_the_batch(str(tiny_models[family]), dtype)
 
 
 @pytest.mark.cpu_kinds
