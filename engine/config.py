@@ -10,6 +10,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from engine.hardware import cpu_dtype, default_num_threads, detect_cpu
 from engine.layers.attention_selector import resolve_backend_name
+from engine.models import language_model_config
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -191,7 +192,7 @@ class ModelConfig:
 
     @classmethod
     def resolve(cls, path: Path, engine: EngineConfig, eos_token_id: int | None) -> "ModelConfig":
-        hf_config = AutoConfig.from_pretrained(path)
+        hf_config = language_model_config(AutoConfig.from_pretrained(path))
         if not getattr(hf_config, "architectures", None) and hf_config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
             # As transformers' AutoModelForCausalLM (and vLLM) resolve a config.json without one.
             hf_config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[hf_config.model_type]]

@@ -1,6 +1,7 @@
 """Model families, by the `architectures` name in a Hugging Face config.json."""
 
 from torch import nn
+from transformers import PretrainedConfig
 
 from engine.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from engine.models.llama import LlamaForCausalLM
@@ -21,3 +22,24 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
+
+# Vision-language checkpoints whose language model runs here on its own, for text prompts:
+# architecture -> the family of its `text_config`.
+LANGUAGE_MODELS: dict[str, str] = {
+    "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
+}
+
+
+def language_model_config(hf_config: PretrainedConfig) -> PretrainedConfig:
+    """`hf_config` itself, or for a vision-language checkpoint of `LANGUAGE_MODELS` its
+    language model's config (its family's architecture, the checkpoint's dtype and tied
+    embeddings); the family's loader skips the vision tower's weights."""
+    architectures = getattr(hf_config, "architectures", None) or []
+    family = next((LANGUAGE_MODELS[a] for a in architectures if a in LANGUAGE_MODELS), None)
+    if family is None:
+        return hf_config
+    text = hf_config.text_config
+    text.architectures = [family]
+    text.dtype = getattr(text, "dtype", None) or getattr(hf_config, "dtype", None)
+    text.tie_word_embeddings = getattr(hf_config, "tie_word_embeddings", text.tie_word_embeddings)
+    return text

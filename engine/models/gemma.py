@@ -8,6 +8,9 @@ attention scores and the final logits; Gemma 3 normalises each head's queries an
 and gives its local and global layers their own rotary bases.
 """
 
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 from transformers import PretrainedConfig
@@ -21,6 +24,14 @@ from engine.models.llama import (
     LlamaForCausalLM,
     layer_type_of,
 )
+
+if TYPE_CHECKING:
+    from engine.model_loader import CheckpointTensor
+
+# A vision-language checkpoint's language model, as the hub's files and transformers 5 name it.
+_LANGUAGE_MODEL_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                            ("model.language_model.", "model."))
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -90,4 +101,19 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
+    """Gemma 3's text model: the 1B (and 270M) checkpoints, and the language model of the
+    vision-language ones (`Gemma3ForConditionalGeneration`, see `engine.models.LANGUAGE_MODELS`),
+    whose vision tower and projector it skips as the checkpoint loads."""
+
     qk_norm = True
+
+    def checkpoint_tensors(
+        self, weights: Iterable[tuple[str, "CheckpointTensor"]]
+    ) -> Iterator[tuple[str, "CheckpointTensor"]]:
+        for name, tensor in weights:
+            for prefix, replacement in _LANGUAGE_MODEL_PREFIXES:
+                if name.startswith(prefix):
+                    name = replacement + name.removeprefix(prefix)
+                    break
+            if not name.startswith(_VISION_PREFIXES):
+                yield name, tensor

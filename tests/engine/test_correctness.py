@@ -285,3 +285,31 @@ def test_longrope_short_and_long_factors_match_transformers(tmp_path):
         with LLM(str(folder), dtype="float32", max_model_len=max_model_len) as llm:
             outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert outputs == reference_greedy(folder, prompts, max_tokens=8), f"max_model_len={max_model_len}"
+
+
+def test_the_language_model_of_a_gemma3_vision_checkpoint(tmp_path):
+    """Gemma 3's vision-language checkpoints (4B and up): the engine runs their language model
+    for text prompts, skipping the vision tower's weights, with transformers' greedy tokens."""
+    import transformers
+
+    text = json.loads((build_tiny_model(tmp_path / "text", "gemma3") / "config.json").read_text())
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=14)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision.to_dict(), mm_tokens_per_image=4,
+                                       image_token_index=5, boi_token_index=6, eoi_token_index=7)
+    torch.manual_seed(1)
+    model = transformers.Gemma3ForConditionalGeneration(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() > 1:
+                param.normal_(0.0, 0.15)
+    folder = tmp_path / "vision"
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((tmp_path / "text" / name).read_bytes())
+    prompts = mixed_prompts(seed=2, count=4)
+    expected = reference_greedy(folder, prompts, max_tokens=8)
+    with LLM(str(folder), dtype="float32") as llm:
+        assert llm.llm_engine.model_config.hf_config.architectures == ["Gemma3ForCausalLM"]
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
