@@ -1,7 +1,8 @@
 """GPU throughput: our engine against transformers on one GPU, same prompts, one run.
 
 The model is random-weight, shaped like Llama-3.2-1B (config built here, nothing
-downloaded), in bfloat16. Workload: prompts of 128-1,024 random tokens x 128-512 new
+downloaded), in bfloat16; `--model qwen3-moe` takes Qwen3-30B-A3B's shape instead (128
+experts, 8 per token) with 12 of its 48 layers, so that it fits beside its KV cache. Workload: prompts of 128-1,024 random tokens x 128-512 new
 tokens, EOS ignored (`--prompts`, default 1,024). Peers: transformers' static batched
 `generate` (batches of 64, left-padded; only requested tokens count) and its continuous
 batching (`generate_batch`, paged attention), each on the first `--peer-prompts` prompts
@@ -11,6 +12,7 @@ cache) at the measured copy bandwidth, against our measured decode step.
 
     PYTHONPATH=. python3 benchmarks/gpu_throughput.py
     PYTHONPATH=. python3 benchmarks/gpu_throughput.py --prompts 256 --peer-prompts 64
+    PYTHONPATH=. python3 benchmarks/gpu_throughput.py --model qwen3-moe --prompts 256 --peers hf-generate
 """
 
 import argparse
@@ -22,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import PretrainedConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -29,17 +32,32 @@ from engine import LLM, SamplingParams  # noqa: E402
 from tests.tiny_models import build_tokenizer  # noqa: E402
 
 
-def build_model(folder: Path) -> Path:
-    """A random Llama-3.2-1B-shaped model folder in bfloat16."""
+def model_config(name: str) -> "PretrainedConfig":
+    """Llama-3.2-1B's shape, or Qwen3-30B-A3B's with 12 of its 48 layers (7.6B parameters)."""
     import transformers
 
-    config = transformers.LlamaConfig(
+    if name == "qwen3-moe":
+        return transformers.Qwen3MoeConfig(
+            vocab_size=151936, hidden_size=2048, moe_intermediate_size=768, intermediate_size=6144,
+            num_hidden_layers=12, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+            num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=4096, rms_norm_eps=1e-6,
+            tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        )
+    return transformers.LlamaConfig(
         vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
         num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=4096,
         rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
     )
+
+
+def build_model(folder: Path, name: str) -> Path:
+    """A random model folder of `model_config(name)`'s shape in bfloat16."""
+    import transformers
+
+    config = model_config(name)
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
@@ -154,11 +172,12 @@ def main() -> None:
     parser.add_argument("--peer-prompts", type=int, default=128, help="prompts the transformers peers run")
     parser.add_argument("--peers", default="hf-generate,hf-continuous")
     parser.add_argument("--roofline-only", action="store_true", help="only the decode roofline measurement")
+    parser.add_argument("--model", choices=["llama-1b", "qwen3-moe"], default="llama-1b")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     with tempfile.TemporaryDirectory() as tmp:
-        folder = build_model(Path(tmp) / "llama-1b-random")
+        folder = build_model(Path(tmp) / f"{args.model}-random", args.model)
         if args.roofline_only:
             print(decode_roofline(folder))
             return
@@ -186,7 +205,8 @@ def main() -> None:
         print(f"\n{'engine':36} {'prompts':>8} {'out tok/s':>10} {'ours/peer':>10}")
         for name, count, rate in rows:
             print(f"{name:36} {count:>8} {rate:>10.0f} {ours / rate:>9.2f}x")
-        print("\n" + decode_roofline(folder))
+        if args.model == "llama-1b":  # every weight read per step; a mixture reads only the chosen experts
+            print("\n" + decode_roofline(folder))
 
 
 if __name__ == "__main__":

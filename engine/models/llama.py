@@ -200,8 +200,8 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        if self.embed_scale is not None:
-            hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+        if self.embed_scale is not None:  # a Python number: nothing for a CUDA graph to copy
+            hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype).item()
         residual = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, meta)

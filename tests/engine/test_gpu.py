@@ -59,3 +59,23 @@ def test_two_ranks_over_gloo_on_one_gpu_match_one_rank(tiny_models, monkeypatch)
             tokens[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert tokens["tp2"] == tokens["one"]
     assert tokens["dp2"] == tokens["one"]
+
+
+def test_every_family_matches_transformers_greedy_on_the_gpu(tiny_models):
+    """Each family's tiny model in float32 on the GPU (Triton kernels, CUDA graphs for
+    decode) gives transformers' greedy tokens (computed on the CPU), through chunked prefill,
+    prefix hits (a third of the prompts share 40 tokens) and preemption (a cache of a few
+    blocks); prompts longer than the families' sliding windows."""
+    from tests.engine.test_correctness import engine_greedy, mixed_prompts, reference_greedy
+    from tests.tiny_models import FAMILIES
+
+    prompts = mixed_prompts()
+    for family in FAMILIES:
+        expected = reference_greedy(tiny_models[family], prompts)
+        for settings in ({}, {"max_num_batched_tokens": 16, "kv_cache_memory": 10 * 16 * 1024}):
+            with LLM(str(tiny_models[family]), dtype="float32", **settings) as llm:
+                assert llm.llm_engine.model_runner.attention_backend == "triton"
+                assert llm.llm_engine.model_runner.cuda_graphs is not None
+                assert engine_greedy(llm, prompts) == expected, f"{family} {settings}"
+                if settings:
+                    assert llm.llm_engine.scheduler.num_preemptions > 0
