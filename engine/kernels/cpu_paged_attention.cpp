@@ -206,6 +206,7 @@ void attend_queries(const float* q, int64_t count, const int64_t* first, const i
   if constexpr (std::is_same_v<scalar_t, float>) {
     if (dim == 64) return attend_queries_avx2<8>(q, count, first, n, keys, values, scale, cap, scores, stride, out);
     if (dim == 128) return attend_queries_avx2<16>(q, count, first, n, keys, values, scale, cap, scores, stride, out);
+    if (dim == 256) return attend_queries_avx2<32>(q, count, first, n, keys, values, scale, cap, scores, stride, out);
   }
 #endif
   for (int64_t i = 0; i < count; ++i) {

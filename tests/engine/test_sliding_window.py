@@ -124,8 +124,12 @@ def mixed_step(shapes: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
     return [(s, new + cached, new) for s, (new, cached) in enumerate(shapes)]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("head_dim", [64, 48])
+# Head sizes 64 and 48 on every backend (the C++ kernel's vector and portable paths), and
+# Gemma's 256 on the C++ kernel's vector path.
+BACKEND_HEAD_DIMS = [(b, d) for b in BACKENDS for d in (64, 48)] + [("cpu", 256)] * ("cpu" in BACKENDS)
+
+
+@pytest.mark.parametrize(("backend", "head_dim"), BACKEND_HEAD_DIMS)
 @pytest.mark.parametrize("window", [None, 7, 16])
 @pytest.mark.parametrize("softcap", [None, 5.0])
 def test_backend_matches_dense_reference(backend, head_dim, window, softcap):
