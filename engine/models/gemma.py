@@ -9,6 +9,7 @@ and gives its local and global layers their own rotary bases.
 """
 
 from collections.abc import Iterable, Iterator
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,13 +18,7 @@ from transformers import PretrainedConfig
 
 from engine.layers.attention import AttentionMetadata
 from engine.layers.layernorm import GemmaRMSNorm, RMSNorm
-from engine.models.llama import (
-    SLIDING_ATTENTION,
-    AttentionOptions,
-    LlamaAttention,
-    LlamaForCausalLM,
-    layer_type_of,
-)
+from engine.models.llama import AttentionOptions, LlamaAttention, LlamaForCausalLM
 
 if TYPE_CHECKING:
     from engine.model_loader import CheckpointTensor
@@ -77,15 +72,8 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def attention_options(cls, config: PretrainedConfig, index: int) -> AttentionOptions:
-        layer_type = layer_type_of(config, index)
-        return AttentionOptions(
-            layer_type,
-            qkv_bias=cls.has_qkv_bias(config),
-            qk_norm=cls.qk_norm,
-            scale=config.query_pre_attn_scalar**-0.5,
-            sliding_window=config.sliding_window if layer_type == SLIDING_ATTENTION else None,
-            logit_softcap=getattr(config, "attn_logit_softcapping", None),
-        )
+        return replace(super().attention_options(config, index), scale=config.query_pre_attn_scalar**-0.5,
+                       logit_softcap=getattr(config, "attn_logit_softcapping", None))
 
     @classmethod
     def embed_scale(cls, config: PretrainedConfig) -> float | None:
