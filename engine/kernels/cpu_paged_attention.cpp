@@ -76,19 +76,40 @@ inline float horizontal_sum(__m256 a) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
+// Eight cache entries as floats: float32 as they are, bfloat16 widened exactly (its bits are
+// a float's top half), float16 through F16C.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+#if defined(__F16C__)
+inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+#endif
+
+// Cache dtypes the vector path reads.
+template <typename scalar_t>
+constexpr bool kVectorCache = std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>
+#if defined(__F16C__)
+                              || std::is_same_v<scalar_t, c10::Half>
+#endif
+    ;
+
 // The scores of query q against keys[c0, c1), eight keys at a time: a last group past c1
 // repeats key c1 - 1 and is stored but never read. Returns the running maximum.
-template <int V>
-__m256 scores_avx2(const float* q, const float* const* keys, int64_t c0, int64_t c1, float scale, float* scores,
+template <int V, typename scalar_t>
+__m256 scores_avx2(const float* q, const scalar_t* const* keys, int64_t c0, int64_t c1, float scale, float* scores,
                    __m256 top) {
   for (int64_t c = c0; c < c1; c += kLanes) {
-    const float* k[kLanes];
+    const scalar_t* k[kLanes];
     for (int j = 0; j < kLanes; ++j) k[j] = keys[std::min<int64_t>(c + j, c1 - 1)];
     __m256 acc[kLanes];
     for (int j = 0; j < kLanes; ++j) acc[j] = _mm256_setzero_ps();
     for (int i = 0; i < V; ++i) {
       const __m256 qi = _mm256_loadu_ps(q + i * kLanes);
-      for (int j = 0; j < kLanes; ++j) acc[j] = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k[j] + i * kLanes), acc[j]);
+      for (int j = 0; j < kLanes; ++j) acc[j] = _mm256_fmadd_ps(qi, load8(k[j] + i * kLanes), acc[j]);
     }
     const __m256 s = _mm256_mul_ps(lane_sums(acc), _mm256_set1_ps(scale));
     _mm256_storeu_ps(scores + c, s);
@@ -113,13 +134,13 @@ inline float exponentiate_avx2(float* scores, int64_t first, int64_t n, __m256 t
 }
 
 // out[0:8V] += sum over c in [c0, c1) of p[c] * values[c], in key order.
-template <int V>
-void weighted_sum_avx2(const float* p, const float* const* values, int64_t c0, int64_t c1, float* out) {
+template <int V, typename scalar_t>
+void weighted_sum_avx2(const float* p, const scalar_t* const* values, int64_t c0, int64_t c1, float* out) {
   __m256 acc[V];
   for (int i = 0; i < V; ++i) acc[i] = _mm256_loadu_ps(out + i * kLanes);
   for (int64_t c = c0; c < c1; ++c) {
     const __m256 w = _mm256_set1_ps(p[c]);
-    for (int i = 0; i < V; ++i) acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(values[c] + i * kLanes), acc[i]);
+    for (int i = 0; i < V; ++i) acc[i] = _mm256_fmadd_ps(w, load8(values[c] + i * kLanes), acc[i]);
   }
   for (int i = 0; i < V; ++i) _mm256_storeu_ps(out + i * kLanes, acc[i]);
 }
@@ -131,9 +152,9 @@ void weighted_sum_avx2(const float* p, const float* const* values, int64_t c0, i
 // from its first key, soft-capped (cap > 0), a vectorised softmax, the value sum in key
 // order, normalised once at the end. `scores` holds `count` rows of `stride` >= max n + 8
 // floats.
-template <int V>
+template <int V, typename scalar_t>
 void attend_queries_avx2(const float* q, int64_t count, const int64_t* first, const int64_t* n,
-                         const float* const* keys, const float* const* values, float scale, float cap,
+                         const scalar_t* const* keys, const scalar_t* const* values, float scale, float cap,
                          float* scores, int64_t stride, float* out) {
   constexpr int64_t kBlock = 64;
   constexpr int dim = V * kLanes;
@@ -142,7 +163,7 @@ void attend_queries_avx2(const float* q, int64_t count, const int64_t* first, co
   for (int64_t c0 = 0; c0 < longest; c0 += kBlock)
     for (int64_t i = 0; i < count; ++i)
       if (c0 < n[i] && c0 + kBlock > first[i])
-        top[i] = scores_avx2<V>(q + i * dim, keys, std::max(c0, first[i]), std::min(c0 + kBlock, n[i]), scale,
+        top[i] = scores_avx2<V, scalar_t>(q + i * dim, keys, std::max(c0, first[i]), std::min(c0 + kBlock, n[i]), scale,
                                 scores + i * stride, top[i]);
   std::vector<float> inv(count);
   for (int64_t i = 0; i < count; ++i) {
@@ -153,14 +174,14 @@ void attend_queries_avx2(const float* q, int64_t count, const int64_t* first, co
   for (int64_t c0 = 0; c0 < longest; c0 += kBlock)
     for (int64_t i = 0; i < count; ++i)
       if (c0 < n[i] && c0 + kBlock > first[i])
-        weighted_sum_avx2<V>(scores + i * stride, values, std::max(c0, first[i]), std::min(c0 + kBlock, n[i]),
+        weighted_sum_avx2<V, scalar_t>(scores + i * stride, values, std::max(c0, first[i]), std::min(c0 + kBlock, n[i]),
                              out + i * dim);
   for (int64_t i = 0; i < count; ++i)
     for (int d = 0; d < dim; ++d) out[i * dim + d] *= inv[i];
 }
 #endif
 
-// The portable path, for other head sizes, 16-bit caches and CPUs without AVX2.
+// The portable path, for other head sizes and CPUs without AVX2.
 // scores[c] = scale * (q . keys[c]) for c < n, each dot in kLanes partial sums added in
 // lane order.
 template <typename scalar_t>
@@ -203,7 +224,7 @@ void attend_queries(const float* q, int64_t count, const int64_t* first, const i
                     const scalar_t* const* keys, const scalar_t* const* values, int64_t dim, float scale, float cap,
                     float* scores, int64_t stride, float* out) {
 #if defined(__AVX2__) && defined(__FMA__)
-  if constexpr (std::is_same_v<scalar_t, float>) {
+  if constexpr (kVectorCache<scalar_t>) {
     if (dim == 64) return attend_queries_avx2<8>(q, count, first, n, keys, values, scale, cap, scores, stride, out);
     if (dim == 128) return attend_queries_avx2<16>(q, count, first, n, keys, values, scale, cap, scores, stride, out);
     if (dim == 256) return attend_queries_avx2<32>(q, count, first, n, keys, values, scale, cap, scores, stride, out);
