@@ -87,6 +87,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/sampling_throughput.py
 	$(PY) benchmarks/structured_throughput.py
 	$(PY) benchmarks/lora_throughput.py
+	$(PY) benchmarks/moe_throughput.py
 	$(PY) benchmarks/dagster_overhead.py
 
 # OpenVINO GenAI as a throughput peer, from its own virtualenv: not a dependency of the project.
