@@ -108,7 +108,11 @@ class CheckpointTensor:
             return self._reader.get_tensor(self._name)
         index = [slice(None)] * len(self.shape)
         index[piece.dim] = slice(piece.start, piece.start + piece.length)
-        return self._reader.get_slice(self._name)[tuple(index)]
+        return self.read_region(tuple(index))
+
+    def read_region(self, index: tuple[slice, ...]) -> torch.Tensor:
+        """The part of the tensor `index` selects, reading nothing else."""
+        return self._reader.get_slice(self._name)[index]
 
     def rows(self, start: int, length: int) -> "CheckpointRows":
         """Rows [start, start + length) of the tensor, as a tensor of their own (one of the
@@ -117,7 +121,8 @@ class CheckpointTensor:
 
 
 class CheckpointRows:
-    """Rows of a `CheckpointTensor`, read only when asked, like it."""
+    """Rows of a `CheckpointTensor`, read only when asked, like it: of a tensor-parallel
+    slice, only the slice's part of these rows is read."""
 
     def __init__(self, tensor: CheckpointTensor, start: int, length: int) -> None:
         self._tensor = tensor
@@ -126,11 +131,11 @@ class CheckpointRows:
 
     def read(self, piece: ShardSlice | None = None) -> torch.Tensor:
         """These rows, or their slice `piece`."""
-        if piece is None:
-            piece = ShardSlice(0, 0, self.shape[0], self.shape[0])
-        if piece.dim == 0:
-            return self._tensor.read(ShardSlice(0, self._start + piece.start, piece.length, self._tensor.shape[0]))
-        return self._tensor.read(piece).narrow(0, self._start, self.shape[0])
+        index = [slice(self._start, self._start + self.shape[0])] + [slice(None)] * (len(self.shape) - 1)
+        if piece is not None:
+            first = piece.start + (self._start if piece.dim == 0 else 0)
+            index[piece.dim] = slice(first, first + piece.length)
+        return self._tensor.read_region(tuple(index))
 
 
 def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, CheckpointTensor]]:
