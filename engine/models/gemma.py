@@ -18,7 +18,7 @@ from transformers import PretrainedConfig
 
 from engine.layers.attention import AttentionMetadata
 from engine.layers.layernorm import GemmaRMSNorm, RMSNorm
-from engine.models.llama import AttentionOptions, LlamaAttention, LlamaForCausalLM
+from engine.models.llama import AttentionOptions, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 
 if TYPE_CHECKING:
     from engine.model_loader import CheckpointTensor
@@ -29,18 +29,13 @@ _LANGUAGE_MODEL_PREFIXES = (("language_model.model.", "model."), ("language_mode
 _VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 
 
-class GemmaDecoderLayer(nn.Module):
+class GemmaDecoderLayer(LlamaDecoderLayer):
     """Attention and MLP, each between two norms before its output joins the residual."""
 
     def __init__(self, config: PretrainedConfig, attention: LlamaAttention, mlp: nn.Module, norm: type[RMSNorm]):
-        super().__init__()
-        self.self_attn = attention
-        self.mlp = mlp
-        size, eps = config.hidden_size, config.rms_norm_eps
-        self.input_layernorm = norm(size, eps)
-        self.post_attention_layernorm = norm(size, eps)
-        self.pre_feedforward_layernorm = norm(size, eps)
-        self.post_feedforward_layernorm = norm(size, eps)
+        super().__init__(config, attention, mlp, norm)
+        self.pre_feedforward_layernorm = norm(config.hidden_size, config.rms_norm_eps)
+        self.post_feedforward_layernorm = norm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
         self,
@@ -49,11 +44,7 @@ class GemmaDecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden.float()  # the residual stream stays in float32 (see RMSNorm)
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = self.normed_input(hidden, residual)
         hidden = self.post_attention_layernorm(self.self_attn(positions, hidden, meta))
         hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
         return self.post_feedforward_layernorm(self.mlp(hidden)), residual

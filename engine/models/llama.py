@@ -176,14 +176,17 @@ class LlamaDecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden.float()  # the residual stream stays in float32 (see RMSNorm)
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = self.normed_input(hidden, residual)
         hidden = self.self_attn(positions, hidden, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
+
+    def normed_input(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The previous layer's output added to the residual stream, normalised for this
+        layer's attention; and the stream (the embeddings themselves before the first layer)."""
+        if residual is None:
+            return self.input_layernorm(hidden), hidden.float()  # the stream stays in float32 (see RMSNorm)
+        return self.input_layernorm(hidden, residual)
 
 
 class LlamaModel(nn.Module):
