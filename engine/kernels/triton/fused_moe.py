@@ -34,17 +34,22 @@ def _expert_product(a_ptr, a_rows, row_ok, a_stride, w_ptr, w_rows, w_row_ok, K:
 
 
 @triton.jit
+def _block_tile(sorted_slots_ptr, num_slots, width, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's block of sorted slots and tile of output columns (of `width`), with
+    which of each are real."""
+    slots = tl.load(sorted_slots_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return slots, slots < num_slots, cols, cols < width
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, w13_ptr, act_ptr, sorted_slots_ptr, block_experts_ptr, num_slots, x_stride,
                     TOP_K: tl.constexpr, NUM_EXPERTS: tl.constexpr, INTER: tl.constexpr, HIDDEN: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     """act[slot, cols] = silu(gate) * up of x[slot // TOP_K] through the block's expert."""
-    block = tl.program_id(0)
-    expert = tl.load(block_experts_ptr + block)
+    expert = tl.load(block_experts_ptr + tl.program_id(0))
     if expert < NUM_EXPERTS:
-        slots = tl.load(sorted_slots_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
-        slot_ok = slots < num_slots
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < INTER
+        slots, slot_ok, cols, col_ok = _block_tile(sorted_slots_ptr, num_slots, INTER, BLOCK_M, BLOCK_N)
         w = w13_ptr + expert.to(tl.int64) * (2 * INTER * HIDDEN)
         tokens = slots // TOP_K
         gate = _expert_product(x_ptr, tokens, slot_ok, x_stride, w, cols, col_ok, HIDDEN, BLOCK_M, BLOCK_N, BLOCK_K,
@@ -61,13 +66,9 @@ def _down_kernel(act_ptr, w2_ptr, weights_ptr, out_ptr, sorted_slots_ptr, block_
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     """out[slot, cols] = weight[slot] * (act[slot] through the block's expert's down matrix),
     the product rounded to act's dtype first as PyTorch's would be."""
-    block = tl.program_id(0)
-    expert = tl.load(block_experts_ptr + block)
+    expert = tl.load(block_experts_ptr + tl.program_id(0))
     if expert < NUM_EXPERTS:
-        slots = tl.load(sorted_slots_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
-        slot_ok = slots < num_slots
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < HIDDEN
+        slots, slot_ok, cols, col_ok = _block_tile(sorted_slots_ptr, num_slots, HIDDEN, BLOCK_M, BLOCK_N)
         w = w2_ptr + expert.to(tl.int64) * (HIDDEN * INTER)
         acc = _expert_product(act_ptr, slots, slot_ok, INTER, w, cols, col_ok, INTER, BLOCK_M, BLOCK_N, BLOCK_K,
                               PRECISION)
