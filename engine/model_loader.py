@@ -197,5 +197,5 @@ def weight_bytes(model: nn.Module) -> int:
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                 for t in (*model.parameters(), *model.buffers()) if t.numel()}
     packed = [m.packed_weight for m in model.modules() if isinstance(m, Linear) and m.packed_weight is not None]
-    packed += [w for m in model.modules() if isinstance(m, FusedMoE) and m.packed for pair in m.packed for w in pair]
+    packed += [w for m in model.modules() if isinstance(m, FusedMoE) and m.packed for w in m.packed.w13 + m.packed.w2]
     return sum(storages.values()) + sum(p.numel() * p.element_size() for p in packed)  # oneDNN's are opaque

@@ -14,14 +14,14 @@
 
 #include <algorithm>
 #include <cmath>
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
 #include <limits>
-#include <type_traits>
 #include <vector>
 
+#include "cpu_vector.h"
+
 namespace {
+
+using namespace engine_cpu;
 
 constexpr int kLanes = 8;  // partial sums per dot product: one AVX2 register of floats
 
@@ -36,27 +36,6 @@ inline float soft_cap(float* scores, int64_t first, int64_t n, float cap) {
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-// exp(x) for x <= 0 (scores minus their maximum): Cephes' polynomial on x - n ln 2, times
-// 2^n through the exponent bits; under -87 it is 0.
-inline __m256 exp_avx2(__m256 x) {
-  const __m256 floor = _mm256_set1_ps(-87.0f);
-  const __m256 underflow = _mm256_cmp_ps(x, floor, _CMP_LT_OQ);
-  x = _mm256_max_ps(x, floor);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(underflow, _mm256_mul_ps(y, _mm256_castsi256_ps(bits)));
-}
-
 // The eight lane sums of a[0..7], as one register: lane j holds the sum of a[j]'s lanes.
 inline __m256 lane_sums(const __m256* a) {
   const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
@@ -76,26 +55,6 @@ inline float horizontal_sum(__m256 a) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-// Eight cache entries as floats: float32 as they are, bfloat16 widened exactly (its bits are
-// a float's top half), float16 through F16C.
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-
-inline __m256 load8(const c10::BFloat16* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-
-#if defined(__F16C__)
-inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-#endif
-
-// Cache dtypes the vector path reads.
-template <typename scalar_t>
-constexpr bool kVectorCache = std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>
-#if defined(__F16C__)
-                              || std::is_same_v<scalar_t, c10::Half>
-#endif
-    ;
 
 // The scores of query q against keys[c0, c1), eight keys at a time: a last group past c1
 // repeats key c1 - 1 and is stored but never read. Returns the running maximum.
@@ -224,7 +183,7 @@ void attend_queries(const float* q, int64_t count, const int64_t* first, const i
                     const scalar_t* const* keys, const scalar_t* const* values, int64_t dim, float scale, float cap,
                     float* scores, int64_t stride, float* out) {
 #if defined(__AVX2__) && defined(__FMA__)
-  if constexpr (kVectorCache<scalar_t>) {
+  if constexpr (kVector8<scalar_t>) {
     if (dim == 64) return attend_queries_avx2<8>(q, count, first, n, keys, values, scale, cap, scores, stride, out);
     if (dim == 128) return attend_queries_avx2<16>(q, count, first, n, keys, values, scale, cap, scores, stride, out);
     if (dim == 256) return attend_queries_avx2<32>(q, count, first, n, keys, values, scale, cap, scores, stride, out);
@@ -342,8 +301,4 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
                      row_keys.contiguous(), block_size, scale, sliding_window, softcap, out);
   });
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "Paged attention over a block table (CPU)");
 }

@@ -2,7 +2,7 @@
 
 import torch
 
-from engine.kernels import cpu_attention
+from engine.kernels import cpu_build
 from engine.kernels import triton as triton_kernels
 from engine.layers.attention import AttentionBackend
 
@@ -13,12 +13,12 @@ def resolve_backend_name(setting: str, device: torch.device) -> str:
     if setting == "auto":
         if device.type == "cuda":
             return "triton" if triton_kernels.installed() else "torch"
-        return "cpu" if cpu_attention.load() is not None else "torch"
+        return "cpu" if cpu_build.load() is not None else "torch"
     if setting == "cpu":
         if device.type != "cpu":
             raise ValueError("attention_backend='cpu' is the compiled CPU kernel; this engine runs on "
                              f"{device}: use 'auto', 'triton' or 'torch'")
-        if cpu_attention.load() is None:
+        if cpu_build.load() is None:
             raise RuntimeError("attention_backend='cpu': the CPU attention kernel could not be built (see the "
                                "warning above: it needs a C++ compiler and ninja); use 'auto' or 'torch'")
     if setting == "triton" and not triton_kernels.available(device):

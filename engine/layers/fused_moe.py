@@ -3,18 +3,22 @@ choice of experts per token, and the experts' SwiGLU products summed by routing 
 
 On a CPU the experts run as grouped products that skip idle experts: the step's
 (token, expert) slots are sorted by expert once, and each expert that received slots
-multiplies just their rows, through oneDNN's prepacked weights like every `Linear`. A GPU
-runs them in the fused Triton kernel (`engine.kernels.triton.fused_moe`).
+multiplies just their rows, through oneDNN's prepacked weights like every `Linear`, in a
+C++ operator that runs one expert per thread (`engine/kernels/cpu_fused_moe.cpp`; PyTorch's
+operations where it cannot be built). A GPU runs them in the fused Triton kernel
+(`engine.kernels.triton.fused_moe`).
 """
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers.linear import prepack, project
+from engine.kernels import cpu_build
+from engine.layers.linear import MIN_ROWS, prepack, project
 
 if TYPE_CHECKING:
     from engine.distributed.communicator import TensorParallelGroup
@@ -35,6 +39,14 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
     return weights, ids
 
 
+@dataclass(frozen=True)
+class PackedExperts:
+    """Every expert's two matrices in oneDNN's layout: w13[e] [2 * I, H], w2[e] [H, I]."""
+
+    w13: list[torch.Tensor]
+    w2: list[torch.Tensor]
+
+
 class FusedMoE(nn.Module):
     """`num_experts` SwiGLU experts: w13 [E, 2 * I, H] holds each expert's gate rows then its
     up rows (as transformers' `gate_up_proj`), w2 [E, H, I] its down matrix (`down_proj`).
@@ -44,14 +56,14 @@ class FusedMoE(nn.Module):
     gate and up, columns of its down), and the partial outputs are summed over the ranks.
 
     `kernel`, when set (see `engine.layers.triton_routing`), computes the experts in one
-    fused call: kernel(x, w13, w2, topk_weights, topk_ids). `packed` holds each expert's
-    two matrices in oneDNN's layout once `prepack` has run (the 3-D weights are then empty);
+    fused call: kernel(x, w13, w2, topk_weights, topk_ids). `packed` holds the experts'
+    matrices in oneDNN's layout once `prepack` has run (the 3-D weights are then empty);
     they are opaque tensors without a storage, so a count of the weights' bytes adds their
     numel * element_size as it does for `Linear.packed_weight`.
     """
 
     kernel: Callable | None = None
-    packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    packed: PackedExperts | None = None
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  group: "TensorParallelGroup | None" = None) -> None:
@@ -68,8 +80,8 @@ class FusedMoE(nn.Module):
         plain product is used, or where the Triton kernel runs, which reads the 3-D weights."""
         if self.packed is not None or self.kernel is not None:
             return
-        packed = [(prepack(self.w13[e]), prepack(self.w2[e])) for e in range(self.num_experts)]
-        if any(matrix is None for pair in packed for matrix in pair):
+        packed = PackedExperts([prepack(w) for w in self.w13], [prepack(w) for w in self.w2])
+        if any(matrix is None for matrix in packed.w13 + packed.w2):
             return
         self.packed = packed
         self.w13 = nn.Parameter(torch.empty(0, dtype=self.w13.dtype), requires_grad=False)
@@ -80,6 +92,8 @@ class FusedMoE(nn.Module):
         e = topk_ids[t, j], for x [T, H]; [T, H] in x's dtype."""
         if self.kernel is not None:
             out = self.kernel(x, self.w13, self.w2, topk_weights, topk_ids)
+        elif self.packed is not None and (kernels := cpu_build.load()) is not None:
+            out = kernels.fused_moe(x, topk_weights, topk_ids, self.packed.w13, self.packed.w2, MIN_ROWS)
         else:
             out = self._grouped(x, topk_weights, topk_ids)
         if self.group is not None and self.group.size > 1:
@@ -87,7 +101,8 @@ class FusedMoE(nn.Module):
         return out
 
     def _grouped(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        """The experts as one pair of products per expert that received slots, on its rows.
+        """The experts as one pair of products per expert that received slots, on its rows,
+        in PyTorch's operations; the C++ operator computes the same.
 
         A token's slots are added into the float32 sum in expert order (the stable sort
         keeps it), as transformers adds them: its result depends on its own experts only,
@@ -114,7 +129,7 @@ class FusedMoE(nn.Module):
     def _expert(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
         """Expert `expert`'s SwiGLU of `rows` [n, H], in their dtype."""
         if self.packed is not None:  # project reads the packed matrices, not the emptied weights
-            (w13, w2), (packed13, packed2) = (self.w13, self.w2), self.packed[expert]
+            (w13, w2), (packed13, packed2) = (self.w13, self.w2), (self.packed.w13[expert], self.packed.w2[expert])
         else:
             (w13, w2), (packed13, packed2) = (self.w13[expert], self.w2[expert]), (None, None)
         gate, up = project(rows, w13, packed13).chunk(2, dim=-1)

@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 # from the many-row kernel's (measured in bfloat16 on AVX-512: a single row did): a
 # token's result would depend on how many others share its step. Padding to this many
 # rows keeps it the same.
-_MIN_ROWS = 8
+MIN_ROWS = 8
 
 
 def linear_kernel(dtype: torch.dtype, device: torch.device) -> str:
@@ -62,8 +62,8 @@ def project(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
     if packed is None:
         return F.linear(x, weight, bias)
     rows = x.shape[0]
-    if rows < _MIN_ROWS:
-        x = F.pad(x, (0, 0, 0, _MIN_ROWS - rows))
+    if rows < MIN_ROWS:
+        x = F.pad(x, (0, 0, 0, MIN_ROWS - rows))
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")[:rows]
 
 

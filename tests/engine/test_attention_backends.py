@@ -9,12 +9,12 @@ import torch
 
 import engine.layers.attention_selector as selector
 from engine import LLM, SamplingParams
-from engine.kernels import cpu_attention
+from engine.kernels import cpu_build
 from engine.kernels import triton as triton_kernels
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BACKENDS = ["torch"]
-if DEVICE == "cpu" and cpu_attention.load() is not None:
+if DEVICE == "cpu" and cpu_build.load() is not None:
     BACKENDS.append("cpu")
 if triton_kernels.installed():
     BACKENDS.append("triton")
@@ -42,7 +42,7 @@ def test_backends_give_the_same_greedy_tokens(tiny_models, backend):
 
 
 def test_auto_picks_by_device(monkeypatch):
-    monkeypatch.setattr(selector.cpu_attention, "load", lambda: object())
+    monkeypatch.setattr(selector.cpu_build, "load", lambda: object())
     assert selector.resolve_backend_name("auto", torch.device("cpu")) == "cpu"
     monkeypatch.setattr(selector.triton_kernels, "installed", lambda: True)
     assert selector.resolve_backend_name("auto", torch.device("cuda")) == "triton"

@@ -12,7 +12,7 @@ import torch
 
 import engine.layers.attention_selector as attention_selector
 from engine import LLM, SamplingParams
-from engine.kernels import cpu_attention
+from engine.kernels import cpu_attention, cpu_build
 from engine.layers.attention import Attention
 from engine.layers.attention_torch import matmul_attention
 
@@ -23,7 +23,7 @@ BLOCK = 16
 
 @pytest.fixture(scope="module")
 def kernel():
-    if cpu_attention.load() is None:
+    if cpu_build.load() is None:
         pytest.skip("the CPU attention kernel cannot be built on this machine (no C++ compiler or ninja)")
     return cpu_attention
 
@@ -99,7 +99,7 @@ def test_kernel_rows_do_not_depend_on_the_batch(kernel):
 
 
 def test_auto_falls_back_to_pytorch_where_the_kernel_cannot_build(tiny_models, monkeypatch):
-    monkeypatch.setattr(attention_selector.cpu_attention, "load", lambda: None)
+    monkeypatch.setattr(attention_selector.cpu_build, "load", lambda: None)
     with LLM(str(tiny_models["llama"]), dtype="float32") as llm:
         assert llm.llm_engine.model_runner.attention_backend == "torch"
         out = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
@@ -113,12 +113,12 @@ def test_a_failed_build_is_reported_and_not_raised(monkeypatch, caplog):
         raise RuntimeError("Ninja is required to load C++ extensions")
 
     monkeypatch.setattr("torch.utils.cpp_extension.load", broken_build)
-    cpu_attention.load.cache_clear()
+    cpu_build.load.cache_clear()
     try:
-        assert cpu_attention.load() is None
+        assert cpu_build.load() is None
         assert "could not be built" in caplog.text and "Ninja is required" in caplog.text
     finally:
-        cpu_attention.load.cache_clear()
+        cpu_build.load.cache_clear()
 
 
 def test_unknown_backend_is_refused():

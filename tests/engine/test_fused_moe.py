@@ -1,5 +1,6 @@
 """The mixture-of-experts layer: the router's choice against transformers', and the experts'
-weighted sum (the fused Triton kernel and the CPU's grouped products) against a per-token loop.
+weighted sum (the fused Triton kernel, the CPU's C++ operator and its PyTorch fallback)
+against a per-token loop.
 
 Without a GPU the kernel runs in Triton's interpreter (exact in float16 and float32, wrong
 in bfloat16, so bfloat16 is checked on a GPU only); shapes stay tiny for it.
@@ -12,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels import cpu_build
 from engine.kernels import triton as triton_kernels
 from engine.layers.fused_moe import FusedMoE, select_experts
 from engine.layers.linear import linear_kernel
@@ -97,20 +99,56 @@ def test_align_gives_each_block_one_expert_and_every_slot_once():
     assert sorted(blocks[blocks < slots].tolist()) == list(range(slots))
 
 
+@pytest.fixture(params=["cpu_kernel", "pytorch"])
+def cpu_path(request, monkeypatch):
+    """Prepacked experts on the C++ operator, or on PyTorch's operations where it cannot
+    be built."""
+    if request.param == "cpu_kernel" and (DEVICE.type != "cpu" or cpu_build.load() is None):
+        pytest.skip("the C++ operator runs on a CPU where it can be built")
+    if request.param == "pytorch":
+        monkeypatch.setattr(cpu_build, "load", lambda: None)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("prepacked", [True, False])
-def test_grouped_experts_match_reference(dtype, prepacked):
-    x, w13, w2, weights, ids = moe_case(33, 8, 2, dtype=dtype, only=(0, 2, 3, 5, 7))
-    layer = layer_of(w13, w2, prepacked)
+@pytest.mark.parametrize("tokens, experts, top_k, only", [
+    (33, 8, 2, (0, 2, 3, 5, 7)),
+    (1, 8, 2, None),
+    (40, 16, 4, None),
+    (20, 4, 1, (2,)),  # every token to one expert, three idle
+])
+def test_grouped_experts_match_reference(cpu_path, dtype, tokens, experts, top_k, only):
+    x, w13, w2, weights, ids = moe_case(tokens, experts, top_k, dtype=dtype, only=only)
+    for prepacked in (True, False):
+        layer = layer_of(w13, w2, prepacked)
+        with torch.no_grad():
+            out = layer(x, weights, ids)
+        assert out.dtype == dtype
+        torch.testing.assert_close(out.float(), reference_moe(x, w13, w2, weights, ids), **tolerance(dtype))
+
+
+def test_no_tokens_give_an_empty_output(cpu_path):
+    x, w13, w2, weights, ids = moe_case(0, 4, 2)
     with torch.no_grad():
-        out = layer(x, weights, ids)
-    assert out.dtype == dtype
-    torch.testing.assert_close(out.float(), reference_moe(x, w13, w2, weights, ids), **tolerance(dtype))
+        assert layer_of(w13, w2, prepacked=True)(x, weights, ids).shape == (0, x.shape[1])
+
+
+def test_the_cpu_kernel_runs_prepacked_experts(monkeypatch):
+    if DEVICE.type != "cpu" or cpu_build.load() is None or linear_kernel(torch.float32, DEVICE) != "onednn":
+        pytest.skip("the C++ operator runs oneDNN's prepacked products on a CPU where it can be built")
+    x, w13, w2, weights, ids = moe_case(9, 4, 2)
+    layer = layer_of(w13, w2, prepacked=True)
+    monkeypatch.setattr(layer, "_grouped", lambda *args: pytest.fail("the PyTorch fallback ran"))
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x, weights, ids), reference_moe(x, w13, w2, weights, ids),
+                                   **tolerance(x.dtype))
+    with pytest.raises(RuntimeError, match=r"expert ids within \[0, 4\)"):
+        layer(x, weights, ids + 3)
 
 
 @pytest.mark.cpu_kinds
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_grouped_experts_rows_do_not_depend_on_the_batch(dtype):
+def test_grouped_experts_rows_do_not_depend_on_the_batch(cpu_path, dtype):
     if DEVICE.type != "cpu" or linear_kernel(dtype, DEVICE) != "onednn":
         pytest.skip("batch invariance holds through oneDNN's prepacked products")
     x, w13, w2, weights, ids = moe_case(33, 8, 2, hidden=128, inter=96, dtype=dtype, seed=1)

@@ -16,7 +16,7 @@ import random
 import pytest
 import torch
 
-from engine.kernels import cpu_attention
+from engine.kernels import cpu_build
 from engine.kernels import triton as triton_kernels
 from engine.layers.attention import Attention, AttentionMetadata
 from engine.layers.attention_selector import make_backend
@@ -24,7 +24,7 @@ from tests.engine.test_triton_kernels import DEVICE as TRITON_DEVICE
 from tests.engine.test_triton_kernels import reference_attention, tolerance
 
 BACKENDS = ["torch"]
-if cpu_attention.load() is not None:
+if cpu_build.load() is not None:
     BACKENDS.append("cpu")
 if triton_kernels.installed():
     BACKENDS.append("triton")

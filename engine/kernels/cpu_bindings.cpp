@@ -1,0 +1,18 @@
+// The Python module of the CPU kernels (`engine.kernels.cpu_build`).
+
+#include <torch/extension.h>
+
+#include <vector>
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& row_seq,
+                           const at::Tensor& row_keys, int64_t block_size, double scale, int64_t sliding_window,
+                           double softcap);
+
+at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& topk_weights, const at::Tensor& topk_ids,
+                     const std::vector<at::Tensor>& w13, const std::vector<at::Tensor>& w2, int64_t min_rows);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention, "Paged attention over a block table (CPU)");
+  m.def("fused_moe", &fused_moe, "Routed experts on oneDNN-prepacked matrices (CPU)");
+}

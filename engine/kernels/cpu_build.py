@@ -1,0 +1,49 @@
+"""The CPU kernels (C++: paged attention, `cpu_paged_attention.cpp`; routed experts,
+`cpu_fused_moe.cpp`), built once per machine into one module.
+
+They are compiled with the machine's own instruction set on first use (about a minute; then
+cached by PyTorch under ~/.cache/torch_extensions, keyed by the sources, the CPU's flags and
+the PyTorch version). Where they cannot be built (no C++ compiler, no ninja), `load()` says
+so once and returns None, and the layers run on PyTorch's operations instead.
+"""
+
+import functools
+import hashlib
+import logging
+import platform
+import time
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from engine.hardware import machine_cpu
+
+logger = logging.getLogger(__name__)
+
+_HERE = Path(__file__).parent
+_SOURCES = [_HERE / name for name in ("cpu_paged_attention.cpp", "cpu_fused_moe.cpp", "cpu_bindings.cpp")]
+_HEADERS = [_HERE / "cpu_vector.h"]
+
+
+@functools.cache
+def load() -> ModuleType | None:
+    """The compiled kernel module, or None where it cannot be built."""
+    # Built for this machine's flags (-march=native), whatever kind the engine chooses its path for.
+    texts = [path.read_text() for path in _SOURCES + _HEADERS]
+    key = "\n".join([*texts, " ".join(sorted(machine_cpu().flags)), torch.__version__])
+    name = f"engine_cpu_kernels_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    flags = ["-O3", "-fopenmp", "-march=native" if platform.machine() in ("x86_64", "AMD64") else "-mcpu=native"]
+    start = time.monotonic()
+    try:
+        from torch.utils.cpp_extension import load as build
+
+        module = build(name=name, sources=[str(path) for path in _SOURCES], extra_cflags=flags,
+                       extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as error:  # a missing compiler or ninja shows up as various exceptions
+        logger.warning("the CPU kernels could not be built (%s); attention and the experts of mixture-of-"
+                       "experts models run on PyTorch's operations, which are slower",
+                       str(error).strip().splitlines()[-1][:300])
+        return None
+    logger.info("CPU kernels ready in %.1f s (%s)", time.monotonic() - start, name)
+    return module

@@ -1,0 +1,93 @@
+// Vector helpers shared by the CPU kernels: eight floats at a time in one AVX2 register,
+// read from and written to the model's dtypes, and exp for the softmax and SiLU.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <type_traits>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+namespace engine_cpu {
+
+// The dtypes load8 and store8 read and write.
+template <typename scalar_t>
+constexpr bool kVector8 = std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>
+#if defined(__F16C__)
+                          || std::is_same_v<scalar_t, c10::Half>
+#endif
+    ;
+
+#if defined(__AVX2__) && defined(__FMA__)
+// exp(x) for x <= 0: Cephes' polynomial on x - n ln 2, times 2^n through the exponent bits;
+// under -87 it is 0.
+inline __m256 exp_avx2(__m256 x) {
+  const __m256 floor = _mm256_set1_ps(-87.0f);
+  const __m256 underflow = _mm256_cmp_ps(x, floor, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, floor);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(underflow, _mm256_mul_ps(y, _mm256_castsi256_ps(bits)));
+}
+
+// Eight entries as floats: float32 as they are, bfloat16 widened exactly (its bits are a
+// float's top half), float16 through F16C.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+// v rounded to the nearest bfloat16 (ties to even), still as floats; NaN stays NaN.
+inline __m256 round_bf16(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i up = _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff)));
+  const __m256 rounded = _mm256_castsi256_ps(_mm256_and_si256(up, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+  return _mm256_blendv_ps(rounded, v, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+}
+
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+
+inline void store8(c10::BFloat16* p, __m256 v) {
+  const __m256i high = _mm256_srli_epi32(_mm256_castps_si256(round_bf16(v)), 16);
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(high), _mm256_extracti128_si256(high, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+
+#if defined(__F16C__)
+inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+inline void store8(c10::Half* p, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+#endif
+
+// v as the nearest values of scalar_t, still as floats: what storing and loading gives.
+template <typename scalar_t>
+inline __m256 round8(__m256 v) {
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    return round_bf16(v);
+  } else if constexpr (std::is_same_v<scalar_t, float>) {
+    return v;
+  } else {
+    alignas(32) scalar_t tmp[8];
+    store8(tmp, v);
+    return load8(tmp);
+  }
+}
+#endif
+
+}  // namespace engine_cpu
