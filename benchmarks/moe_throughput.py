@@ -3,7 +3,8 @@
 Output tokens/s of both on Mixtral, Qwen2-MoE and Qwen3-MoE models, and our ratio.
 
 Why: in an MoE model most of a token's work is its experts' products, which the engine runs
-as grouped products over the experts that received tokens (`engine/layers/fused_moe.py`);
+as grouped products over the experts that received tokens (`engine/layers/fused_moe.py`, on
+a CPU through `engine/kernels/cpu_fused_moe.cpp`);
 the dense suite (`benchmarks/throughput.py`) never exercises them. The issue's target is at
 least 2x transformers' static batched `generate` on each family.
 
@@ -316,7 +317,7 @@ def exclusive_times(inclusive: dict[str, dict[str, float]], wall: float) -> dict
         return {p: inclusive[name][p] - sum(inclusive[i][p] for i in inner) for p in ("prefill", "decode")}
 
     return {
-        "experts (fused_moe grouped products)": dict(inclusive["experts"]),
+        "experts (grouped products)": dict(inclusive["experts"]),
         "router, shared expert, MoE glue": minus("moe block", "experts"),
         "attention (the backend's kernel, cache writes)": dict(inclusive["kernel"]),
         "qkv/o projections, q/k norms, rotary": minus("attention", "kernel"),
