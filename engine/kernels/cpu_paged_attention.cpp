@@ -56,12 +56,25 @@ inline float horizontal_sum(__m256 a) {
 }
 
 
+// How many keys ahead of its use a key's (or value's) cache lines are asked for: a
+// sequence's keys lie in blocks apart in the cache, and the hardware prefetcher alone left
+// the arithmetic waiting on memory (decode, caches beyond L3: 0.78 ms a layer against 0.39
+// with the cache hot).
+constexpr int64_t kAhead = 16;
+
+template <int V, typename scalar_t>
+inline void prefetch_row(const scalar_t* row) {
+  constexpr int64_t bytes = V * kLanes * static_cast<int64_t>(sizeof(scalar_t));
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(row) + b, _MM_HINT_T0);
+}
+
 // The scores of query q against keys[c0, c1), eight keys at a time: a last group past c1
 // repeats key c1 - 1 and is stored but never read. Returns the running maximum.
 template <int V, typename scalar_t>
-__m256 scores_avx2(const float* q, const scalar_t* const* keys, int64_t c0, int64_t c1, float scale, float* scores,
-                   __m256 top) {
+__m256 scores_avx2(const float* q, const scalar_t* const* keys, int64_t c0, int64_t c1, int64_t end, float scale,
+                   float* scores, __m256 top) {
   for (int64_t c = c0; c < c1; c += kLanes) {
+    for (int64_t a = c + kAhead; a < std::min(c + kAhead + kLanes, end); ++a) prefetch_row<V>(keys[a]);
     const scalar_t* k[kLanes];
     for (int j = 0; j < kLanes; ++j) k[j] = keys[std::min<int64_t>(c + j, c1 - 1)];
     __m256 acc[kLanes];
@@ -94,10 +107,11 @@ inline float exponentiate_avx2(float* scores, int64_t first, int64_t n, __m256 t
 
 // out[0:8V] += sum over c in [c0, c1) of p[c] * values[c], in key order.
 template <int V, typename scalar_t>
-void weighted_sum_avx2(const float* p, const scalar_t* const* values, int64_t c0, int64_t c1, float* out) {
+void weighted_sum_avx2(const float* p, const scalar_t* const* values, int64_t c0, int64_t c1, int64_t end, float* out) {
   __m256 acc[V];
   for (int i = 0; i < V; ++i) acc[i] = _mm256_loadu_ps(out + i * kLanes);
   for (int64_t c = c0; c < c1; ++c) {
+    if (c + kAhead < end) prefetch_row<V>(values[c + kAhead]);
     const __m256 w = _mm256_set1_ps(p[c]);
     for (int i = 0; i < V; ++i) acc[i] = _mm256_fmadd_ps(w, load8(values[c] + i * kLanes), acc[i]);
   }
@@ -119,11 +133,13 @@ void attend_queries_avx2(const float* q, int64_t count, const int64_t* first, co
   constexpr int dim = V * kLanes;
   const int64_t longest = *std::max_element(n, n + count);
   std::vector<__m256> top(count, _mm256_set1_ps(-std::numeric_limits<float>::infinity()));
+  for (int64_t a = 0; a < std::min(kAhead, longest); ++a) prefetch_row<V>(keys[a]);
   for (int64_t c0 = 0; c0 < longest; c0 += kBlock)
     for (int64_t i = 0; i < count; ++i)
       if (c0 < n[i] && c0 + kBlock > first[i])
-        top[i] = scores_avx2<V, scalar_t>(q + i * dim, keys, std::max(c0, first[i]), std::min(c0 + kBlock, n[i]), scale,
-                                scores + i * stride, top[i]);
+        top[i] = scores_avx2<V, scalar_t>(q + i * dim, keys, std::max(c0, first[i]), std::min(c0 + kBlock, n[i]),
+                                          longest, scale, scores + i * stride, top[i]);
+  for (int64_t a = 0; a < std::min(kAhead, longest); ++a) prefetch_row<V>(values[a]);
   std::vector<float> inv(count);
   for (int64_t i = 0; i < count; ++i) {
     if (cap > 0.f) top[i] = _mm256_set1_ps(soft_cap(scores + i * stride, first[i], n[i], cap));
@@ -134,7 +150,7 @@ void attend_queries_avx2(const float* q, int64_t count, const int64_t* first, co
     for (int64_t i = 0; i < count; ++i)
       if (c0 < n[i] && c0 + kBlock > first[i])
         weighted_sum_avx2<V, scalar_t>(scores + i * stride, values, std::max(c0, first[i]), std::min(c0 + kBlock, n[i]),
-                             out + i * dim);
+                                       longest, out + i * dim);
   for (int64_t i = 0; i < count; ++i)
     for (int d = 0; d < dim; ++d) out[i * dim + d] *= inv[i];
 }
