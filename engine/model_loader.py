@@ -18,6 +18,7 @@ from engine.distributed.communicator import TensorParallelGroup
 from engine.embedded_model import EMBEDDED_MODEL_NAME, ensure_embedded_model
 from engine.layers.fused_moe import FusedMoE
 from engine.layers.linear import Linear, ShardSlice
+from engine.layers.cpu_routing import route_through_cpu_kernels
 from engine.layers.triton_routing import route_through_triton
 from engine.models import MODEL_REGISTRY
 
@@ -159,7 +160,8 @@ def load_model(model_config: ModelConfig, group: TensorParallelGroup | None = No
                triton_kernels: bool = False) -> nn.Module:
     """Builds the model family named in config.json and fills it from the folder's
     weights: with a tensor-parallel `group`, this rank's share of them. With
-    `triton_kernels` its layers run through Triton (`route_through_triton`), before the
+    `triton_kernels` its layers run through Triton (`route_through_triton`), and on a CPU
+    otherwise its norms through the C++ kernel (`route_through_cpu_kernels`), before the
     rest are prepacked for this device."""
     started = time.perf_counter()
     hf_config = model_config.hf_config
@@ -182,6 +184,8 @@ def load_model(model_config: ModelConfig, group: TensorParallelGroup | None = No
         raise ModelLoadError(f"{model_config.path}: {exc}") from exc
     if triton_kernels:
         route_through_triton(model)
+    elif model_config.device.type == "cpu":
+        route_through_cpu_kernels(model)
     model.prepack()
     model.eval()
     logger.info(

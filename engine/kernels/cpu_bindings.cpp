@@ -2,6 +2,7 @@
 
 #include <torch/extension.h>
 
+#include <optional>
 #include <vector>
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -12,7 +13,11 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& topk_weights, const at::Tensor& topk_ids,
                      const std::vector<at::Tensor>& w13, const std::vector<at::Tensor>& w2, int64_t min_rows);
 
+std::vector<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
+                                 const std::optional<at::Tensor>& residual);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Paged attention over a block table (CPU)");
   m.def("fused_moe", &fused_moe, "Routed experts on oneDNN-prepacked matrices (CPU)");
+  m.def("rms_norm", &rms_norm, "RMSNorm with the residual add fused in (CPU)");
 }

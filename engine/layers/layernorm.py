@@ -13,8 +13,8 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    """`kernel`, when set (see `engine.layers.triton_routing`), computes the same thing in one
-    fused launch: kernel(x, weight, eps, residual). `weight_offset` is added to the
+    """`kernel`, when set (see `engine.layers.triton_routing` and `cpu_routing`), computes the
+    same thing in one fused pass: kernel(x, weight, eps, residual). `weight_offset` is added to the
     checkpoint's weight as it loads (see `GemmaRMSNorm`)."""
 
     kernel: Callable | None = None

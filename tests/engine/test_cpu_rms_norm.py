@@ -1,0 +1,91 @@
+"""The compiled CPU RMSNorm (with its residual add) against the layer's PyTorch path, and its
+routing: every norm of a model on a CPU, where the kernels can be built."""
+
+import pytest
+import torch
+from torch import nn
+
+from engine.kernels import cpu_build
+from engine.layers.cpu_routing import route_through_cpu_kernels
+from engine.layers.layernorm import GemmaRMSNorm, RMSNorm
+
+pytestmark = pytest.mark.cpu_kinds
+
+
+@pytest.fixture(scope="module")
+def rms_norm():
+    if cpu_build.load() is None:
+        pytest.skip("the CPU kernels cannot be built on this machine (no C++ compiler or ninja)")
+    from engine.kernels.cpu_rms_norm import rms_norm
+
+    return rms_norm
+
+
+def tolerance(dtype: torch.dtype) -> dict:
+    """The sums of squares add in another order than PyTorch's: float32 differs in the last
+    bits, 16-bit outputs by at most a rounding step."""
+    close = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    return dict(atol=close, rtol=close)
+
+
+def norm_case(dtype: torch.dtype, hidden: int, rows: int = 7, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    layer = RMSNorm(hidden, 1e-6).to(dtype)
+    layer.weight.data.copy_(torch.randn(hidden, generator=gen))
+    x = (torch.randn(rows, hidden, generator=gen) * 3).to(dtype)
+    residual = torch.randn(rows, hidden, generator=gen) * 5
+    return layer, x, residual
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hidden", [512, 52])  # 52: a tail past the last eight
+@pytest.mark.parametrize("residual_dtype", [None, torch.float32, "x"])
+def test_matches_the_layer(rms_norm, dtype, hidden, residual_dtype):
+    layer, x, residual = norm_case(dtype, hidden)
+    with torch.no_grad():
+        if residual_dtype is None:
+            out, expected = rms_norm(x, layer.weight, layer.eps), layer.torch_forward(x)
+        else:
+            residual = residual.to(dtype if residual_dtype == "x" else residual_dtype)
+            before = residual.clone()
+            out, summed = rms_norm(x, layer.weight, layer.eps, residual)
+            expected, expected_sum = layer.torch_forward(x, residual)
+            assert summed.dtype == residual.dtype and torch.equal(summed, expected_sum)
+            assert torch.equal(residual, before), "the residual passed in is left as it was"
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, expected, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_does_not_depend_on_the_batch(rms_norm, dtype):
+    layer, x, residual = norm_case(dtype, 200, rows=37, seed=3)
+    with torch.no_grad():
+        whole, whole_sum = rms_norm(x, layer.weight, layer.eps, residual)
+        for r in range(len(x)):
+            alone, alone_sum = rms_norm(x[r : r + 1], layer.weight, layer.eps, residual[r : r + 1])
+            assert torch.equal(alone, whole[r : r + 1]) and torch.equal(alone_sum, whole_sum[r : r + 1]), r
+
+
+def test_bad_shapes_are_refused(rms_norm):
+    layer, x, residual = norm_case(torch.float32, 64)
+    with pytest.raises(RuntimeError, match=r"weight \[hidden\]"):
+        rms_norm(x[:, :32], layer.weight, layer.eps)
+    with pytest.raises(RuntimeError, match="residual"):
+        rms_norm(x, layer.weight, layer.eps, residual[:3])
+
+
+def test_every_norm_is_routed(rms_norm):
+    model = nn.ModuleList([RMSNorm(8, 1e-6), GemmaRMSNorm(8, 1e-6), nn.Linear(8, 8)])
+    route_through_cpu_kernels(model)
+    assert model[0].kernel is rms_norm and model[1].kernel is rms_norm
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(model[0](x), model[0].torch_forward(x), **tolerance(torch.float32))
+    heads = torch.randn(3, 2, 8)  # q/k norms over heads see [tokens, heads, dim]: the PyTorch path
+    assert torch.equal(model[0](heads), model[0].torch_forward(heads))
+
+
+def test_no_routing_where_the_kernels_cannot_build(monkeypatch):
+    monkeypatch.setattr(cpu_build, "load", lambda: None)
+    model = nn.ModuleList([RMSNorm(8, 1e-6)])
+    route_through_cpu_kernels(model)
+    assert model[0].kernel is None
