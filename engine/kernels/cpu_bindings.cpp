@@ -16,8 +16,11 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& topk_weights, const 
 std::vector<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
                                  const std::optional<at::Tensor>& residual);
 
+at::Tensor rotary(const at::Tensor& positions, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Paged attention over a block table (CPU)");
   m.def("fused_moe", &fused_moe, "Routed experts on oneDNN-prepacked matrices (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm with the residual add fused in (CPU)");
+  m.def("rotary", &rotary, "Rotary position embedding (CPU)");
 }

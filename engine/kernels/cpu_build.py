@@ -1,6 +1,6 @@
 """The CPU kernels (C++: paged attention, `cpu_paged_attention.cpp`; routed experts,
-`cpu_fused_moe.cpp`; RMSNorm with its residual add, `cpu_rms_norm.cpp`), built once per
-machine into one module.
+`cpu_fused_moe.cpp`; RMSNorm with its residual add, `cpu_rms_norm.cpp`; rotary embedding,
+`cpu_rotary.cpp`), built once per machine into one module.
 
 They are compiled with the machine's own instruction set on first use (about a minute; then
 cached by PyTorch under ~/.cache/torch_extensions, keyed by the sources, the CPU's flags and
@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
 _SOURCES = [_HERE / name for name in ("cpu_paged_attention.cpp", "cpu_fused_moe.cpp", "cpu_rms_norm.cpp",
-                                           "cpu_bindings.cpp")]
+                                           "cpu_rotary.cpp", "cpu_bindings.cpp")]
 _HEADERS = [_HERE / "cpu_vector.h"]
 
 
@@ -32,10 +32,12 @@ _HEADERS = [_HERE / "cpu_vector.h"]
 def load() -> ModuleType | None:
     """The compiled kernel module, or None where it cannot be built."""
     # Built for this machine's flags (-march=native), whatever kind the engine chooses its path for.
+    # No fused multiply-adds the sources do not ask for: the kernels round as PyTorch's operators do.
+    flags = ["-O3", "-fopenmp", "-ffp-contract=off",
+             "-march=native" if platform.machine() in ("x86_64", "AMD64") else "-mcpu=native"]
     texts = [path.read_text() for path in _SOURCES + _HEADERS]
-    key = "\n".join([*texts, " ".join(sorted(machine_cpu().flags)), torch.__version__])
+    key = "\n".join([*texts, " ".join(flags), " ".join(sorted(machine_cpu().flags)), torch.__version__])
     name = f"engine_cpu_kernels_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
-    flags = ["-O3", "-fopenmp", "-march=native" if platform.machine() in ("x86_64", "AMD64") else "-mcpu=native"]
     start = time.monotonic()
     try:
         from torch.utils.cpp_extension import load as build

@@ -31,6 +31,8 @@ class RMSNorm(nn.Module):
         """Normalizes `x`; given `residual`, normalizes `x + residual` and returns the sum too."""
         if self.kernel is not None and x.dim() == 2:
             return self.kernel(x, self.weight, self.eps, residual)
+        if self.kernel is not None and residual is None:  # norms over heads: [tokens, heads, head_dim]
+            return self.kernel(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         return self.torch_forward(x, residual)
 
     def torch_forward(

@@ -1,5 +1,6 @@
-"""The compiled CPU RMSNorm (with its residual add) against the layer's PyTorch path, and its
-routing: every norm of a model on a CPU, where the kernels can be built."""
+"""The compiled CPU RMSNorm (with its residual add) and rotary embedding against the layers'
+PyTorch paths, and their routing: every norm and rotary table of a model on a CPU, where the
+kernels can be built."""
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ from torch import nn
 from engine.kernels import cpu_build
 from engine.layers.cpu_routing import route_through_cpu_kernels
 from engine.layers.layernorm import GemmaRMSNorm, RMSNorm
+from engine.layers.rotary import RotaryEmbedding
 
 pytestmark = pytest.mark.cpu_kinds
 
@@ -74,18 +76,45 @@ def test_bad_shapes_are_refused(rms_norm):
         rms_norm(x, layer.weight, layer.eps, residual[:3])
 
 
-def test_every_norm_is_routed(rms_norm):
-    model = nn.ModuleList([RMSNorm(8, 1e-6), GemmaRMSNorm(8, 1e-6), nn.Linear(8, 8)])
+@pytest.fixture(scope="module")
+def rotary():
+    if cpu_build.load() is None:
+        pytest.skip("the CPU kernels cannot be built on this machine (no C++ compiler or ninja)")
+    from engine.kernels.cpu_rotary import rotary
+
+    return rotary
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim, partial", [(64, 1.0), (64, 0.75), (20, 1.0)])  # 0.75: Phi-4-mini; 20: a tail
+def test_rotary_matches_the_layer(rotary, dtype, head_dim, partial):
+    layer = RotaryEmbedding(head_dim, 300, {"rope_theta": 10000.0, "partial_rotary_factor": partial})
+    gen = torch.Generator().manual_seed(1)
+    qkv = torch.randn(9, 7 * head_dim, generator=gen).to(dtype)
+    qk = qkv[:, : 5 * head_dim].view(9, 5, head_dim)  # strided, as the model's queries and keys
+    positions = torch.randint(0, 300, (9,), generator=gen)
+    out = rotary(positions, qk, layer.cos, layer.sin)
+    assert out.dtype == dtype and out.is_contiguous()
+    assert torch.equal(out, layer.torch_forward(positions, qk))
+    with pytest.raises(RuntimeError, match="beyond the rotary table"):
+        rotary(torch.full((9,), 300), qk, layer.cos, layer.sin)
+
+
+def test_every_norm_and_rotary_table_is_routed(rms_norm, rotary):
+    model = nn.ModuleList([RMSNorm(8, 1e-6), GemmaRMSNorm(8, 1e-6), nn.Linear(8, 8),
+                           RotaryEmbedding(8, 16, {"rope_theta": 10000.0})])
     route_through_cpu_kernels(model)
-    assert model[0].kernel is rms_norm and model[1].kernel is rms_norm
+    assert model[0].kernel is rms_norm and model[1].kernel is rms_norm and model[3].kernel is rotary
     x = torch.randn(3, 8)
     torch.testing.assert_close(model[0](x), model[0].torch_forward(x), **tolerance(torch.float32))
-    heads = torch.randn(3, 2, 8)  # q/k norms over heads see [tokens, heads, dim]: the PyTorch path
-    assert torch.equal(model[0](heads), model[0].torch_forward(heads))
+    heads = torch.randn(3, 2, 8)  # q/k norms see [tokens, heads, head_dim]
+    torch.testing.assert_close(model[0](heads), model[0].torch_forward(heads), **tolerance(torch.float32))
+    positions = torch.tensor([0, 5, 15])
+    assert torch.equal(model[3](positions, heads), model[3].torch_forward(positions, heads))
 
 
 def test_no_routing_where_the_kernels_cannot_build(monkeypatch):
     monkeypatch.setattr(cpu_build, "load", lambda: None)
-    model = nn.ModuleList([RMSNorm(8, 1e-6)])
+    model = nn.ModuleList([RMSNorm(8, 1e-6), RotaryEmbedding(8, 16, {"rope_theta": 10000.0})])
     route_through_cpu_kernels(model)
-    assert model[0].kernel is None
+    assert model[0].kernel is None and model[1].kernel is None

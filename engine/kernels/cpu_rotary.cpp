@@ -1,0 +1,70 @@
+// Rotary position embedding for CPUs: queries and keys rotated by their positions' rows of
+// the cos/sin table in one pass, reading the model's strided view of them, instead of
+// PyTorch's gather, casts, roll, two products and sum over the step.
+//
+// Rounded as `engine.layers.rotary.RotaryEmbedding.torch_forward` rounds: the table's
+// entries to x's dtype, each product, then their sum. Element by element: a row's result
+// does not depend on the rest of the step.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include "cpu_vector.h"
+
+namespace {
+
+using namespace engine_cpu;
+
+// out[0:rot] = x * cos + roll(x, rot / 2) * sin; out[rot:dim] = x[rot:dim].
+template <typename scalar_t>
+void rotate(const scalar_t* x, const float* cos, const float* sin, int64_t rot, int64_t dim, scalar_t* out) {
+  const int64_t half = rot / 2;
+  int64_t d = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (kVector8<scalar_t>) {
+    if (half % 8 == 0) {
+      for (; d < rot; d += 8) {
+        const __m256 rolled = load8(x + (d < half ? d + half : d - half));
+        const __m256 a = round8<scalar_t>(_mm256_mul_ps(load8(x + d), round8<scalar_t>(_mm256_loadu_ps(cos + d))));
+        const __m256 b = round8<scalar_t>(_mm256_mul_ps(rolled, round8<scalar_t>(_mm256_loadu_ps(sin + d))));
+        store8(out + d, _mm256_add_ps(a, b));
+      }
+    }
+  }
+#endif
+  for (; d < rot; ++d) {
+    const auto as = [](float v) { return static_cast<float>(static_cast<scalar_t>(v)); };
+    const float rolled = static_cast<float>(x[d < half ? d + half : d - half]);
+    out[d] = static_cast<scalar_t>(as(static_cast<float>(x[d]) * as(cos[d])) + as(rolled * as(sin[d])));
+  }
+  std::copy(x + rot, x + dim, out + rot);
+}
+
+}  // namespace
+
+// x [tokens, heads, dim] (any token and head strides, features contiguous) rotated by rows
+// positions[t] of cos and sin [positions, rot] (float32; sin signed as RotaryEmbedding
+// builds it); returns a new contiguous tensor in x's dtype.
+at::Tensor rotary(const at::Tensor& positions, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.dim() == 3 && positions.dim() == 1 && positions.size(0) == x.size(0), "x [tokens, heads, dim]");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.sizes() == sin.sizes() &&
+              cos.size(1) <= x.size(2) && cos.size(1) % 2 == 0, "cos and sin [positions, rot] float32");
+  const at::Tensor input = x.stride(2) == 1 ? x : x.contiguous();
+  const at::Tensor pos = positions.to(at::kLong).contiguous(), c = cos.contiguous(), s = sin.contiguous();
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  const int64_t heads = x.size(1), dim = x.size(2), rot = c.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rotary", [&] {
+    const scalar_t* xp = input.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const int64_t* pp = pos.data_ptr<int64_t>();
+    at::parallel_for(0, x.size(0), 16, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        TORCH_CHECK(pp[t] >= 0 && pp[t] < c.size(0), "position ", pp[t], " beyond the rotary table");
+        for (int64_t h = 0; h < heads; ++h)
+          rotate(xp + t * input.stride(0) + h * input.stride(1), c.data_ptr<float>() + pp[t] * rot,
+                 s.data_ptr<float>() + pp[t] * rot, rot, dim, op + (t * heads + h) * dim);
+      }
+    });
+  });
+  return out;
+}
