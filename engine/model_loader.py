@@ -16,9 +16,9 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.distributed.communicator import TensorParallelGroup
 from engine.embedded_model import EMBEDDED_MODEL_NAME, ensure_embedded_model
+from engine.layers.cpu_routing import route_through_cpu_kernels
 from engine.layers.fused_moe import FusedMoE
 from engine.layers.linear import Linear, ShardSlice
-from engine.layers.cpu_routing import route_through_cpu_kernels
 from engine.layers.triton_routing import route_through_triton
 from engine.models import MODEL_REGISTRY
 
@@ -160,9 +160,9 @@ def load_model(model_config: ModelConfig, group: TensorParallelGroup | None = No
                triton_kernels: bool = False) -> nn.Module:
     """Builds the model family named in config.json and fills it from the folder's
     weights: with a tensor-parallel `group`, this rank's share of them. With
-    `triton_kernels` its layers run through Triton (`route_through_triton`), and on a CPU
-    otherwise its norms through the C++ kernel (`route_through_cpu_kernels`), before the
-    rest are prepacked for this device."""
+    `triton_kernels` its layers run through Triton (`route_through_triton`), and otherwise
+    on a CPU its norms and rotary embeddings through C++ (`route_through_cpu_kernels`),
+    before the rest are prepacked for this device."""
     started = time.perf_counter()
     hf_config = model_config.hf_config
     architectures = getattr(hf_config, "architectures", None) or []

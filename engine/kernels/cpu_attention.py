@@ -22,4 +22,4 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     soft-capped to softcap * tanh(score / softcap) where given. The caches are
     [kv_heads, slots, dim]. Returns [rows, heads, dim]."""
     return cpu_build.load().paged_attention(q.contiguous(), k_cache, v_cache, block_tables, row_seq, row_keys,
-                                  block_size, scale, sliding_window or 0, softcap or 0.0)
+                                            block_size, scale, sliding_window or 0, softcap or 0.0)

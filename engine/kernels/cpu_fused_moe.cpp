@@ -47,7 +47,10 @@ struct SlotsByExpert {
 
   SlotsByExpert(const int64_t* ids, int64_t slots, int64_t experts)
       : start(experts + 1, 0), order(slots), position(slots) {
-    for (int64_t s = 0; s < slots; ++s) ++start[ids[s] + 1];
+    for (int64_t s = 0; s < slots; ++s) {
+      TORCH_CHECK(ids[s] >= 0 && ids[s] < experts, "expert ids within [0, ", experts, "), got ", ids[s]);
+      ++start[ids[s] + 1];
+    }
     for (int64_t e = 0; e < experts; ++e) start[e + 1] += start[e];
     std::vector<int64_t> next(start.begin(), start.end() - 1);
     for (int64_t s = 0; s < slots; ++s) {
@@ -192,11 +195,6 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& topk_weights, const 
     TORCH_CHECK(w13[e].dim() == 2 && w2[e].dim() == 2 && w13[e].size(1) == x.size(1) && w2[e].size(0) == x.size(1) &&
                 w13[e].size(0) == 2 * w2[e].size(1), "expert ", e, ": w13 [2 * inter, hidden] and w2 [hidden, inter]");
   const at::Tensor ids = topk_ids.contiguous();
-  if (ids.numel() > 0) {
-    const auto [low, high] = at::aminmax(ids);
-    TORCH_CHECK(low.item<int64_t>() >= 0 && high.item<int64_t>() < static_cast<int64_t>(w13.size()),
-                "expert ids within [0, ", w13.size(), ")");
-  }
   at::Tensor out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "fused_moe", [&] {
     out = experts_forward<scalar_t>(x.contiguous(), topk_weights.to(at::kFloat).contiguous(), ids, w13, w2, min_rows);

@@ -55,7 +55,6 @@ inline float horizontal_sum(__m256 a) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-
 // How many keys ahead of its use a key's (or value's) cache lines are asked for: a
 // sequence's keys lie in blocks apart in the cache, and the hardware prefetcher alone left
 // the arithmetic waiting on memory (decode, caches beyond L3: 0.78 ms a layer against 0.39

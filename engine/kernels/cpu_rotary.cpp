@@ -57,12 +57,14 @@ at::Tensor rotary(const at::Tensor& positions, const at::Tensor& x, const at::Te
     const scalar_t* xp = input.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     const int64_t* pp = pos.data_ptr<int64_t>();
+    const float *cp = c.data_ptr<float>(), *sp = s.data_ptr<float>();
+    const int64_t token_stride = input.stride(0), head_stride = input.stride(1), table_rows = c.size(0);
     at::parallel_for(0, x.size(0), 16, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
-        TORCH_CHECK(pp[t] >= 0 && pp[t] < c.size(0), "position ", pp[t], " beyond the rotary table");
+        TORCH_CHECK(pp[t] >= 0 && pp[t] < table_rows, "position ", pp[t], " beyond the rotary table");
         for (int64_t h = 0; h < heads; ++h)
-          rotate(xp + t * input.stride(0) + h * input.stride(1), c.data_ptr<float>() + pp[t] * rot,
-                 s.data_ptr<float>() + pp[t] * rot, rot, dim, op + (t * heads + h) * dim);
+          rotate(xp + t * token_stride + h * head_stride, cp + pp[t] * rot, sp + pp[t] * rot, rot, dim,
+                 op + (t * heads + h) * dim);
       }
     });
   });

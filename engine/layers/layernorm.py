@@ -14,8 +14,8 @@ from torch import nn
 
 class RMSNorm(nn.Module):
     """`kernel`, when set (see `engine.layers.triton_routing` and `cpu_routing`), computes the
-    same thing in one fused pass: kernel(x, weight, eps, residual). `weight_offset` is added to the
-    checkpoint's weight as it loads (see `GemmaRMSNorm`)."""
+    same thing in one fused pass: kernel(x, weight, eps, residual) for x [rows, hidden].
+    `weight_offset` is added to the checkpoint's weight as it loads (see `GemmaRMSNorm`)."""
 
     kernel: Callable | None = None
     weight_offset = 0.0

@@ -15,9 +15,13 @@ pytestmark = pytest.mark.cpu_kinds
 
 
 @pytest.fixture(scope="module")
-def rms_norm():
+def built():
     if cpu_build.load() is None:
         pytest.skip("the CPU kernels cannot be built on this machine (no C++ compiler or ninja)")
+
+
+@pytest.fixture(scope="module")
+def rms_norm(built):
     from engine.kernels.cpu_rms_norm import rms_norm
 
     return rms_norm
@@ -77,9 +81,7 @@ def test_bad_shapes_are_refused(rms_norm):
 
 
 @pytest.fixture(scope="module")
-def rotary():
-    if cpu_build.load() is None:
-        pytest.skip("the CPU kernels cannot be built on this machine (no C++ compiler or ninja)")
+def rotary(built):
     from engine.kernels.cpu_rotary import rotary
 
     return rotary
