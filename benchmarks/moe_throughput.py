@@ -128,6 +128,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--check", type=int, default=4, metavar="N",
                         help="prompts whose greedy tokens are compared with transformers' in float32 (0: none)")
     parser.add_argument("--profile", action="store_true", help="time our engine's components in one more run")
+    parser.add_argument("--quantization", default=None, help="our engine's quantization (default: none)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     unknown = sorted(set(args.families.split(",")) - set(MODEL_SHAPES))
@@ -198,8 +199,8 @@ def measure_family(folder: Path, workload: Workload, args: argparse.Namespace) -
     result.probe = probe_hf(hf_models, workload)
     dtype, experts = min(result.probe, key=result.probe.get)
     sizes = sorted({len(workload.prompts), min(len(workload.prompts), HF_CHUNK)}, reverse=True)
-    with LLM(str(folder), num_threads=args.threads) as llm:
-        result.dtype = llm.dtype
+    with LLM(str(folder), num_threads=args.threads, quantization=args.quantization) as llm:
+        result.dtype = llm.dtype + (f" + {args.quantization}" if args.quantization else "")
         run_ours(llm, workload.warmup, [4] * len(workload.warmup))
         for round_index in range(args.rounds):
             settings = [HfSetting(dtype, experts, b) for b in sizes] if round_index == 0 else [result.best_hf()]

@@ -35,6 +35,7 @@ class WorkerOptions:
     hf_batch_size: int
     kv_cache_bytes: int
     openvino_model: str | None = None
+    quantization: str | None = None  # our engine's
 
 
 @dataclass
@@ -69,7 +70,7 @@ def run_ours(workload: Workload, opts: WorkerOptions, prefix_caching: bool = Tru
     from engine import LLM, SamplingParams
 
     torch.set_num_threads(opts.threads)
-    with LLM(opts.model, dtype=opts.dtype, enable_prefix_caching=prefix_caching, kv_cache_memory=opts.kv_cache_bytes,
+    with LLM(opts.model, dtype=opts.dtype, quantization=opts.quantization, enable_prefix_caching=prefix_caching, kv_cache_memory=opts.kv_cache_bytes,
              num_threads=opts.threads) as llm:
         warmup = SamplingParams(temperature=0, max_tokens=WARMUP_TOKENS, ignore_eos=True)
         llm.generate([{"prompt_token_ids": p} for p in workload.warmup], warmup, use_tqdm=False)

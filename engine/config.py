@@ -11,6 +11,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from engine.hardware import cpu_dtype, default_num_threads, detect_cpu
 from engine.layers.attention_selector import resolve_backend_name
 from engine.models import language_model_config
+from engine.quantization import QUANTIZATION_METHODS, resolve_quantization
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -46,6 +47,12 @@ class EngineConfig:
     dtype: str = _setting("auto", "'auto', 'float32', 'bfloat16' or 'float16'. 'auto' is the checkpoint's own on "
                                   "a GPU (bfloat16 for a float32 one); on a CPU, bfloat16 for a 16-bit checkpoint "
                                   "where the CPU has native bfloat16 (AVX512-BF16, AMX, ARM BF16), else float32.")
+    quantization: str | None = _setting(None, "How the weights are quantized: None, the checkpoint's own "
+                                              "(config.json quantization_config; unquantized when it has none), "
+                                              "or 'int8' (on a CPU: a 16- or 32-bit checkpoint's projections and "
+                                              "experts quantized at load per output feature, activations per "
+                                              "token, products in int8; the language-model head and routers stay "
+                                              "in dtype).")
     device: str = _setting("auto", "'auto' (a GPU when there is one), 'cpu' or 'cuda'.")
     seed: int = _setting(0, "Seed of the random draws of requests that have no seed of their own.")
     max_model_len: int | None = _setting(None, "Longest prompt plus completion, at most the model's context "
@@ -96,6 +103,9 @@ class EngineConfig:
         problems = []
         if self.dtype not in ("auto", *_DTYPES):
             problems.append(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {self.dtype!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            problems.append(f"quantization must be None or one of {sorted(QUANTIZATION_METHODS)}, "
+                            f"got {self.quantization!r}")
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             problems.append(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         for name in ("max_num_seqs", "block_size", "tensor_parallel_size", "data_parallel_size"):
@@ -162,6 +172,7 @@ class EngineConfig:
         return replace(
             self,
             dtype=model_config.dtype_name,
+            quantization=model_config.quantization,
             device=str(device),
             max_model_len=max_model_len,
             max_num_batched_tokens=step_tokens,
@@ -184,6 +195,7 @@ class ModelConfig:
     max_model_len: int
     eos_token_ids: set[int] = field(default_factory=set)
     sampling_defaults: dict = field(default_factory=dict)
+    quantization: str | None = None
 
     @property
     def dtype_name(self) -> str:
@@ -207,7 +219,7 @@ class ModelConfig:
             # Only what the file sets: transformers' own defaults (top_k=50) are not vLLM's.
             defaults = {name: generation[key] for key, name in _GENERATION_DEFAULTS.items() if key in generation}
         return cls(path, hf_config, _resolve_dtype(engine.dtype, hf_config, device), device, max_model_len, eos,
-                   defaults)
+                   defaults, resolve_quantization(engine.quantization, hf_config, device))
 
 
 def resolve_device(setting: str) -> torch.device:

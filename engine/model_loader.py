@@ -21,6 +21,7 @@ from engine.layers.fused_moe import FusedMoE
 from engine.layers.linear import Linear, ShardSlice
 from engine.layers.triton_routing import route_through_triton
 from engine.models import MODEL_REGISTRY
+from engine.quantization import apply_quantization
 
 logger = logging.getLogger(__name__)
 
@@ -186,11 +187,13 @@ def load_model(model_config: ModelConfig, group: TensorParallelGroup | None = No
         route_through_triton(model)
     elif model_config.device.type == "cpu":
         route_through_cpu_kernels(model)
+    if model_config.quantization is not None:
+        apply_quantization(model, model_config.quantization)
     model.prepack()
     model.eval()
     logger.info(
-        "Loaded %s (%s, %s, weights %.1f MiB) from %s in %.2f s", model_class.__name__, model_config.dtype_name,
-        model_config.device, weight_bytes(model) / 2**20, model_config.path, time.perf_counter() - started,
+        "Loaded %s (%s%s, %s, weights %.1f MiB) from %s in %.2f s", model_class.__name__, model_config.dtype_name,
+        f", quantization {model_config.quantization}" if model_config.quantization else "", model_config.device, weight_bytes(model) / 2**20, model_config.path, time.perf_counter() - started,
     )
     return model
 

@@ -13,14 +13,23 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& topk_weights, const at::Tensor& topk_ids,
                      const std::vector<at::Tensor>& w13, const std::vector<at::Tensor>& w2, int64_t min_rows);
 
+at::Tensor fused_moe_int8(const at::Tensor& x, const at::Tensor& topk_weights, const at::Tensor& topk_ids,
+                          const at::Tensor& w13_q, const at::Tensor& w13_scale, const at::Tensor& w2_q,
+                          const at::Tensor& w2_scale);
+
 std::vector<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
                                  const std::optional<at::Tensor>& residual);
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
+                       const std::optional<at::Tensor>& bias);
 
 at::Tensor rotary(const at::Tensor& positions, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Paged attention over a block table (CPU)");
   m.def("fused_moe", &fused_moe, "Routed experts on oneDNN-prepacked matrices (CPU)");
+  m.def("fused_moe_int8", &fused_moe_int8, "Routed experts on int8 matrices (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm with the residual add fused in (CPU)");
+  m.def("int8_linear", &int8_linear, "x times an int8 weight, x quantized per row (CPU)");
   m.def("rotary", &rotary, "Rotary position embedding (CPU)");
 }

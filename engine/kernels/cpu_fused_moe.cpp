@@ -1,6 +1,6 @@
 // Mixture-of-experts feed-forward for CPUs: each expert that received tokens multiplies
-// just their rows through its oneDNN-prepacked matrices, whole experts spread over the
-// threads.
+// just their rows through its oneDNN-prepacked matrices (or its int8 ones, `cpu_int8.h`),
+// whole experts spread over the threads.
 //
 // The step's (token, expert) slots are sorted by expert, stably. Each expert with slots is
 // one task: gather its rows (zero-padded to min_rows, as `engine.layers.linear.project`
@@ -24,21 +24,42 @@
 #include <exception>
 #include <vector>
 
+#include "cpu_int8.h"
 #include "cpu_vector.h"
 
 namespace {
 
 using namespace engine_cpu;
 
-// x @ w.T through a weight prepacked by torch.ops.mkldnn._reorder_linear_weight.
-at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed) {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
-                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                                               c10::string_view, c10::List<std::optional<at::Scalar>>,
-                                               std::optional<c10::string_view>)>();
-  return op.call(x, packed, std::nullopt, "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
-}
+// A matrix prepacked by torch.ops.mkldnn._reorder_linear_weight ([out, in]); products on
+// fewer than min_rows rows are padded to that many, as `engine.layers.linear.project` pads.
+struct PackedMatrix {
+  at::Tensor packed;
+  int64_t min_rows;
+
+  at::Tensor times(const at::Tensor& x) const {
+    static const auto op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+                               .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
+                                                 const std::optional<at::Tensor>&, c10::string_view,
+                                                 c10::List<std::optional<at::Scalar>>,
+                                                 std::optional<c10::string_view>)>();
+    return op.call(x, packed, std::nullopt, "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
+  }
+  int64_t in() const { return packed.size(1); }
+  int64_t out() const { return packed.size(0); }
+};
+
+// A matrix quantized per output feature (`cpu_int8.h`): q [in, out] int8, scale [out]. Its
+// int32 sums are exact, so it needs no padding to give a row the same bits in any batch.
+struct Int8Matrix {
+  at::Tensor q, scale;
+  int64_t min_rows = 1;
+
+  at::Tensor times(const at::Tensor& x) const { return int8_matmul(x, q, scale, std::nullopt); }
+  int64_t in() const { return q.size(0); }
+  int64_t out() const { return q.size(1); }
+};
 
 // The slots (token t's j-th choice is slot t * top_k + j) grouped by expert: expert e's
 // are order[start[e]:start[e + 1]], in slot order; slot s sits at position[s].
@@ -103,20 +124,20 @@ void silu_and_mul(const scalar_t* h, int64_t rows, int64_t inter, scalar_t* out)
 }
 
 // Expert e's SwiGLU of the rows of its slots, written to ys at the slots' positions.
-template <typename scalar_t>
-void run_expert(const at::Tensor& x, const SlotsByExpert& slots, int64_t e, int64_t top_k, const at::Tensor& w13,
-                const at::Tensor& w2, int64_t min_rows, scalar_t* ys) {
-  const int64_t hidden = x.size(1), first = slots.start[e], n = slots.count(e), m = std::max(n, min_rows);
+template <typename scalar_t, typename Matrix>
+void run_expert(const at::Tensor& x, const SlotsByExpert& slots, int64_t e, int64_t top_k, const Matrix& w13,
+                const Matrix& w2, scalar_t* ys) {
+  const int64_t hidden = x.size(1), first = slots.start[e], n = slots.count(e), m = std::max(n, w13.min_rows);
   const scalar_t* xp = x.data_ptr<scalar_t>();
   at::Tensor rows = at::empty({m, hidden}, x.options());
   scalar_t* rp = rows.data_ptr<scalar_t>();
   for (int64_t r = 0; r < n; ++r) std::copy_n(xp + slots.order[first + r] / top_k * hidden, hidden, rp + r * hidden);
   std::fill(rp + n * hidden, rp + m * hidden, scalar_t(0));
-  const at::Tensor h = linear_packed(rows, w13);
+  const at::Tensor h = w13.times(rows);
   const int64_t inter = h.size(1) / 2;
   at::Tensor act = at::empty({m, inter}, x.options());
   silu_and_mul<scalar_t>(h.data_ptr<scalar_t>(), m, inter, act.data_ptr<scalar_t>());
-  const at::Tensor y = linear_packed(act, w2);
+  const at::Tensor y = w2.times(act);
   std::copy_n(y.data_ptr<scalar_t>(), n * hidden, ys + first * hidden);
 }
 
@@ -149,9 +170,9 @@ void combine(const scalar_t* ys, const SlotsByExpert& slots, const int64_t* ids,
   });
 }
 
-template <typename scalar_t>
+template <typename scalar_t, typename Matrix>
 at::Tensor experts_forward(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& ids,
-                           const std::vector<at::Tensor>& w13, const std::vector<at::Tensor>& w2, int64_t min_rows) {
+                           const std::vector<Matrix>& w13, const std::vector<Matrix>& w2) {
   const int64_t hidden = x.size(1), top_k = ids.size(1), slots = ids.numel();
   const int64_t* idp = ids.data_ptr<int64_t>();
   const SlotsByExpert by_expert(idp, slots, static_cast<int64_t>(w13.size()));
@@ -166,7 +187,7 @@ at::Tensor experts_forward(const at::Tensor& x, const at::Tensor& weights, const
 #pragma omp for schedule(dynamic, 1)
     for (size_t i = 0; i < busy.size(); ++i) {
       try {
-        run_expert<scalar_t>(x, by_expert, busy[i], top_k, w13[busy[i]], w2[busy[i]], min_rows, yp);
+        run_expert<scalar_t>(x, by_expert, busy[i], top_k, w13[busy[i]], w2[busy[i]], yp);
       } catch (...) {
 #pragma omp critical
         if (!failure) failure = std::current_exception();
@@ -179,25 +200,56 @@ at::Tensor experts_forward(const at::Tensor& x, const at::Tensor& weights, const
   return out;
 }
 
-}  // namespace
-
-// x [tokens, hidden]; topk_weights [tokens, top_k] (any float dtype; summed in float32);
-// topk_ids [tokens, top_k] int64; w13[e], w2[e] expert e's prepacked [2 * inter, hidden] and
-// [hidden, inter] matrices; min_rows: products run on at least this many rows. Returns
-// [tokens, hidden] in x's dtype.
-at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& topk_weights, const at::Tensor& topk_ids,
-                     const std::vector<at::Tensor>& w13, const std::vector<at::Tensor>& w2, int64_t min_rows) {
+// The routed experts' output in x's dtype after checking the shapes: x [tokens, hidden];
+// topk_weights [tokens, top_k] (any float dtype; summed in float32); topk_ids [tokens, top_k]
+// int64; w13[e], w2[e] expert e's gate/up [hidden -> 2 * inter] and down [inter -> hidden].
+template <typename Matrix>
+at::Tensor experts(const at::Tensor& x, const at::Tensor& topk_weights, const at::Tensor& topk_ids,
+                   const std::vector<Matrix>& w13, const std::vector<Matrix>& w2) {
   TORCH_CHECK(x.dim() == 2 && topk_ids.dim() == 2 && topk_ids.sizes() == topk_weights.sizes() &&
               topk_ids.size(0) == x.size(0), "x [tokens, hidden], topk_weights and topk_ids [tokens, top_k]");
   TORCH_CHECK(topk_ids.scalar_type() == at::kLong, "int64 expert ids");
   TORCH_CHECK(!w13.empty() && w13.size() == w2.size(), "two matrices per expert");
   for (size_t e = 0; e < w13.size(); ++e)
-    TORCH_CHECK(w13[e].dim() == 2 && w2[e].dim() == 2 && w13[e].size(1) == x.size(1) && w2[e].size(0) == x.size(1) &&
-                w13[e].size(0) == 2 * w2[e].size(1), "expert ", e, ": w13 [2 * inter, hidden] and w2 [hidden, inter]");
+    TORCH_CHECK(w13[e].in() == x.size(1) && w2[e].out() == x.size(1) && w13[e].out() == 2 * w2[e].in(), "expert ", e,
+                ": gate/up [hidden -> 2 * inter] and down [inter -> hidden]");
   const at::Tensor ids = topk_ids.contiguous();
   at::Tensor out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "fused_moe", [&] {
-    out = experts_forward<scalar_t>(x.contiguous(), topk_weights.to(at::kFloat).contiguous(), ids, w13, w2, min_rows);
+    out = experts_forward<scalar_t>(x.contiguous(), topk_weights.to(at::kFloat).contiguous(), ids, w13, w2);
   });
   return out;
+}
+
+}  // namespace
+
+// w13[e] [2 * inter, hidden] and w2[e] [hidden, inter] prepacked for oneDNN; min_rows: products
+// run on at least this many rows.
+at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& topk_weights, const at::Tensor& topk_ids,
+                     const std::vector<at::Tensor>& w13, const std::vector<at::Tensor>& w2, int64_t min_rows) {
+  TORCH_CHECK(w13.size() == w2.size(), "two matrices per expert");
+  std::vector<PackedMatrix> gate_up, down;
+  for (size_t e = 0; e < w13.size(); ++e) {
+    TORCH_CHECK(w13[e].dim() == 2 && w2[e].dim() == 2, "expert ", e, ": 2-D prepacked matrices");
+    gate_up.push_back({w13[e], min_rows});
+    down.push_back({w2[e], min_rows});
+  }
+  return experts(x, topk_weights, topk_ids, gate_up, down);
+}
+
+// The experts quantized per output feature (`engine.quantization.int8`): w13_q [E, hidden,
+// 2 * inter] int8, w13_scale [E, 2 * inter], w2_q [E, inter, hidden], w2_scale [E, hidden].
+at::Tensor fused_moe_int8(const at::Tensor& x, const at::Tensor& topk_weights, const at::Tensor& topk_ids,
+                          const at::Tensor& w13_q, const at::Tensor& w13_scale, const at::Tensor& w2_q,
+                          const at::Tensor& w2_scale) {
+  TORCH_CHECK(w13_q.dim() == 3 && w2_q.dim() == 3 && w13_scale.dim() == 2 && w2_scale.dim() == 2 &&
+              w13_q.size(0) == w2_q.size(0) && w13_scale.size(0) == w13_q.size(0) &&
+              w2_scale.size(0) == w2_q.size(0), "w13_q [E, hidden, 2 * inter], w2_q [E, inter, hidden], "
+              "scales [E, out]");
+  std::vector<Int8Matrix> gate_up, down;
+  for (int64_t e = 0; e < w13_q.size(0); ++e) {
+    gate_up.push_back({w13_q[e].contiguous(), w13_scale[e].contiguous()});
+    down.push_back({w2_q[e].contiguous(), w2_scale[e].contiguous()});
+  }
+  return experts(x, topk_weights, topk_ids, gate_up, down);
 }

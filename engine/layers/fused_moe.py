@@ -11,7 +11,7 @@ operations where it cannot be built). A GPU runs them in the fused Triton kernel
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +39,21 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
     return weights, ids
 
 
+class MoEMethod(Protocol):
+    """How a quantized `FusedMoE` stores and multiplies its experts (`engine.quantization`)."""
+
+    def process_weights(self, layer: "FusedMoE") -> None:
+        """Replaces the loaded w13 and w2 with the method's form of them."""
+
+    def apply(self, layer: "FusedMoE", x: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+        """The layer's output for one rank (as `FusedMoE.forward` before its all-reduce)."""
+
+
+# An expert's SwiGLU of its rows: expert(e, rows [n, H]) -> [n, H] in the rows' dtype.
+ExpertFn = Callable[[int, torch.Tensor], torch.Tensor]
+
+
 @dataclass(frozen=True)
 class PackedExperts:
     """Every expert's two matrices in oneDNN's layout: w13[e] [2 * I, H], w2[e] [H, I]."""
@@ -59,11 +74,13 @@ class FusedMoE(nn.Module):
     fused call: kernel(x, w13, w2, topk_weights, topk_ids). `packed` holds the experts'
     matrices in oneDNN's layout once `prepack` has run (the 3-D weights are then empty);
     they are opaque tensors without a storage, so a count of the weights' bytes adds their
-    numel * element_size as it does for `Linear.packed_weight`.
+    numel * element_size as it does for `Linear.packed_weight`. With a `quant_method`
+    (`engine.quantization`) `prepack` quantizes the experts instead and the method runs them.
     """
 
     kernel: Callable | None = None
     packed: PackedExperts | None = None
+    quant_method: MoEMethod | None = None
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  group: "TensorParallelGroup | None" = None) -> None:
@@ -78,6 +95,10 @@ class FusedMoE(nn.Module):
         """Reorders every expert's matrices for oneDNN where that helps (`Linear.prepack`)
         and drops the 3-D originals, which the packed copies replace; a no-op where the
         plain product is used, or where the Triton kernel runs, which reads the 3-D weights."""
+        if self.quant_method is not None:
+            if self.w13.numel():
+                self.quant_method.process_weights(self)
+            return
         if self.packed is not None or self.kernel is not None:
             return
         packed = PackedExperts([prepack(w) for w in self.w13], [prepack(w) for w in self.w2])
@@ -92,17 +113,20 @@ class FusedMoE(nn.Module):
         e = topk_ids[t, j], for x [T, H]; [T, H] in x's dtype."""
         if self.kernel is not None:
             out = self.kernel(x, self.w13, self.w2, topk_weights, topk_ids)
+        elif self.quant_method is not None:
+            out = self.quant_method.apply(self, x, topk_weights, topk_ids)
         elif self.packed is not None and (kernels := cpu_build.load()) is not None:
             out = kernels.fused_moe(x, topk_weights, topk_ids, self.packed.w13, self.packed.w2, MIN_ROWS)
         else:
-            out = self._grouped(x, topk_weights, topk_ids)
+            out = self.grouped(x, topk_weights, topk_ids, self._expert)
         if self.group is not None and self.group.size > 1:
             self.group.all_reduce(out)
         return out
 
-    def _grouped(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        """The experts as one pair of products per expert that received slots, on its rows,
-        in PyTorch's operations; the C++ operator computes the same.
+    def grouped(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                expert: ExpertFn) -> torch.Tensor:
+        """The experts as one call of `expert` per expert that received slots, on its rows,
+        in PyTorch's operations; the C++ operators compute the same.
 
         A token's slots are added into the float32 sum in expert order (the stable sort
         keeps it), as transformers adds them: its result depends on its own experts only,
@@ -115,9 +139,9 @@ class FusedMoE(nn.Module):
         tokens = order // top_k
         rows = x.index_select(0, tokens)
         outputs, start = [], 0
-        for expert, count in enumerate(torch.bincount(flat_ids, minlength=self.num_experts).tolist()):
+        for index, count in enumerate(torch.bincount(flat_ids, minlength=self.num_experts).tolist()):
             if count:
-                outputs.append(self._expert(expert, rows[start : start + count]))
+                outputs.append(expert(index, rows[start : start + count]))
             start += count
         # The weights in float32 first: a float32 product with bfloat16 weights (Qwen's, rounded)
         # takes ATen's mixed-dtype path, several times slower at prefill sizes; same bits.

@@ -4,7 +4,7 @@ row-parallel, as in Megatron-LM and vLLM)."""
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -67,6 +67,16 @@ def project(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")[:rows]
 
 
+class LinearMethod(Protocol):
+    """How a quantized `Linear` stores and multiplies its weight (`engine.quantization`)."""
+
+    def process_weights(self, layer: "Linear") -> None:
+        """Replaces the loaded weight with the method's form of it."""
+
+    def apply(self, layer: "Linear", x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ weight.T (+ bias) in x's dtype."""
+
+
 @dataclass(frozen=True)
 class ShardSlice:
     """The part of a checkpoint tensor one tensor-parallel rank holds: `length` entries
@@ -100,19 +110,27 @@ class Linear(nn.Linear):
     run it (AVX2-only), use `F.linear`.
 
     With LoRA enabled, `lora` holds this projection's adapter slots and adds each
-    adapter's delta to the rows of the requests that use it.
+    adapter's delta to the rows of the requests that use it. With a `quant_method`
+    (`engine.quantization`) the weight is quantized at `prepack` and the method computes
+    the product; `quantizable` False keeps a projection in the model's dtype.
     """
 
     packed_weight: torch.Tensor | None = None
     lora: "LoRASlots | None" = None
+    quant_method: "LinearMethod | None" = None
+    quantizable = True
     # Rows of each checkpoint tensor stacked here (q/k/v, gate/up; one when not fused).
     shard_sizes: list[int] | None = None
     # For each of them, the slice of the checkpoint tensor this rank holds (None: all).
     checkpoint_slices: list[ShardSlice | None] | None = None
 
     def prepack(self) -> None:
-        """Reorders the weight for oneDNN where that helps, and drops the original copy."""
-        if self.packed_weight is None:
+        """Quantizes the weight with the layer's method, or else reorders it for oneDNN
+        where that helps; either drops the original copy."""
+        if self.quant_method is not None:
+            if self.weight.numel():
+                self.quant_method.process_weights(self)
+        elif self.packed_weight is None:
             self.packed_weight = prepack(self.weight)
             if self.packed_weight is not None:
                 self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
@@ -122,13 +140,19 @@ class Linear(nn.Linear):
         accumulator instead of rounding the result to 16 bits (for logits, where that
         rounding turns near-ties into ties: 52 -> 58 of 64 greedy prompts agreeing with
         float32 on the embedded model, H100)."""
-        if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and self.lora is None:
+        if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and self.lora is None and not self.quant_method:
             out = torch.mm(x, self.weight.t(), out_dtype=torch.float32)
             return out if self.bias is None else out + self.bias.float()
         return self(x).float()
 
+    def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ weight.T (+ bias), by the layer's quantization method or the prepacked weight."""
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x, bias)
+        return project(x, self.weight, self.packed_weight, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = project(x, self.weight, self.packed_weight, self.bias)
+        out = self.product(x, self.bias)
         if self.lora is not None:
             out = self.lora.add_deltas(x, out)
         return out
@@ -171,7 +195,7 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.group.size == 1:
             return super().forward(x)
-        out = project(x, self.weight, self.packed_weight)
+        out = self.product(x, None)
         if self.lora is not None:
             out = self.lora.add_deltas(x, out)
         self.group.all_reduce(out)

@@ -44,7 +44,10 @@ class VocabParallelEmbedding(nn.Embedding):
 
 class ParallelLMHead(ColumnParallelLinear):
     """The language-model head over this rank's slice of the vocabulary; `logits`
-    gathers the slices on rank 0."""
+    gathers the slices on rank 0. It keeps the model's dtype under quantization: logits
+    decide the tokens, and near-ties would flip."""
+
+    quantizable = False
 
     def __init__(self, hidden_size: int, vocab_size: int, group: TensorParallelGroup) -> None:
         # Every rank's slice padded to one width, so that the gathered slices line up.

@@ -63,11 +63,13 @@ class SparseMoeBlock(nn.Module):
         self.round_weights = round_weights
         size = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
         self.gate = Linear(config.hidden_size, num_experts_of(config), bias=False)
+        self.gate.quantizable = False  # routing is a choice: it keeps the model's dtype (as in vLLM)
         self.experts = FusedMoE(num_experts_of(config), config.hidden_size, size, group)
         self.shared_expert = None
         if shared_expert:
             self.shared_expert = LlamaMLP(config, group, config.shared_expert_intermediate_size)
             self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False)
+            self.shared_expert_gate.quantizable = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x)

@@ -1,0 +1,190 @@
+"""Quantized weights: choosing the method (`engine.quantization`), and int8 on the CPU.
+
+int8 is checked against an emulation in float32 (weights and each activation row rounded
+to int8 and scaled back, then an ordinary product): the engine sums in int32, exactly, so
+the two differ by float32 rounding only. The compiled kernels and PyTorch's operations
+that stand in for them give the same bits.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from tests.engine.test_correctness import MAX_TOKENS, mixed_prompts
+from tests.engine.test_fused_moe import moe_case, reference_moe
+from engine import LLM, SamplingParams
+from engine.config import EngineConfig
+from engine.layers.fused_moe import FusedMoE
+from engine.layers.linear import Linear
+from engine.quantization import apply_quantization, resolve_quantization
+from engine.quantization.int8 import int8_linear, quantize_rows, quantize_weight
+
+CPU = torch.device("cpu")
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="int8 runs on a CPU")
+
+
+def fake_quantize_rows(x: torch.Tensor) -> torch.Tensor:
+    """x with each row rounded to int8 levels and scaled back, in float32."""
+    q, scale = quantize_rows(x.reshape(-1, x.shape[-1]))
+    return (q.float() * scale).view(x.shape)
+
+
+def dequantized(weight: torch.Tensor) -> torch.Tensor:
+    """weight [out, in] rounded to its int8 levels, in float32."""
+    q, scale = quantize_weight(weight)
+    return q.t().float() * scale[:, None]
+
+
+def test_weights_quantize_per_output_feature():
+    weight = torch.randn(6, 10) * torch.tensor([1, 10, 100, 0, 1, 1])[:, None]
+    q, scale = quantize_weight(weight)
+    assert q.dtype == torch.int8 and q.shape == (10, 6) and q.is_contiguous()
+    assert scale.tolist()[3] == 0 and not q[:, 3].any()  # a zero row stays zero
+    assert q.abs().amax(0).tolist() == [127, 127, 127, 0, 127, 127]
+    assert ((dequantized(weight) - weight).abs() <= scale[:, None] / 2 + 1e-6).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows, bias", [(1, True), (7, False), (40, True)])
+def test_int8_linear_matches_the_emulation(cpu_path, dtype, rows, bias):
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 72, generator=gen).to(dtype)
+    x[0] = 0  # a zero row: scale 0, no division by it
+    weight, b = torch.randn(40, 72, generator=gen), torch.randn(40, generator=gen).to(dtype) if bias else None
+    q, scale = quantize_weight(weight)
+    out = int8_linear(x, q, scale, b)
+    expected = fake_quantize_rows(x) @ dequantized(weight).t() + (b.float() if bias else 0)
+    assert out.dtype == dtype and out.shape == (rows, 40)
+    close = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]  # the output's rounding
+    torch.testing.assert_close(out.float(), expected, atol=close * expected.abs().max().item(), rtol=close)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_and_pytorch_give_the_same_bits_and_rows_ignore_the_batch(monkeypatch, dtype):
+    from engine.kernels import cpu_build
+
+    if cpu_build.load() is None:
+        pytest.skip("the CPU kernels cannot be built here")
+    x, weight = torch.randn(33, 96).to(dtype), torch.randn(50, 96)
+    q, scale = quantize_weight(weight)
+    compiled = int8_linear(x, q, scale)
+    for t in range(len(x)):
+        assert torch.equal(int8_linear(x[t : t + 1], q, scale), compiled[t : t + 1]), t
+    monkeypatch.setattr(cpu_build, "load", lambda: None)
+    assert torch.equal(int8_linear(x, q, scale), compiled)
+
+
+def int8_experts(w13: torch.Tensor, w2: torch.Tensor) -> FusedMoE:
+    layer = FusedMoE(w13.shape[0], w13.shape[2], w2.shape[2]).to(w13.dtype)
+    layer.w13.data.copy_(w13)
+    layer.w2.data.copy_(w2)
+    apply_quantization(torch.nn.ModuleList([layer]), "int8")
+    layer.prepack()
+    return layer
+
+
+def reference_int8_moe(x, w13, w2, weights, ids):
+    """The experts' weighted sum with the weights and every product's input rows rounded as
+    int8 (a SwiGLU's activation after rounding to x's dtype, as the layer computes it)."""
+    x32 = fake_quantize_rows(x)
+    out = torch.zeros(x.shape)
+    for t in range(x.shape[0]):
+        for j, expert in enumerate(ids[t].tolist()):
+            gate, up = (dequantized(w13[expert]) @ x32[t]).to(x.dtype).chunk(2)
+            act = (F.silu(gate) * up).to(x.dtype)
+            out[t] += weights[t, j] * (dequantized(w2[expert]) @ fake_quantize_rows(act[None])[0])
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens, experts, top_k, only", [(33, 8, 2, (0, 2, 3, 5, 7)), (1, 8, 2, None),
+                                                          (20, 4, 1, (2,))])
+def test_int8_experts_match_the_emulation(cpu_path, dtype, tokens, experts, top_k, only):
+    x, w13, w2, weights, ids = moe_case(tokens, experts, top_k, dtype=dtype, only=only)
+    layer = int8_experts(w13, w2)
+    assert layer.w13.numel() == 0 and layer.w13_qweight.dtype == torch.int8
+    with torch.no_grad():
+        out = layer(x, weights, ids)
+        assert torch.equal(layer(x[:1], weights[:1], ids[:1]), out[:1])
+    assert out.dtype == dtype
+    close = {torch.float32: 1e-4, torch.bfloat16: 5e-2}[dtype]
+    torch.testing.assert_close(out.float(), reference_int8_moe(x, w13, w2, weights, ids), atol=close, rtol=close)
+    # and the int8 model stays near the unquantized one (outputs of size ~1)
+    torch.testing.assert_close(out.float(), reference_moe(x, w13, w2, weights, ids), atol=0.1, rtol=0.1)
+
+
+def emulate_int8(model: torch.nn.Module) -> None:
+    """transformers' model with what `quantization="int8"` rounds rounded the same way:
+    every projection but the head's weights and input rows."""
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name != "lm_head":
+            module.weight.data = dequantized(module.weight.data)
+            module.register_forward_pre_hook(lambda _, args: (fake_quantize_rows(args[0]),))
+
+
+@pytest.fixture(scope="module")
+def llama_with_biases(tmp_path_factory):
+    from tests.tiny_models import build_tokenizer
+
+    folder = tmp_path_factory.mktemp("int8_llama")
+    config = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1,
+                         eos_token_id=2, pad_token_id=0, attention_bias=True, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.15)
+    model.save_pretrained(folder, safe_serialization=True)
+    build_tokenizer(folder)
+    return folder
+
+
+def chosen_logprobs(llm: LLM, prompts: list[dict]) -> list[tuple[list[int], torch.Tensor]]:
+    """Each prompt's greedy tokens and their logprobs."""
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=0), use_tqdm=False)
+    return [(o.outputs[0].token_ids, torch.tensor([step[t].logprob for t, step in
+                                                   zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]))
+            for o in outs]
+
+
+@pytest.mark.parametrize("settings", [{}, {"max_num_batched_tokens": 7}, {"attention_backend": "torch"}],
+                         ids=["default", "chunked_prefill", "torch_backend"])
+def test_int8_model_matches_the_emulation(llama_with_biases, settings):
+    """Greedy tokens and their logprobs as the emulation computes them, closer to it than the
+    unquantized model is (so the check sees the rounding)."""
+    prompts = mixed_prompts(count=8)
+    model = AutoModelForCausalLM.from_pretrained(llama_with_biases, dtype=torch.float32).eval()
+    plain = AutoModelForCausalLM.from_pretrained(llama_with_biases, dtype=torch.float32).eval()
+    emulate_int8(model)
+    with LLM(str(llama_with_biases), dtype="float32", quantization="int8", **settings) as llm:
+        outputs = chosen_logprobs(llm, prompts)
+        linears = [m for m in llm.llm_engine.model_runner.model.modules() if isinstance(m, Linear)]
+    gap_to_plain = 0.0
+    with torch.no_grad():
+        for i, (p, (out, logprobs)) in enumerate(zip(prompts, outputs)):
+            ids = torch.tensor([p["prompt_token_ids"] + out[:-1]])
+            start = len(p["prompt_token_ids"]) - 1
+            expected = model(ids).logits[0, start:].log_softmax(-1)
+            assert expected.argmax(-1).tolist() == out, f"prompt {i}"
+            torch.testing.assert_close(logprobs, expected[range(len(out)), out], atol=1e-4, rtol=0)
+            unquantized = plain(ids).logits[0, start:].log_softmax(-1)[range(len(out)), out]
+            gap_to_plain = max(gap_to_plain, (logprobs - unquantized).abs().max().item())
+    assert gap_to_plain > 1e-3
+    quantized = [m for m in linears if m.quant_method is not None]
+    assert quantized and all(m.qweight.dtype == torch.int8 for m in quantized)
+    assert {type(m).__name__ for m in linears if m.quant_method is None} == {"ParallelLMHead"}
+
+
+def test_quantization_is_checked_before_loading():
+    with pytest.raises(ValueError, match="quantization must be None or one of \\['int8'\\], got 'int4'"):
+        EngineConfig(quantization="int4")
+    config = LlamaConfig()
+    assert resolve_quantization(None, config, CPU) is None
+    assert resolve_quantization("int8", config, CPU) == "int8"
+    with pytest.raises(ValueError, match="'int8' runs on cpu, not on cuda"):
+        resolve_quantization("int8", config, torch.device("cuda"))
+    config.quantization_config = {"quant_method": "awq", "bits": 4}
+    with pytest.raises(ValueError, match="quantized with 'awq' .* cannot load"):
+        resolve_quantization(None, config, CPU)
