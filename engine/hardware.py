@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 _X86_NATIVE_BF16 = frozenset({"avx512_bf16", "amx_bf16"})
 _X86_ONEDNN_BF16 = (frozenset({"avx512bw", "avx512vl", "avx512dq"}), frozenset({"avx_ne_convert"}))
 _X86 = ("x86_64", "AMD64", "i686")
+_X86_INT8_DOT = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,13 @@ class CpuInfo:
         if self.architecture in ("aarch64", "arm64"):
             return "bf16" in self.flags
         return False
+
+    @property
+    def int8_vnni(self) -> bool:
+        """Whether int8 products sum exactly in hardware: VNNI (AVX512-VNNI, AVX-VNNI) or
+        AMX on x86, which multiply-add 8-bit pairs into 32 bits. Without them oneDNN's int8
+        kernels add pairs in 16 bits first, which saturate (measured on AVX2: wrong sums)."""
+        return self.architecture in _X86 and bool(self.flags & _X86_INT8_DOT)
 
     def describe(self) -> str:
         """One line for logs and benchmark headers."""

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from engine.hardware import detect_cpu
 from engine.quantization.int8 import Int8LinearMethod, Int8MoEMethod
 
 # Method -> the device types it runs on.
@@ -52,6 +53,10 @@ def resolve_quantization(requested: str | None, hf_config: PretrainedConfig, dev
     if device.type not in devices:
         raise ValueError(f"quantization={method!r} runs on {' or '.join(devices)}, not on {device.type}; "
                          f"leave quantization unset there")
+    if method == "int8" and not (cpu := detect_cpu()).int8_vnni:
+        raise ValueError(f"quantization='int8' needs a CPU with VNNI or AMX (avx512_vnni, avx_vnni or amx_int8), "
+                         f"where int8 products sum exactly; this one ({cpu.describe()}) has neither. Leave "
+                         f"quantization unset")
     return method
 
 

@@ -14,7 +14,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from tests.engine.test_correctness import MAX_TOKENS, mixed_prompts
 from tests.engine.test_fused_moe import moe_case, reference_moe
 from engine import LLM, SamplingParams
+from engine import quantization
 from engine.config import EngineConfig
+from engine.hardware import CPU_KINDS, detect_cpu
 from engine.layers.fused_moe import FusedMoE
 from engine.layers.linear import Linear
 from engine.quantization import apply_quantization, resolve_quantization
@@ -22,6 +24,7 @@ from engine.quantization.int8 import int8_linear, quantize_rows, quantize_weight
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="int8 runs on a CPU")
+needs_vnni = pytest.mark.skipif(not detect_cpu().int8_vnni, reason="int8 products need VNNI or AMX")
 
 
 def fake_quantize_rows(x: torch.Tensor) -> torch.Tensor:
@@ -45,6 +48,8 @@ def test_weights_quantize_per_output_feature():
     assert ((dequantized(weight) - weight).abs() <= scale[:, None] / 2 + 1e-6).all()
 
 
+@needs_vnni
+@pytest.mark.cpu_kinds
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows, bias", [(1, True), (7, False), (40, True)])
 def test_int8_linear_matches_the_emulation(cpu_path, dtype, rows, bias):
@@ -60,6 +65,8 @@ def test_int8_linear_matches_the_emulation(cpu_path, dtype, rows, bias):
     torch.testing.assert_close(out.float(), expected, atol=close * expected.abs().max().item(), rtol=close)
 
 
+@needs_vnni
+@pytest.mark.cpu_kinds
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_kernel_and_pytorch_give_the_same_bits_and_rows_ignore_the_batch(monkeypatch, dtype):
     from engine.kernels import cpu_build
@@ -97,6 +104,8 @@ def reference_int8_moe(x, w13, w2, weights, ids):
     return out
 
 
+@needs_vnni
+@pytest.mark.cpu_kinds
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens, experts, top_k, only", [(33, 8, 2, (0, 2, 3, 5, 7)), (1, 8, 2, None),
                                                           (20, 4, 1, (2,))])
@@ -149,6 +158,7 @@ def chosen_logprobs(llm: LLM, prompts: list[dict]) -> list[tuple[list[int], torc
             for o in outs]
 
 
+@needs_vnni
 @pytest.mark.parametrize("settings", [{}, {"max_num_batched_tokens": 7}, {"attention_backend": "torch"}],
                          ids=["default", "chunked_prefill", "torch_backend"])
 def test_int8_model_matches_the_emulation(llama_with_biases, settings):
@@ -177,12 +187,16 @@ def test_int8_model_matches_the_emulation(llama_with_biases, settings):
     assert {type(m).__name__ for m in linears if m.quant_method is None} == {"ParallelLMHead"}
 
 
-def test_quantization_is_checked_before_loading():
+def test_quantization_is_checked_before_loading(monkeypatch):
     with pytest.raises(ValueError, match="quantization must be None or one of \\['int8'\\], got 'int4'"):
         EngineConfig(quantization="int4")
     config = LlamaConfig()
     assert resolve_quantization(None, config, CPU) is None
+    monkeypatch.setattr(quantization, "detect_cpu", CPU_KINDS["avx512"].info)
     assert resolve_quantization("int8", config, CPU) == "int8"
+    monkeypatch.setattr(quantization, "detect_cpu", CPU_KINDS["avx2"].info)
+    with pytest.raises(ValueError, match="'int8' needs a CPU with VNNI or AMX"):
+        resolve_quantization("int8", config, CPU)
     with pytest.raises(ValueError, match="'int8' runs on cpu, not on cuda"):
         resolve_quantization("int8", config, torch.device("cuda"))
     config.quantization_config = {"quant_method": "awq", "bits": 4}
