@@ -140,7 +140,8 @@ class Linear(nn.Linear):
         accumulator instead of rounding the result to 16 bits (for logits, where that
         rounding turns near-ties into ties: 52 -> 58 of 64 greedy prompts agreeing with
         float32 on the embedded model, H100)."""
-        if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and self.lora is None and not self.quant_method:
+        plain = self.lora is None and self.quant_method is None
+        if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and plain:
             out = torch.mm(x, self.weight.t(), out_dtype=torch.float32)
             return out if self.bias is None else out + self.bias.float()
         return self(x).float()

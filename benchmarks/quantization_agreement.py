@@ -1,0 +1,102 @@
+"""How far quantization moves greedy output: ours against our bfloat16, OpenVINO GenAI's int8
+model against its own fp16, on the same prompts in one run.
+
+Why: a quantized model is only worth its speed if it says what the full-precision one says.
+The measure is greedy agreement on the embedded model: of 64 chat prompts, how many give the
+same first 16 tokens (EOS ignored), and how many of all 64 x 16 tokens agree before a
+prompt's first difference. Ours: `LLM(dtype="bfloat16")` against `LLM(dtype="bfloat16",
+quantization=...)` for each method given. OpenVINO GenAI (with `--openvino-python`): its fp16
+export against its int8 one (optimum-intel's per-channel asymmetric int8 weights), both run
+with the CPU plugin's defaults (bfloat16 compute where the CPU has it, and its dynamic
+quantization of activations), exported once by `benchmarks/openvino_export.py`.
+
+    .venv/bin/python benchmarks/quantization_agreement.py
+    .venv/bin/python benchmarks/quantization_agreement.py --openvino-python .venv-openvino/bin/python
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+if __name__ == "__main__" and "--worker" in sys.argv:
+    # OpenVINO's process, under its own virtualenv: prompts in, greedy tokens out, as JSON.
+    import json
+
+    import numpy as np
+    import openvino as ov
+    import openvino_genai
+
+    model, prompts_file, tokens = sys.argv[2], sys.argv[3], int(sys.argv[4])
+    pipeline = openvino_genai.ContinuousBatchingPipeline(model, openvino_genai.SchedulerConfig(), "CPU", {})
+    prompts = json.loads(Path(prompts_file).read_text())
+    config = openvino_genai.GenerationConfig(max_new_tokens=tokens, ignore_eos=True)
+    results = pipeline.generate([ov.Tensor(np.array([p], dtype=np.int64)) for p in prompts], [config] * len(prompts))
+    print("TOKENS " + json.dumps([list(r.m_generation_ids[0]) for r in results]))
+    sys.exit(0)
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+
+from benchmarks.openvino_export import ensure_export  # noqa: E402
+from benchmarks.prompts import chat_prompt_ids  # noqa: E402
+from engine import LLM, SamplingParams  # noqa: E402
+from engine.hardware import detect_cpu  # noqa: E402
+from engine.model_loader import resolve_model_path  # noqa: E402
+
+
+def agreement(reference: list[list[int]], other: list[list[int]]) -> str:
+    """Prompts whose tokens all agree, and tokens that agree before each prompt's first difference."""
+    same = sum(a == b for a, b in zip(reference, other))
+    prefix = sum(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(reference, other))
+    total = sum(len(a) for a in reference)
+    return f"{same}/{len(reference)} prompts identical, {prefix}/{total} tokens before the first difference"
+
+
+def ours(prompts: list[list[int]], tokens: int, **settings: object) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    with LLM(dtype="bfloat16", **settings) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def openvino(python: Path, model: Path, prompts_file: Path, tokens: int) -> list[list[int]]:
+    done = subprocess.run([str(python), __file__, "--worker", str(model), str(prompts_file), str(tokens)],
+                          capture_output=True, text=True, check=False)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("TOKENS ")]
+    if done.returncode or not lines:
+        raise RuntimeError(f"OpenVINO's worker failed ({done.returncode}): {done.stderr[-2000:]}")
+    return json.loads(lines[-1].removeprefix("TOKENS "))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--methods", default="int8", help="comma-separated quantization methods of ours")
+    parser.add_argument("--openvino-python", type=Path, help="the Python of a virtualenv with openvino-genai")
+    args = parser.parse_args()
+    from transformers import AutoTokenizer
+
+    model_path = resolve_model_path(None)
+    prompts = chat_prompt_ids(AutoTokenizer.from_pretrained(model_path), args.prompts)
+    print(f"CPU: {detect_cpu().describe()} | {args.prompts} chat prompts x {args.tokens} greedy tokens, EOS ignored")
+    reference = ours(prompts, args.tokens)
+    for method in args.methods.split(","):
+        quantized = ours(prompts, args.tokens, quantization=method)
+        print(f"ours {method:<5} vs ours bfloat16:        {agreement(reference, quantized)}")
+    if args.openvino_python:
+        optimum_cli = args.openvino_python.parent / "optimum-cli"
+        with tempfile.TemporaryDirectory() as tmp:
+            prompts_file = Path(tmp) / "prompts.json"
+            prompts_file.write_text(json.dumps(prompts))
+            fp16, int8 = (openvino(args.openvino_python, ensure_export(model_path, optimum_cli, fmt), prompts_file,
+                                   args.tokens) for fmt in ("fp16", "int8"))
+        print(f"OpenVINO int8 vs OpenVINO fp16:    {agreement(fp16, int8)}")
+        print(f"OpenVINO fp16 vs ours bfloat16:    {agreement(reference, fp16)}")
+
+
+if __name__ == "__main__":
+    main()
