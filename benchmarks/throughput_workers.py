@@ -70,8 +70,8 @@ def run_ours(workload: Workload, opts: WorkerOptions, prefix_caching: bool = Tru
     from engine import LLM, SamplingParams
 
     torch.set_num_threads(opts.threads)
-    with LLM(opts.model, dtype=opts.dtype, quantization=opts.quantization, enable_prefix_caching=prefix_caching, kv_cache_memory=opts.kv_cache_bytes,
-             num_threads=opts.threads) as llm:
+    with LLM(opts.model, dtype=opts.dtype, quantization=opts.quantization, enable_prefix_caching=prefix_caching,
+             kv_cache_memory=opts.kv_cache_bytes, num_threads=opts.threads) as llm:
         warmup = SamplingParams(temperature=0, max_tokens=WARMUP_TOKENS, ignore_eos=True)
         llm.generate([{"prompt_token_ids": p} for p in workload.warmup], warmup, use_tqdm=False)
         llm.reset_prefix_cache()
@@ -81,7 +81,8 @@ def run_ours(workload: Workload, opts: WorkerOptions, prefix_caching: bool = Tru
         elapsed = time.perf_counter() - start
         dtype = llm.dtype
     _check_lengths([len(o.outputs[0].token_ids) for o in outputs], workload)
-    return elapsed, dtype, f"{dtype}, prefix caching {'on' if prefix_caching else 'off'}"
+    weights = f" + {opts.quantization}" if opts.quantization else ""
+    return elapsed, dtype, f"{dtype}{weights}, prefix caching {'on' if prefix_caching else 'off'}"
 
 
 def run_hf_generate(workload: Workload, opts: WorkerOptions) -> tuple[float, str, str]:
