@@ -45,8 +45,9 @@ def load() -> ModuleType | None:
         module = build(name=name, sources=[str(path) for path in _SOURCES], extra_cflags=flags,
                        extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as error:  # a missing compiler or ninja shows up as various exceptions
-        logger.warning("the CPU kernels could not be built (%s); attention, norms, rotary embeddings and the "
-                       "experts of mixture-of-experts models run on PyTorch's operations, which are slower",
+        logger.warning("the CPU kernels could not be built (%s); attention, norms, rotary embeddings, int8 "
+                       "products and the experts of mixture-of-experts models run on PyTorch's operations, "
+                       "which are slower",
                        str(error).strip().splitlines()[-1][:300])
         return None
     logger.info("CPU kernels ready in %.1f s (%s)", time.monotonic() - start, name)

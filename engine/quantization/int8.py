@@ -10,7 +10,6 @@ once to the compute dtype. The compiled kernel (`engine/kernels/cpu_int8.cpp`) f
 passes around the product; PyTorch's operations compute the same where it cannot be built.
 """
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,18 +19,10 @@ from torch import nn
 from engine.kernels import cpu_build
 
 if TYPE_CHECKING:
-    from engine.layers.fused_moe import FusedMoE
+    from engine.layers.fused_moe import ExpertFn, FusedMoE
     from engine.layers.linear import Linear
 
 LEVELS = 127
-
-
-def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight [out, in] -> (q [in, out] int8, scale [out] float32), one scale per output feature."""
-    w = weight.detach().float()
-    scale = w.abs().amax(dim=1) / LEVELS
-    q = torch.round(w / torch.where(scale > 0, scale, 1)[:, None]).clamp_(-LEVELS, LEVELS)
-    return q.to(torch.int8).t().contiguous(), scale
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,6 +31,13 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = rows.abs().amax(dim=1, keepdim=True) / LEVELS
     q = torch.round(rows / torch.where(scale > 0, scale, 1)).clamp_(-LEVELS, LEVELS)
     return q.to(torch.int8), scale
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [out, in] -> (q [in, out] int8, scale [out] float32), one scale per output
+    feature: its rows quantized as activation rows are, stored transposed for the product."""
+    q, scale = quantize_rows(weight.detach())
+    return q.t().contiguous(), scale[:, 0]
 
 
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
@@ -91,7 +89,7 @@ class Int8MoEMethod:
         return layer.grouped(x, topk_weights, topk_ids, self._expert(layer))
 
     @staticmethod
-    def _expert(layer: "FusedMoE") -> Callable[[int, torch.Tensor], torch.Tensor]:
+    def _expert(layer: "FusedMoE") -> "ExpertFn":
         def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
             gate, up = int8_linear(rows, layer.w13_qweight[e], layer.w13_scale[e]).chunk(2, dim=-1)
             return int8_linear(F.silu(gate).mul_(up), layer.w2_qweight[e], layer.w2_scale[e])
