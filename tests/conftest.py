@@ -1,5 +1,6 @@
 """Shared fixtures for the engine and Dagster tests."""
 
+import json
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -10,6 +11,7 @@ import torch
 from engine import LLM
 from engine.hardware import chosen_cpu_kind, detect_cpu
 from tests.tiny_models import FAMILIES, build_tiny_model
+from tests.triton_launches import record_launches
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Run as another kind of CPU (tests/cpu_kinds.py): PyTorch's kernels capped at its
@@ -21,6 +23,18 @@ if _kind := chosen_cpu_kind():
 # when a kernel is defined, so it must be set before any engine module imports Triton.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# The launches the interpreter runs, compiled for a GPU by the session's last test.
+TRITON_LAUNCHES = record_launches() if os.environ.get("TRITON_INTERPRET") == "1" else set()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The Triton compile check runs last, once the session has launched every kernel."""
+    items.sort(key=lambda item: item.path.name == "test_triton_compile.py")
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if path := os.environ.get("TRITON_LAUNCHES_OUT"):  # a session test_triton_compile.py started
+        Path(path).write_text(json.dumps(sorted(TRITON_LAUNCHES)))
 
 
 def pytest_report_header() -> str:

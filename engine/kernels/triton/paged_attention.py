@@ -57,7 +57,7 @@ def _attend_tile(q, k_cache_ptr, v_cache_ptr, table_ptr, key_positions, key_ok, 
     kv_mask = key_ok[:, None] & dim_ok[None, :]
     k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-    if SOFTCAP:
+    if SOFTCAP != 0.0:
         scores = SOFTCAP * _tanh(scores / SOFTCAP)
     scores = tl.where(visible, scores, float("-inf"))
     new_top = tl.maximum(top, tl.max(scores, 1))
