@@ -29,7 +29,12 @@ from transformers import PretrainedConfig
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine import LLM, SamplingParams  # noqa: E402
+from tests.quantized_checkpoints import quantize_folder  # noqa: E402
 from tests.tiny_models import build_tokenizer  # noqa: E402
+
+# --quantizations: what each writes from the bfloat16 model, as the releases store it.
+CHECKPOINTS = {"fp8": ("fp8-channel", "compressed-tensors FP8, a scale per output feature"),
+               "awq": ("awq", "AWQ 4-bit, groups of 128")}
 
 
 def model_config(name: str) -> "PretrainedConfig":
@@ -173,6 +178,8 @@ def main() -> None:
     parser.add_argument("--peers", default="hf-generate,hf-continuous")
     parser.add_argument("--roofline-only", action="store_true", help="only the decode roofline measurement")
     parser.add_argument("--model", choices=["llama-1b", "qwen3-moe"], default="llama-1b")
+    parser.add_argument("--quantizations", default="", help="also run the model quantized by this benchmark: "
+                        + ", ".join(f"{k} ({v[1]})" for k, v in CHECKPOINTS.items()))
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
@@ -186,13 +193,20 @@ def main() -> None:
         for name, settings in (("ours", {}), ("ours, eager", {"enforce_eager": True})):
             seconds = run_ours(folder, prompts, max_tokens, **settings)
             rows.append((name, len(prompts), sum(max_tokens) / seconds))
+        for key in filter(None, args.quantizations.split(",")):
+            started = time.perf_counter()
+            quantized = Path(tmp) / key
+            quantize_folder(folder, quantized, CHECKPOINTS[key][0], group_size=128)
+            print(f"{key}: checkpoint written in {time.perf_counter() - started:.0f} s")
+            seconds = run_ours(quantized, prompts, max_tokens)
+            rows.append((f"ours, {CHECKPOINTS[key][1]}", len(prompts), sum(max_tokens) / seconds))
         import transformers
 
         model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, device_map="cuda")
         peer_prompts, peer_tokens = prompts[: args.peer_prompts], max_tokens[: args.peer_prompts]
         runners = {"hf-generate": ("transformers generate (batch 64)", run_hf_generate),
                    "hf-continuous": ("transformers generate_batch", run_hf_continuous)}
-        for key in args.peers.split(","):
+        for key in filter(None, args.peers.split(",")):
             label, runner = runners[key]
             try:
                 seconds = runner(model, peer_prompts, peer_tokens)

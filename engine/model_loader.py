@@ -5,6 +5,7 @@ import hashlib
 import json
 import logging
 import time
+from contextlib import ExitStack, contextmanager
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from engine.layers.fused_moe import FusedMoE
 from engine.layers.linear import Linear, ShardSlice
 from engine.layers.triton_routing import route_through_triton
 from engine.models import MODEL_REGISTRY
-from engine.quantization import apply_quantization
+from engine.quantization import apply_quantization, checkpoint_format
 
 logger = logging.getLogger(__name__)
 
@@ -140,21 +141,23 @@ class CheckpointRows:
         return self._tensor.read_region(tuple(index))
 
 
-def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, CheckpointTensor]]:
-    """Every tensor in the files, to be read while the iteration is at it; a damaged file
-    raises ModelLoadError naming it."""
-    for file in files:
-        try:
-            with safe_open(file, framework="pt") as reader:
-                for name in reader.keys():
-                    yield name, CheckpointTensor(reader, name)
-        except ModelLoadError:
-            raise
-        except Exception as exc:  # safetensors raises several types for a damaged file
-            raise ModelLoadError(
-                f"weight file {file} could not be read ({exc}); it may be truncated or "
-                f"corrupt: copy or convert it again"
-            ) from exc
+@contextmanager
+def open_safetensors(files: list[Path]) -> Iterator[list[tuple[str, CheckpointTensor]]]:
+    """Every tensor in the files, to be read while the files are open (until the block
+    ends: a quantized projection's parts may lie in several); a damaged file raises
+    ModelLoadError naming it."""
+    with ExitStack() as files_open:
+        tensors = []
+        for file in files:
+            try:
+                reader = files_open.enter_context(safe_open(file, framework="pt"))
+                tensors += [(name, CheckpointTensor(reader, name)) for name in reader.keys()]
+            except Exception as exc:  # safetensors raises several types for a damaged file
+                raise ModelLoadError(
+                    f"weight file {file} could not be read ({exc}); it may be truncated or "
+                    f"corrupt: copy or convert it again"
+                ) from exc
+        yield tensors
 
 
 def load_model(model_config: ModelConfig, group: TensorParallelGroup | None = None,
@@ -176,9 +179,14 @@ def load_model(model_config: ModelConfig, group: TensorParallelGroup | None = No
     files = check_model_folder(model_config.path)
     with torch.device("meta"):
         model = model_class(hf_config, max_position=model_config.max_model_len, group=group)
+    if model_config.quantization is not None:
+        apply_quantization(model, model_config.quantization, hf_config, model_config.device)
     model.materialize(model_config.device, model_config.dtype)
     try:
-        model.load_weights(iter_safetensors(files))
+        with open_safetensors(files) as weights:
+            if (stored := checkpoint_format(hf_config)) is not None:
+                weights = stored.quantized_tensors(weights)
+            model.load_weights(weights)
     except ModelLoadError:
         raise
     except ValueError as exc:
@@ -187,8 +195,6 @@ def load_model(model_config: ModelConfig, group: TensorParallelGroup | None = No
         route_through_triton(model)
     elif model_config.device.type == "cpu":
         route_through_cpu_kernels(model)
-    if model_config.quantization is not None:
-        apply_quantization(model, model_config.quantization)
     model.prepack()
     model.eval()
     logger.info(

@@ -70,8 +70,12 @@ def project(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
 class LinearMethod(Protocol):
     """How a quantized `Linear` stores and multiplies its weight (`engine.quantization`)."""
 
+    def create_weights(self, layer: "Linear") -> None:
+        """Readies the layer for the checkpoint's tensors, before the model is materialized."""
+
     def process_weights(self, layer: "Linear") -> None:
-        """Replaces the loaded weight with the method's form of it."""
+        """Replaces the loaded weight with the method's form of it (once: a second call
+        does nothing)."""
 
     def apply(self, layer: "Linear", x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x @ weight.T (+ bias) in x's dtype."""
@@ -128,9 +132,8 @@ class Linear(nn.Linear):
         """Quantizes the weight with the layer's method, or else reorders it for oneDNN
         where that helps; either drops the original copy."""
         if self.quant_method is not None:
-            if self.weight.numel():
-                self.quant_method.process_weights(self)
-        elif self.packed_weight is None:
+            self.quant_method.process_weights(self)
+        if self.quant_method is None and self.packed_weight is None:
             self.packed_weight = prepack(self.weight)
             if self.packed_weight is not None:
                 self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)

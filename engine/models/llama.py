@@ -355,6 +355,13 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
         module, sizes, slices = self._module_of(target)
         piece = slices[shard]
+        if kind == "weight" and hasattr(getattr(module, "quant_method", None), "load_shard"):
+            whole = [sizes[shard], module.in_features]
+            if piece is not None:
+                whole[piece.dim] = piece.full
+            check_shape(name, tensor, whole)
+            module.quant_method.load_shard(module, shard, tensor, piece)  # kept as the checkpoint stores it
+            return target, shard
         if piece is not None and piece.dim >= params[target].dim():
             piece = None  # the bias of a row-parallel projection: whole on every rank
         rows = piece.length if piece is not None and piece.dim == 0 else sizes[shard]

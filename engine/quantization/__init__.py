@@ -9,24 +9,80 @@ projections that must stay exact for the output's sake (the language-model head,
 experts' routers) keep the model's dtype.
 """
 
+import logging
+from typing import Any
+
 import torch
 from torch import nn
 from transformers import PretrainedConfig
 
 from engine.hardware import detect_cpu
+from engine.quantization.checkpoint import CheckpointFormat
+from engine.quantization.fp8 import Fp8LinearMethod, fp8_products_available
+from engine.quantization.int4 import Int4LinearMethod
 from engine.quantization.int8 import Int8LinearMethod, Int8MoEMethod
 
-# Method -> the device types it runs on.
-QUANTIZATION_METHODS: dict[str, tuple[str, ...]] = {"int8": ("cpu",)}
+logger = logging.getLogger(__name__)
+
+# Methods that quantize a 16- or 32-bit checkpoint at load -> what they need.
+AT_LOAD = {"int8": "a CPU with VNNI or AMX", "fp8": "a GPU with FP8 units (compute capability 8.9 or later)"}
+# Methods a checkpoint's own weights may be stored in.
+CHECKPOINT_METHODS = ("awq", "gptq", "fp8", "compressed-tensors")
+QUANTIZATION_METHODS = tuple(sorted({*AT_LOAD, *CHECKPOINT_METHODS}))
+
+
+def _settings(hf_config: PretrainedConfig) -> dict[str, Any] | None:
+    settings = getattr(hf_config, "quantization_config", None)
+    if settings is None or isinstance(settings, dict):
+        return settings
+    return settings.to_dict()
 
 
 def checkpoint_quantization(hf_config: PretrainedConfig) -> str | None:
     """The method config.json's `quantization_config` names, if any."""
-    settings = getattr(hf_config, "quantization_config", None)
+    settings = _settings(hf_config)
     if settings is None:
         return None
-    method = settings.get("quant_method") if isinstance(settings, dict) else getattr(settings, "quant_method", None)
+    method = settings.get("quant_method")
     return str(getattr(method, "value", method)).lower() if method is not None else "unknown"
+
+
+def checkpoint_format(hf_config: PretrainedConfig) -> CheckpointFormat | None:
+    """How the checkpoint stores its quantized projections; None when it is unquantized.
+
+    Raises:
+        ValueError: a method or a variant of one this engine cannot load, naming it.
+    """
+    method = checkpoint_quantization(hf_config)
+    if method is None:
+        return None
+    settings = _settings(hf_config) or {}
+    if method not in CHECKPOINT_METHODS:
+        raise ValueError(f"the checkpoint's weights are quantized with {method!r} (config.json quantization_config), "
+                         f"which this engine cannot load; it loads {', '.join(CHECKPOINT_METHODS)} checkpoints and "
+                         f"16- and 32-bit ones, which quantization={sorted(AT_LOAD)} quantizes at load")
+    problem = _unsupported_variant(method, settings)
+    if problem:
+        raise ValueError(f"the checkpoint's {method} quantization_config {problem}, which this engine cannot load")
+    return CheckpointFormat.of("fp8" if method == "compressed-tensors" else method, settings)
+
+
+def _unsupported_variant(method: str, settings: dict[str, Any]) -> str | None:
+    """What in a checkpoint's settings this engine does not load, if anything."""
+    if method in ("awq", "gptq") and settings.get("bits", 4) != 4:
+        return f"has bits={settings['bits']} (only 4-bit weights load)"
+    if method == "awq" and (settings.get("version", "gemm").lower() != "gemm" or not settings.get("zero_point", True)):
+        return "is not AWQ's GEMM format with zero points"
+    if method == "compressed-tensors":
+        if settings.get("format") not in ("float-quantized", "naive-quantized"):
+            return f"has format={settings.get('format')!r} (only 'float-quantized' FP8 loads)"
+        for group in (settings.get("config_groups") or {}).values():
+            weights = group.get("weights") or {}
+            if weights.get("type") != "float" or weights.get("num_bits") != 8:
+                return "quantizes weights other than to 8-bit floats"
+            if weights.get("strategy") not in ("tensor", "channel"):
+                return f"has the weight strategy {weights.get('strategy')!r} (tensor and channel load)"
+    return None
 
 
 def resolve_quantization(requested: str | None, hf_config: PretrainedConfig, device: torch.device) -> str | None:
@@ -39,37 +95,63 @@ def resolve_quantization(requested: str | None, hf_config: PretrainedConfig, dev
     """
     stored = checkpoint_quantization(hf_config)
     if stored is not None:
-        if stored not in QUANTIZATION_METHODS:
-            raise ValueError(f"the checkpoint's weights are quantized with {stored!r} (config.json "
-                             f"quantization_config), which this engine cannot load; it loads 16- and 32-bit "
-                             f"checkpoints, quantized at load with quantization={sorted(QUANTIZATION_METHODS)}")
+        checkpoint_format(hf_config)
         if requested is not None and requested != stored:
             raise ValueError(f"quantization={requested!r} contradicts the checkpoint's {stored!r} (config.json "
                              f"quantization_config); leave quantization unset to use the checkpoint's")
-    method = requested or stored
-    if method is None:
+        return stored
+    if requested is None:
         return None
-    devices = QUANTIZATION_METHODS[method]
-    if device.type not in devices:
-        raise ValueError(f"quantization={method!r} runs on {' or '.join(devices)}, not on {device.type}; "
-                         f"leave quantization unset there")
-    if method == "int8" and not (cpu := detect_cpu()).int8_vnni:
-        raise ValueError(f"quantization='int8' needs a CPU with VNNI or AMX (avx512_vnni, avx_vnni or amx_int8), "
-                         f"where int8 products sum exactly; this one ({cpu.describe()}) has neither. Leave "
-                         f"quantization unset")
-    return method
+    if requested not in AT_LOAD:
+        raise ValueError(f"quantization={requested!r} needs a checkpoint quantized with it (config.json "
+                         f"quantization_config); a 16- or 32-bit one is quantized at load by {sorted(AT_LOAD)}")
+    if not _runs_at_load(requested, device):
+        raise ValueError(f"quantization={requested!r} needs {AT_LOAD[requested]}; this is {_describe(device)}. "
+                         f"Leave quantization unset there")
+    return requested
 
 
-def apply_quantization(model: nn.Module, method: str) -> None:
-    """Gives every quantizable projection and experts layer of `model` its `method`; they
-    quantize their weights when the model is prepacked."""
+def _runs_at_load(method: str, device: torch.device) -> bool:
+    if method == "int8":
+        return device.type == "cpu" and detect_cpu().int8_vnni
+    return fp8_products_available(device)
+
+
+def _describe(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} (compute capability {torch.cuda.get_device_capability(device)})"
+    return f"a CPU ({detect_cpu().describe()})"
+
+
+def apply_quantization(model: nn.Module, method: str, hf_config: PretrainedConfig, device: torch.device) -> None:
+    """Gives every quantizable projection and experts layer of `model` its `method`'s
+    product for this device, before the weights are loaded. Where the device has no
+    product for a checkpoint's format the weights are dequantized to the model's dtype
+    as they load, and a warning says why."""
     from engine.layers.fused_moe import FusedMoE
     from engine.layers.linear import Linear
 
-    linear, experts = {"int8": (Int8LinearMethod(), Int8MoEMethod())}[method]
+    linear, experts, reason = _methods(method, checkpoint_format(hf_config), device)
+    if reason:
+        logger.warning("%s weights are dequantized to the model's dtype as they load: %s", method, reason)
     for module in model.modules():
-        if isinstance(module, Linear) and module.quantizable:
+        if isinstance(module, Linear) and module.quantizable and linear is not None:
             module.quant_method = linear
-        elif isinstance(module, FusedMoE):
+            linear.create_weights(module)
+        elif isinstance(module, FusedMoE) and experts is not None:
             module.quant_method = experts
 
+
+def _methods(method: str, stored: CheckpointFormat | None, device: torch.device) -> tuple[Any, Any, str | None]:
+    """(projections' method, experts' method, why the weights are dequantized instead)."""
+    if method == "int8":
+        return Int8LinearMethod(), Int8MoEMethod(), None
+    if method in ("awq", "gptq"):
+        if device.type != "cuda":
+            return None, None, "4-bit products run on a GPU (a Triton kernel); on a CPU they are the dtype's"
+        return Int4LinearMethod(device), None, None
+    if stored is not None and stored.block is not None:
+        return None, None, "block-wise FP8 products are not built yet; the dtype's run instead"
+    if not fp8_products_available(device):
+        return None, None, f"FP8 products need {AT_LOAD['fp8']}, and this is {_describe(device)}"
+    return Fp8LinearMethod(), None, None

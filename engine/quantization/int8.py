@@ -56,8 +56,13 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
 class Int8LinearMethod:
     """A `Linear`'s weight as int8 (buffers `qweight` [in, out], `weight_scale` [out])."""
 
+    def create_weights(self, layer: "Linear") -> None:
+        """The weight loads in the model's dtype and is quantized at `process_weights`."""
+
     def process_weights(self, layer: "Linear") -> None:
         """Quantizes the loaded weight and drops it."""
+        if not layer.weight.numel():
+            return
         q, scale = quantize_weight(layer.weight)
         layer.register_buffer("qweight", q)
         layer.register_buffer("weight_scale", scale)

@@ -1,7 +1,10 @@
 """Fixtures shared by the engine's tests."""
 
+from pathlib import Path
+
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
 
 from engine.kernels import cpu_build
 
@@ -15,3 +18,22 @@ def cpu_path(request, monkeypatch):
     if request.param == "pytorch":
         monkeypatch.setattr(cpu_build, "load", lambda: None)
     return request.param
+
+
+@pytest.fixture(scope="session")
+def llama_with_biases(tmp_path_factory) -> Path:
+    """A tiny Llama with q/k/v biases and weights of size ~0.15 (the quantization tests')."""
+    from tests.tiny_models import build_tokenizer
+
+    folder = tmp_path_factory.mktemp("int8_llama")
+    config = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1,
+                         eos_token_id=2, pad_token_id=0, attention_bias=True, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.15)
+    model.save_pretrained(folder, safe_serialization=True)
+    build_tokenizer(folder)
+    return folder

@@ -79,3 +79,30 @@ def test_every_family_matches_transformers_greedy_on_the_gpu(tiny_models):
                 assert engine_greedy(llm, prompts) == expected, f"{family} {settings}"
                 if settings:
                     assert llm.llm_engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("fmt", ["fp8-channel", "awq", "gptq"])
+def test_quantized_checkpoints_use_the_gpu_products(llama_with_biases, tmp_path, fmt):
+    """An FP8 checkpoint multiplies in FP8 (`torch._scaled_mm`), AWQ and GPTQ ones in the
+    4-bit Triton kernel, each against transformers' float32 model with the checkpoint's
+    dequantized weights (and, for FP8, each activation row rounded as the method does)."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.quantization.fp8 import Fp8LinearMethod
+    from engine.quantization.int4 import Int4LinearMethod
+    from tests.engine.test_quantized_checkpoints import check_against, emulate_fp8
+    from tests.quantized_checkpoints import quantize_folder
+
+    dequantized = quantize_folder(llama_with_biases, tmp_path / fmt, fmt)
+    reference = AutoModelForCausalLM.from_pretrained(llama_with_biases, dtype=torch.float32).eval()
+    plain = AutoModelForCausalLM.from_pretrained(llama_with_biases, dtype=torch.float32).eval()
+    reference.load_state_dict(dequantized, strict=False)
+    fp8 = fmt.startswith("fp8")
+    if fp8:
+        emulate_fp8(reference)
+    with LLM(str(tmp_path / fmt), dtype="float32") as llm:
+        methods = {type(m.quant_method) for m in llm.llm_engine.model_runner.model.modules()
+                   if m.__dict__.get("quant_method")}
+        assert methods == {Fp8LinearMethod if fp8 else Int4LinearMethod}
+        # FP8 products round their output to bfloat16 (torch._scaled_mm's row-wise scaling)
+        check_against(reference, plain, llm, 3e-2 if fp8 else 1e-3, sees_quantization=not fp8)

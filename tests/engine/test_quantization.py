@@ -86,7 +86,7 @@ def int8_experts(w13: torch.Tensor, w2: torch.Tensor) -> FusedMoE:
     layer = FusedMoE(w13.shape[0], w13.shape[2], w2.shape[2]).to(w13.dtype)
     layer.w13.data.copy_(w13)
     layer.w2.data.copy_(w2)
-    apply_quantization(torch.nn.ModuleList([layer]), "int8")
+    apply_quantization(torch.nn.ModuleList([layer]), "int8", LlamaConfig(), CPU)
     layer.prepack()
     return layer
 
@@ -132,24 +132,6 @@ def emulate_int8(model: torch.nn.Module) -> None:
             module.register_forward_pre_hook(lambda _, args: (fake_quantize_rows(args[0]),))
 
 
-@pytest.fixture(scope="module")
-def llama_with_biases(tmp_path_factory):
-    from tests.tiny_models import build_tokenizer
-
-    folder = tmp_path_factory.mktemp("int8_llama")
-    config = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1,
-                         eos_token_id=2, pad_token_id=0, attention_bias=True, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(0.0, 0.15)
-    model.save_pretrained(folder, safe_serialization=True)
-    build_tokenizer(folder)
-    return folder
-
-
 def chosen_logprobs(llm: LLM, prompts: list[dict]) -> list[tuple[list[int], torch.Tensor]]:
     """Each prompt's greedy tokens and their logprobs."""
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=0), use_tqdm=False)
@@ -188,17 +170,29 @@ def test_int8_model_matches_the_emulation(llama_with_biases, settings):
 
 
 def test_quantization_is_checked_before_loading(monkeypatch):
-    with pytest.raises(ValueError, match="quantization must be None or one of \\['int8'\\], got 'int4'"):
+    with pytest.raises(ValueError, match="quantization must be None or one of .*'int8'.*, got 'int4'"):
         EngineConfig(quantization="int4")
     config = LlamaConfig()
     assert resolve_quantization(None, config, CPU) is None
     monkeypatch.setattr(quantization, "detect_cpu", CPU_KINDS["avx512"].info)
     assert resolve_quantization("int8", config, CPU) == "int8"
     monkeypatch.setattr(quantization, "detect_cpu", CPU_KINDS["avx2"].info)
-    with pytest.raises(ValueError, match="'int8' needs a CPU with VNNI or AMX"):
+    with pytest.raises(ValueError, match="'int8' needs a CPU with VNNI or AMX; this is a CPU"):
         resolve_quantization("int8", config, CPU)
-    with pytest.raises(ValueError, match="'int8' runs on cpu, not on cuda"):
-        resolve_quantization("int8", config, torch.device("cuda"))
-    config.quantization_config = {"quant_method": "awq", "bits": 4}
-    with pytest.raises(ValueError, match="quantized with 'awq' .* cannot load"):
+    with pytest.raises(ValueError, match="'fp8' needs a GPU with FP8 units .*; this is a CPU"):
+        resolve_quantization("fp8", config, CPU)
+    with pytest.raises(ValueError, match="'awq' needs a checkpoint quantized with it"):
+        resolve_quantization("awq", config, CPU)
+    config.quantization_config = {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"}
+    assert resolve_quantization(None, config, CPU) == "awq"
+    with pytest.raises(ValueError, match="'int8' contradicts the checkpoint's 'awq'"):
+        resolve_quantization("int8", config, CPU)
+    config.quantization_config = {"quant_method": "gptq", "bits": 8}
+    with pytest.raises(ValueError, match="gptq quantization_config has bits=8 .only 4-bit"):
+        resolve_quantization(None, config, CPU)
+    config.quantization_config = {"quant_method": "exl2"}
+    with pytest.raises(ValueError, match="quantized with 'exl2' .* cannot load"):
+        resolve_quantization(None, config, CPU)
+    config.quantization_config = {"quant_method": "compressed-tensors", "format": "pack-quantized"}
+    with pytest.raises(ValueError, match="format='pack-quantized' .only 'float-quantized' FP8"):
         resolve_quantization(None, config, CPU)

@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -463,7 +464,7 @@ def test_rank_1_reads_only_its_slices_of_the_checkpoint(models: dict[str, Path],
     [weights_file] = model_loader.check_model_folder(folder)
     full = load_file(weights_file)
     read_bytes: dict[str, int] = {}
-    real_iter = model_loader.iter_safetensors
+    real_open = model_loader.open_safetensors
 
     class Recorded:
         """A checkpoint tensor whose reads are counted in `read_bytes`."""
@@ -476,8 +477,12 @@ def test_rank_1_reads_only_its_slices_of_the_checkpoint(models: dict[str, Path],
             read_bytes[self.name] = read_bytes.get(self.name, 0) + data.numel() * data.element_size()
             return data
 
-    monkeypatch.setattr(model_loader, "iter_safetensors",
-                        lambda files: ((name, Recorded(name, t)) for name, t in real_iter(files)))
+    @contextmanager
+    def recorded_open(files: list[Path]) -> Iterator[list[tuple[str, Recorded]]]:
+        with real_open(files) as tensors:
+            yield [(name, Recorded(name, t)) for name, t in tensors]
+
+    monkeypatch.setattr(model_loader, "open_safetensors", recorded_open)
     monkeypatch.setattr(Linear, "prepack", lambda self: None)  # keep .weight (not oneDNN's packed copy)
     model_config = ModelConfig.resolve(folder, EngineConfig(dtype="float32", device="cpu"), eos_token_id=2)
     model = model_loader.load_model(model_config, TensorParallelGroup(rank=1, size=2))

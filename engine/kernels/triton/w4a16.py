@@ -1,0 +1,135 @@
+"""Products with 4-bit weights and 16-bit (or float32) activations, as AWQ and GPTQ checkpoints
+store them ("w4a16"): the weight stays packed in memory and is unpacked tile by tile inside the
+GEMM, so a decode step reads a quarter of the bytes a float16 weight would take.
+
+Layout. `qweight` int32 [K // 8, N] holds 8 consecutive rows of a column per int32: row
+8 * i + j of column n in bits 4 * j .. 4 * j + 3 of qweight[i, n] (lowest nibble first), unsigned
+0..15. Rows come in groups of `group_size`; group g of column n has a scale scales[g, n] (x's
+dtype) and a zero point zeros[g, n] (uint8, 0..15): w[k, n] = (q[k, n] - zeros[g, n]) * scales[g, n].
+
+Kernel. One program per (BLOCK_M, BLOCK_N) tile of the output, looping over K in BLOCK_K steps
+with BLOCK_K dividing the group size, so that every K tile lies in one group. Each step loads
+the packed tile with one row per unpacked row (row k reads int32 row k // 8: the eight rows that
+share an int32 hit the cache), shifts the nibble down and masks it, subtracts the group's zeros
+and takes tl.dot of x's tile with these small integers (exact in float16 and bfloat16). The
+group's scales multiply that float32 partial product per column before it joins the float32
+accumulator: the weight itself is never rounded, and the result is rounded once, to x's dtype.
+
+Block sizes come from M in Python (no autotuning, so a launch is deterministic): decode steps
+(M <= 16) take BLOCK_M 16 with narrow column tiles, for enough programs to cover the GPU while
+they stream the weight; larger M take wider tiles, which reuse each unpacked weight tile across
+more rows. BLOCK_K does not depend on M, and neither does the order in which a row's products
+are summed.
+
+`dequantize_w4` is the same arithmetic in PyTorch (the reference, and the CPU path); `pack_w4`
+packs unsigned 4-bit values into the int32 layout.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _w4a16_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, M, N, K, x_stride, out_stride,
+                  GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  PRECISION: tl.constexpr, RESHAPE: tl.constexpr = False):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    col_ok = cols < N
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * x_stride
+    ks = tl.arange(0, BLOCK_K)
+    shifts = (ks % 8) * 4  # row k's nibble in its int32
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):  # K is a multiple of BLOCK_K
+        a = tl.load(x_rows + (k0 + ks)[None, :], mask=row_ok[:, None], other=0.0)
+        if RESHAPE:
+            ps = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+            packed = tl.load(qweight_ptr + ps[:, None] * N + cols[None, :], mask=col_ok[None, :], other=0)
+            q = (packed[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF
+            q = tl.reshape(q, [BLOCK_K, BLOCK_N])
+        else:
+            packed = tl.load(qweight_ptr + ((k0 + ks) // 8)[:, None] * N + cols[None, :], mask=col_ok[None, :],
+                             other=0)
+            q = (packed >> shifts[:, None]) & 0xF
+        group = k0 // GROUP_SIZE
+        zeros = tl.load(zeros_ptr + group * N + cols, mask=col_ok, other=0).to(tl.int32)
+        scales = tl.load(scales_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)
+        w = (q - zeros[None, :]).to(a.dtype)  # -15..15: exact in every float type
+        acc += tl.dot(a, w, input_precision=PRECISION) * scales[None, :]
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * out_stride + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _blocks(m: int, group_size: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for a product with m rows."""
+    block_k = min(group_size, 64)
+    if m <= 16:  # decode: weight-bound, many narrow column tiles
+        return 16, 32, block_k, 4
+    if m <= 64:
+        return 64, 64, block_k, 4
+    return 128, 128, block_k, 8
+
+
+def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 group_size: int) -> torch.Tensor:
+    """x [M, K] (float16, bfloat16 or float32) times the 4-bit weight [K, N] that `qweight`
+    (int32 [K // 8, N]), `scales` ([K // group_size, N], x's dtype) and `zeros` (uint8, same
+    shape) describe (see the module docstring); returns [M, N] in x's dtype, summed in float32
+    and rounded once. The weight is unpacked inside the kernel and never materialised, which is
+    the point: a decode step's product reads the packed weight, a quarter of a float16 one."""
+    m, k = x.shape
+    n = qweight.shape[1]
+    if qweight.dtype != torch.int32 or qweight.shape[0] * 8 != k:
+        raise ValueError(f"qweight must be int32 [{k // 8}, N], got {qweight.dtype} {tuple(qweight.shape)}")
+    if group_size < 16 or group_size & (group_size - 1) or k % group_size:
+        raise ValueError(f"group_size {group_size} must be a power of two >= 16 dividing K = {k}")
+    groups = (k // group_size, n)
+    if tuple(scales.shape) != groups or scales.dtype != x.dtype or tuple(zeros.shape) != groups \
+            or zeros.dtype != torch.uint8:
+        raise ValueError(f"scales ({x.dtype}) and zeros (uint8) must be {groups}, got {scales.dtype} "
+                         f"{tuple(scales.shape)} and {zeros.dtype} {tuple(zeros.shape)}")
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    x = x.contiguous()
+    block_m, block_n, block_k, num_warps = _blocks(m, group_size)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    _w4a16_kernel[grid](x, qweight.contiguous(), scales.contiguous(), zeros.contiguous(), out, m, n, k,
+                        x.stride(0), out.stride(0), GROUP_SIZE=group_size, BLOCK_M=block_m, BLOCK_N=block_n,
+                        BLOCK_K=block_k, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+                        num_warps=num_warps)
+    return out
+
+
+_NIBBLE_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)  # row 8 * i + j at bits 4 * j ..
+
+
+def unpack_w4(qweight: torch.Tensor) -> torch.Tensor:
+    """The unsigned 4-bit values [K, N] (int32, 0..15) that int32 `qweight` [K // 8, N] packs."""
+    shifts = _NIBBLE_SHIFTS.to(qweight.device)
+    return ((qweight[:, None, :] >> shifts[None, :, None]) & 0xF).reshape(-1, qweight.shape[1])
+
+
+def pack_w4(q: torch.Tensor) -> torch.Tensor:
+    """Packs q [K, N] of unsigned 4-bit values (any integer dtype, 0..15; K a multiple of 8)
+    into int32 [K // 8, N]: rows 8 * i .. 8 * i + 7 of a column into one int32, lowest nibble
+    first. The inverse of `unpack_w4`."""
+    k, n = q.shape
+    if k % 8:
+        raise ValueError(f"K = {k} is not a multiple of 8")
+    shifts = _NIBBLE_SHIFTS.to(device=q.device, dtype=torch.int64)
+    packed = ((q.to(torch.int64) & 0xF).reshape(k // 8, 8, n) << shifts[None, :, None]).sum(1)
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)  # bit 31 is the sign
+
+
+def dequantize_w4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The weight [K, N] in float32 that `qweight`, `scales` and `zeros` describe (layout in the
+    module docstring): (q - zeros) * scales per group of `group_size` rows, exact in float32.
+    The reference for `w4a16_matmul`, and how a CPU, which has no packed kernel, gets the weight."""
+    q = unpack_w4(qweight)
+    k, n = q.shape
+    q = q.reshape(k // group_size, group_size, n)
+    w = (q - zeros.to(torch.int32)[:, None, :]).float() * scales.float()[:, None, :]
+    return w.reshape(k, n)
