@@ -48,11 +48,12 @@ class EngineConfig:
                                   "a GPU (bfloat16 for a float32 one); on a CPU, bfloat16 for a 16-bit checkpoint "
                                   "where the CPU has native bfloat16 (AVX512-BF16, AMX, ARM BF16), else float32.")
     quantization: str | None = _setting(None, "How the weights are quantized: None, the checkpoint's own "
-                                              "(config.json quantization_config; unquantized when it has none), "
-                                              "or 'int8' (on a CPU: a 16- or 32-bit checkpoint's projections and "
-                                              "experts quantized at load per output feature, activations per "
-                                              "token, products in int8; the language-model head and routers stay "
-                                              "in dtype).")
+                                              "(config.json quantization_config: 'fp8' or 'compressed-tensors' "
+                                              "FP8, 'awq', 'gptq'; unquantized when it has none), or quantized at "
+                                              "load: 'int8' (a CPU with VNNI or AMX: projections and experts per "
+                                              "output feature, activations per token, int8 products) or 'fp8' (a "
+                                              "GPU with FP8 units). The language-model head and routers stay in "
+                                              "dtype.")
     device: str = _setting("auto", "'auto' (a GPU when there is one), 'cpu' or 'cuda'.")
     seed: int = _setting(0, "Seed of the random draws of requests that have no seed of their own.")
     max_model_len: int | None = _setting(None, "Longest prompt plus completion, at most the model's context "
