@@ -22,13 +22,15 @@ more rows. BLOCK_K, which sets the order in which a row's products are summed, i
 every M up to 64, so a row's result has the same bits alone or in any batch of up to 64 rows;
 above that the K step halves (twice as fast there) and a row's last bits may differ.
 
-`dequantize_w4` is the same arithmetic in PyTorch (the reference, and the CPU path); `pack_w4`
+`dequantize_w4` is the same arithmetic in PyTorch (the tests' reference); `pack_w4`
 packs unsigned 4-bit values into the int32 layout.
 """
 
 import torch
 import triton
 import triton.language as tl
+
+from engine.quantization.checkpoint import unpack_int4
 
 
 @triton.jit
@@ -101,9 +103,9 @@ _NIBBLE_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)  # row 8 * i + j at b
 
 
 def unpack_w4(qweight: torch.Tensor) -> torch.Tensor:
-    """The unsigned 4-bit values [K, N] (int32, 0..15) that int32 `qweight` [K // 8, N] packs."""
-    shifts = _NIBBLE_SHIFTS.to(qweight.device)
-    return ((qweight[:, None, :] >> shifts[None, :, None]) & 0xF).reshape(-1, qweight.shape[1])
+    """The unsigned 4-bit values [K, N] (int32, 0..15) that int32 `qweight` [K // 8, N] packs
+    (GPTQ's packing, which the checkpoint reader unpacks too)."""
+    return unpack_int4(qweight, 0)
 
 
 def pack_w4(q: torch.Tensor) -> torch.Tensor:
@@ -121,7 +123,7 @@ def pack_w4(q: torch.Tensor) -> torch.Tensor:
 def dequantize_w4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
     """The weight [K, N] in float32 that `qweight`, `scales` and `zeros` describe (layout in the
     module docstring): (q - zeros) * scales per group of `group_size` rows, exact in float32.
-    The reference for `w4a16_matmul`, and how a CPU, which has no packed kernel, gets the weight."""
+    The reference the kernel's tests check it against."""
     q = unpack_w4(qweight)
     k, n = q.shape
     q = q.reshape(k // group_size, group_size, n)
