@@ -68,8 +68,7 @@ class QuantizedRows(QuantizedTensor):
         return self.whole.dequantize().narrow(0, self.start, self.shape[0])
 
     def int4(self, piece: "ShardSlice | None" = None) -> "Int4Weight":
-        whole = self.whole.int4().narrow(0, self.start, self.shape[0])  # type: ignore[attr-defined]
-        return whole if piece is None else whole.narrow(piece.dim, piece.start, piece.length)
+        return self.whole.int4().narrow(0, self.start, self.shape[0]).of(piece)  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True)
@@ -110,6 +109,10 @@ class Int4Weight:
         """w [out, in] in float32."""
         zeros, scales = self.zeros[self.group_index].float(), self.scales[self.group_index].float()
         return ((self.q.float() - zeros) * scales).t()
+
+    def of(self, piece: "ShardSlice | None") -> "Int4Weight":
+        """The slice `piece` of the weight (all of it for None)."""
+        return self if piece is None else self.narrow(piece.dim, piece.start, piece.length)
 
     def narrow(self, dim: int, start: int, length: int) -> "Int4Weight":
         """Output features (dim 0) or input features (dim 1) [start, start + length)."""
@@ -160,8 +163,7 @@ class Int4Tensor(QuantizedTensor):
             group_index = self.g_idx.read().long()
         else:
             group_index = torch.arange(inputs) // (inputs // scales.shape[0])
-        whole = Int4Weight(q.to(torch.uint8), zeros.to(torch.uint8), scales, group_index)
-        return whole if piece is None else whole.narrow(piece.dim, piece.start, piece.length)
+        return Int4Weight(q.to(torch.uint8), zeros.to(torch.uint8), scales, group_index).of(piece)
 
     def dequantize(self) -> torch.Tensor:
         return self.int4().dequantize()

@@ -10,13 +10,9 @@ rest of the batch. The product is `torch._scaled_mm` with both scales (row-wise 
 Hopper's FP8 tensor cores); elsewhere (the tests, on a CPU) the same arithmetic in float32.
 """
 
-from typing import TYPE_CHECKING
-
 import torch
-from torch import nn
 
-if TYPE_CHECKING:
-    from engine.layers.linear import Linear
+from engine.quantization.at_load import QuantizedAtLoadMethod
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
@@ -48,20 +44,15 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     return out.to(x.dtype).view(*x.shape[:-1], q.shape[0])
 
 
-class Fp8LinearMethod:
-    """A `Linear`'s weight as FP8 (buffers `qweight` [out, in] e4m3, `weight_scale` [1, out])."""
+def quantize_fp8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [out, in] -> (q [out, in] e4m3, scale [1, out] float32), as `torch._scaled_mm`
+    takes them."""
+    q, scale = quantize_fp8_rows(weight)
+    return q, scale.t().contiguous()
 
-    def create_weights(self, layer: "Linear") -> None:
-        """The weight loads in the model's dtype and is quantized at `process_weights`."""
 
-    def process_weights(self, layer: "Linear") -> None:
-        """Quantizes the loaded weight and drops it."""
-        if not layer.weight.numel():
-            return
-        q, scale = quantize_fp8_rows(layer.weight.detach())
-        layer.register_buffer("qweight", q)
-        layer.register_buffer("weight_scale", scale.t().contiguous())
-        layer.weight = nn.Parameter(torch.empty(0, dtype=layer.weight.dtype, device=q.device), requires_grad=False)
+class Fp8LinearMethod(QuantizedAtLoadMethod):
+    """A `Linear`'s weight as FP8 (`qweight` [out, in] e4m3, `weight_scale` [1, out])."""
 
-    def apply(self, layer: "Linear", x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return fp8_linear(x, layer.qweight, layer.weight_scale, bias)
+    quantize = staticmethod(quantize_fp8_weight)
+    product = staticmethod(fp8_linear)

@@ -17,10 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels import cpu_build
+from engine.quantization.at_load import QuantizedAtLoadMethod
 
 if TYPE_CHECKING:
     from engine.layers.fused_moe import ExpertFn, FusedMoE
-    from engine.layers.linear import Linear
 
 LEVELS = 127
 
@@ -53,23 +53,11 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     return out.to(x.dtype).view(*x.shape[:-1], q.shape[1])
 
 
-class Int8LinearMethod:
-    """A `Linear`'s weight as int8 (buffers `qweight` [in, out], `weight_scale` [out])."""
+class Int8LinearMethod(QuantizedAtLoadMethod):
+    """A `Linear`'s weight as int8 (`qweight` [in, out], `weight_scale` [out])."""
 
-    def create_weights(self, layer: "Linear") -> None:
-        """The weight loads in the model's dtype and is quantized at `process_weights`."""
-
-    def process_weights(self, layer: "Linear") -> None:
-        """Quantizes the loaded weight and drops it."""
-        if not layer.weight.numel():
-            return
-        q, scale = quantize_weight(layer.weight)
-        layer.register_buffer("qweight", q)
-        layer.register_buffer("weight_scale", scale)
-        layer.weight = nn.Parameter(torch.empty(0, dtype=layer.weight.dtype), requires_grad=False)
-
-    def apply(self, layer: "Linear", x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return int8_linear(x, layer.qweight, layer.weight_scale, bias)
+    quantize = staticmethod(quantize_weight)
+    product = staticmethod(int8_linear)
 
 
 class Int8MoEMethod:
