@@ -196,3 +196,32 @@ def test_quantization_is_checked_before_loading(monkeypatch):
     config.quantization_config = {"quant_method": "compressed-tensors", "format": "pack-quantized"}
     with pytest.raises(ValueError, match="format='pack-quantized' .only 'float-quantized' FP8"):
         resolve_quantization(None, config, CPU)
+
+
+def test_each_device_gets_its_product(monkeypatch):
+    """Which method each checkpoint format runs with, by device, the GPU's FP8 detection
+    mocked both ways: FP8 and 4-bit products on a GPU, dequantized weights (with the reason)
+    where there is none."""
+    from engine.quantization.checkpoint import CheckpointFormat
+    from engine.quantization.fp8 import Fp8LinearMethod
+    from engine.quantization.int4 import Int4LinearMethod
+
+    gpu, per_channel, blocks = torch.device("cuda"), CheckpointFormat("fp8"), CheckpointFormat("fp8", block=128)
+    monkeypatch.setattr(quantization, "_describe", lambda device: "an A100 (compute capability (8, 0))")
+    for fp8_units in (True, False):
+        monkeypatch.setattr(quantization, "fp8_products_available", lambda device, units=fp8_units: units)
+        linear, experts, reason = quantization._methods("fp8", per_channel, gpu)
+        assert (type(linear), reason is None) == ((Fp8LinearMethod, True) if fp8_units else (type(None), False))
+        assert quantization._methods("fp8", blocks, gpu)[2] == "block-wise FP8 products are not built yet; " \
+                                                              "the dtype's run instead"
+        if fp8_units:
+            assert quantization.resolve_quantization("fp8", LlamaConfig(), gpu) == "fp8"
+        else:
+            with pytest.raises(ValueError, match="'fp8' needs a GPU with FP8 units .*; this is an A100"):
+                quantization.resolve_quantization("fp8", LlamaConfig(), gpu)
+    for method in ("awq", "gptq"):
+        linear, experts, reason = quantization._methods(method, CheckpointFormat(method), gpu)
+        assert isinstance(linear, Int4LinearMethod) and experts is None and reason is None
+        assert quantization._methods(method, CheckpointFormat(method), CPU)[:2] == (None, None)
+    linear, experts, _ = quantization._methods("int8", None, CPU)
+    assert type(linear).__name__ == "Int8LinearMethod" and type(experts).__name__ == "Int8MoEMethod"
