@@ -11,6 +11,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from engine.hardware import cpu_dtype, default_num_threads, detect_cpu
 from engine.layers.attention_selector import resolve_backend_name
 from engine.models import language_model_config
+from engine.kv_cache_dtype import KV_CACHE_DTYPES, resolve_kv_cache_dtype
 from engine.quantization import QUANTIZATION_METHODS, resolve_quantization
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -66,6 +67,11 @@ class EngineConfig:
     kv_cache_memory: int | None = _setting(None, "Bytes of KV cache (vLLM's kv_cache_memory_bytes); default "
                                                  f"{DEFAULT_KV_CACHE_MEMORY >> 30} GiB on a CPU, and on a GPU what "
                                                  "gpu_memory_utilization leaves.")
+    kv_cache_dtype: str = _setting("auto", "The KV cache's element type: 'auto' (the model's dtype), 'bfloat16' or "
+                                           "'float16' (a float32 model's cache at half the bytes), 'int8' (the CPU "
+                                           "kernel) or 'fp8' (e4m3, the Triton kernels on a GPU), both with a float32 "
+                                           "scale per token and KV head. Narrower caches hold more tokens in "
+                                           "kv_cache_memory and make decode attention read fewer bytes.")
     gpu_memory_utilization: float = _setting(0.9, "Fraction of GPU memory for weights, activations and KV cache, "
                                                   "planned from a measured forward pass at max_num_batched_tokens.")
     enable_prefix_caching: bool = _setting(True, "Reuse the KV blocks of prompt prefixes already computed.")
@@ -124,6 +130,9 @@ class EngineConfig:
         if self.max_cpu_loras is not None and (not isinstance(self.max_cpu_loras, int)
                                                or self.max_cpu_loras < self.max_loras):
             problems.append(f"max_cpu_loras must be at least max_loras={self.max_loras}, got {self.max_cpu_loras!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            problems.append(f"kv_cache_dtype must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}, "
+                            f"got {self.kv_cache_dtype!r}")
         if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
             problems.append("attention_backend must be 'auto', 'torch', 'cpu' or 'triton', "
                             f"got {self.attention_backend!r}")
@@ -157,7 +166,8 @@ class EngineConfig:
 
         Raises:
             ValueError: without chunked prefill, a step budget below max_model_len (a long
-                prompt could never run); an attention backend that cannot run here.
+                prompt could never run); an attention backend that cannot run here, or
+                that cannot read the kv_cache_dtype.
         """
         device, max_model_len = model_config.device, model_config.max_model_len
         on_cpu = device.type == "cpu"
@@ -170,6 +180,7 @@ class EngineConfig:
                 f"max_num_batched_tokens={step_tokens} is below max_model_len={max_model_len}: without chunked "
                 f"prefill a long prompt could never run. Raise it, lower max_model_len, or enable_chunked_prefill=True"
             )
+        backend = resolve_backend_name(self.attention_backend, device)
         return replace(
             self,
             dtype=model_config.dtype_name,
@@ -181,7 +192,8 @@ class EngineConfig:
             async_scheduling=device.type == "cuda" if self.async_scheduling is None else self.async_scheduling,
             max_cpu_loras=self.max_cpu_loras or self.max_loras,
             num_threads=self.num_threads or (self.default_threads_per_rank() if on_cpu else None),
-            attention_backend=resolve_backend_name(self.attention_backend, device),
+            attention_backend=backend,
+            kv_cache_dtype=resolve_kv_cache_dtype(self.kv_cache_dtype, model_config.dtype_name, backend),
         )
 
 

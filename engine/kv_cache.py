@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from engine.config import EngineConfig
+from engine.kv_cache_dtype import is_scaled
 from engine.layers.attention import Attention, AttentionBackend, AttentionMetadata
 from engine.layers.attention_selector import make_backend
 
@@ -25,7 +26,8 @@ class CacheBudget:
 
 class KVCache:
     """The keys and values of every attention layer of a model, in `num_blocks` blocks of
-    `block_size` slots each, laid out as the attention backend reads them.
+    `block_size` slots each, laid out as the attention backend reads them, as `dtype`
+    (`engine.kv_cache_dtype`); a scaled dtype adds float32 scales per (slot, KV head).
 
     One extra block past the managed ones is the null block: zeros that padded key
     positions point to, so attention never reads memory nothing has written.
@@ -46,7 +48,8 @@ class KVCache:
     def bytes_per_token(self) -> int:
         """Bytes of keys and values that one token takes across all layers."""
         element = torch.empty(0, dtype=self.dtype).element_size()
-        return 2 * sum(layer.num_kv_heads * layer.head_dim for layer in self.layers) * element
+        scale = 4 if is_scaled(self.dtype) else 0
+        return 2 * sum(layer.num_kv_heads * (layer.head_dim * element + scale) for layer in self.layers)
 
     def allocate(self, num_blocks: int) -> None:
         """Gives every layer caches of `num_blocks` blocks plus the null block, replacing
@@ -57,16 +60,23 @@ class KVCache:
         self.backend = make_backend(self.backend_name, self.null_slot)
         for layer in self.layers:
             shape = self.backend.cache_shape(num_slots, self.block_size, layer.num_kv_heads, layer.head_dim)
-            for name in ("k_cache", "v_cache"):
-                cache = torch.empty(shape, dtype=self.dtype, device=self.device)
-                self.backend.slot_major(cache)[self.null_slot :].zero_()
-                setattr(layer, name, cache)
+            for name in ("k", "v"):
+                setattr(layer, f"{name}_cache", self._null_zeroed(shape, self.dtype))
+                scale_shape = shape[:-1] if is_scaled(self.dtype) else (0,)
+                setattr(layer, f"{name}_scale", self._null_zeroed(scale_shape, torch.float32))
             layer.backend = self.backend
+
+    def _null_zeroed(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised tensor of `shape` whose null block is zeros."""
+        tensor = torch.empty(shape, dtype=dtype, device=self.device)
+        if tensor.numel():
+            self.backend.slot_major(tensor)[self.null_slot :].zero_()
+        return tensor
 
     def free(self) -> None:
         """Drops every layer's caches, so that their memory can be returned."""
         for layer in self.layers:
-            layer.k_cache = layer.v_cache = torch.empty(0)
+            layer.k_cache = layer.v_cache = layer.k_scale = layer.v_scale = torch.empty(0)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy on write: copies each (source, destination) block, in every layer, so that
@@ -77,9 +87,10 @@ class KVCache:
         src = torch.cat([torch.arange(s * size, (s + 1) * size) for s, _ in copies]).to(self.device)
         dst = torch.cat([torch.arange(d * size, (d + 1) * size) for _, d in copies]).to(self.device)
         for layer in self.layers:
-            for cache in (layer.k_cache, layer.v_cache):
-                slots = self.backend.slot_major(cache)
-                slots[dst] = slots[src]
+            for cache in (layer.k_cache, layer.v_cache, layer.k_scale, layer.v_scale):
+                if cache.numel():
+                    slots = self.backend.slot_major(cache)
+                    slots[dst] = slots[src]
 
 
 def plan_num_blocks(config: EngineConfig, model: nn.Module, kv_cache: KVCache, gpu_used_at_start: int) -> int:

@@ -18,6 +18,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.distributed.communicator import TensorParallelGroup
 from engine.hardware import detect_cpu, keep_freed_memory, long_lived_allocations, set_num_threads
 from engine.kv_cache import KVCache, plan_num_blocks
+from engine.kv_cache_dtype import cache_torch_dtype
 from engine.layers.attention import AttentionMetadata
 from engine.layers.linear import linear_kernel
 from engine.lora.manager import LoRAManager
@@ -58,8 +59,8 @@ class Worker:
         # Weights and cache in mappings of their own on a CPU: freed, they leave the process.
         with long_lived_allocations() if self.device.type == "cpu" else contextlib.nullcontext():
             self.model = load_model(model_config, group, triton_kernels=config.attention_backend == "triton")
-            self.kv_cache = KVCache(self.model, config.attention_backend, config.block_size, model_config.dtype,
-                                    self.device)
+            self.kv_cache = KVCache(self.model, config.attention_backend, config.block_size,
+                                    cache_torch_dtype(config.kv_cache_dtype), self.device)
             # Every rank holds as many blocks: the fewest any rank's budget allows.
             self.kv_cache.allocate(group.all_reduce_min(plan_num_blocks(config, self.model, self.kv_cache,
                                                                         used_at_start)))
@@ -73,13 +74,14 @@ class Worker:
         if self.device.type == "cpu":
             keep_freed_memory()
             set_num_threads(config.num_threads)
-            logger.info("CPU: %s; dtype %s, %s matrix products, %s attention, %d threads", detect_cpu().describe(),
-                        model_config.dtype_name, linear_kernel(model_config.dtype, self.device),
-                        config.attention_backend, config.num_threads)
+            logger.info("CPU: %s; dtype %s, %s matrix products, %s attention, %s KV cache, %d threads",
+                        detect_cpu().describe(), model_config.dtype_name,
+                        linear_kernel(model_config.dtype, self.device), config.attention_backend,
+                        config.kv_cache_dtype, config.num_threads)
             return 0
         torch.cuda.set_device(self.device)
-        logger.info("GPU: %s; dtype %s, %s attention", torch.cuda.get_device_name(self.device),
-                    model_config.dtype_name, config.attention_backend)
+        logger.info("GPU: %s; dtype %s, %s attention, %s KV cache", torch.cuda.get_device_name(self.device),
+                    model_config.dtype_name, config.attention_backend, config.kv_cache_dtype)
         free, total = torch.cuda.mem_get_info(self.device)
         return total - free
 

@@ -21,7 +21,7 @@ import torch
 TARGET_ARCH = 90
 POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.int8: "*i8",
                  torch.int16: "*i16", torch.int32: "*i32", torch.int64: "*i64", torch.uint8: "*u8",
-                 torch.bool: "*i1"}
+                 torch.bool: "*i1", torch.float8_e4m3fn: "*fp8e4nv"}
 
 
 def _argument_type(value: object) -> str:

@@ -15,11 +15,17 @@ from engine.kernels import cpu_build
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     row_seq: torch.Tensor, row_keys: torch.Tensor, block_size: int, scale: float,
-                    sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                    sliding_window: int | None = None, softcap: float | None = None,
+                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Each row of `q` [rows, heads, dim] attends over the first `row_keys[row]` keys of
     sequence `row_seq[row]` (only the last `sliding_window` of them, where given), whose
     cache slots `block_tables` [seqs, max_blocks] gives; scores are scale * (q . k),
     soft-capped to softcap * tanh(score / softcap) where given. The caches are
-    [kv_heads, slots, dim]. Returns [rows, heads, dim]."""
-    return cpu_build.load().paged_attention(q.contiguous(), k_cache, v_cache, block_tables, row_seq, row_keys,
+    [kv_heads, slots, dim], in q's dtype, a narrower float one, or int8 with float32
+    scales `k_scale`, `v_scale` [kv_heads, slots] (a key's or value's stored vector times
+    its scale). Returns [rows, heads, dim]."""
+    none = torch.empty(0)
+    return cpu_build.load().paged_attention(q.contiguous(), k_cache, v_cache,
+                                            none if k_scale is None else k_scale,
+                                            none if v_scale is None else v_scale, block_tables, row_seq, row_keys,
                                             block_size, scale, sliding_window or 0, softcap or 0.0)

@@ -6,7 +6,8 @@
 #include <vector>
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                           const at::Tensor& block_tables, const at::Tensor& row_seq,
+                           const at::Tensor& k_scale, const at::Tensor& v_scale, const at::Tensor& block_tables,
+                           const at::Tensor& row_seq,
                            const at::Tensor& row_keys, int64_t block_size, double scale, int64_t sliding_window,
                            double softcap);
 

@@ -8,6 +8,10 @@
 // A row sees keys [first, n) of its sequence: first = 0, or n - W with a sliding window
 // of W keys. Scores are scale * (q . k), soft-capped to cap * tanh(score / cap) when a
 // cap is given, before the softmax.
+//
+// The cache may be narrower than the queries (a float32 model over a bfloat16 or float16
+// cache) or int8 with a float scale per (token, KV head): a key's dot product and a value's
+// weight are then multiplied by that token's scale, so keys are never widened in memory.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -24,6 +28,10 @@ namespace {
 using namespace engine_cpu;
 
 constexpr int kLanes = 8;  // partial sums per dot product: one AVX2 register of floats
+
+// Caches stored with a scale per (token, KV head).
+template <typename cache_t>
+constexpr bool kScaled = std::is_same_v<cache_t, int8_t>;
 
 // scores[first:n] = cap * tanh(scores / cap), in place; returns their maximum.
 inline float soft_cap(float* scores, int64_t first, int64_t n, float cap) {
@@ -70,8 +78,8 @@ inline void prefetch_row(const scalar_t* row) {
 // The scores of query q against keys[c0, c1), eight keys at a time: a last group past c1
 // repeats key c1 - 1 and is stored but never read. Returns the running maximum.
 template <int V, typename scalar_t>
-__m256 scores_avx2(const float* q, const scalar_t* const* keys, int64_t c0, int64_t c1, int64_t end, float scale,
-                   float* scores, __m256 top) {
+__m256 scores_avx2(const float* q, const scalar_t* const* keys, const float* key_scales, int64_t c0, int64_t c1,
+                   int64_t end, float scale, float* scores, __m256 top) {
   for (int64_t c = c0; c < c1; c += kLanes) {
     for (int64_t a = c + kAhead; a < std::min(c + kAhead + kLanes, end); ++a) prefetch_row<V>(keys[a]);
     const scalar_t* k[kLanes];
@@ -82,7 +90,12 @@ __m256 scores_avx2(const float* q, const scalar_t* const* keys, int64_t c0, int6
       const __m256 qi = _mm256_loadu_ps(q + i * kLanes);
       for (int j = 0; j < kLanes; ++j) acc[j] = _mm256_fmadd_ps(qi, load8(k[j] + i * kLanes), acc[j]);
     }
-    const __m256 s = _mm256_mul_ps(lane_sums(acc), _mm256_set1_ps(scale));
+    __m256 s = _mm256_mul_ps(lane_sums(acc), _mm256_set1_ps(scale));
+    if constexpr (kScaled<scalar_t>) {
+      float each[kLanes];
+      for (int j = 0; j < kLanes; ++j) each[j] = key_scales[std::min<int64_t>(c + j, c1 - 1)];
+      s = _mm256_mul_ps(s, _mm256_loadu_ps(each));
+    }
     _mm256_storeu_ps(scores + c, s);
     top = _mm256_max_ps(top, s);
   }
@@ -106,12 +119,13 @@ inline float exponentiate_avx2(float* scores, int64_t first, int64_t n, __m256 t
 
 // out[0:8V] += sum over c in [c0, c1) of p[c] * values[c], in key order.
 template <int V, typename scalar_t>
-void weighted_sum_avx2(const float* p, const scalar_t* const* values, int64_t c0, int64_t c1, int64_t end, float* out) {
+void weighted_sum_avx2(const float* p, const scalar_t* const* values, const float* value_scales, int64_t c0,
+                       int64_t c1, int64_t end, float* out) {
   __m256 acc[V];
   for (int i = 0; i < V; ++i) acc[i] = _mm256_loadu_ps(out + i * kLanes);
   for (int64_t c = c0; c < c1; ++c) {
     if (c + kAhead < end) prefetch_row<V>(values[c + kAhead]);
-    const __m256 w = _mm256_set1_ps(p[c]);
+    const __m256 w = _mm256_set1_ps(kScaled<scalar_t> ? p[c] * value_scales[c] : p[c]);
     for (int i = 0; i < V; ++i) acc[i] = _mm256_fmadd_ps(w, load8(values[c] + i * kLanes), acc[i]);
   }
   for (int i = 0; i < V; ++i) _mm256_storeu_ps(out + i * kLanes, acc[i]);
@@ -123,11 +137,12 @@ void weighted_sum_avx2(const float* p, const scalar_t* const* values, int64_t c0
 // sits in L1; each query's arithmetic is the same as alone: scores eight keys at a time
 // from its first key, soft-capped (cap > 0), a vectorised softmax, the value sum in key
 // order, normalised once at the end. `scores` holds `count` rows of `stride` >= max n + 8
-// floats.
+// floats; `key_scales` and `value_scales` are the keys' and values' scales (int8 caches).
 template <int V, typename scalar_t>
 void attend_queries_avx2(const float* q, int64_t count, const int64_t* first, const int64_t* n,
-                         const scalar_t* const* keys, const scalar_t* const* values, float scale, float cap,
-                         float* scores, int64_t stride, float* out) {
+                         const scalar_t* const* keys, const scalar_t* const* values, const float* key_scales,
+                         const float* value_scales, float scale, float cap, float* scores, int64_t stride,
+                         float* out) {
   constexpr int64_t kBlock = 64;
   constexpr int dim = V * kLanes;
   const int64_t longest = *std::max_element(n, n + count);
@@ -136,8 +151,8 @@ void attend_queries_avx2(const float* q, int64_t count, const int64_t* first, co
   for (int64_t c0 = 0; c0 < longest; c0 += kBlock)
     for (int64_t i = 0; i < count; ++i)
       if (c0 < n[i] && c0 + kBlock > first[i])
-        top[i] = scores_avx2<V, scalar_t>(q + i * dim, keys, std::max(c0, first[i]), std::min(c0 + kBlock, n[i]),
-                                          longest, scale, scores + i * stride, top[i]);
+        top[i] = scores_avx2<V, scalar_t>(q + i * dim, keys, key_scales, std::max(c0, first[i]),
+                                          std::min(c0 + kBlock, n[i]), longest, scale, scores + i * stride, top[i]);
   for (int64_t a = 0; a < std::min(kAhead, longest); ++a) prefetch_row<V>(values[a]);
   std::vector<float> inv(count);
   for (int64_t i = 0; i < count; ++i) {
@@ -148,33 +163,39 @@ void attend_queries_avx2(const float* q, int64_t count, const int64_t* first, co
   for (int64_t c0 = 0; c0 < longest; c0 += kBlock)
     for (int64_t i = 0; i < count; ++i)
       if (c0 < n[i] && c0 + kBlock > first[i])
-        weighted_sum_avx2<V, scalar_t>(scores + i * stride, values, std::max(c0, first[i]), std::min(c0 + kBlock, n[i]),
-                                       longest, out + i * dim);
+        weighted_sum_avx2<V, scalar_t>(scores + i * stride, values, value_scales, std::max(c0, first[i]),
+                                       std::min(c0 + kBlock, n[i]), longest, out + i * dim);
   for (int64_t i = 0; i < count; ++i)
     for (int d = 0; d < dim; ++d) out[i * dim + d] *= inv[i];
 }
 #endif
 
 // The portable path, for other head sizes and CPUs without AVX2.
-// scores[c] = scale * (q . keys[c]) for c < n, each dot in kLanes partial sums added in
-// lane order.
+// scores[c] = scale * (q . keys[c]) (times the key's scale, int8 caches) for c < n, each
+// dot in kLanes partial sums added in lane order.
 template <typename scalar_t>
-void dots(const float* q, const scalar_t* const* keys, int64_t n, int64_t dim, float scale, float* scores) {
+void dots(const float* q, const scalar_t* const* keys, const float* key_scales, int64_t n, int64_t dim, float scale,
+          float* scores) {
   for (int64_t c = 0; c < n; ++c) {
     float acc[kLanes] = {0.f};
     for (int64_t d = 0; d < dim; ++d) acc[d % kLanes] += q[d] * static_cast<float>(keys[c][d]);
     float sum = 0.f;
     for (int j = 0; j < kLanes; ++j) sum += acc[j];
     scores[c] = sum * scale;
+    if constexpr (kScaled<scalar_t>) scores[c] *= key_scales[c];
   }
 }
 
-// out[0:dim] = sum over c < n of p[c] * values[c][0:dim], added in key order.
+// out[0:dim] = sum over c < n of p[c] * values[c][0:dim] (times the value's scale, int8
+// caches), added in key order.
 template <typename scalar_t>
-void weighted_sum(const float* p, const scalar_t* const* values, int64_t n, int64_t dim, float* out) {
+void weighted_sum(const float* p, const scalar_t* const* values, const float* value_scales, int64_t n, int64_t dim,
+                  float* out) {
   std::fill(out, out + dim, 0.f);
-  for (int64_t c = 0; c < n; ++c)
-    for (int64_t d = 0; d < dim; ++d) out[d] += p[c] * static_cast<float>(values[c][d]);
+  for (int64_t c = 0; c < n; ++c) {
+    const float w = kScaled<scalar_t> ? p[c] * value_scales[c] : p[c];
+    for (int64_t d = 0; d < dim; ++d) out[d] += w * static_cast<float>(values[c][d]);
+  }
 }
 
 // Softmax of s[0:n] in place, in key order.
@@ -195,21 +216,27 @@ inline void softmax(float* s, int64_t n) {
 // `count` rows of `stride` >= max n + 8 floats.
 template <typename scalar_t>
 void attend_queries(const float* q, int64_t count, const int64_t* first, const int64_t* n,
-                    const scalar_t* const* keys, const scalar_t* const* values, int64_t dim, float scale, float cap,
-                    float* scores, int64_t stride, float* out) {
+                    const scalar_t* const* keys, const scalar_t* const* values, const float* key_scales,
+                    const float* value_scales, int64_t dim, float scale, float cap, float* scores, int64_t stride,
+                    float* out) {
 #if defined(__AVX2__) && defined(__FMA__)
-  if constexpr (kVector8<scalar_t>) {
-    if (dim == 64) return attend_queries_avx2<8>(q, count, first, n, keys, values, scale, cap, scores, stride, out);
-    if (dim == 128) return attend_queries_avx2<16>(q, count, first, n, keys, values, scale, cap, scores, stride, out);
-    if (dim == 256) return attend_queries_avx2<32>(q, count, first, n, keys, values, scale, cap, scores, stride, out);
+  if constexpr (kLoad8<scalar_t>) {
+    const auto run = [&](auto avx2) {
+      avx2(q, count, first, n, keys, values, key_scales, value_scales, scale, cap, scores, stride, out);
+    };
+    if (dim == 64) return run(attend_queries_avx2<8, scalar_t>);
+    if (dim == 128) return run(attend_queries_avx2<16, scalar_t>);
+    if (dim == 256) return run(attend_queries_avx2<32, scalar_t>);
   }
 #endif
   for (int64_t i = 0; i < count; ++i) {
     const int64_t seen = n[i] - first[i];
-    dots(q + i * dim, keys + first[i], seen, dim, scale, scores);
+    const float* ks = kScaled<scalar_t> ? key_scales + first[i] : nullptr;
+    const float* vs = kScaled<scalar_t> ? value_scales + first[i] : nullptr;
+    dots(q + i * dim, keys + first[i], ks, seen, dim, scale, scores);
     if (cap > 0.f) soft_cap(scores, 0, seen, cap);
     softmax(scores, seen);
-    weighted_sum(scores, values + first[i], seen, dim, out + i * dim);
+    weighted_sum(scores, values + first[i], vs, seen, dim, out + i * dim);
   }
 }
 
@@ -231,16 +258,19 @@ inline int64_t slot_of(const int64_t* table, int64_t block_size, int64_t key) {
   return table[key / block_size] * block_size + key % block_size;
 }
 
-template <typename scalar_t>
-void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-            const at::Tensor& block_tables, const at::Tensor& row_seq, const at::Tensor& row_keys,
-            int64_t block_size, double scale, int64_t window, double softcap, at::Tensor& out) {
+template <typename scalar_t, typename cache_t>
+void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k_scale,
+            const at::Tensor& v_scale, const at::Tensor& block_tables, const at::Tensor& row_seq,
+            const at::Tensor& row_keys, int64_t block_size, double scale, int64_t window, double softcap,
+            at::Tensor& out) {
   const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t kv_heads = k_cache.size(0), num_slots = k_cache.size(1);
   const int64_t group = heads / kv_heads, max_blocks = block_tables.size(1);
   const scalar_t* qp = q.data_ptr<scalar_t>();
-  const scalar_t* kp = k_cache.data_ptr<scalar_t>();
-  const scalar_t* vp = v_cache.data_ptr<scalar_t>();
+  const cache_t* kp = k_cache.data_ptr<cache_t>();
+  const cache_t* vp = v_cache.data_ptr<cache_t>();
+  const float* ksp = kScaled<cache_t> ? k_scale.data_ptr<float>() : nullptr;
+  const float* vsp = kScaled<cache_t> ? v_scale.data_ptr<float>() : nullptr;
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* seq_of = row_seq.data_ptr<int64_t>();
   const int64_t* keys_of = row_keys.data_ptr<int64_t>();
@@ -253,9 +283,9 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   // one at a time rather than in equal contiguous shares.
 #pragma omp parallel num_threads(at::get_num_threads())
   {
-    std::vector<float> query, scores, acc;
+    std::vector<float> query, scores, acc, key_scales, value_scales;
     std::vector<int64_t> first, n;
-    std::vector<const scalar_t*> key_rows, value_rows;
+    std::vector<const cache_t*> key_rows, value_rows;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < tasks; ++task) {
       const auto [first_row, end_row] = tiles[task / kv_heads];
@@ -272,10 +302,16 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       for (int64_t i = 0; i < count; ++i) first[i] -= base, n[i] -= base;
       key_rows.resize(span);
       value_rows.resize(span);
+      key_scales.resize(kScaled<cache_t> ? span : 0);
+      value_scales.resize(kScaled<cache_t> ? span : 0);
       for (int64_t c = 0; c < span; ++c) {
         const int64_t slot = slot_of(tables + seq_of[first_row] * max_blocks, block_size, base + c);
         key_rows[c] = kp + (h * num_slots + slot) * dim;
         value_rows[c] = vp + (h * num_slots + slot) * dim;
+        if constexpr (kScaled<cache_t>) {
+          key_scales[c] = ksp[h * num_slots + slot];
+          value_scales[c] = vsp[h * num_slots + slot];
+        }
       }
       query.resize(count * dim);
       acc.resize(count * dim);
@@ -285,8 +321,8 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       }
       const int64_t stride = span + kLanes;
       scores.resize(count * stride);
-      attend_queries(query.data(), count, first.data(), n.data(), key_rows.data(), value_rows.data(), dim, fscale, cap,
-                     scores.data(), stride, acc.data());
+      attend_queries(query.data(), count, first.data(), n.data(), key_rows.data(), value_rows.data(),
+                     key_scales.data(), value_scales.data(), dim, fscale, cap, scores.data(), stride, acc.data());
       for (int64_t i = 0; i < count; ++i) {
         scalar_t* o = op + ((first_row + i / group) * heads + h * group + i % group) * dim;
         for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<scalar_t>(acc[i * dim + d]);
@@ -297,23 +333,42 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
 
 }  // namespace
 
-// q [rows, heads, dim]; k_cache, v_cache [kv_heads, slots, dim]; block_tables [seqs,
+// q [rows, heads, dim]; k_cache, v_cache [kv_heads, slots, dim] in q's dtype, a narrower
+// float one, or int8 with k_scale, v_scale [kv_heads, slots] float32 (else empty); block_tables [seqs,
 // max_blocks] int64; row_seq [rows] (the row's sequence), row_keys [rows] (the row sees
 // its sequence's keys up to this count) int64; sliding_window: the row sees only the last
 // this many of them (0: all); softcap: scores capped to softcap * tanh(score / softcap)
 // (0: none). Returns [rows, heads, dim].
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                           const at::Tensor& block_tables, const at::Tensor& row_seq,
+                           const at::Tensor& k_scale, const at::Tensor& v_scale, const at::Tensor& block_tables,
+                           const at::Tensor& row_seq,
                            const at::Tensor& row_keys, int64_t block_size, double scale, int64_t sliding_window,
                            double softcap) {
   TORCH_CHECK(sliding_window >= 0 && softcap >= 0, "sliding_window and softcap are 0 (none) or positive");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && row_seq.scalar_type() == at::kLong &&
               row_keys.scalar_type() == at::kLong, "int64 tables");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "keys and values in one dtype");
+  const bool scaled = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(!scaled || (k_scale.scalar_type() == at::kFloat && v_scale.scalar_type() == at::kFloat &&
+                          k_scale.is_contiguous() && v_scale.is_contiguous() &&
+                          k_scale.numel() == k_cache.size(0) * k_cache.size(1) && v_scale.numel() == k_scale.numel()),
+              "an int8 cache takes float32 scales [kv_heads, slots]");
   at::Tensor out = at::empty_like(q);
+  const auto tables = block_tables.contiguous(), seqs = row_seq.contiguous(), keys = row_keys.contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
-    attend<scalar_t>(q, k_cache, v_cache, block_tables.contiguous(), row_seq.contiguous(),
-                     row_keys.contiguous(), block_size, scale, sliding_window, softcap, out);
+    using query_t = scalar_t;
+    const auto run = [&](auto cache) {
+      attend<query_t, decltype(cache)>(q, k_cache, v_cache, k_scale, v_scale, tables, seqs, keys, block_size, scale,
+                                       sliding_window, softcap, out);
+    };
+    switch (k_cache.scalar_type()) {
+      case at::kFloat: return run(float{});
+      case at::kBFloat16: return run(c10::BFloat16{});
+      case at::kHalf: return run(c10::Half{});
+      case at::kChar: return run(int8_t{});
+      default: TORCH_CHECK(false, "a KV cache in float32, bfloat16, float16 or int8, got ", k_cache.scalar_type());
+    }
   });
   return out;
 }

@@ -19,6 +19,10 @@ constexpr bool kVector8 = std::is_same_v<scalar_t, float> || std::is_same_v<scal
 #endif
     ;
 
+// The dtypes load8 reads: those, and int8 (a quantized KV cache's values, before their scale).
+template <typename scalar_t>
+constexpr bool kLoad8 = kVector8<scalar_t> || std::is_same_v<scalar_t, int8_t>;
+
 #if defined(__AVX2__) && defined(__FMA__)
 // exp(x) for x <= 0: Cephes' polynomial on x - n ln 2, times 2^n through the exponent bits;
 // under -87 it is 0.
@@ -48,6 +52,10 @@ inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const c10::BFloat16* p) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
 // v rounded to the nearest bfloat16 (ties to even), still as floats; NaN stays NaN.

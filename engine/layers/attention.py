@@ -78,9 +78,10 @@ class AttentionBackend:
     def prepare(self, meta: AttentionMetadata) -> None:
         """Derives, once per step, what `forward` needs beyond `meta` (into backend_data)."""
 
-    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 meta: AttentionMetadata) -> None:
-        """Stores the step's k, v [tokens, kv_heads, head_dim] at `meta.slot_mapping`."""
+    def write_kv(self, layer: "Attention", k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+        """Stores the step's k, v [tokens, kv_heads, head_dim] in `layer`'s caches at
+        `meta.slot_mapping`, as the caches' dtype (quantized, with their scales, for int8
+        and fp8 caches)."""
         raise NotImplementedError
 
     def forward(self, layer: "Attention", q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -91,7 +92,9 @@ class AttentionBackend:
 class Attention(nn.Module):
     """One layer's attention: writes the step's keys and values into this layer's paged
     cache, then attends over it, through `backend`. The model runner assigns the backend
-    and the caches once it knows how many blocks fit.
+    and the caches once it knows how many blocks fit: `k_cache`, `v_cache`, and for a
+    scaled cache dtype (`engine.kv_cache_dtype`) their scales `k_scale`, `v_scale` (else
+    empty).
 
     Scores are (q . k) * `scale` (default head_dim**-0.5), then soft-capped to
     `logit_softcap` * tanh(score / `logit_softcap`) when it is set. With `sliding_window`
@@ -114,9 +117,11 @@ class Attention(nn.Module):
         self.logit_softcap = logit_softcap
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        self.k_scale = torch.empty(0)
+        self.v_scale = torch.empty(0)
         self.backend: AttentionBackend | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """`q` [tokens, heads, head_dim], `k`/`v` [tokens, kv_heads, head_dim]."""
-        self.backend.write_kv(k, v, self.k_cache, self.v_cache, meta)
+        self.backend.write_kv(self, k, v, meta)
         return self.backend.forward(self, q, meta)

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.hardware import detect_cpu
+from engine.kv_cache_dtype import dequantize, is_scaled, quantize
 from engine.layers.attention import Attention, AttentionBackend, AttentionMetadata
 
 
@@ -142,10 +143,15 @@ class TorchAttentionBackend(AttentionBackend):
     def slot_major(self, cache: torch.Tensor) -> torch.Tensor:
         return cache.transpose(0, 1)
 
-    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 meta: AttentionMetadata) -> None:
-        k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-        v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+    def write_kv(self, layer: Attention, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+        for new, cache, scale in ((k, layer.k_cache, layer.k_scale), (v, layer.v_cache, layer.v_scale)):
+            if is_scaled(cache.dtype):
+                new, scales = quantize(new, cache.dtype)
+                scale.index_copy_(1, meta.slot_mapping, scales.transpose(0, 1))
+            # PyTorch copies no float8 by index: one-byte types go as bytes.
+            as_bytes = cache.element_size() == 1
+            target, new = (cache.view(torch.uint8), new.view(torch.uint8)) if as_bytes else (cache, new)
+            target.index_copy_(1, meta.slot_mapping, new.to(target.dtype).transpose(0, 1))
 
     def prepare(self, meta: AttentionMetadata) -> None:
         decode, prefill = [], []
@@ -189,7 +195,8 @@ class TorchAttentionBackend(AttentionBackend):
                 for first in range(0, seqs, step):
                     last = min(first + step, seqs)
                     slots, mask = group.keys(first, last, query_start, query_end, window)
-                    keys, values = gather(layer.k_cache, slots), gather(layer.v_cache, slots)
+                    keys = read_cache(layer.k_cache, layer.k_scale, slots, q.dtype)
+                    values = read_cache(layer.v_cache, layer.v_scale, slots, q.dtype)
                     queries = slice(first, last), slice(query_start, query_end)
                     rows = group.query_index[queries]
                     attended = matmul_attention(layer, q[rows], keys, values, mask)
@@ -203,6 +210,15 @@ def gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     kv_heads, num_slots, head_dim = cache.shape
     rows = torch.arange(kv_heads, device=slots.device).unsqueeze(1) * num_slots + slots.flatten()
     return cache.view(-1, head_dim).index_select(0, rows.flatten()).view(kv_heads, *slots.shape, head_dim)
+
+
+def read_cache(cache: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`gather`ed keys or values as `dtype`: dequantized with their scales [kv_heads,
+    slots] from a scaled cache, widened from a narrower one."""
+    gathered = gather(cache, slots)
+    if is_scaled(cache.dtype):
+        return dequantize(gathered, scale[:, slots], dtype)
+    return gathered.to(dtype)
 
 
 def matmul_attention(layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

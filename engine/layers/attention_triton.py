@@ -29,12 +29,12 @@ class TritonAttentionBackend(AttentionBackend):
     def prepare(self, meta: AttentionMetadata) -> None:
         meta.backend_data = decode_splits(meta.max_seq_len)
 
-    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 meta: AttentionMetadata) -> None:
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    def write_kv(self, layer: Attention, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+        store_kv(k, v, layer.k_cache, layer.v_cache, layer.k_scale, layer.v_scale, meta.slot_mapping)
 
     def forward(self, layer: Attention, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        options = {"sliding_window": layer.sliding_window, "softcap": layer.logit_softcap}
+        options = {"sliding_window": layer.sliding_window, "softcap": layer.logit_softcap, "k_scale": layer.k_scale,
+                   "v_scale": layer.v_scale}
         if meta.max_query_len == 1:
             return decode_attention(q, layer.k_cache, layer.v_cache, meta.seq_lens, meta.block_tables,
                                     meta.backend_data, layer.scale, **options)

@@ -18,6 +18,7 @@ import torch
 
 from engine.kernels import cpu_build
 from engine.kernels import triton as triton_kernels
+from engine.kv_cache_dtype import is_scaled
 from engine.layers.attention import Attention, AttentionMetadata
 from engine.layers.attention_selector import make_backend
 from tests.engine.test_triton_kernels import DEVICE as TRITON_DEVICE
@@ -93,8 +94,9 @@ class PagedCase:
 
 
 def paged_case(backend: str, contexts: list[int], head_dim: int, block: int, dtype: torch.dtype,
-               seed: int = 0, **options) -> PagedCase:
-    """Sequences of these context lengths, every key and value written into a fresh cache."""
+               seed: int = 0, cache_dtype: torch.dtype | None = None, **options) -> PagedCase:
+    """Sequences of these context lengths, every key and value written into a fresh cache
+    of `cache_dtype` (default: `dtype`, the queries')."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     device = TRITON_DEVICE if backend == "triton" else torch.device("cpu")
@@ -106,16 +108,19 @@ def paged_case(backend: str, contexts: list[int], head_dim: int, block: int, dty
     layer = Attention(4, head_dim, 2, **options)
     layer.backend = make_backend(backend, null_slot=num_blocks * block)
     shape = layer.backend.cache_shape(num_slots, block, 2, head_dim)
-    layer.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-    layer.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+    cache_dtype = cache_dtype or dtype
+    layer.k_cache = torch.zeros(shape, dtype=cache_dtype, device=device)
+    layer.v_cache = torch.zeros(shape, dtype=cache_dtype, device=device)
+    if is_scaled(cache_dtype):
+        layer.k_scale = torch.zeros(shape[:-1], device=device)
+        layer.v_scale = torch.zeros(shape[:-1], device=device)
 
     def randn(*size: int) -> list[torch.Tensor]:
         return [torch.randn(c, *size, device=device).to(dtype) for c in contexts]
 
     case = PagedCase(layer, tables, randn(4, head_dim), randn(2, head_dim), randn(2, head_dim), block)
     whole = [(s, c, c) for s, c in enumerate(contexts)]
-    layer.backend.write_kv(case.rows(case.keys, whole), case.rows(case.values, whole), layer.k_cache,
-                           layer.v_cache, case.metadata(whole))
+    layer.backend.write_kv(layer, case.rows(case.keys, whole), case.rows(case.values, whole), case.metadata(whole))
     return case
 
 

@@ -17,7 +17,8 @@ pytestmark = [pytest.mark.slow,
                                  reason="checks what the interpreter ran; a GPU runs the kernels themselves")]
 
 KERNEL_TESTS = ["tests/engine/test_triton_kernels.py", "tests/engine/test_fused_moe.py",
-                "tests/engine/test_sliding_window.py", "-k", "triton or fused_moe"]
+                "tests/engine/test_sliding_window.py", "tests/engine/test_kv_cache_dtype.py",
+                "-k", "triton or fused_moe"]
 
 
 def test_every_kernel_launched_under_the_interpreter_compiles_for_hopper(tmp_path):

@@ -120,7 +120,8 @@ def test_store_kv_writes_slots_and_skips_padding(dtype):
     qkv = torch.randn(3, 40, device=DEVICE).to(dtype)  # k and v as strided views, as the model has them
     k, v = qkv[:, 8:24].view(3, 2, 8), qkv[:, 24:40].view(3, 2, 8)
     slots = torch.tensor([5, -1, 49], device=DEVICE)
-    store_kv(k, v, k_cache, v_cache, slots)
+    none = torch.empty(0, device=DEVICE)
+    store_kv(k, v, k_cache, v_cache, none, none, slots)
     flat_k, flat_v = k_cache.view(-1, 2, 8), v_cache.view(-1, 2, 8)
     assert torch.equal(flat_k[5], k[0]) and torch.equal(flat_k[49], k[2]) and torch.equal(flat_v[49], v[2])
     assert int((flat_k != 0).any(dim=(1, 2)).sum()) == 2

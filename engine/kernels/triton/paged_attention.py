@@ -13,13 +13,18 @@ constants, 0 for none. With a window, key loops start at the earliest key a quer
 (tiles wholly before the window are never read), and decode's partitions split the window
 rather than the whole context.
 
-The caches are [num_blocks, block_size, kv_heads, head_dim]. Products accumulate in
-float32; float32 inputs use IEEE products (no TF32), so they match PyTorch's float32.
+The caches are [num_blocks, block_size, kv_heads, head_dim], in the queries' dtype, a
+narrower float one, or fp8 with float32 scales [num_blocks, block_size, kv_heads] (SCALED):
+keys and values are converted to the queries' dtype as they are loaded, a key's score and a
+value's weight multiplied by its scale. Products accumulate in float32; float32 inputs use
+IEEE products (no TF32), so they match PyTorch's float32.
 """
 
 import torch
 import triton
 import triton.language as tl
+
+from engine.kv_cache_dtype import is_scaled
 
 # Keys per split of a decode sequence's context (a multiple of KEY_TILE).
 DECODE_PARTITION = 512
@@ -28,12 +33,12 @@ KEY_TILE = 64
 
 
 @triton.jit
-def _kv_offsets(table_ptr, key_positions, key_ok, kv_head, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                BLOCK_SIZE: tl.constexpr, dims):
-    """Offsets [keys, dims] of one KV head's keys at `key_positions`, through a block table row."""
+def _kv_heads(table_ptr, key_positions, key_ok, kv_head, NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """Indices [keys] of one KV head's keys at `key_positions` among the cache's (slot, KV
+    head) vectors, through a block table row: where their scales are."""
     blocks = tl.load(table_ptr + key_positions // BLOCK_SIZE, mask=key_ok, other=0)
     slots = blocks * BLOCK_SIZE + key_positions % BLOCK_SIZE
-    return (slots[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + dims[None, :]
+    return slots * NUM_KV_HEADS + kv_head
 
 
 @triton.jit
@@ -46,17 +51,20 @@ def _tanh(x):
 
 
 @triton.jit
-def _attend_tile(q, k_cache_ptr, v_cache_ptr, table_ptr, key_positions, key_ok, visible, kv_head, dims, dim_ok,
-                 scale, top, total, acc, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 BLOCK_SIZE: tl.constexpr, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
+def _attend_tile(q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_ptr, key_positions, key_ok, visible,
+                 kv_head, dims, dim_ok, scale, top, total, acc, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 BLOCK_SIZE: tl.constexpr, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr):
     """One tile of keys folded into the queries' running softmax (online softmax): returns
     the new running maximum, sum of weights and weighted value sum. `visible` [queries,
     keys] masks the scores; a query that has seen no key yet keeps a maximum of -inf and
     adds nothing."""
-    kv_offsets = _kv_offsets(table_ptr, key_positions, key_ok, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, dims)
+    vectors = _kv_heads(table_ptr, key_positions, key_ok, kv_head, NUM_KV_HEADS, BLOCK_SIZE)
+    kv_offsets = vectors[:, None] * HEAD_DIM + dims[None, :]
     kv_mask = key_ok[:, None] & dim_ok[None, :]
-    k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+    k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    if SCALED:
+        scores = scores * tl.load(k_scale_ptr + vectors, mask=key_ok, other=0.0)[None, :]
     if SOFTCAP != 0.0:
         scores = SOFTCAP * _tanh(scores / SOFTCAP)
     scores = tl.where(visible, scores, float("-inf"))
@@ -64,16 +72,20 @@ def _attend_tile(q, k_cache_ptr, v_cache_ptr, table_ptr, key_positions, key_ok, 
     shift = tl.where(new_top == float("-inf"), 0.0, new_top)  # exp(-inf - -inf) would be NaN
     p = tl.exp(scores - shift[:, None])
     alpha = tl.exp(top - shift)
-    v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)
+    weights = p
+    if SCALED:
+        weights = p * tl.load(v_scale_ptr + vectors, mask=key_ok, other=0.0)[None, :]
+    acc = acc * alpha[:, None] + tl.dot(weights.to(q.dtype), v, input_precision=PRECISION)
     return new_top, total * alpha + tl.sum(p, 1), acc
 
 
 @triton.jit
-def _attend_keys(q, k_cache_ptr, v_cache_ptr, table_ptr, key_start, key_end, positions, kv_head, dims, dim_ok, scale,
-                 ROWS: tl.constexpr, CAUSAL: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, TILE_N: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
-                 SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
+def _attend_keys(q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_ptr, key_start, key_end, positions,
+                 kv_head, dims, dim_ok, scale, ROWS: tl.constexpr, CAUSAL: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, TILE_N: tl.constexpr,
+                 SLIDING_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
+                 SCALED: tl.constexpr):
     """The ROWS queries `q` over keys [key_start, key_end) of one KV head, a tile of
     TILE_N keys at a time (`_attend_tile`): returns the running maximum, sum of weights
     and weighted value sum. CAUSAL: query i sees only keys at or before `positions[i]`,
@@ -91,18 +103,18 @@ def _attend_keys(q, k_cache_ptr, v_cache_ptr, table_ptr, key_start, key_end, pos
                 visible = visible & (key_positions[None, :] > positions[:, None] - SLIDING_WINDOW)
         else:
             visible = key_ok[None, :]
-        top, total, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, table_ptr, key_positions, key_ok, visible,
-                                       kv_head, dims, dim_ok, scale, top, total, acc, NUM_KV_HEADS, HEAD_DIM,
-                                       BLOCK_SIZE, SOFTCAP, PRECISION)
+        top, total, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_ptr,
+                                       key_positions, key_ok, visible, kv_head, dims, dim_ok, scale, top, total, acc,
+                                       NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, SOFTCAP, PRECISION, SCALED)
     return top, total, acc
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_ptr, seq_lens_ptr, block_tables_ptr,
-                    scale, table_stride, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, out_ptr, query_start_ptr, seq_lens_ptr,
+                    block_tables_ptr, scale, table_stride, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
                     TILE_N: tl.constexpr, BLOCK_D: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
-                    SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
+                    SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr):
     seq = tl.program_id(0)
     m_block = tl.program_id(1)
     head = tl.program_id(2)
@@ -122,10 +134,10 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_ptr, s
         key_start = 0
         if SLIDING_WINDOW:  # the block's first row sees the earliest key
             key_start = tl.maximum(0, computed + m_block * BLOCK_M - SLIDING_WINDOW + 1)
-        top, total, acc = _attend_keys(q, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * table_stride, key_start,
-                                       key_end, computed + rows, kv_head, dims, dim_ok, scale, BLOCK_M, True,
-                                       NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_D, TILE_N, SLIDING_WINDOW, SOFTCAP,
-                                       PRECISION)
+        top, total, acc = _attend_keys(q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                                       block_tables_ptr + seq * table_stride, key_start, key_end, computed + rows,
+                                       kv_head, dims, dim_ok, scale, BLOCK_M, True, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
+                                       BLOCK_D, TILE_N, SLIDING_WINDOW, SOFTCAP, PRECISION, SCALED)
         out = acc / tl.where(total > 0, total, 1.0)[:, None]  # padding rows may see no key in their window
         tl.store(out_ptr + q_offsets, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
 
@@ -140,12 +152,12 @@ def _first_key(context, SLIDING_WINDOW: tl.constexpr):
 
 
 @triton.jit
-def _decode_partition_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_acc_ptr, part_top_ptr, part_total_ptr,
-                             seq_lens_ptr, block_tables_ptr, scale, table_stride, num_splits,
+def _decode_partition_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, part_acc_ptr, part_top_ptr,
+                             part_total_ptr, seq_lens_ptr, block_tables_ptr, scale, table_stride, num_splits,
                              NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                              BLOCK_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
                              PARTITION: tl.constexpr, TILE_N: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
-                             SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
+                             SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -161,9 +173,10 @@ def _decode_partition_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_acc_ptr, part
         q = tl.load(q_ptr + (seq * NUM_HEADS + heads)[:, None] * HEAD_DIM + dims[None, :],
                     mask=member_ok[:, None] & dim_ok[None, :], other=0.0)
         end = tl.minimum(context, start + PARTITION)
-        top, total, acc = _attend_keys(q, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * table_stride, start, end,
-                                       members, kv_head, dims, dim_ok, scale, GROUP_PAD, False, NUM_KV_HEADS,
-                                       HEAD_DIM, BLOCK_SIZE, BLOCK_D, TILE_N, SLIDING_WINDOW, SOFTCAP, PRECISION)
+        top, total, acc = _attend_keys(q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                                       block_tables_ptr + seq * table_stride, start, end, members, kv_head, dims,
+                                       dim_ok, scale, GROUP_PAD, False, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_D,
+                                       TILE_N, SLIDING_WINDOW, SOFTCAP, PRECISION, SCALED)
         stat = (seq * NUM_HEADS + heads) * num_splits + split
         tl.store(part_top_ptr + stat, top, mask=member_ok)
         tl.store(part_total_ptr + stat, total, mask=member_ok)
@@ -197,26 +210,33 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def _scales(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, q: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The scale arguments: as given, or empty tensors (never read) for an unscaled cache."""
+    none = q.new_empty(0, dtype=torch.float32)
+    return (none if k_scale is None else k_scale), (none if v_scale is None else v_scale)
+
+
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
                       seq_lens: torch.Tensor, block_tables: torch.Tensor, max_query_len: int, scale: float,
-                      sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                      sliding_window: int | None = None, softcap: float | None = None,
+                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of q [tokens, heads, head_dim], the new tokens of each sequence back to
     back (sequence i's rows are query_start_loc[i]:query_start_loc[i + 1]), over each
     sequence's first seq_lens[i] keys (its cached context, then its new tokens) through
     block_tables [seqs, max_blocks] (int32), causally, each query over only its last
-    `sliding_window` keys where given, scores soft-capped at `softcap` where given.
-    Returns [tokens, heads, head_dim]."""
+    `sliding_window` keys where given, scores soft-capped at `softcap` where given; an fp8
+    cache comes with its scales `k_scale`, `v_scale`. Returns [tokens, heads, head_dim]."""
     q = q.contiguous()
     out = torch.empty_like(q)
     _, block_size, kv_heads, head_dim = k_cache.shape
     seqs, heads = seq_lens.shape[0], q.shape[1]
     block_m = 16 if max_query_len <= 16 else 32 if q.dtype == torch.float32 else 64
     grid = (seqs, triton.cdiv(max_query_len, block_m), heads)
-    _prefill_kernel[grid](q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale,
-                          block_tables.stride(0), NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HEAD_DIM=head_dim,
-                          BLOCK_SIZE=block_size, BLOCK_M=block_m, TILE_N=KEY_TILE,
+    _prefill_kernel[grid](q, k_cache, v_cache, *_scales(k_scale, v_scale, q), out, query_start_loc, seq_lens,
+                          block_tables, scale, block_tables.stride(0), NUM_HEADS=heads, NUM_KV_HEADS=kv_heads,
+                          HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m, TILE_N=KEY_TILE,
                           BLOCK_D=triton.next_power_of_2(head_dim), SLIDING_WINDOW=sliding_window or 0,
-                          SOFTCAP=float(softcap or 0), PRECISION=_precision(q.dtype))
+                          SOFTCAP=float(softcap or 0), PRECISION=_precision(q.dtype), SCALED=is_scaled(k_cache.dtype))
     return out
 
 
@@ -227,13 +247,15 @@ def decode_splits(max_seq_len: int) -> int:
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
                      block_tables: torch.Tensor, num_splits: int, scale: float, sliding_window: int | None = None,
-                     softcap: float | None = None) -> torch.Tensor:
+                     softcap: float | None = None, k_scale: torch.Tensor | None = None,
+                     v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one new token per sequence, q [seqs, heads, head_dim], over each
     sequence's first seq_lens[i] keys (0: a padding row, whose output is zeros), or only
     their last `sliding_window`, scores soft-capped at `softcap` where given. The keys
     seen are split `num_splits` ways (at least `decode_splits(max(seq_lens))`; a fixed
     number keeps the launch the same for CUDA graphs; splits past the keys seen do
-    nothing). Returns [seqs, heads, head_dim]."""
+    nothing). An fp8 cache comes with its scales `k_scale`, `v_scale`. Returns [seqs,
+    heads, head_dim]."""
     q = q.contiguous()
     _, block_size, kv_heads, head_dim = k_cache.shape
     seqs, heads = q.shape[0], q.shape[1]
@@ -242,11 +264,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     part_total = torch.empty_like(part_top)
     block_d = triton.next_power_of_2(head_dim)
     _decode_partition_kernel[(seqs, kv_heads, num_splits)](
-        q, k_cache, v_cache, part_acc, part_top, part_total, seq_lens, block_tables, scale, block_tables.stride(0),
-        num_splits, NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        GROUP_PAD=max(16, triton.next_power_of_2(heads // kv_heads)), BLOCK_D=block_d, PARTITION=DECODE_PARTITION,
-        TILE_N=KEY_TILE, SLIDING_WINDOW=sliding_window or 0, SOFTCAP=float(softcap or 0),
-        PRECISION=_precision(q.dtype))
+        q, k_cache, v_cache, *_scales(k_scale, v_scale, q), part_acc, part_top, part_total, seq_lens, block_tables,
+        scale, block_tables.stride(0), num_splits, NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size, GROUP_PAD=max(16, triton.next_power_of_2(heads // kv_heads)), BLOCK_D=block_d,
+        PARTITION=DECODE_PARTITION, TILE_N=KEY_TILE, SLIDING_WINDOW=sliding_window or 0, SOFTCAP=float(softcap or 0),
+        PRECISION=_precision(q.dtype), SCALED=is_scaled(k_cache.dtype))
     out = torch.empty_like(q)
     _decode_merge_kernel[(seqs, heads)](part_acc, part_top, part_total, out, seq_lens, num_splits, NUM_HEADS=heads,
                                         HEAD_DIM=head_dim, BLOCK_D=block_d,
