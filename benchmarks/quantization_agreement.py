@@ -1,14 +1,17 @@
 """How far quantization moves greedy output: ours against our bfloat16, OpenVINO GenAI's int8
-model against its own fp16, on the same prompts in one run.
+model against its own fp16, and each one's narrower KV cache against its 16-bit one, on the
+same prompts in one run.
 
 Why: a quantized model is only worth its speed if it says what the full-precision one says.
 The measure is greedy agreement on the embedded model: of 64 chat prompts, how many give the
 same first 16 tokens (EOS ignored), and how many of all 64 x 16 tokens agree before a
 prompt's first difference. Ours: `LLM(dtype="bfloat16")` against `LLM(dtype="bfloat16",
-quantization=...)` for each method given. OpenVINO GenAI (with `--openvino-python`): its fp16
-export against its int8 one (optimum-intel's per-channel asymmetric int8 weights), both run
-with the CPU plugin's defaults (bfloat16 compute where the CPU has it, and its dynamic
-quantization of activations), exported once by `benchmarks/openvino_export.py`.
+quantization=...)` for each method given, and against `kv_cache_dtype=...` for each cache
+dtype given. OpenVINO GenAI (with `--openvino-python`): its fp16 export against its int8 one
+(optimum-intel's per-channel asymmetric int8 weights), both run with the CPU plugin's
+defaults (bfloat16 compute where the CPU has it, its dynamic quantization of activations, a
+u8 KV cache on x86), exported once by `benchmarks/openvino_export.py`; and its fp16 export
+with that default u8 KV cache against a bf16 one (`KV_CACHE_PRECISION`).
 
     .venv/bin/python benchmarks/quantization_agreement.py
     .venv/bin/python benchmarks/quantization_agreement.py --openvino-python .venv-openvino/bin/python
@@ -27,8 +30,8 @@ if __name__ == "__main__" and "--worker" in sys.argv:
     import openvino as ov
     import openvino_genai
 
-    model, prompts_file, tokens = sys.argv[2], sys.argv[3], int(sys.argv[4])
-    pipeline = openvino_genai.ContinuousBatchingPipeline(model, openvino_genai.SchedulerConfig(), "CPU", {})
+    model, prompts_file, tokens, properties = sys.argv[2], sys.argv[3], int(sys.argv[4]), json.loads(sys.argv[5])
+    pipeline = openvino_genai.ContinuousBatchingPipeline(model, openvino_genai.SchedulerConfig(), "CPU", properties)
     prompts = json.loads(Path(prompts_file).read_text())
     config = openvino_genai.GenerationConfig(max_new_tokens=tokens, ignore_eos=True)
     results = pipeline.generate([ov.Tensor(np.array([p], dtype=np.int64)) for p in prompts], [config] * len(prompts))
@@ -62,9 +65,10 @@ def ours(prompts: list[list[int]], tokens: int, **settings: object) -> list[list
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-def openvino(python: Path, model: Path, prompts_file: Path, tokens: int) -> list[list[int]]:
-    done = subprocess.run([str(python), __file__, "--worker", str(model), str(prompts_file), str(tokens)],
-                          capture_output=True, text=True, check=False)
+def openvino(python: Path, model: Path, prompts_file: Path, tokens: int,
+             properties: dict[str, str] | None = None) -> list[list[int]]:
+    done = subprocess.run([str(python), __file__, "--worker", str(model), str(prompts_file), str(tokens),
+                           json.dumps(properties or {})], capture_output=True, text=True, check=False)
     lines = [line for line in done.stdout.splitlines() if line.startswith("TOKENS ")]
     if done.returncode or not lines:
         raise RuntimeError(f"OpenVINO's worker failed ({done.returncode}): {done.stderr[-2000:]}")
@@ -76,6 +80,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--methods", default="int8", help="comma-separated quantization methods of ours")
+    parser.add_argument("--kv-cache-dtypes", default="int8", help="comma-separated narrower KV caches of ours")
     parser.add_argument("--openvino-python", type=Path, help="the Python of a virtualenv with openvino-genai")
     args = parser.parse_args()
     from transformers import AutoTokenizer
@@ -86,7 +91,10 @@ def main() -> None:
     reference = ours(prompts, args.tokens)
     for method in args.methods.split(","):
         quantized = ours(prompts, args.tokens, quantization=method)
-        print(f"ours {method:<5} vs ours bfloat16:        {agreement(reference, quantized)}")
+        print(f"ours {method:<5} weights vs ours bfloat16:  {agreement(reference, quantized)}")
+    for cache in filter(None, args.kv_cache_dtypes.split(",")):
+        narrow = ours(prompts, args.tokens, kv_cache_dtype=cache)
+        print(f"ours {cache:<5} KV cache vs bfloat16:   {agreement(reference, narrow)}")
     if args.openvino_python:
         optimum_cli = args.openvino_python.parent / "optimum-cli"
         with tempfile.TemporaryDirectory() as tmp:
@@ -94,8 +102,11 @@ def main() -> None:
             prompts_file.write_text(json.dumps(prompts))
             fp16, int8 = (openvino(args.openvino_python, ensure_export(model_path, optimum_cli, fmt), prompts_file,
                                    args.tokens) for fmt in ("fp16", "int8"))
-        print(f"OpenVINO int8 vs OpenVINO fp16:    {agreement(fp16, int8)}")
-        print(f"OpenVINO fp16 vs ours bfloat16:    {agreement(reference, fp16)}")
+            fp16_bf16_cache = openvino(args.openvino_python, ensure_export(model_path, optimum_cli, "fp16"),
+                                       prompts_file, args.tokens, {"KV_CACHE_PRECISION": "bf16"})
+        print(f"OpenVINO int8 weights vs its fp16:  {agreement(fp16, int8)}")
+        print(f"OpenVINO u8 KV cache vs its bf16:   {agreement(fp16_bf16_cache, fp16)}")
+        print(f"OpenVINO fp16 vs ours bfloat16:     {agreement(reference, fp16)}")
 
 
 if __name__ == "__main__":

@@ -47,6 +47,7 @@ from engine.hardware import detect_cpu  # noqa: E402
 LABELS = {
     "ours": "ours",
     "ours-no-prefix-cache": "ours, no prefix cache",
+    "ours-int8-kv": "ours, int8 KV cache",
     "hf-generate": "transformers generate",
     "hf-continuous": "transformers CB",
     "openvino": "OpenVINO GenAI CB",
@@ -92,6 +93,7 @@ def parse_args() -> argparse.Namespace:
                         help="comma-separated engines (openvino is added by --openvino-python)")
     parser.add_argument("--dtype", default="auto", help="our engine's dtype (default: its own 'auto')")
     parser.add_argument("--quantization", default=None, help="our engine's quantization (default: none)")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="our engine's kv_cache_dtype (default: 'auto')")
     parser.add_argument("--hf-dtype", default="auto", choices=["auto", "probe", "float32", "bfloat16"],
                         help="transformers' dtype; auto: what our engine's dtype='auto' picks on this CPU (float32 "
                              "without native bf16); probe: the faster of both in a short run")
@@ -120,7 +122,7 @@ def main() -> None:
     workloads = build_workloads(args.workloads.split(","), tokenizer, args.scale, args.seed)
     opts = WorkerOptions(args.model, str(model_path), args.threads, args.dtype, "float32", args.hf_batch_size,
                          int(args.kv_cache_gib * 2**30), str(args.openvino_model) if args.openvino_model else None,
-                         args.quantization)
+                         args.quantization, args.kv_cache_dtype)
     with tempfile.TemporaryDirectory(prefix="throughput-") as tmp:
         opts.hf_dtype = choose_hf_dtype(args, model_path, tokenizer, opts, Path(tmp))
         print(f"transformers dtype: {opts.hf_dtype} | scale {args.scale} | best of {args.rounds} round(s) | "

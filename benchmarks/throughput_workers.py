@@ -36,6 +36,7 @@ class WorkerOptions:
     kv_cache_bytes: int
     openvino_model: str | None = None
     quantization: str | None = None  # our engine's
+    kv_cache_dtype: str = "auto"  # our engine's
 
 
 @dataclass
@@ -63,15 +64,18 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def run_ours(workload: Workload, opts: WorkerOptions, prefix_caching: bool = True) -> tuple[float, str, str]:
-    """Our engine: `LLM.generate` on token-id prompts, one SamplingParams per prompt."""
+def run_ours(workload: Workload, opts: WorkerOptions, prefix_caching: bool = True,
+             kv_cache_dtype: str | None = None) -> tuple[float, str, str]:
+    """Our engine: `LLM.generate` on token-id prompts, one SamplingParams per prompt;
+    `kv_cache_dtype` overrides the options' (a variant run beside the default)."""
     import torch
 
     from engine import LLM, SamplingParams
 
     torch.set_num_threads(opts.threads)
     with LLM(opts.model, dtype=opts.dtype, quantization=opts.quantization, enable_prefix_caching=prefix_caching,
-             kv_cache_memory=opts.kv_cache_bytes, num_threads=opts.threads) as llm:
+             kv_cache_memory=opts.kv_cache_bytes, num_threads=opts.threads,
+             kv_cache_dtype=kv_cache_dtype or opts.kv_cache_dtype) as llm:
         warmup = SamplingParams(temperature=0, max_tokens=WARMUP_TOKENS, ignore_eos=True)
         llm.generate([{"prompt_token_ids": p} for p in workload.warmup], warmup, use_tqdm=False)
         llm.reset_prefix_cache()
@@ -79,10 +83,10 @@ def run_ours(workload: Workload, opts: WorkerOptions, prefix_caching: bool = Tru
         start = time.perf_counter()
         outputs = llm.generate([{"prompt_token_ids": p} for p in workload.prompts], params, use_tqdm=False)
         elapsed = time.perf_counter() - start
-        dtype = llm.dtype
+        dtype, cache = llm.dtype, llm.llm_engine.config.kv_cache_dtype
     _check_lengths([len(o.outputs[0].token_ids) for o in outputs], workload)
     weights = f" + {opts.quantization}" if opts.quantization else ""
-    return elapsed, dtype, f"{dtype}{weights}, prefix caching {'on' if prefix_caching else 'off'}"
+    return elapsed, dtype, f"{dtype}{weights}, {cache} KV, prefix caching {'on' if prefix_caching else 'off'}"
 
 
 def run_hf_generate(workload: Workload, opts: WorkerOptions) -> tuple[float, str, str]:
@@ -191,6 +195,7 @@ def run_openvino(workload: Workload, opts: WorkerOptions) -> tuple[float, str, s
 RUNNERS = {
     "ours": run_ours,
     "ours-no-prefix-cache": lambda workload, opts: run_ours(workload, opts, prefix_caching=False),
+    "ours-int8-kv": lambda workload, opts: run_ours(workload, opts, kv_cache_dtype="int8"),
     "hf-generate": run_hf_generate,
     "hf-continuous": run_hf_continuous,
     "openvino": run_openvino,

@@ -1,4 +1,5 @@
-"""The CPU paged-attention kernel (C++, `cpu_paged_attention.cpp`, built by `cpu_build`).
+"""The CPU paged-attention kernel and its cache writes (C++, `cpu_paged_attention.cpp`, built
+by `cpu_build`).
 
 PyTorch's batched products need each sequence's keys gathered into a padded copy first,
 and run decode's tiny products (a few query rows per sequence) at a fraction of the
@@ -29,3 +30,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                             none if k_scale is None else k_scale,
                                             none if v_scale is None else v_scale, block_tables, row_seq, row_keys,
                                             block_size, scale, sliding_window or 0, softcap or 0.0)
+
+
+def store_kv(x: torch.Tensor, cache: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor) -> None:
+    """Writes keys or values `x` [tokens, kv_heads, dim] into `cache` [kv_heads, slots, dim]
+    at `slots` [tokens] (int64) in one pass: cast to the cache's dtype, or for an int8 cache
+    quantized per (token, KV head) with the scales into `scale` [kv_heads, slots], the same
+    bits as `engine.kv_cache_dtype.quantize`."""
+    cpu_build.load().store_kv(x if x.stride(2) == 1 else x.contiguous(), cache, scale, slots)

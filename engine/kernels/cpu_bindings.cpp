@@ -11,6 +11,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
                            const at::Tensor& row_keys, int64_t block_size, double scale, int64_t sliding_window,
                            double softcap);
 
+void store_kv(const at::Tensor& x, at::Tensor& cache, at::Tensor& scales, const at::Tensor& slots);
+
 at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& topk_weights, const at::Tensor& topk_ids,
                      const std::vector<at::Tensor>& w13, const std::vector<at::Tensor>& w2, int64_t min_rows);
 
@@ -28,6 +30,7 @@ at::Tensor rotary(const at::Tensor& positions, const at::Tensor& x, const at::Te
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Paged attention over a block table (CPU)");
+  m.def("store_kv", &store_kv, "Keys or values into the paged cache, int8 quantized per token and head (CPU)");
   m.def("fused_moe", &fused_moe, "Routed experts on oneDNN-prepacked matrices (CPU)");
   m.def("fused_moe_int8", &fused_moe_int8, "Routed experts on int8 matrices (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm with the residual add fused in (CPU)");

@@ -372,3 +372,63 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   });
   return out;
 }
+
+namespace {
+
+// One (token, KV head) vector of `dim` into a cache row: cast, or for an int8 cache divided
+// by its largest magnitude / 127 and rounded to the nearest (ties to even), the scale stored.
+// The arithmetic is PyTorch's (`engine.kv_cache_dtype.quantize`), so both write the same bits.
+template <typename scalar_t, typename cache_t>
+void store_vector(const scalar_t* x, int64_t dim, cache_t* row, float* scale) {
+  if constexpr (kScaled<cache_t>) {
+    float largest = 0.f;
+    for (int64_t d = 0; d < dim; ++d) largest = std::max(largest, std::abs(static_cast<float>(x[d])));
+    const float s = largest / 127.f > 0.f ? largest / 127.f : 1.f;
+    for (int64_t d = 0; d < dim; ++d) {
+      const float q = std::nearbyint(static_cast<float>(x[d]) / s);
+      row[d] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, q)));
+    }
+    *scale = s;
+  } else {
+    for (int64_t d = 0; d < dim; ++d) row[d] = static_cast<cache_t>(static_cast<float>(x[d]));
+  }
+}
+
+template <typename scalar_t, typename cache_t>
+void store(const at::Tensor& x, at::Tensor& cache, at::Tensor& scales, const at::Tensor& slots) {
+  const int64_t tokens = x.size(0), kv_heads = x.size(1), dim = x.size(2), num_slots = cache.size(1);
+  const int64_t token_stride = x.stride(0), head_stride = x.stride(1);
+  const scalar_t* xp = x.data_ptr<scalar_t>();
+  cache_t* cp = cache.data_ptr<cache_t>();
+  float* sp = kScaled<cache_t> ? scales.data_ptr<float>() : nullptr;
+  const int64_t* slot_of = slots.data_ptr<int64_t>();
+  at::parallel_for(0, tokens * kv_heads, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t t = task / kv_heads, h = task % kv_heads, vector = h * num_slots + slot_of[t];
+      store_vector(xp + t * token_stride + h * head_stride, dim, cp + vector * dim, sp ? sp + vector : nullptr);
+    }
+  });
+}
+
+}  // namespace
+
+// Writes k or v [tokens, kv_heads, dim] (rows of dim contiguous) into `cache` [kv_heads,
+// slots, dim] at `slots` [tokens] (int64): cast to the cache's dtype, or for an int8 cache
+// quantized per (token, KV head) with the scales into `scales` [kv_heads, slots].
+void store_kv(const at::Tensor& x, at::Tensor& cache, at::Tensor& scales, const at::Tensor& slots) {
+  TORCH_CHECK(x.stride(2) == 1 && cache.is_contiguous() && slots.scalar_type() == at::kLong, "store_kv's layout");
+  TORCH_CHECK(cache.scalar_type() != at::kChar || (scales.scalar_type() == at::kFloat && scales.is_contiguous()),
+              "an int8 cache takes float32 scales [kv_heads, slots]");
+  const auto slot_list = slots.contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "store_kv", [&] {
+    using source_t = scalar_t;
+    const auto run = [&](auto element) { store<source_t, decltype(element)>(x, cache, scales, slot_list); };
+    switch (cache.scalar_type()) {
+      case at::kFloat: return run(float{});
+      case at::kBFloat16: return run(c10::BFloat16{});
+      case at::kHalf: return run(c10::Half{});
+      case at::kChar: return run(int8_t{});
+      default: TORCH_CHECK(false, "a KV cache in float32, bfloat16, float16 or int8, got ", cache.scalar_type());
+    }
+  });
+}

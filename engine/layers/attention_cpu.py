@@ -25,9 +25,14 @@ class PagedRows:
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
-    """The compiled kernel; the cache layout and the writes are the PyTorch backend's."""
+    """The compiled kernel; the cache layout is the PyTorch backend's, the writes (and an
+    int8 cache's quantization) one compiled pass per layer."""
 
     name = "cpu"
+
+    def write_kv(self, layer: Attention, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+        for new, cache, scale in ((k, layer.k_cache, layer.k_scale), (v, layer.v_cache, layer.v_scale)):
+            cpu_attention.store_kv(new, cache, scale, meta.slot_mapping)
 
     def prepare(self, meta: AttentionMetadata) -> None:
         num_seqs, num_rows = len(meta.query_lens), len(meta.positions)

@@ -76,6 +76,30 @@ def test_quantized_vectors_round_within_half_a_step(name):
     assert (error <= bound * 1.0001).all()
 
 
+@pytest.mark.skipif("cpu" not in BACKENDS, reason="the CPU kernel is not built")
+@pytest.mark.parametrize("source", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["float32", "bfloat16", "float16", "int8"])
+def test_cpu_store_writes_what_pytorch_does(source, name):
+    """The compiled cache write: PyTorch's cast, or for int8 `quantize`'s bits and scales."""
+    from engine.kernels import cpu_attention
+
+    torch.manual_seed(0)
+    x = (torch.randn(7, 3, 64) * torch.logspace(-3, 2, 64)).to(source)
+    x[2, 1] = 0
+    cache = torch.zeros(3, 40, 64, dtype=cache_torch_dtype(name))
+    scale = torch.zeros(3, 40) if name == "int8" else torch.empty(0)
+    slots = torch.tensor([5, 0, 39, 17, 3, 22, 8])
+    cpu_attention.store_kv(x, cache, scale, slots)
+    written = cache[:, slots].transpose(0, 1)
+    if name == "int8":
+        values, scales = quantize(x, torch.int8)
+        assert torch.equal(written, values) and torch.equal(scale[:, slots].T, scales)
+        assert int((scale != 0).sum()) == 7 * 3
+    else:
+        assert torch.equal(written, x.to(cache.dtype))
+    assert int((cache != 0).any(-1).sum()) == 7 * 3 - 1  # the zero vector stays zero
+
+
 @pytest.mark.skipif("triton" not in BACKENDS, reason="triton is not installed")
 def test_triton_store_quantizes_as_pytorch_does():
     """The fp8 cache's bytes and scales written by the store kernel are PyTorch's quantize."""
