@@ -33,6 +33,18 @@ constexpr int kLanes = 8;  // partial sums per dot product: one AVX2 register of
 template <typename cache_t>
 constexpr bool kScaled = std::is_same_v<cache_t, int8_t>;
 
+// Calls run(cache_t{}) for the C++ type of a KV cache's dtype, the ones the kernels read.
+template <typename F>
+void dispatch_cache_type(at::ScalarType dtype, const F& run) {
+  switch (dtype) {
+    case at::kFloat: return run(float{});
+    case at::kBFloat16: return run(c10::BFloat16{});
+    case at::kHalf: return run(c10::Half{});
+    case at::kChar: return run(int8_t{});
+    default: TORCH_CHECK(false, "a KV cache in float32, bfloat16, float16 or int8, got ", dtype);
+  }
+}
+
 // scores[first:n] = cap * tanh(scores / cap), in place; returns their maximum.
 inline float soft_cap(float* scores, int64_t first, int64_t n, float cap) {
   float top = -std::numeric_limits<float>::infinity();
@@ -358,17 +370,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   const auto tables = block_tables.contiguous(), seqs = row_seq.contiguous(), keys = row_keys.contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
     using query_t = scalar_t;
-    const auto run = [&](auto cache) {
+    dispatch_cache_type(k_cache.scalar_type(), [&](auto cache) {
       attend<query_t, decltype(cache)>(q, k_cache, v_cache, k_scale, v_scale, tables, seqs, keys, block_size, scale,
                                        sliding_window, softcap, out);
-    };
-    switch (k_cache.scalar_type()) {
-      case at::kFloat: return run(float{});
-      case at::kBFloat16: return run(c10::BFloat16{});
-      case at::kHalf: return run(c10::Half{});
-      case at::kChar: return run(int8_t{});
-      default: TORCH_CHECK(false, "a KV cache in float32, bfloat16, float16 or int8, got ", k_cache.scalar_type());
-    }
+    });
   });
   return out;
 }
@@ -422,13 +427,7 @@ void store_kv(const at::Tensor& x, at::Tensor& cache, at::Tensor& scales, const 
   const auto slot_list = slots.contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "store_kv", [&] {
     using source_t = scalar_t;
-    const auto run = [&](auto element) { store<source_t, decltype(element)>(x, cache, scales, slot_list); };
-    switch (cache.scalar_type()) {
-      case at::kFloat: return run(float{});
-      case at::kBFloat16: return run(c10::BFloat16{});
-      case at::kHalf: return run(c10::Half{});
-      case at::kChar: return run(int8_t{});
-      default: TORCH_CHECK(false, "a KV cache in float32, bfloat16, float16 or int8, got ", cache.scalar_type());
-    }
+    dispatch_cache_type(cache.scalar_type(),
+                        [&](auto element) { store<source_t, decltype(element)>(x, cache, scales, slot_list); });
   });
 }
