@@ -81,10 +81,12 @@ inline float horizontal_sum(__m256 a) {
 // with the cache hot).
 constexpr int64_t kAhead = 16;
 
-template <int V, typename scalar_t>
+// Asks for a row's cache lines, into L1 (_MM_HINT_T0) or L2 (_MM_HINT_T1).
+template <int V, int kHint = _MM_HINT_T0, typename scalar_t>
 inline void prefetch_row(const scalar_t* row) {
   constexpr int64_t bytes = V * kLanes * static_cast<int64_t>(sizeof(scalar_t));
-  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(row) + b, _MM_HINT_T0);
+  for (int64_t b = 0; b < bytes; b += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(row) + b, static_cast<_mm_hint>(kHint));
 }
 
 // The scores of query q against keys[c0, c1), eight keys at a time: a last group past c1
@@ -129,18 +131,83 @@ inline float exponentiate_avx2(float* scores, int64_t first, int64_t n, __m256 t
   return 1.f / horizontal_sum(total);
 }
 
-// out[0:8V] += sum over c in [c0, c1) of p[c] * values[c], in key order.
-template <int V, typename scalar_t>
-void weighted_sum_avx2(const float* p, const scalar_t* const* values, const float* value_scales, int64_t c0,
-                       int64_t c1, int64_t end, float* out) {
-  __m256 acc[V];
-  for (int i = 0; i < V; ++i) acc[i] = _mm256_loadu_ps(out + i * kLanes);
-  for (int64_t c = c0; c < c1; ++c) {
-    if (c + kAhead < end) prefetch_row<V>(values[c + kAhead]);
-    const __m256 w = _mm256_set1_ps(kScaled<scalar_t> ? p[c] * value_scales[c] : p[c]);
-    for (int i = 0; i < V; ++i) acc[i] = _mm256_fmadd_ps(w, load8(values[c] + i * kLanes), acc[i]);
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+// Caches whose keys meet bfloat16 queries: scores by the CPU's bfloat16 dot products, two
+// elements a lane per instruction, where widening each element would cost two more.
+template <typename query_t, typename cache_t>
+constexpr bool kBf16Dots = std::is_same_v<query_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16>;
+
+// scores_avx2 for bfloat16 queries (exact as floats in q) over bfloat16 keys: each key's
+// product of pairs summed in float32, eight keys at a time.
+template <int V>
+__m256 scores_bf16(const float* q, const c10::BFloat16* const* keys, int64_t c0, int64_t c1, int64_t end,
+                   float scale, float* scores, __m256 top) {
+  __m256bh qb[V / 2];
+  for (int i = 0; i < V / 2; ++i)
+    qb[i] = _mm256_cvtne2ps_pbh(_mm256_loadu_ps(q + (2 * i + 1) * kLanes), _mm256_loadu_ps(q + 2 * i * kLanes));
+  for (int64_t c = c0; c < c1; c += kLanes) {
+    for (int64_t a = c + kAhead; a < std::min(c + kAhead + kLanes, end); ++a) prefetch_row<V>(keys[a]);
+    const c10::BFloat16* k[kLanes];
+    for (int j = 0; j < kLanes; ++j) k[j] = keys[std::min<int64_t>(c + j, c1 - 1)];
+    __m256 acc[kLanes];
+    for (int j = 0; j < kLanes; ++j) acc[j] = _mm256_setzero_ps();
+    for (int i = 0; i < V / 2; ++i)
+      for (int j = 0; j < kLanes; ++j)
+        acc[j] = _mm256_dpbf16_ps(acc[j], qb[i], (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(k[j] + 2 * i * kLanes)));
+    const __m256 s = _mm256_mul_ps(lane_sums(acc), _mm256_set1_ps(scale));
+    _mm256_storeu_ps(scores + c, s);
+    top = _mm256_max_ps(top, s);
   }
-  for (int i = 0; i < V; ++i) _mm256_storeu_ps(out + i * kLanes, acc[i]);
+  return top;
+}
+#endif
+
+// Queries whose values are summed together, each value vector widened once for all of them:
+// as many as the vector registers hold accumulators for (32 with AVX-512, else 16).
+#if defined(__AVX512VL__)
+constexpr int kValueGroup = 4;
+#else
+constexpr int kValueGroup = 2;
+#endif
+
+// out[g][0:8V] += sum over c in [c0, c1) of p[g][c] * values[c], in key order, for the G
+// queries g that see the same keys: 32 dimensions at a time, each value loaded once for all G.
+template <int V, int G, typename scalar_t>
+void weighted_sums_avx2(const float* const* p, const scalar_t* const* values, const float* value_scales, int64_t c0,
+                        int64_t c1, int64_t end, float* const* out) {
+  constexpr int kPart = 4;  // registers of a query's accumulators in one pass
+  static_assert(V % kPart == 0, "head sizes of 32 dimensions at a time");
+  for (int part = 0; part < V; part += kPart) {
+    __m256 acc[G][kPart];
+    for (int g = 0; g < G; ++g)
+      for (int r = 0; r < kPart; ++r) acc[g][r] = _mm256_loadu_ps(out[g] + (part + r) * kLanes);
+    for (int64_t c = c0; c < c1; ++c) {
+      if (part == 0 && c + kAhead < end) prefetch_row<V>(values[c + kAhead]);
+      __m256 v[kPart];
+      for (int r = 0; r < kPart; ++r) v[r] = load8(values[c] + (part + r) * kLanes);
+      for (int g = 0; g < G; ++g) {
+        const __m256 w = _mm256_set1_ps(kScaled<scalar_t> ? p[g][c] * value_scales[c] : p[g][c]);
+        for (int r = 0; r < kPart; ++r) acc[g][r] = _mm256_fmadd_ps(w, v[r], acc[g][r]);
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int r = 0; r < kPart; ++r) _mm256_storeu_ps(out[g] + (part + r) * kLanes, acc[g][r]);
+  }
+}
+
+// weighted_sums_avx2 for `count` (1 to kValueGroup) queries.
+template <int V, typename scalar_t>
+void weighted_sums_some(int count, const float* const* p, const scalar_t* const* values, const float* value_scales,
+                        int64_t c0, int64_t c1, int64_t end, float* const* out) {
+  switch (count) {
+    case 1: return weighted_sums_avx2<V, 1>(p, values, value_scales, c0, c1, end, out);
+    case 2: return weighted_sums_avx2<V, 2>(p, values, value_scales, c0, c1, end, out);
+#if defined(__AVX512VL__)
+    case 3: return weighted_sums_avx2<V, 3>(p, values, value_scales, c0, c1, end, out);
+    case 4: return weighted_sums_avx2<V, 4>(p, values, value_scales, c0, c1, end, out);
+#endif
+    default: TORCH_CHECK(false, "at most ", kValueGroup, " queries summed together");
+  }
 }
 
 // `count` query vectors q[i] (head size 8 * V) over keys [first[i], n[i]) of the same
@@ -150,7 +217,7 @@ void weighted_sum_avx2(const float* p, const scalar_t* const* values, const floa
 // from its first key, soft-capped (cap > 0), a vectorised softmax, the value sum in key
 // order, normalised once at the end. `scores` holds `count` rows of `stride` >= max n + 8
 // floats; `key_scales` and `value_scales` are the keys' and values' scales (int8 caches).
-template <int V, typename scalar_t>
+template <int V, typename query_t, typename scalar_t>
 void attend_queries_avx2(const float* q, int64_t count, const int64_t* first, const int64_t* n,
                          const scalar_t* const* keys, const scalar_t* const* values, const float* key_scales,
                          const float* value_scales, float scale, float cap, float* scores, int64_t stride,
@@ -159,12 +226,26 @@ void attend_queries_avx2(const float* q, int64_t count, const int64_t* first, co
   constexpr int dim = V * kLanes;
   const int64_t longest = *std::max_element(n, n + count);
   std::vector<__m256> top(count, _mm256_set1_ps(-std::numeric_limits<float>::infinity()));
+  // Besides kAhead keys into L1, a block's values and the next block's keys into L2 while
+  // a block is scored: decode over 30 layers' caches in DRAM, 22.8 -> 17.6 ms a step.
+  for (int64_t a = 0; a < std::min(kBlock, longest); ++a) prefetch_row<V, _MM_HINT_T1>(keys[a]);
   for (int64_t a = 0; a < std::min(kAhead, longest); ++a) prefetch_row<V>(keys[a]);
-  for (int64_t c0 = 0; c0 < longest; c0 += kBlock)
-    for (int64_t i = 0; i < count; ++i)
-      if (c0 < n[i] && c0 + kBlock > first[i])
-        top[i] = scores_avx2<V, scalar_t>(q + i * dim, keys, key_scales, std::max(c0, first[i]),
-                                          std::min(c0 + kBlock, n[i]), longest, scale, scores + i * stride, top[i]);
+  for (int64_t c0 = 0; c0 < longest; c0 += kBlock) {
+    for (int64_t c = c0; c < std::min(c0 + kBlock, longest); ++c) prefetch_row<V, _MM_HINT_T1>(values[c]);
+    for (int64_t c = c0 + kBlock; c < std::min(c0 + 2 * kBlock, longest); ++c) prefetch_row<V, _MM_HINT_T1>(keys[c]);
+    for (int64_t i = 0; i < count; ++i) {
+      if (c0 >= n[i] || c0 + kBlock <= first[i]) continue;
+      const int64_t from = std::max(c0, first[i]), to = std::min(c0 + kBlock, n[i]);
+      float* row = scores + i * stride;
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+      if constexpr (kBf16Dots<query_t, scalar_t>) {
+        top[i] = scores_bf16<V>(q + i * dim, keys, from, to, longest, scale, row, top[i]);
+        continue;
+      }
+#endif
+      top[i] = scores_avx2<V, scalar_t>(q + i * dim, keys, key_scales, from, to, longest, scale, row, top[i]);
+    }
+  }
   for (int64_t a = 0; a < std::min(kAhead, longest); ++a) prefetch_row<V>(values[a]);
   std::vector<float> inv(count);
   for (int64_t i = 0; i < count; ++i) {
@@ -172,11 +253,22 @@ void attend_queries_avx2(const float* q, int64_t count, const int64_t* first, co
     inv[i] = exponentiate_avx2(scores + i * stride, first[i], n[i], top[i]);
   }
   std::fill(out, out + count * dim, 0.f);
+  // Queries that see the same keys (the heads of one row) are summed together.
+  std::vector<int64_t> group_start;
+  for (int64_t i = 0; i < count; ++i)
+    if (i == 0 || first[i] != first[i - 1] || n[i] != n[i - 1] || i - group_start.back() == kValueGroup)
+      group_start.push_back(i);
+  group_start.push_back(count);
+  const float* p[kValueGroup];
+  float* o[kValueGroup];
   for (int64_t c0 = 0; c0 < longest; c0 += kBlock)
-    for (int64_t i = 0; i < count; ++i)
-      if (c0 < n[i] && c0 + kBlock > first[i])
-        weighted_sum_avx2<V, scalar_t>(scores + i * stride, values, value_scales, std::max(c0, first[i]),
-                                       std::min(c0 + kBlock, n[i]), longest, out + i * dim);
+    for (size_t g = 0; g + 1 < group_start.size(); ++g) {
+      const int64_t i = group_start[g], size = group_start[g + 1] - i;
+      if (c0 >= n[i] || c0 + kBlock <= first[i]) continue;
+      for (int64_t m = 0; m < size; ++m) p[m] = scores + (i + m) * stride, o[m] = out + (i + m) * dim;
+      weighted_sums_some<V, scalar_t>(static_cast<int>(size), p, values, value_scales, std::max(c0, first[i]),
+                                      std::min(c0 + kBlock, n[i]), longest, o);
+    }
   for (int64_t i = 0; i < count; ++i)
     for (int d = 0; d < dim; ++d) out[i * dim + d] *= inv[i];
 }
@@ -226,7 +318,7 @@ inline void softmax(float* s, int64_t n) {
 // `count` query vectors q[i] (as floats) over keys [first[i], n[i]) of the same keys,
 // scores soft-capped where cap > 0, into out[i * dim : (i + 1) * dim]. `scores` holds
 // `count` rows of `stride` >= max n + 8 floats.
-template <typename scalar_t>
+template <typename query_t, typename scalar_t>
 void attend_queries(const float* q, int64_t count, const int64_t* first, const int64_t* n,
                     const scalar_t* const* keys, const scalar_t* const* values, const float* key_scales,
                     const float* value_scales, int64_t dim, float scale, float cap, float* scores, int64_t stride,
@@ -236,9 +328,9 @@ void attend_queries(const float* q, int64_t count, const int64_t* first, const i
     const auto run = [&](auto avx2) {
       avx2(q, count, first, n, keys, values, key_scales, value_scales, scale, cap, scores, stride, out);
     };
-    if (dim == 64) return run(attend_queries_avx2<8, scalar_t>);
-    if (dim == 128) return run(attend_queries_avx2<16, scalar_t>);
-    if (dim == 256) return run(attend_queries_avx2<32, scalar_t>);
+    if (dim == 64) return run(attend_queries_avx2<8, query_t, scalar_t>);
+    if (dim == 128) return run(attend_queries_avx2<16, query_t, scalar_t>);
+    if (dim == 256) return run(attend_queries_avx2<32, query_t, scalar_t>);
   }
 #endif
   for (int64_t i = 0; i < count; ++i) {
@@ -333,7 +425,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       }
       const int64_t stride = span + kLanes;
       scores.resize(count * stride);
-      attend_queries(query.data(), count, first.data(), n.data(), key_rows.data(), value_rows.data(),
+      attend_queries<scalar_t>(query.data(), count, first.data(), n.data(), key_rows.data(), value_rows.data(),
                      key_scales.data(), value_scales.data(), dim, fscale, cap, scores.data(), stride, acc.data());
       for (int64_t i = 0; i < count; ++i) {
         scalar_t* o = op + ((first_row + i / group) * heads + h * group + i % group) * dim;

@@ -28,10 +28,10 @@ def kernel():
     return cpu_attention
 
 
-def paged_case(rng: random.Random, dtype: torch.dtype, num_blocks: int = 64):
+def paged_case(rng: random.Random, dtype: torch.dtype, num_blocks: int = 64, kv_heads: int = 3):
     """A random paged cache and a step of sequences with random new and cached tokens."""
-    k_cache = torch.randn(3, num_blocks * BLOCK, 64).to(dtype)
-    v_cache = torch.randn(3, num_blocks * BLOCK, 64).to(dtype)
+    k_cache = torch.randn(kv_heads, num_blocks * BLOCK, 64).to(dtype)
+    v_cache = torch.randn(kv_heads, num_blocks * BLOCK, 64).to(dtype)
     free = list(range(num_blocks))
     rng.shuffle(free)
     seqs = []
@@ -66,26 +66,30 @@ def kernel_rows(seqs):
     return tables, row_seq, row_keys
 
 
+# Three and five query heads per KV head: the kernel sums up to four heads' values together.
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_matches_pytorch_attention(kernel, dtype):
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (10, 2)])
+def test_kernel_matches_pytorch_attention(kernel, dtype, heads, kv_heads):
     rng = random.Random(0)
     torch.manual_seed(0)
-    attention = Attention(num_heads=9, head_dim=64, num_kv_heads=3)
+    attention = Attention(num_heads=heads, head_dim=64, num_kv_heads=kv_heads)
     for _ in range(6):
-        k_cache, v_cache, seqs = paged_case(rng, dtype)
-        q = torch.randn(sum(new for new, _, _ in seqs), 9, 64).to(dtype)
+        k_cache, v_cache, seqs = paged_case(rng, dtype, kv_heads=kv_heads)
+        q = torch.randn(sum(new for new, _, _ in seqs), heads, 64).to(dtype)
         got = kernel.paged_attention(q, k_cache, v_cache, *kernel_rows(seqs), BLOCK, attention.scale)
         expected = torch_reference(attention, q, k_cache, v_cache, seqs)
         tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(got, expected, **tolerance)
 
 
-def test_kernel_rows_do_not_depend_on_the_batch(kernel):
-    """A row computed alone, as a decode step, or inside any batch gives the same bits."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_rows_do_not_depend_on_the_batch(kernel, dtype):
+    """A row computed alone, as a decode step, or inside any batch gives the same bits (in
+    bfloat16 too, where this CPU's bfloat16 dot products compute the scores)."""
     rng = random.Random(1)
     torch.manual_seed(1)
-    k_cache, v_cache, seqs = paged_case(rng, torch.float32)
-    q = torch.randn(sum(new for new, _, _ in seqs), 9, 64)
+    k_cache, v_cache, seqs = paged_case(rng, dtype)
+    q = torch.randn(sum(new for new, _, _ in seqs), 9, 64).to(dtype)
     tables, row_seq, row_keys = kernel_rows(seqs)
     together = kernel.paged_attention(q, k_cache, v_cache, tables, row_seq, row_keys, BLOCK, 0.125)
     order = list(range(len(q)))
