@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import dagster as dg
@@ -51,22 +52,36 @@ def latest_metadata(instance: dg.DagsterInstance, partition: str) -> dict[str, o
     return {label: entry.value for label, entry in records[0].asset_materialization.metadata.items()}
 
 
-@pytest.mark.slow
-def test_job_execute_one_partition_with_run_config_file(tmp_path: Path) -> None:
-    """`dagster job execute` of the daily job for one partition, with a run config file,
-    writes that day's summaries with the overridden max_tokens and the default model."""
+@dataclass(frozen=True)
+class ExecutedDay:
+    """An instance and output folder where `dagster job execute` ran one day."""
+
+    home: Path
+    output_dir: Path
+    result: subprocess.CompletedProcess[str]
+
+
+@pytest.fixture(scope="module")
+def executed_day(tmp_path_factory: pytest.TempPathFactory) -> ExecutedDay:
+    """`dagster job execute` of the daily job for 2024-06-02, with a run config file."""
+    tmp_path = tmp_path_factory.mktemp("job_execute")
     config_file = tmp_path / "run_config.json"
     config_file.write_text(json.dumps(SHORT_RUN_CONFIG))
-    output_dir = tmp_path / "output"
-
+    home, output_dir = tmp_path / "home", tmp_path / "output"
     result = run_dagster(
         ["job", "execute", "-f", "definitions.py", "-j", "daily_ticket_summaries_job",
          "--tags", json.dumps({"dagster/partition": "2024-06-02"}), "-c", str(config_file)],
-        tmp_path / "home", output_dir,
+        home, output_dir,
     )
+    return ExecutedDay(home, output_dir, result)
 
-    assert_succeeded(result)
-    table = generations(output_dir, "2024-06-02")
+
+@pytest.mark.slow
+def test_job_execute_one_partition_with_run_config_file(executed_day: ExecutedDay) -> None:
+    """`dagster job execute` of the daily job for one partition, with a run config file,
+    writes that day's summaries with the overridden max_tokens and the default model."""
+    assert_succeeded(executed_day.result)
+    table = generations(executed_day.output_dir, "2024-06-02")
     assert list(table["id"]) == ["T-1005", "T-1006", "T-1007"]
     assert all(isinstance(text, str) and text for text in table["generated_text"])
     assert table["error"].isna().all()
@@ -100,20 +115,23 @@ def test_asset_materialize_partition_range_is_one_run(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_invalid_run_config_fails_before_generating(tmp_path: Path) -> None:
+def test_invalid_run_config_fails_before_generating(executed_day: ExecutedDay) -> None:
     """A negative temperature in the run config makes `dagster asset materialize` fail,
-    naming the field and the rule, before the model loads: no generations are written.
+    naming the field and the rule, before the model loads: the day's table already written
+    stays as it was.
 
     Dagster checks field names and types at launch (see the quick tests) but its config
     system has no ranges; those fail the generation step before it loads the model.
     """
+    assert_succeeded(executed_day.result)
+    table = executed_day.output_dir / "tables" / "ticket_summaries" / "2024-06-02.parquet"
+    before = table.read_bytes()
     bad_config = {"ops": {"ticket_summaries": {"config": {"sampling": {"temperature": -1}}}}}
-    output_dir = tmp_path / "output"
 
     result = run_dagster(
-        ["asset", "materialize", "-f", "definitions.py", "--select", "*ticket_summaries",
-         "--partition", "2024-06-01", "--config-json", json.dumps(bad_config)],
-        tmp_path / "home", output_dir,
+        ["asset", "materialize", "-f", "definitions.py", "--select", "ticket_summaries",
+         "--partition", "2024-06-02", "--config-json", json.dumps(bad_config)],
+        executed_day.home, executed_day.output_dir,
     )
 
     output = result.stdout + result.stderr
@@ -121,4 +139,4 @@ def test_invalid_run_config_fails_before_generating(tmp_path: Path) -> None:
     assert f"ops.ticket_summaries.config.sampling.temperature must be {SamplingParams.rule('temperature')}, got -1" \
         in output
     assert "ValidationError" not in output
-    assert not (output_dir / "tables" / "ticket_summaries").exists()
+    assert table.read_bytes() == before
