@@ -26,6 +26,8 @@ std::vector<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight, 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
                        const std::optional<at::Tensor>& bias);
 
+at::Tensor act_and_mul(const at::Tensor& x, bool gelu);
+
 at::Tensor rotary(const at::Tensor& positions, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -36,4 +38,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm with the residual add fused in (CPU)");
   m.def("int8_linear", &int8_linear, "x times an int8 weight, x quantized per row (CPU)");
   m.def("rotary", &rotary, "Rotary position embedding (CPU)");
+  m.def("act_and_mul", &act_and_mul, "The MLP's gated activation, act(gate) * up (CPU)");
 }

@@ -1,5 +1,5 @@
-"""Routes the model's RMSNorms (with their residual add) and rotary embeddings through the
-compiled CPU kernels instead of PyTorch's operators, where the CPU kernels can be built;
+"""Routes the model's RMSNorms (with their residual add), rotary embeddings and gated MLP
+activations through the compiled CPU kernels instead of PyTorch's operators, where the CPU kernels can be built;
 chosen once by the model loader for a model on a CPU. (Attention and the routed experts pick
 their compiled kernels themselves: `engine.layers.attention_selector`, `FusedMoE`.)"""
 
@@ -11,15 +11,19 @@ from engine.layers.rotary import RotaryEmbedding
 
 
 def route_through_cpu_kernels(model: nn.Module) -> None:
-    """Sets every RMSNorm's and rotary embedding's kernel to the C++ one; a no-op where
-    they cannot be built."""
+    """Sets every RMSNorm's, rotary embedding's and MLP's kernel to the C++ one; a no-op
+    where they cannot be built."""
     if cpu_build.load() is None:
         return
+    from engine.kernels.cpu_activation import act_and_mul
     from engine.kernels.cpu_rms_norm import rms_norm
     from engine.kernels.cpu_rotary import rotary
+    from engine.models.llama import LlamaMLP
 
     for module in model.modules():
         if isinstance(module, RMSNorm):
             module.kernel = rms_norm
         elif isinstance(module, RotaryEmbedding):
             module.kernel = rotary
+        elif isinstance(module, LlamaMLP):
+            module.kernel = act_and_mul

@@ -1,15 +1,19 @@
-"""The compiled CPU RMSNorm (with its residual add) and rotary embedding against the layers'
-PyTorch paths, and their routing: every norm and rotary table of a model on a CPU, where the
-kernels can be built."""
+"""The compiled CPU RMSNorm (with its residual add), rotary embedding and gated activation
+against the layers' PyTorch paths, and their routing: every norm, rotary table and MLP of a
+model on a CPU, where the kernels can be built."""
 
 import pytest
 import torch
+import torch.nn.functional as F
+import transformers
 from torch import nn
 
+from engine.distributed.communicator import TensorParallelGroup
 from engine.kernels import cpu_build
 from engine.layers.cpu_routing import route_through_cpu_kernels
 from engine.layers.layernorm import GemmaRMSNorm, RMSNorm
 from engine.layers.rotary import RotaryEmbedding
+from engine.models.llama import LlamaMLP
 
 pytestmark = pytest.mark.cpu_kinds
 
@@ -102,11 +106,43 @@ def test_rotary_matches_the_layer(rotary, dtype, head_dim, partial):
         rotary(torch.full((9,), 300), qk, layer.cos, layer.sin)
 
 
-def test_every_norm_and_rotary_table_is_routed(rms_norm, rotary):
+@pytest.fixture(scope="module")
+def act_and_mul(built):
+    from engine.kernels.cpu_activation import act_and_mul
+
+    return act_and_mul
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("width", [96, 52])  # 52: a tail past the last eight
+def test_gated_activation_matches_pytorch(act_and_mul, dtype, activation, width):
+    """act(gate) * up as LlamaMLP computes it in PyTorch, from strided rows; gates from -100
+    to 100 (exp's range ends). Another exp than PyTorch's: float32 differs in the last bits,
+    16-bit outputs by at most a rounding step of the activation."""
+    gen = torch.Generator().manual_seed(2)
+    gate_up = torch.randn(9, 2 * width + 8, generator=gen) * 4
+    gate_up[0, :6] = torch.tensor([-100.0, -88.0, -20.0, 0.0, 20.0, 100.0])
+    x = gate_up.to(dtype)[:, : 2 * width]
+    gate, up = x.chunk(2, dim=-1)
+    act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
+    out = act_and_mul(x, activation)
+    assert out.dtype == dtype and out.shape == (9, width)
+    torch.testing.assert_close(out, act * up, **tolerance(dtype))
+
+
+def test_every_norm_rotary_table_and_mlp_is_routed(rms_norm, rotary, act_and_mul):
+    config = transformers.LlamaConfig(hidden_size=8, intermediate_size=16, num_attention_heads=2)
     model = nn.ModuleList([RMSNorm(8, 1e-6), GemmaRMSNorm(8, 1e-6), nn.Linear(8, 8),
-                           RotaryEmbedding(8, 16, {"rope_theta": 10000.0})])
+                           RotaryEmbedding(8, 16, {"rope_theta": 10000.0}), LlamaMLP(config, TensorParallelGroup())])
     route_through_cpu_kernels(model)
     assert model[0].kernel is rms_norm and model[1].kernel is rms_norm and model[3].kernel is rotary
+    assert model[4].kernel is act_and_mul
+    with torch.no_grad():
+        mlp_input = torch.randn(3, 8)
+        routed = model[4](mlp_input)
+        model[4].kernel = None
+        torch.testing.assert_close(routed, model[4](mlp_input), **tolerance(torch.float32))
     x = torch.randn(3, 8)
     torch.testing.assert_close(model[0](x), model[0].torch_forward(x), **tolerance(torch.float32))
     heads = torch.randn(3, 2, 8)  # q/k norms see [tokens, heads, head_dim]
