@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from tests.engine.test_correctness import MAX_TOKENS, mixed_prompts
 from tests.engine.test_fused_moe import moe_case, reference_moe
-from engine import LLM, SamplingParams
+from engine import LLM, LoRARequest, SamplingParams
 from engine import quantization
 from engine.config import EngineConfig
 from engine.hardware import CPU_KINDS, detect_cpu
@@ -132,9 +132,11 @@ def emulate_int8(model: torch.nn.Module) -> None:
             module.register_forward_pre_hook(lambda _, args: (fake_quantize_rows(args[0]),))
 
 
-def chosen_logprobs(llm: LLM, prompts: list[dict]) -> list[tuple[list[int], torch.Tensor]]:
-    """Each prompt's greedy tokens and their logprobs."""
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=0), use_tqdm=False)
+def chosen_logprobs(llm: LLM, prompts: list[dict],
+                    lora_request: LoRARequest | None = None) -> list[tuple[list[int], torch.Tensor]]:
+    """Each prompt's greedy tokens and their logprobs (with `lora_request`'s adapter, if given)."""
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=0), use_tqdm=False,
+                        lora_request=lora_request)
     return [(o.outputs[0].token_ids, torch.tensor([step[t].logprob for t, step in
                                                    zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]))
             for o in outs]

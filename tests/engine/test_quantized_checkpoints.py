@@ -8,15 +8,19 @@ under Triton's interpreter, FP8 in the float32 arithmetic that stands in for
 `torch._scaled_mm` there.
 """
 
+import copy
+
 import pytest
 import torch
+from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-from engine import LLM, quantization
+from engine import LLM, LoRARequest, quantization
 from engine.quantization.fp8 import Fp8LinearMethod, quantize_fp8_rows
 from engine.quantization.int4 import Int4LinearMethod
 from tests.engine.test_correctness import mixed_prompts
 from tests.engine.test_quantization import chosen_logprobs
+from tests.lora_adapters import build_lora_adapter
 from tests.quantized_checkpoints import FORMATS, quantize_folder
 
 CPU = torch.device("cpu")
@@ -35,14 +39,15 @@ def quantized(request, llama_with_biases, tmp_path_factory):
     return request.param, folder, model, plain
 
 
-def check_against(reference, plain, llm: LLM, tolerance: float, sees_quantization: bool = True) -> None:
+def check_against(reference, plain, llm: LLM, tolerance: float, sees_quantization: bool = True,
+                  lora_request: LoRARequest | None = None) -> None:
     """Greedy tokens as `reference` picks them, logprobs within `tolerance` of its, and
-    (`sees_quantization`) further from the unquantized model's, so the check sees the
-    quantization."""
+    (`sees_quantization`) further from `plain`'s (the unquantized model), so the check sees
+    the quantization; with `lora_request`'s adapter, if given."""
     prompts = mixed_prompts(count=6)
     gap_to_plain = 0.0
     with torch.no_grad():
-        for i, (p, (out, logprobs)) in enumerate(zip(prompts, chosen_logprobs(llm, prompts))):
+        for i, (p, (out, logprobs)) in enumerate(zip(prompts, chosen_logprobs(llm, prompts, lora_request))):
             ids = torch.tensor([p["prompt_token_ids"] + out[:-1]])
             start = len(p["prompt_token_ids"]) - 1
             expected = reference(ids).logits[0, start:].log_softmax(-1)
@@ -82,6 +87,31 @@ def test_gpu_products_on_the_cpu(quantized, monkeypatch):
         assert layers and all(m.weight.numel() == 0 for m in layers)
         # an activation rounded to the other side of an FP8 step (1/16 apart) moves a logprob by ~1e-3
         check_against(reference, plain, llm, 2e-3 if fmt.startswith("fp8") else 1e-4)
+
+
+PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def test_lora_on_quantized_layers(quantized, llama_with_biases, monkeypatch, tmp_path):
+    """An adapter on every projection of a quantized checkpoint, whose products are the
+    GPU's (the 4-bit kernel, FP8), adds its delta in the compute dtype: what PEFT's adapter
+    computes on the dequantized model (with FP8's rounding emulated), and not what the
+    unquantized model with the adapter computes."""
+    fmt, folder, reference, plain = quantized
+    if fmt not in ("gptq", "fp8-channel"):
+        pytest.skip("one 4-bit format and one FP8 format")
+    adapter = build_lora_adapter(llama_with_biases, tmp_path / "adapter", rank=8, alpha=16,
+                                 target_modules=PROJECTIONS, seed=3)
+    gpu_method = Fp8LinearMethod() if fmt.startswith("fp8") else Int4LinearMethod(CPU)
+    monkeypatch.setattr(quantization, "_methods", lambda *_: (gpu_method, None, None))
+    reference = copy.deepcopy(reference)
+    if fmt.startswith("fp8"):
+        emulate_fp8(reference)
+    adapted = PeftModel.from_pretrained(reference, adapter).eval()
+    adapted_plain = PeftModel.from_pretrained(copy.deepcopy(plain), adapter).eval()
+    with LLM(str(folder), dtype="float32", enable_lora=True, max_lora_rank=8, max_num_batched_tokens=16) as llm:
+        check_against(adapted, adapted_plain, llm, 2e-3 if fmt.startswith("fp8") else 1e-4,
+                      lora_request=LoRARequest("adapter", 1, str(adapter)))
 
 
 def emulate_fp8(model: torch.nn.Module) -> None:
