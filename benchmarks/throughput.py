@@ -48,6 +48,7 @@ LABELS = {
     "ours": "ours",
     "ours-no-prefix-cache": "ours, no prefix cache",
     "ours-int8-kv": "ours, int8 KV cache",
+    "ours-int8": "ours, int8 weights",
     "hf-generate": "transformers generate",
     "hf-continuous": "transformers CB",
     "openvino": "OpenVINO GenAI CB",

@@ -65,15 +65,16 @@ def peak_rss_bytes() -> int:
 
 
 def run_ours(workload: Workload, opts: WorkerOptions, prefix_caching: bool = True,
-             kv_cache_dtype: str | None = None) -> tuple[float, str, str]:
+             kv_cache_dtype: str | None = None, quantization: str | None = None) -> tuple[float, str, str]:
     """Our engine: `LLM.generate` on token-id prompts, one SamplingParams per prompt;
-    `kv_cache_dtype` overrides the options' (a variant run beside the default)."""
+    `kv_cache_dtype` and `quantization` override the options' (variants run beside the default)."""
     import torch
 
     from engine import LLM, SamplingParams
 
     torch.set_num_threads(opts.threads)
-    with LLM(opts.model, dtype=opts.dtype, quantization=opts.quantization, enable_prefix_caching=prefix_caching,
+    quantization = quantization or opts.quantization
+    with LLM(opts.model, dtype=opts.dtype, quantization=quantization, enable_prefix_caching=prefix_caching,
              kv_cache_memory=opts.kv_cache_bytes, num_threads=opts.threads,
              kv_cache_dtype=kv_cache_dtype or opts.kv_cache_dtype) as llm:
         warmup = SamplingParams(temperature=0, max_tokens=WARMUP_TOKENS, ignore_eos=True)
@@ -85,7 +86,7 @@ def run_ours(workload: Workload, opts: WorkerOptions, prefix_caching: bool = Tru
         elapsed = time.perf_counter() - start
         dtype, cache = llm.dtype, llm.llm_engine.config.kv_cache_dtype
     _check_lengths([len(o.outputs[0].token_ids) for o in outputs], workload)
-    weights = f" + {opts.quantization}" if opts.quantization else ""
+    weights = f" + {quantization}" if quantization else ""
     return elapsed, dtype, f"{dtype}{weights}, {cache} KV, prefix caching {'on' if prefix_caching else 'off'}"
 
 
@@ -196,6 +197,7 @@ RUNNERS = {
     "ours": run_ours,
     "ours-no-prefix-cache": lambda workload, opts: run_ours(workload, opts, prefix_caching=False),
     "ours-int8-kv": lambda workload, opts: run_ours(workload, opts, kv_cache_dtype="int8"),
+    "ours-int8": lambda workload, opts: run_ours(workload, opts, quantization="int8"),
     "hf-generate": run_hf_generate,
     "hf-continuous": run_hf_continuous,
     "openvino": run_openvino,

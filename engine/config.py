@@ -52,7 +52,8 @@ class EngineConfig:
                                               "(config.json quantization_config: 'fp8' or 'compressed-tensors' "
                                               "FP8, 'awq', 'gptq'; unquantized when it has none), or quantized at "
                                               "load: 'int8' (a CPU with VNNI or AMX: projections and experts per "
-                                              "output feature, activations per token, int8 products) or 'fp8' (a "
+                                              "output feature, activations per token, smoothed by input ranges "
+                                              "measured at load, int8 products) or 'fp8' (a "
                                               "GPU with FP8 units). The language-model head and routers stay in "
                                               "dtype.")
     device: str = _setting("auto", "'auto' (a GPU when there is one), 'cpu' or 'cuda'.")

@@ -6,7 +6,7 @@ import json
 import logging
 import time
 from contextlib import ExitStack, contextmanager
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -161,12 +161,13 @@ def open_safetensors(files: list[Path]) -> Iterator[list[tuple[str, CheckpointTe
 
 
 def load_model(model_config: ModelConfig, group: TensorParallelGroup | None = None,
-               triton_kernels: bool = False) -> nn.Module:
+               triton_kernels: bool = False, calibrate: Callable[[nn.Module], None] | None = None) -> nn.Module:
     """Builds the model family named in config.json and fills it from the folder's
     weights: with a tensor-parallel `group`, this rank's share of them. With
     `triton_kernels` its layers run through Triton (`route_through_triton`), and otherwise
     on a CPU its norms and rotary embeddings through C++ (`route_through_cpu_kernels`),
-    before the rest are prepacked for this device."""
+    before the rest are prepacked for this device; `calibrate` runs on the routed model
+    just before (int8's input ranges, measured on the unquantized weights)."""
     started = time.perf_counter()
     hf_config = model_config.hf_config
     architectures = getattr(hf_config, "architectures", None) or []
@@ -195,6 +196,8 @@ def load_model(model_config: ModelConfig, group: TensorParallelGroup | None = No
         route_through_triton(model)
     elif model_config.device.type == "cpu":
         route_through_cpu_kernels(model)
+    if calibrate is not None:
+        calibrate(model)
     model.prepack()
     model.eval()
     logger.info(

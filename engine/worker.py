@@ -10,6 +10,7 @@ ranks, so that the collectives inside the model pair up.
 import contextlib
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,6 +26,7 @@ from engine.lora.manager import LoRAManager
 from engine.lora.request import LoRARequest
 from engine.lora.slots import LoRARange
 from engine.model_loader import load_model
+from engine.quantization.calibration import calibration_prompts, layers_wanting_ranges, record_input_ranges
 
 if TYPE_CHECKING:
     from engine.cuda_graphs import CUDAGraphRunner
@@ -58,7 +60,8 @@ class Worker:
         used_at_start = self._set_up_device()
         # Weights and cache in mappings of their own on a CPU: freed, they leave the process.
         with long_lived_allocations() if self.device.type == "cpu" else contextlib.nullcontext():
-            self.model = load_model(model_config, group, triton_kernels=config.attention_backend == "triton")
+            self.model = load_model(model_config, group, triton_kernels=config.attention_backend == "triton",
+                                    calibrate=self._calibrate)
             self.kv_cache = KVCache(self.model, config.attention_backend, config.block_size,
                                     cache_torch_dtype(config.kv_cache_dtype), self.device)
             # Every rank holds as many blocks: the fewest any rank's budget allows.
@@ -66,6 +69,20 @@ class Worker:
                                                                         used_at_start)))
         self.lora_manager = self._make_lora_manager() if config.enable_lora else None
         self.cuda_graphs = self._capture_cuda_graphs()
+
+    def _calibrate(self, model: torch.nn.Module) -> None:
+        """Measures the input ranges that int8's smoothing reads, when the model has
+        projections that want them: one prefill of the calibration text on scratch blocks."""
+        if not layers_wanting_ranges(model):
+            return
+        from transformers import AutoTokenizer
+
+        config = self.config
+        tokenizer = AutoTokenizer.from_pretrained(Path(config.tokenizer).expanduser() if config.tokenizer
+                                                  else self.model_config.path)
+        scratch = KVCache(model, config.attention_backend, config.block_size,
+                          cache_torch_dtype(config.kv_cache_dtype), self.device)
+        record_input_ranges(model, scratch, calibration_prompts(tokenizer))
 
     def _set_up_device(self) -> int:
         """Sets the CPU threads and logs the device and the kernels chosen; returns the

@@ -24,7 +24,8 @@ std::vector<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight, 
                                  const std::optional<at::Tensor>& residual);
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
-                       const std::optional<at::Tensor>& bias);
+                       const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& input_scale,
+                       const std::optional<at::Tensor>& addend);
 
 at::Tensor act_and_mul(const at::Tensor& x, bool gelu);
 
@@ -36,7 +37,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_moe", &fused_moe, "Routed experts on oneDNN-prepacked matrices (CPU)");
   m.def("fused_moe_int8", &fused_moe_int8, "Routed experts on int8 matrices (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm with the residual add fused in (CPU)");
-  m.def("int8_linear", &int8_linear, "x times an int8 weight, x quantized per row (CPU)");
+  m.def("int8_linear", &int8_linear, "x times an int8 weight, x smoothed and quantized per row (CPU)");
   m.def("rotary", &rotary, "Rotary position embedding (CPU)");
   m.def("act_and_mul", &act_and_mul, "The MLP's gated activation, act(gate) * up (CPU)");
 }

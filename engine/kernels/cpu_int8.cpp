@@ -37,20 +37,30 @@ inline void store8_int8(int8_t* p, __m256 v) {
 }
 #endif
 
-// Row r of x as int8 in q, its scale in scale[r].
+// Row r of x, times input_scale per channel where there is one, as int8 in q, its scale in scale[r].
 template <typename scalar_t>
-void quantize_row(const scalar_t* x, int64_t n, int8_t* q, float* scale) {
+void quantize_row(const scalar_t* x, const float* input_scale, int64_t n, int8_t* q, float* scale) {
+  const auto value = [&](int64_t j) {
+    const float v = static_cast<float>(x[j]);
+    return input_scale != nullptr ? v * input_scale[j] : v;
+  };
+#if defined(__AVX2__) && defined(__FMA__)
+  const auto value8 = [&](auto j) {  // generic: instantiated only where scalar_t has 8-lane loads
+    const __m256 v = load8(x + j);
+    return input_scale != nullptr ? _mm256_mul_ps(v, _mm256_loadu_ps(input_scale + j)) : v;
+  };
+#endif
   float peak = 0.f;
   int64_t j = 0;
 #if defined(__AVX2__) && defined(__FMA__)
   if constexpr (kVector8<scalar_t>) {
     const __m256 sign = _mm256_set1_ps(-0.f);
     __m256 m = _mm256_setzero_ps();
-    for (; j + 8 <= n; j += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, load8(x + j)));
+    for (; j + 8 <= n; j += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, value8(j)));
     peak = max_abs8(m);
   }
 #endif
-  for (; j < n; ++j) peak = std::max(peak, std::fabs(static_cast<float>(x[j])));
+  for (; j < n; ++j) peak = std::max(peak, std::fabs(value(j)));
   const float s = peak / kLevels;
   *scale = s;
   if (s == 0.f) {
@@ -62,17 +72,17 @@ void quantize_row(const scalar_t* x, int64_t n, int8_t* q, float* scale) {
   if constexpr (kVector8<scalar_t>) {
     const __m256 sv = _mm256_set1_ps(s), hi = _mm256_set1_ps(kLevels), lo = _mm256_set1_ps(-kLevels);
     for (; j + 8 <= n; j += 8)
-      store8_int8(q + j, _mm256_min_ps(hi, _mm256_max_ps(lo, _mm256_div_ps(load8(x + j), sv))));
+      store8_int8(q + j, _mm256_min_ps(hi, _mm256_max_ps(lo, _mm256_div_ps(value8(j), sv))));
   }
 #endif
-  for (; j < n; ++j)
-    q[j] = static_cast<int8_t>(std::clamp(std::nearbyint(static_cast<float>(x[j]) / s), -kLevels, kLevels));
+  for (; j < n; ++j) q[j] = static_cast<int8_t>(std::clamp(std::nearbyint(value(j) / s), -kLevels, kLevels));
 }
 
-// out[r, c] = float(acc[r, c]) * x_scale[r] * w_scale[c] (+ bias[c]), in scalar_t.
+// out[r, c] = float(acc[r, c]) * x_scale[r] * w_scale[c] (+ bias[c]) (+ addend[r, c]), each step
+// rounded to float32 in that order, then once to scalar_t.
 template <typename scalar_t>
 void dequantize_row(const int32_t* acc, int64_t n, float x_scale, const float* w_scale, const float* bias,
-                    scalar_t* out) {
+                    const scalar_t* addend, scalar_t* out) {
   int64_t c = 0;
 #if defined(__AVX2__) && defined(__FMA__)
   if constexpr (kVector8<scalar_t>) {
@@ -81,6 +91,7 @@ void dequantize_row(const int32_t* acc, int64_t n, float x_scale, const float* w
       const __m256 a = _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(acc + c)));
       __m256 v = _mm256_mul_ps(_mm256_mul_ps(a, xs), _mm256_loadu_ps(w_scale + c));
       if (bias != nullptr) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + c));
+      if (addend != nullptr) v = _mm256_add_ps(v, load8(addend + c));
       store8(out + c, v);
     }
   }
@@ -88,32 +99,38 @@ void dequantize_row(const int32_t* acc, int64_t n, float x_scale, const float* w
   for (; c < n; ++c) {
     float v = static_cast<float>(acc[c]) * x_scale * w_scale[c];
     if (bias != nullptr) v += bias[c];
+    if (addend != nullptr) v += static_cast<float>(addend[c]);
     out[c] = static_cast<scalar_t>(v);
   }
 }
 
 template <typename scalar_t>
 at::Tensor int8_matmul_typed(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
-                             const std::optional<at::Tensor>& bias) {
+                             const std::optional<at::Tensor>& bias, const Int8Smoothing& smoothing) {
   const int64_t rows = x.size(0), in = x.size(1), out_features = q.size(1);
   at::Tensor xq = at::empty({rows, in}, x.options().dtype(at::kChar));
   at::Tensor x_scale = at::empty({rows}, x.options().dtype(at::kFloat));
   const scalar_t* xp = x.data_ptr<scalar_t>();
+  const float* isp = smoothing.input_scale.defined() ? smoothing.input_scale.data_ptr<float>() : nullptr;
   int8_t* qp = xq.data_ptr<int8_t>();
   float* sp = x_scale.data_ptr<float>();
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) quantize_row<scalar_t>(xp + r * in, in, qp + r * in, sp + r);
+    for (int64_t r = r0; r < r1; ++r) quantize_row<scalar_t>(xp + r * in, isp, in, qp + r * in, sp + r);
   });
   const at::Tensor acc = at::_int_mm(xq, q);
   at::Tensor out = at::empty({rows, out_features}, x.options());
   const at::Tensor bias_f = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  const at::Tensor addend = smoothing.addend.defined() ? smoothing.addend.reshape({rows, out_features}).contiguous()
+                                                       : at::Tensor();
+  const scalar_t* dp = addend.defined() ? addend.data_ptr<scalar_t>() : nullptr;
   const int32_t* ap = acc.data_ptr<int32_t>();
   const float* wp = scale.data_ptr<float>();
   scalar_t* op = out.data_ptr<scalar_t>();
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
-      dequantize_row<scalar_t>(ap + r * out_features, out_features, sp[r], wp, bp, op + r * out_features);
+      dequantize_row<scalar_t>(ap + r * out_features, out_features, sp[r], wp, bp,
+                               dp != nullptr ? dp + r * out_features : nullptr, op + r * out_features);
   });
   return out;
 }
@@ -121,16 +138,22 @@ at::Tensor int8_matmul_typed(const at::Tensor& x, const at::Tensor& q, const at:
 }  // namespace
 
 at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
-                       const std::optional<at::Tensor>& bias) {
+                       const std::optional<at::Tensor>& bias, const Int8Smoothing& smoothing) {
   TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && q.size(0) == x.size(1), "x [rows, in] and q [in, out]");
   TORCH_CHECK(q.scalar_type() == at::kChar && q.is_contiguous(), "q: contiguous int8 [in, out]");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == q.size(1) && scale.is_contiguous(),
               "scale: float32 [out]");
   TORCH_CHECK(!bias.has_value() || bias->numel() == q.size(1), "bias [out]");
+  const at::Tensor& input_scale = smoothing.input_scale;
+  TORCH_CHECK(!input_scale.defined() || (input_scale.scalar_type() == at::kFloat && input_scale.is_contiguous() &&
+                                         input_scale.numel() == q.size(0)), "input_scale: float32 [in]");
+  const at::Tensor& addend = smoothing.addend;
+  TORCH_CHECK(!addend.defined() || (addend.scalar_type() == x.scalar_type() && addend.numel() == x.size(0) * q.size(1)),
+              "addend: [rows, out] in x's dtype");
   const at::Tensor xc = x.contiguous();
   at::Tensor out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "int8_matmul", [&] {
-    out = int8_matmul_typed<scalar_t>(xc, q, scale, bias);
+    out = int8_matmul_typed<scalar_t>(xc, q, scale, bias, smoothing);
   });
   return out;
 }
@@ -139,8 +162,10 @@ at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& q, const at::Tenso
 
 // The Python entry (`engine.quantization.int8`): `int8_matmul` with x of any leading shape.
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
-                       const std::optional<at::Tensor>& bias) {
+                       const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& input_scale,
+                       const std::optional<at::Tensor>& addend) {
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = q.size(1);
-  return engine_cpu::int8_matmul(x.reshape({-1, x.size(-1)}), q, scale, bias).view(shape);
+  const engine_cpu::Int8Smoothing smoothing{input_scale.value_or(at::Tensor()), addend.value_or(at::Tensor())};
+  return engine_cpu::int8_matmul(x.reshape({-1, x.size(-1)}), q, scale, bias, smoothing).view(shape);
 }

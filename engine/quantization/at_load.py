@@ -30,10 +30,14 @@ class QuantizedAtLoadMethod:
         """Quantizes the loaded weight and drops it."""
         if not layer.weight.numel():
             return
-        q, scale = self.quantize(layer.weight.detach())
+        q, scale = self.quantize(self.weight_to_quantize(layer))
         layer.register_buffer("qweight", q)
         layer.register_buffer("weight_scale", scale)
         layer.weight = nn.Parameter(torch.empty(0, dtype=layer.weight.dtype, device=q.device), requires_grad=False)
+
+    def weight_to_quantize(self, layer: "Linear") -> torch.Tensor:
+        """The matrix `quantize` rounds: the loaded weight, unless a method transforms it first."""
+        return layer.weight.detach()
 
     def apply(self, layer: "Linear", x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return self.product(x, layer.qweight, layer.weight_scale, bias)

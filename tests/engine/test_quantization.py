@@ -1,9 +1,10 @@
 """Quantized weights: choosing the method (`engine.quantization`), and int8 on the CPU.
 
 int8 is checked against an emulation in float32 (weights and each activation row rounded
-to int8 and scaled back, then an ordinary product): the engine sums in int32, exactly, so
-the two differ by float32 rounding only. The compiled kernels and PyTorch's operations
-that stand in for them give the same bits.
+to int8 and scaled back, then an ordinary product; a calibrated projection's input scaled and
+its outlier channels multiplied in float32): the engine sums in int32, exactly, so the two
+differ by float32 rounding only. The compiled kernels and PyTorch's operations that stand in
+for them give the same bits.
 """
 
 import pytest
@@ -20,7 +21,8 @@ from engine.hardware import CPU_KINDS, detect_cpu
 from engine.layers.fused_moe import FusedMoE
 from engine.layers.linear import Linear
 from engine.quantization import apply_quantization, resolve_quantization
-from engine.quantization.int8 import int8_linear, quantize_rows, quantize_weight
+from engine.quantization.calibration import CALIBRATION_TEXTS, calibration_prompts
+from engine.quantization.int8 import Int8LinearMethod, Int8Smoothing, int8_linear, quantize_rows, quantize_weight
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="int8 runs on a CPU")
@@ -48,18 +50,62 @@ def test_weights_quantize_per_output_feature():
     assert ((dequantized(weight) - weight).abs() <= scale[:, None] / 2 + 1e-6).all()
 
 
+def smoothing_case(weight: torch.Tensor, gen: torch.Generator) -> Int8Smoothing:
+    """A smoothing planned from input ranges of which a few channels are 20x the rest's."""
+    ranges = torch.rand(weight.shape[1], generator=gen) + 0.5
+    ranges[[3, 17, 40]] *= 20
+    return Int8Smoothing.plan(weight, ranges)
+
+
+def emulated_product(x: torch.Tensor, weight: torch.Tensor, smoothing: Int8Smoothing | None) -> torch.Tensor:
+    """x @ weight.T in float32 as int8 rounds it: with `smoothing`, the scaled input's rows and
+    the smoothed weight rounded, and the outlier channels' exact product added."""
+    x = x.float()
+    if smoothing is None:
+        return fake_quantize_rows(x) @ dequantized(weight).t()
+    index = smoothing.outlier_index
+    rounded = fake_quantize_rows(x * smoothing.input_scale) @ dequantized(smoothing.smoothed(weight)).t()
+    return rounded + x[..., index] @ weight.float()[:, index].t()
+
+
+def smoothed_args(x: torch.Tensor, smoothing: Int8Smoothing | None) -> tuple[torch.Tensor | None, ...]:
+    """`int8_linear`'s input_scale and addend (the outlier channels' product, in x's dtype) for `smoothing`."""
+    if smoothing is None:
+        return None, None
+    addend = x[:, smoothing.outlier_index].float() @ smoothing.outlier_weight.t()
+    return smoothing.input_scale, addend.to(x.dtype)
+
+
+def test_smoothing_moves_the_widest_channels_out_and_keeps_the_product():
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(40, 72, generator=gen)
+    smoothing = smoothing_case(weight, gen)
+    assert {3, 17, 40} <= set(smoothing.outlier_index.tolist())
+    assert len(smoothing.outlier_index) == 72 // 8  # at most OUTLIER_CHANNELS, an eighth of a narrow input
+    kept = smoothing.input_scale > 0
+    assert kept.sum() == 72 - 9 and not smoothing.input_scale[smoothing.outlier_index].any()
+    torch.testing.assert_close(smoothing.outlier_weight, weight[:, smoothing.outlier_index])
+    # without rounding, the smoothed product plus the outliers' is the product
+    x = torch.randn(5, 72, generator=gen)
+    rebuilt = (x * smoothing.input_scale) @ smoothing.smoothed(weight).t()
+    rebuilt += x[:, smoothing.outlier_index] @ smoothing.outlier_weight.t()
+    torch.testing.assert_close(rebuilt, x @ weight.t(), atol=1e-4, rtol=1e-4)
+
+
 @needs_vnni
 @pytest.mark.cpu_kinds
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows, bias", [(1, True), (7, False), (40, True)])
-def test_int8_linear_matches_the_emulation(cpu_path, dtype, rows, bias):
+@pytest.mark.parametrize("smoothed", [False, True], ids=["plain", "smoothed"])
+def test_int8_linear_matches_the_emulation(cpu_path, dtype, rows, bias, smoothed):
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 72, generator=gen).to(dtype)
     x[0] = 0  # a zero row: scale 0, no division by it
     weight, b = torch.randn(40, 72, generator=gen), torch.randn(40, generator=gen).to(dtype) if bias else None
-    q, scale = quantize_weight(weight)
-    out = int8_linear(x, q, scale, b)
-    expected = fake_quantize_rows(x) @ dequantized(weight).t() + (b.float() if bias else 0)
+    smoothing = smoothing_case(weight, gen) if smoothed else None
+    q, scale = quantize_weight(smoothing.smoothed(weight) if smoothed else weight)
+    out = int8_linear(x, q, scale, b, *smoothed_args(x, smoothing))
+    expected = emulated_product(x, weight, smoothing) + (b.float() if bias else 0)
     assert out.dtype == dtype and out.shape == (rows, 40)
     close = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]  # the output's rounding
     torch.testing.assert_close(out.float(), expected, atol=close * expected.abs().max().item(), rtol=close)
@@ -68,18 +114,23 @@ def test_int8_linear_matches_the_emulation(cpu_path, dtype, rows, bias):
 @needs_vnni
 @pytest.mark.cpu_kinds
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_kernel_and_pytorch_give_the_same_bits_and_rows_ignore_the_batch(monkeypatch, dtype):
+@pytest.mark.parametrize("smoothed", [False, True], ids=["plain", "smoothed"])
+def test_the_kernel_and_pytorch_give_the_same_bits_and_rows_ignore_the_batch(monkeypatch, dtype, smoothed):
     from engine.kernels import cpu_build
 
     if cpu_build.load() is None:
         pytest.skip("the CPU kernels cannot be built here")
-    x, weight = torch.randn(33, 96).to(dtype), torch.randn(50, 96)
-    q, scale = quantize_weight(weight)
-    compiled = int8_linear(x, q, scale)
+    gen = torch.Generator().manual_seed(1)
+    x, weight = torch.randn(33, 96, generator=gen).to(dtype), torch.randn(50, 96, generator=gen)
+    smoothing = smoothing_case(weight, gen) if smoothed else None
+    q, scale = quantize_weight(smoothing.smoothed(weight) if smoothed else weight)
+    input_scale, addend = smoothed_args(x, smoothing)
+    compiled = int8_linear(x, q, scale, None, input_scale, addend)
     for t in range(len(x)):
-        assert torch.equal(int8_linear(x[t : t + 1], q, scale), compiled[t : t + 1]), t
+        row_addend = addend[t : t + 1] if smoothed else None
+        assert torch.equal(int8_linear(x[t : t + 1], q, scale, None, input_scale, row_addend), compiled[t : t + 1]), t
     monkeypatch.setattr(cpu_build, "load", lambda: None)
-    assert torch.equal(int8_linear(x, q, scale), compiled)
+    assert torch.equal(int8_linear(x, q, scale, None, input_scale, addend), compiled)
 
 
 def int8_experts(w13: torch.Tensor, w2: torch.Tensor) -> FusedMoE:
@@ -123,13 +174,69 @@ def test_int8_experts_match_the_emulation(cpu_path, dtype, tokens, experts, top_
     torch.testing.assert_close(out.float(), reference_moe(x, w13, w2, weights, ids), atol=0.1, rtol=0.1)
 
 
-def emulate_int8(model: torch.nn.Module) -> None:
+ENGINE_NAMES = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+                "up_proj": "gate_up_proj"}
+
+
+def engine_smoothing(engine_model: torch.nn.Module) -> dict[str, Int8Smoothing]:
+    """Each calibrated projection's smoothing, by transformers' name of each projection that
+    feeds on the same input (q, k and v share qkv_proj's input scale and outliers)."""
+    found = {}
+    for name, module in engine_model.named_modules():
+        if hasattr(module, "input_scale"):
+            found[name] = Int8Smoothing(module.input_scale.clone(), module.outlier_index.clone(), torch.empty(0))
+    return found
+
+
+def emulate_int8(model: torch.nn.Module, smoothing: dict[str, Int8Smoothing]) -> None:
     """transformers' model with what `quantization="int8"` rounds rounded the same way:
-    every projection but the head's weights and input rows."""
+    every projection but the head's, smoothed where the engine's is (`engine_smoothing`)."""
     for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and name != "lm_head":
-            module.weight.data = dequantized(module.weight.data)
-            module.register_forward_pre_hook(lambda _, args: (fake_quantize_rows(args[0]),))
+        if not isinstance(module, torch.nn.Linear) or name == "lm_head":
+            continue
+        parent, _, leaf = name.rpartition(".")
+        plan = smoothing.get(f"{parent}.{ENGINE_NAMES.get(leaf, leaf)}")
+        weight, bias = module.weight.data.clone(), module.bias
+
+        def forward(x, weight=weight, bias=bias, plan=plan):
+            out = emulated_product(x, weight, plan)
+            return out if bias is None else out + bias
+
+        module.forward = forward
+
+
+@needs_vnni
+def test_calibration_measures_each_projections_input_range(llama_with_biases, monkeypatch):
+    """The ranges int8 smooths by are the largest |x| per input channel of each projection over
+    the calibration text, as transformers' model computes its inputs (one prefill of them all)."""
+    measured_by_layer = {}
+    quantize = Int8LinearMethod.weight_to_quantize
+
+    def spy(self, layer):
+        measured_by_layer[layer] = layer.__dict__["input_range"]
+        return quantize(self, layer)
+
+    monkeypatch.setattr(Int8LinearMethod, "weight_to_quantize", spy)
+    with LLM(str(llama_with_biases), dtype="float32", quantization="int8") as llm:
+        names = {module: name for name, module in llm.llm_engine.model_runner.model.named_modules()}
+        prompts = calibration_prompts(llm.get_tokenizer())
+    measured = {names[layer]: ranges for layer, ranges in measured_by_layer.items()}
+    assert len(prompts) == len(CALIBRATION_TEXTS) and len(measured) == 4 * 2
+    model = AutoModelForCausalLM.from_pretrained(llama_with_biases, dtype=torch.float32).eval()
+    expected: dict[str, torch.Tensor] = {}
+    for name, module in model.named_modules():
+        parent, _, leaf = name.rpartition(".")
+        if leaf in ("q_proj", "o_proj", "gate_proj", "down_proj"):
+            def record(_, args, key=f"{parent}.{ENGINE_NAMES.get(leaf, leaf)}"):
+                peak = args[0].abs().reshape(-1, args[0].shape[-1]).amax(0)
+                expected[key] = torch.maximum(expected[key], peak) if key in expected else peak
+            module.register_forward_pre_hook(record)
+    with torch.no_grad():
+        for prompt in prompts:
+            model(torch.tensor([prompt]))
+    assert measured.keys() == expected.keys()
+    for name, ranges in measured.items():
+        torch.testing.assert_close(ranges, expected[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
 def chosen_logprobs(llm: LLM, prompts: list[dict],
@@ -151,10 +258,13 @@ def test_int8_model_matches_the_emulation(llama_with_biases, settings):
     prompts = mixed_prompts(count=8)
     model = AutoModelForCausalLM.from_pretrained(llama_with_biases, dtype=torch.float32).eval()
     plain = AutoModelForCausalLM.from_pretrained(llama_with_biases, dtype=torch.float32).eval()
-    emulate_int8(model)
     with LLM(str(llama_with_biases), dtype="float32", quantization="int8", **settings) as llm:
         outputs = chosen_logprobs(llm, prompts)
-        linears = [m for m in llm.llm_engine.model_runner.model.modules() if isinstance(m, Linear)]
+        engine_model = llm.llm_engine.model_runner.model
+        linears = [m for m in engine_model.modules() if isinstance(m, Linear)]
+        smoothing = engine_smoothing(engine_model)
+    assert len(smoothing) == 4 * 2  # every projection of both layers was calibrated
+    emulate_int8(model, smoothing)
     gap_to_plain = 0.0
     with torch.no_grad():
         for i, (p, (out, logprobs)) in enumerate(zip(prompts, outputs)):

@@ -1,0 +1,116 @@
+"""Input ranges for int8's smoothing, measured at load: the unquantized model runs a short
+built-in text, and every projection whose method asks (`wants_input_range`) is left the
+largest |x| each of its input channels reached (`layer.input_range`), which the method
+reads when it quantizes the weight (`engine.quantization.int8`).
+
+Why at load: a 16-bit checkpoint carries no activation statistics, and activations, unlike
+weights, have outlier channels that per-row int8 scales cannot absorb. The text mixes
+prose, code, a ticket, figures, another language and chat turns, so that the channels
+that are wide on any of them are seen; it is not the benchmark's prompts.
+"""
+
+import itertools
+import logging
+import time
+
+import torch
+from torch import nn
+from transformers import PreTrainedTokenizerBase
+
+from engine.kv_cache import KVCache
+from engine.layers.attention import AttentionMetadata
+from engine.layers.linear import Linear
+
+logger = logging.getLogger(__name__)
+
+CALIBRATION_TEXTS = (
+    "The committee met on Tuesday to review the quarterly budget. Spending on travel fell by twelve percent, "
+    "while software licences rose sharply after the migration to the new billing platform.",
+    "def merge(a, b):\n    out = []\n    while a and b:\n        out.append(a.pop(0) if a[0] < b[0] else b.pop(0))\n"
+    "    return out + a + b\n",
+    "Customer ticket #4821: the mobile app crashes when I upload a photo larger than 10 MB. Steps: open the "
+    "gallery, pick the image, tap send. Expected: upload. Actual: the app closes.",
+    "In 1869 the transcontinental railroad joined the Central Pacific and Union Pacific lines at Promontory "
+    "Summit, Utah, cutting the journey across the country from months to about a week.",
+    "Mix two cups of flour with a teaspoon of salt, add warm water slowly, and knead for ten minutes until the "
+    "dough is smooth. Let it rest, covered, for an hour.",
+    "Les chercheurs ont observé que la température moyenne de la mer a augmenté de 0,8 degré depuis 1980, ce "
+    "qui modifie la migration des poissons.",
+    "SELECT region, COUNT(*) AS orders, SUM(total) FROM sales WHERE created_at >= '2024-01-01' GROUP BY region "
+    "ORDER BY 3 DESC;",
+    "Q: If a train leaves at 3:15 pm and travels 180 km at 60 km/h, when does it arrive? A: It takes three "
+    "hours, so it arrives at 6:15 pm.",
+)
+
+
+def layers_wanting_ranges(model: nn.Module) -> list[Linear]:
+    """The projections whose quantization method smooths by measured input ranges."""
+    return [m for m in model.modules()
+            if isinstance(m, Linear) and getattr(m.quant_method, "wants_input_range", False)]
+
+
+def calibration_prompts(tokenizer: PreTrainedTokenizerBase) -> list[list[int]]:
+    """The texts as token ids: every other one as a user turn of the tokenizer's chat
+    template, where it has one (chat prompts are what the engine mostly runs)."""
+    prompts = []
+    for i, text in enumerate(CALIBRATION_TEXTS):
+        if i % 2 == 0 and tokenizer.chat_template:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                 tokenize=False)
+        prompts.append(tokenizer(text, add_special_tokens=False).input_ids)
+    return prompts
+
+
+def record_input_ranges(model: nn.Module, kv_cache: KVCache, prompts: list[list[int]]) -> None:
+    """Runs `prompts` as one prefill step on scratch blocks of `kv_cache` (freed after), the
+    projections multiplying by their loaded weights, not yet quantized, and sets
+    `input_range` [in] float32 on each layer of `layers_wanting_ranges`."""
+    layers = layers_wanting_ranges(model)
+    methods = {layer: layer.quant_method for layer in layers}
+    started = time.perf_counter()
+    ranges: dict[Linear, torch.Tensor] = {}
+
+    def record(layer: nn.Module, args: tuple) -> None:
+        x = args[0].detach()
+        peak = x.reshape(-1, x.shape[-1]).abs().amax(0).float()
+        ranges[layer] = torch.maximum(ranges[layer], peak) if layer in ranges else peak
+
+    hooks = [layer.register_forward_pre_hook(record) for layer in layers]
+    for layer in layers:
+        layer.quant_method = None
+    meta = _prefill_metadata([len(p) for p in prompts], kv_cache)
+    try:
+        with torch.inference_mode():
+            kv_cache.backend.prepare(meta)
+            ids = torch.tensor(list(itertools.chain(*prompts)), dtype=torch.long, device=kv_cache.device)
+            model(ids, meta.positions, meta)
+    finally:
+        for hook in hooks:
+            hook.remove()
+        for layer, method in methods.items():
+            layer.quant_method = method
+        kv_cache.free()
+    for layer, peak in ranges.items():
+        layer.input_range = peak.clone()
+    logger.info("int8 smoothing: input ranges of %d projections measured on %d calibration tokens in %.2f s",
+                len(ranges), len(meta.positions), time.perf_counter() - started)
+
+
+def _prefill_metadata(lengths: list[int], kv_cache: KVCache) -> AttentionMetadata:
+    """Allocates `kv_cache` blocks for prompts of these lengths (each its own consecutive
+    blocks) and returns the attention inputs of one step that prefills them all."""
+    size, device = kv_cache.block_size, kv_cache.device
+    blocks = [-(-n // size) for n in lengths]
+    kv_cache.allocate(sum(blocks))
+    firsts = [0, *itertools.accumulate(blocks)][:-1]
+    slots = torch.cat([torch.arange(n) + first * size for n, first in zip(lengths, firsts)])
+    tables = torch.zeros(len(lengths), max(blocks), dtype=torch.int32)
+    for row, (first, count) in enumerate(zip(firsts, blocks)):
+        tables[row, :count] = torch.arange(first, first + count)
+    return AttentionMetadata(
+        slot_mapping=slots.to(device),
+        query_start_loc=torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(lengths, dtype=torch.int32, device=device),
+        block_tables=tables.to(device),
+        positions=torch.cat([torch.arange(n) for n in lengths]).to(device),
+        query_lens=lengths, context_lens=lengths, block_size=size)
