@@ -48,14 +48,16 @@ class EngineConfig:
     dtype: str = _setting("auto", "'auto', 'float32', 'bfloat16' or 'float16'. 'auto' is the checkpoint's own on "
                                   "a GPU (bfloat16 for a float32 one); on a CPU, bfloat16 for a 16-bit checkpoint "
                                   "where the CPU has native bfloat16 (AVX512-BF16, AMX, ARM BF16), else float32.")
-    quantization: str | None = _setting(None, "How the weights are quantized: None, the checkpoint's own "
-                                              "(config.json quantization_config: 'fp8' or 'compressed-tensors' "
-                                              "FP8, 'awq', 'gptq'; unquantized when it has none), or quantized at "
-                                              "load: 'int8' (a CPU with VNNI or AMX: projections and experts per "
-                                              "output feature, activations per token, smoothed by input ranges "
-                                              "measured at load, int8 products) or 'fp8' (a "
-                                              "GPU with FP8 units). The language-model head and routers stay in "
-                                              "dtype.")
+    quantization: str | None = _setting("auto", "How the weights are quantized: 'auto' (the checkpoint's own; "
+                                                "an unquantized one runs 'int8' on a CPU with VNNI or AMX when "
+                                                "dtype is left 'auto' and resolves to bfloat16, else the dtype), "
+                                                "None (the checkpoint's own or the dtype, as vLLM's default), the "
+                                                "checkpoint's own (config.json quantization_config: 'fp8' or "
+                                                "'compressed-tensors' FP8, 'awq', 'gptq'), or quantized at load: "
+                                                "'int8' (a CPU with VNNI or AMX: projections and experts per "
+                                                "output feature, activations per token, smoothed by input ranges "
+                                                "measured at load, int8 products) or 'fp8' (a GPU with FP8 "
+                                                "units). The language-model head and routers stay in dtype.")
     device: str = _setting("auto", "'auto' (a GPU when there is one), 'cpu' or 'cuda'.")
     seed: int = _setting(0, "Seed of the random draws of requests that have no seed of their own.")
     max_model_len: int | None = _setting(None, "Longest prompt plus completion, at most the model's context "
@@ -111,8 +113,8 @@ class EngineConfig:
         problems = []
         if self.dtype not in ("auto", *_DTYPES):
             problems.append(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {self.dtype!r}")
-        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
-            problems.append(f"quantization must be None or one of {sorted(QUANTIZATION_METHODS)}, "
+        if self.quantization not in (None, "auto", *QUANTIZATION_METHODS):
+            problems.append(f"quantization must be 'auto', None or one of {sorted(QUANTIZATION_METHODS)}, "
                             f"got {self.quantization!r}")
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             problems.append(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
@@ -232,8 +234,10 @@ class ModelConfig:
             eos |= set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
             # Only what the file sets: transformers' own defaults (top_k=50) are not vLLM's.
             defaults = {name: generation[key] for key, name in _GENERATION_DEFAULTS.items() if key in generation}
-        return cls(path, hf_config, _resolve_dtype(engine.dtype, hf_config, device), device, max_model_len, eos,
-                   defaults, resolve_quantization(engine.quantization, hf_config, device))
+        dtype = _resolve_dtype(engine.dtype, hf_config, device)
+        quantization = resolve_quantization(engine.quantization, hf_config, device,
+                                            auto_dtype=dtype if engine.dtype == "auto" else None)
+        return cls(path, hf_config, dtype, device, max_model_len, eos, defaults, quantization)
 
 
 def resolve_device(setting: str) -> torch.device:

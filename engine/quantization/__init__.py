@@ -85,9 +85,11 @@ def _unsupported_variant(method: str, settings: dict[str, Any]) -> str | None:
     return None
 
 
-def resolve_quantization(requested: str | None, hf_config: PretrainedConfig, device: torch.device) -> str | None:
-    """The method the model runs with: `requested`, else the checkpoint's; None for the
-    model's own dtype.
+def resolve_quantization(requested: str | None, hf_config: PretrainedConfig, device: torch.device,
+                         auto_dtype: torch.dtype | None = None) -> str | None:
+    """The method the model runs with: the checkpoint's own, else `requested`; None for the
+    model's own dtype. "auto" (the default) adds int8 where it is the faster default
+    (`int8_by_default`): `auto_dtype` is the compute dtype when the dtype was left "auto".
 
     Raises:
         ValueError: a method this engine does not run, one the checkpoint contradicts, or
@@ -96,10 +98,12 @@ def resolve_quantization(requested: str | None, hf_config: PretrainedConfig, dev
     stored = checkpoint_quantization(hf_config)
     if stored is not None:
         checkpoint_format(hf_config)
-        if requested is not None and requested != stored:
+        if requested not in (None, "auto") and requested != stored:
             raise ValueError(f"quantization={requested!r} contradicts the checkpoint's {stored!r} (config.json "
                              f"quantization_config); leave quantization unset to use the checkpoint's")
         return stored
+    if requested == "auto":
+        return "int8" if int8_by_default(device, auto_dtype) else None
     if requested is None:
         return None
     if requested not in AT_LOAD:
@@ -109,6 +113,14 @@ def resolve_quantization(requested: str | None, hf_config: PretrainedConfig, dev
         raise ValueError(f"quantization={requested!r} needs {AT_LOAD[requested]}; this is {_describe(device)}. "
                          f"Leave quantization unset there")
     return requested
+
+
+def int8_by_default(device: torch.device, auto_dtype: torch.dtype | None) -> bool:
+    """Whether an unquantized checkpoint runs int8 unless told otherwise: on a CPU with VNNI
+    or AMX, where the dtype left to the engine is bfloat16. There int8's products run at
+    twice bfloat16's rate and its greedy output stays as close to bfloat16 as OpenVINO
+    GenAI's int8 stays to its fp16 (benchmarks/RESULTS.md); an explicit dtype keeps it."""
+    return device.type == "cpu" and auto_dtype == torch.bfloat16 and detect_cpu().int8_vnni
 
 
 def _runs_at_load(method: str, device: torch.device) -> bool:

@@ -281,8 +281,39 @@ def test_int8_model_matches_the_emulation(llama_with_biases, settings):
     assert {type(m).__name__ for m in linears if m.quant_method is None} == {"ParallelLMHead"}
 
 
+@pytest.mark.parametrize("kind, auto_dtype, expected", [
+    ("avx512_bf16", torch.bfloat16, "int8"), ("amx", torch.bfloat16, "int8"),
+    ("avx512_bf16", None, None),  # a dtype was asked for
+    ("avx512_bf16", torch.float32, None),  # a float32 checkpoint keeps float32
+    ("avx512", torch.float32, None), ("avx2", torch.float32, None),
+])
+def test_int8_is_the_default_where_the_cpu_picks_bfloat16_and_has_vnni(monkeypatch, kind, auto_dtype, expected):
+    monkeypatch.setattr(quantization, "detect_cpu", CPU_KINDS[kind].info)
+    config = LlamaConfig()
+    assert resolve_quantization("auto", config, CPU, auto_dtype) == expected
+    assert resolve_quantization(None, config, CPU, auto_dtype) is None  # vLLM's default: the checkpoint's or none
+    assert resolve_quantization("auto", config, torch.device("cuda"), torch.bfloat16) is None
+    config.quantization_config = {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"}
+    assert resolve_quantization("auto", config, CPU, auto_dtype) == "awq"
+
+
+@needs_vnni
+def test_the_default_quantization_follows_the_dtype_setting(llama_with_biases, tmp_path):
+    """A bfloat16 checkpoint on a bfloat16-native CPU runs int8 unless dtype or quantization is
+    given; the resolved setting is what the engine reports."""
+    from tests.tiny_models import build_tokenizer
+
+    if not detect_cpu().native_bf16:
+        pytest.skip("this CPU runs float32 by default")
+    AutoModelForCausalLM.from_pretrained(llama_with_biases, dtype=torch.bfloat16).save_pretrained(tmp_path)
+    build_tokenizer(tmp_path)
+    for settings, expected in (({}, "int8"), ({"dtype": "bfloat16"}, None), ({"quantization": None}, None)):
+        with LLM(str(tmp_path), **settings) as llm:
+            assert llm.llm_engine.config.quantization == expected, settings
+
+
 def test_quantization_is_checked_before_loading(monkeypatch):
-    with pytest.raises(ValueError, match="quantization must be None or one of .*'int8'.*, got 'int4'"):
+    with pytest.raises(ValueError, match="quantization must be 'auto', None or one of .*'int8'.*, got 'int4'"):
         EngineConfig(quantization="int4")
     config = LlamaConfig()
     assert resolve_quantization(None, config, CPU) is None
