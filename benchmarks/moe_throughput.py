@@ -128,7 +128,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--check", type=int, default=4, metavar="N",
                         help="prompts whose greedy tokens are compared with transformers' in float32 (0: none)")
     parser.add_argument("--profile", action="store_true", help="time our engine's components in one more run")
-    parser.add_argument("--quantization", default=None, help="our engine's quantization (default: none)")
+    parser.add_argument("--quantization", default="auto", type=lambda v: None if v == "none" else v,
+                        help="our engine's quantization: its default 'auto' (int8 where that is the default), "
+                             "'none' (the dtype's products), or a method")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     unknown = sorted(set(args.families.split(",")) - set(MODEL_SHAPES))
@@ -200,7 +202,8 @@ def measure_family(folder: Path, workload: Workload, args: argparse.Namespace) -
     dtype, experts = min(result.probe, key=result.probe.get)
     sizes = sorted({len(workload.prompts), min(len(workload.prompts), HF_CHUNK)}, reverse=True)
     with LLM(str(folder), num_threads=args.threads, quantization=args.quantization) as llm:
-        result.dtype = llm.dtype + (f" + {args.quantization}" if args.quantization else "")
+        quantization = llm.llm_engine.config.quantization
+        result.dtype = llm.dtype + (f" + {quantization}" if quantization else "")
         run_ours(llm, workload.warmup, [4] * len(workload.warmup))
         for round_index in range(args.rounds):
             settings = [HfSetting(dtype, experts, b) for b in sizes] if round_index == 0 else [result.best_hf()]

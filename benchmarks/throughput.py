@@ -48,7 +48,7 @@ LABELS = {
     "ours": "ours",
     "ours-no-prefix-cache": "ours, no prefix cache",
     "ours-int8-kv": "ours, int8 KV cache",
-    "ours-int8": "ours, int8 weights",
+    "ours-unquantized": "ours, unquantized",
     "hf-generate": "transformers generate",
     "hf-continuous": "transformers CB",
     "openvino": "OpenVINO GenAI CB",
@@ -93,7 +93,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--engines", default=",".join(["ours", *PEERS]),
                         help="comma-separated engines (openvino is added by --openvino-python)")
     parser.add_argument("--dtype", default="auto", help="our engine's dtype (default: its own 'auto')")
-    parser.add_argument("--quantization", default=None, help="our engine's quantization (default: none)")
+    parser.add_argument("--quantization", default="auto", type=lambda v: None if v == "none" else v,
+                        help="our engine's quantization: its default 'auto' (int8 where that is the default), "
+                             "'none' (the dtype's products), or a method")
     parser.add_argument("--kv-cache-dtype", default="auto", help="our engine's kv_cache_dtype (default: 'auto')")
     parser.add_argument("--hf-dtype", default="auto", choices=["auto", "probe", "float32", "bfloat16"],
                         help="transformers' dtype; auto: what our engine's dtype='auto' picks on this CPU (float32 "

@@ -14,7 +14,7 @@ import json
 import os
 import resource
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from benchmarks.workloads import Workload
@@ -35,7 +35,7 @@ class WorkerOptions:
     hf_batch_size: int
     kv_cache_bytes: int
     openvino_model: str | None = None
-    quantization: str | None = None  # our engine's
+    quantization: str | None = "auto"  # our engine's
     kv_cache_dtype: str = "auto"  # our engine's
 
 
@@ -65,16 +65,15 @@ def peak_rss_bytes() -> int:
 
 
 def run_ours(workload: Workload, opts: WorkerOptions, prefix_caching: bool = True,
-             kv_cache_dtype: str | None = None, quantization: str | None = None) -> tuple[float, str, str]:
+             kv_cache_dtype: str | None = None) -> tuple[float, str, str]:
     """Our engine: `LLM.generate` on token-id prompts, one SamplingParams per prompt;
-    `kv_cache_dtype` and `quantization` override the options' (variants run beside the default)."""
+    `kv_cache_dtype` overrides the options' (a variant run beside the default)."""
     import torch
 
     from engine import LLM, SamplingParams
 
     torch.set_num_threads(opts.threads)
-    quantization = quantization or opts.quantization
-    with LLM(opts.model, dtype=opts.dtype, quantization=quantization, enable_prefix_caching=prefix_caching,
+    with LLM(opts.model, dtype=opts.dtype, quantization=opts.quantization, enable_prefix_caching=prefix_caching,
              kv_cache_memory=opts.kv_cache_bytes, num_threads=opts.threads,
              kv_cache_dtype=kv_cache_dtype or opts.kv_cache_dtype) as llm:
         warmup = SamplingParams(temperature=0, max_tokens=WARMUP_TOKENS, ignore_eos=True)
@@ -84,7 +83,7 @@ def run_ours(workload: Workload, opts: WorkerOptions, prefix_caching: bool = Tru
         start = time.perf_counter()
         outputs = llm.generate([{"prompt_token_ids": p} for p in workload.prompts], params, use_tqdm=False)
         elapsed = time.perf_counter() - start
-        dtype, cache = llm.dtype, llm.llm_engine.config.kv_cache_dtype
+        dtype, cache, quantization = llm.dtype, llm.llm_engine.config.kv_cache_dtype, llm.llm_engine.config.quantization
     _check_lengths([len(o.outputs[0].token_ids) for o in outputs], workload)
     weights = f" + {quantization}" if quantization else ""
     return elapsed, dtype, f"{dtype}{weights}, {cache} KV, prefix caching {'on' if prefix_caching else 'off'}"
@@ -197,7 +196,7 @@ RUNNERS = {
     "ours": run_ours,
     "ours-no-prefix-cache": lambda workload, opts: run_ours(workload, opts, prefix_caching=False),
     "ours-int8-kv": lambda workload, opts: run_ours(workload, opts, kv_cache_dtype="int8"),
-    "ours-int8": lambda workload, opts: run_ours(workload, opts, quantization="int8"),
+    "ours-unquantized": lambda workload, opts: run_ours(workload, replace(opts, quantization=None)),
     "hf-generate": run_hf_generate,
     "hf-continuous": run_hf_continuous,
     "openvino": run_openvino,
