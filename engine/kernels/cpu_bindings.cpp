@@ -25,7 +25,8 @@ std::vector<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight, 
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
                        const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& input_scale,
-                       const std::optional<at::Tensor>& addend);
+                       const std::optional<at::Tensor>& outlier_index,
+                       const std::optional<at::Tensor>& outlier_weight);
 
 at::Tensor act_and_mul(const at::Tensor& x, bool gelu);
 

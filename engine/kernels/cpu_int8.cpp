@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "cpu_vector.h"
 
@@ -78,11 +79,45 @@ void quantize_row(const scalar_t* x, const float* input_scale, int64_t n, int8_t
   for (; j < n; ++j) q[j] = static_cast<int8_t>(std::clamp(std::nearbyint(value(j) / s), -kLevels, kLevels));
 }
 
-// out[r, c] = float(acc[r, c]) * x_scale[r] * w_scale[c] (+ bias[c]) (+ addend[r, c]), each step
-// rounded to float32 in that order, then once to scalar_t.
+constexpr int64_t kMaxOutliers = 64;
+
+// A row's outlier channels (`Int8Smoothing`): their values, and their weight rows [count, n].
+struct OutlierRow {
+  float x[kMaxOutliers];
+  const float* weight = nullptr;
+  int64_t count = 0;
+};
+
+// side[c] = the outlier channels' products for output c, fused multiply-adds over the channels in
+// order. Eight accumulators of eight outputs each keep both FMA pipes busy: one accumulator's
+// chain of dependent FMAs would wait on each one's latency.
+void outlier_sums(const OutlierRow& outliers, int64_t n, float* side) {
+  int64_t c = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  constexpr int kAccumulators = 8;
+  for (; c + 8 * kAccumulators <= n; c += 8 * kAccumulators) {
+    __m256 acc[kAccumulators];
+    for (auto& a : acc) a = _mm256_setzero_ps();
+    for (int64_t k = 0; k < outliers.count; ++k) {
+      const __m256 x = _mm256_set1_ps(outliers.x[k]);
+      const float* w = outliers.weight + k * n + c;
+      for (int a = 0; a < kAccumulators; ++a) acc[a] = _mm256_fmadd_ps(x, _mm256_loadu_ps(w + 8 * a), acc[a]);
+    }
+    for (int a = 0; a < kAccumulators; ++a) _mm256_storeu_ps(side + c + 8 * a, acc[a]);
+  }
+#endif
+  for (; c < n; ++c) {
+    float sum = 0.f;
+    for (int64_t k = 0; k < outliers.count; ++k) sum = std::fma(outliers.x[k], outliers.weight[k * n + c], sum);
+    side[c] = sum;
+  }
+}
+
+// out[r, c] = float(acc[r, c]) * x_scale[r] * w_scale[c] (+ bias[c]) (+ side[c]), each step rounded
+// to float32 in that order, then once to scalar_t.
 template <typename scalar_t>
 void dequantize_row(const int32_t* acc, int64_t n, float x_scale, const float* w_scale, const float* bias,
-                    const scalar_t* addend, scalar_t* out) {
+                    const float* side, scalar_t* out) {
   int64_t c = 0;
 #if defined(__AVX2__) && defined(__FMA__)
   if constexpr (kVector8<scalar_t>) {
@@ -91,7 +126,7 @@ void dequantize_row(const int32_t* acc, int64_t n, float x_scale, const float* w
       const __m256 a = _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(acc + c)));
       __m256 v = _mm256_mul_ps(_mm256_mul_ps(a, xs), _mm256_loadu_ps(w_scale + c));
       if (bias != nullptr) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + c));
-      if (addend != nullptr) v = _mm256_add_ps(v, load8(addend + c));
+      if (side != nullptr) v = _mm256_add_ps(v, _mm256_loadu_ps(side + c));
       store8(out + c, v);
     }
   }
@@ -99,7 +134,7 @@ void dequantize_row(const int32_t* acc, int64_t n, float x_scale, const float* w
   for (; c < n; ++c) {
     float v = static_cast<float>(acc[c]) * x_scale * w_scale[c];
     if (bias != nullptr) v += bias[c];
-    if (addend != nullptr) v += static_cast<float>(addend[c]);
+    if (side != nullptr) v += side[c];
     out[c] = static_cast<scalar_t>(v);
   }
 }
@@ -121,16 +156,23 @@ at::Tensor int8_matmul_typed(const at::Tensor& x, const at::Tensor& q, const at:
   at::Tensor out = at::empty({rows, out_features}, x.options());
   const at::Tensor bias_f = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
-  const at::Tensor addend = smoothing.addend.defined() ? smoothing.addend.reshape({rows, out_features}).contiguous()
-                                                       : at::Tensor();
-  const scalar_t* dp = addend.defined() ? addend.data_ptr<scalar_t>() : nullptr;
+  const int64_t num_outliers = smoothing.outlier_index.defined() ? smoothing.outlier_index.numel() : 0;
+  const int64_t* index = num_outliers ? smoothing.outlier_index.data_ptr<int64_t>() : nullptr;
+  const float* outlier_weight = num_outliers ? smoothing.outlier_weight.data_ptr<float>() : nullptr;
   const int32_t* ap = acc.data_ptr<int32_t>();
   const float* wp = scale.data_ptr<float>();
   scalar_t* op = out.data_ptr<scalar_t>();
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
-      dequantize_row<scalar_t>(ap + r * out_features, out_features, sp[r], wp, bp,
-                               dp != nullptr ? dp + r * out_features : nullptr, op + r * out_features);
+    OutlierRow outliers;
+    outliers.weight = outlier_weight;
+    outliers.count = num_outliers;
+    std::vector<float> side(num_outliers ? out_features : 0);
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t k = 0; k < num_outliers; ++k) outliers.x[k] = static_cast<float>(xp[r * in + index[k]]);
+      if (num_outliers) outlier_sums(outliers, out_features, side.data());
+      dequantize_row<scalar_t>(ap + r * out_features, out_features, sp[r], wp, bp, num_outliers ? side.data() : nullptr,
+                               op + r * out_features);
+    }
   });
   return out;
 }
@@ -147,9 +189,12 @@ at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   const at::Tensor& input_scale = smoothing.input_scale;
   TORCH_CHECK(!input_scale.defined() || (input_scale.scalar_type() == at::kFloat && input_scale.is_contiguous() &&
                                          input_scale.numel() == q.size(0)), "input_scale: float32 [in]");
-  const at::Tensor& addend = smoothing.addend;
-  TORCH_CHECK(!addend.defined() || (addend.scalar_type() == x.scalar_type() && addend.numel() == x.size(0) * q.size(1)),
-              "addend: [rows, out] in x's dtype");
+  const at::Tensor& index = smoothing.outlier_index;
+  TORCH_CHECK(!index.defined() || (index.scalar_type() == at::kLong && index.numel() <= kMaxOutliers &&
+                                   smoothing.outlier_weight.scalar_type() == at::kFloat &&
+                                   smoothing.outlier_weight.is_contiguous() &&
+                                   smoothing.outlier_weight.sizes() == at::IntArrayRef({index.numel(), q.size(1)})),
+              "outlier_index: int64 [k <= 64], outlier_weight: float32 [k, out]");
   const at::Tensor xc = x.contiguous();
   at::Tensor out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "int8_matmul", [&] {
@@ -163,9 +208,11 @@ at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& q, const at::Tenso
 // The Python entry (`engine.quantization.int8`): `int8_matmul` with x of any leading shape.
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
                        const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& input_scale,
-                       const std::optional<at::Tensor>& addend) {
+                       const std::optional<at::Tensor>& outlier_index,
+                       const std::optional<at::Tensor>& outlier_weight) {
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = q.size(1);
-  const engine_cpu::Int8Smoothing smoothing{input_scale.value_or(at::Tensor()), addend.value_or(at::Tensor())};
+  const engine_cpu::Int8Smoothing smoothing{input_scale.value_or(at::Tensor()), outlier_index.value_or(at::Tensor()),
+                                            outlier_weight.value_or(at::Tensor())};
   return engine_cpu::int8_matmul(x.reshape({-1, x.size(-1)}), q, scale, bias, smoothing).view(shape);
 }

@@ -9,10 +9,11 @@ namespace engine_cpu {
 
 // What a layer calibrated for int8 (`engine.quantization.int8`) adds to the product, each part
 // undefined when absent: input_scale [in] float32 multiplies each input channel before the row
-// is quantized (SmoothQuant's factors, 0 for the outlier channels), and addend [rows, out], in
-// x's dtype (the outlier channels' own product), is added after the int8 sums are scaled.
+// is quantized (SmoothQuant's factors, 0 for the outlier channels), and the outlier channels
+// (outlier_index [k] int64, at most 64) times outlier_weight [k, out] float32 are added in
+// float32 after the int8 sums are scaled.
 struct Int8Smoothing {
-  at::Tensor input_scale, addend;
+  at::Tensor input_scale, outlier_index, outlier_weight;
 };
 
 // x [rows, in] (float32, bfloat16 or float16) times a weight quantized per output feature:

@@ -8,7 +8,7 @@ were measured at load (`engine.quantization.calibration`) is smoothed first, as 
 does: each input channel j is divided by s_j = range_j^0.5 / max|w_j|^0.5 and its weight
 column multiplied by it (the same product, with the activations' outlier channels tamed so
 that one row scale suits them all), and its `OUTLIER_CHANNELS` widest channels after that
-skip the int8 product and are multiplied in the model's dtype instead. On the embedded model this takes greedy
+skip the int8 product and are multiplied in float32 instead. On the embedded model this takes greedy
 agreement with bfloat16 from 16 to about 30 of 64 prompts (benchmarks/RESULTS.md). The product sums in int32,
 exactly, on oneDNN's int8 kernels (VNNI or AMX where the CPU has them: twice the
 bfloat16 rate on a Zen 4), then out = sum * row scale * feature scale (+ bias), rounded
@@ -39,7 +39,7 @@ class Int8Smoothing:
     """How a calibrated projection is smoothed: `input_scale` [in] float32 multiplies each
     input channel before the row is quantized (1 / s_j; 0 for the outlier channels, which
     leaves them out of the int8 sums), and the outlier channels (`outlier_index` [k] int64)
-    meet their weight columns (`outlier_weight` [out, k]) in an ordinary product."""
+    meet their weight columns (`outlier_weight` [k, out] float32) in float32."""
 
     input_scale: torch.Tensor
     outlier_index: torch.Tensor
@@ -56,7 +56,7 @@ class Int8Smoothing:
         count = min(OUTLIER_CHANNELS, weight.shape[1] // 8)
         index = (input_range.float() * input_scale).topk(count).indices.sort().values
         input_scale[index] = 0
-        return cls(input_scale.contiguous(), index, weight[:, index].contiguous())
+        return cls(input_scale.contiguous(), index, weight[:, index].t().contiguous())
 
     def smoothed(self, weight: torch.Tensor) -> torch.Tensor:
         """weight [out, in] with each input column divided by its input scale (the outlier
@@ -81,20 +81,22 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-                input_scale: torch.Tensor | None = None, addend: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., in] times the quantized weight (q [in, out], scale [out]) (+ bias) (+ addend
-    [..., out], in x's dtype), in x's dtype; each input channel multiplied by `input_scale`
-    [in] first, where given."""
+                smoothing: Int8Smoothing | None = None) -> torch.Tensor:
+    """x [..., in] times the quantized weight (q [in, out], scale [out]) (+ bias), in x's
+    dtype; with `smoothing`, x scaled per channel first and its outlier channels' product
+    added in float32. PyTorch's operations stand in where the kernel cannot be built, with
+    the same bits except for the outliers' sum, which the kernel takes in fused steps."""
     kernels = cpu_build.load()
     if kernels is not None:
-        return kernels.int8_linear(x, q, scale, bias, input_scale, addend)
+        parts = (smoothing.input_scale, smoothing.outlier_index, smoothing.outlier_weight) if smoothing else (None,) * 3
+        return kernels.int8_linear(x, q, scale, bias, *parts)
     flat = x.reshape(-1, x.shape[-1])
-    rows, x_scale = quantize_rows(flat if input_scale is None else flat.float() * input_scale)
+    rows, x_scale = quantize_rows(flat if smoothing is None else flat.float() * smoothing.input_scale)
     out = torch._int_mm(rows, q).float().mul_(x_scale).mul_(scale)
     if bias is not None:
         out += bias.float()
-    if addend is not None:
-        out += addend.reshape(out.shape).float()
+    if smoothing is not None:
+        out += flat[:, smoothing.outlier_index].float() @ smoothing.outlier_weight
     return out.to(x.dtype).view(*x.shape[:-1], q.shape[1])
 
 
@@ -107,30 +109,18 @@ class Int8LinearMethod(QuantizedAtLoadMethod):
     wants_input_range = True
 
     def weight_to_quantize(self, layer: "Linear") -> torch.Tensor:
-        """The weight, smoothed if the layer was calibrated: the smoothing is kept as buffers,
-        the outlier columns in the model's dtype and prepacked as an unquantized weight is."""
-        from engine.layers.linear import prepack
-
+        """The weight, smoothed if the layer was calibrated (the smoothing kept as buffers)."""
         input_range = layer.__dict__.pop("input_range", None)
         if input_range is None:
             return layer.weight.detach()
         smoothing = Int8Smoothing.plan(layer.weight.detach(), input_range)
-        layer.register_buffer("input_scale", smoothing.input_scale)
-        layer.register_buffer("outlier_index", smoothing.outlier_index)
-        layer.register_buffer("outlier_weight", smoothing.outlier_weight.to(layer.weight.dtype))
-        layer.outlier_packed = prepack(layer.outlier_weight)
+        for name, value in vars(smoothing).items():
+            layer.register_buffer(name, value)
+        layer.smoothing = smoothing
         return smoothing.smoothed(layer.weight.detach())
 
     def apply(self, layer: "Linear", x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """The int8 product; a calibrated layer's outlier channels are multiplied as an
-        unquantized layer's input is (a row's bits independent of the batch there too)."""
-        from engine.layers.linear import project
-
-        if not hasattr(layer, "input_scale"):
-            return int8_linear(x, layer.qweight, layer.weight_scale, bias)
-        outliers = x.reshape(-1, x.shape[-1])[:, layer.outlier_index]
-        addend = project(outliers, layer.outlier_weight, layer.outlier_packed)
-        return int8_linear(x, layer.qweight, layer.weight_scale, bias, layer.input_scale, addend)
+        return int8_linear(x, layer.qweight, layer.weight_scale, bias, layer.__dict__.get("smoothing"))
 
 
 class Int8MoEMethod:
