@@ -1,5 +1,6 @@
-"""int8 weights on a CPU (`quantization="int8"`): a 16- or 32-bit checkpoint's projections
-and experts quantized at load, multiplied in int8.
+"""int8 weights on a CPU (`quantization="int8"`, the default on CPUs with VNNI or AMX that
+compute in bfloat16): a 16- or 32-bit checkpoint's projections and experts quantized at
+load, multiplied in int8.
 
 Weights: symmetric, one scale per output feature (max |w| / 127), stored [in, out] as the
 int8 product reads them. Activations: each row (token) quantized the same way on the fly,
@@ -8,12 +9,13 @@ were measured at load (`engine.quantization.calibration`) is smoothed first, as 
 does: each input channel j is divided by s_j = range_j^0.5 / max|w_j|^0.5 and its weight
 column multiplied by it (the same product, with the activations' outlier channels tamed so
 that one row scale suits them all), and its `OUTLIER_CHANNELS` widest channels after that
-skip the int8 product and are multiplied in float32 instead. On the embedded model this takes greedy
-agreement with bfloat16 from 16 to about 30 of 64 prompts (benchmarks/RESULTS.md). The product sums in int32,
-exactly, on oneDNN's int8 kernels (VNNI or AMX where the CPU has them: twice the
-bfloat16 rate on a Zen 4), then out = sum * row scale * feature scale (+ bias), rounded
-once to the compute dtype. The compiled kernel (`engine/kernels/cpu_int8.cpp`) fuses the
-passes around the product; PyTorch's operations compute the same where it cannot be built.
+skip the int8 product and are summed in float32 instead. On the embedded model this takes
+greedy agreement with bfloat16 from 16 to 30 of 64 prompts (benchmarks/RESULTS.md). The
+product sums in int32, exactly, on oneDNN's int8 kernels (VNNI or AMX where the CPU has
+them: twice the bfloat16 rate on a Zen 4), then out = sum * row scale * feature scale
+(+ bias) (+ the outliers' sum), rounded once to the compute dtype. The compiled kernel
+(`engine/kernels/cpu_int8.cpp`) fuses the passes around the product; PyTorch's operations
+compute the same where it cannot be built (the outliers' sum to float32 rounding).
 """
 
 from dataclasses import dataclass
