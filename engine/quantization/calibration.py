@@ -62,11 +62,11 @@ def calibration_prompts(tokenizer: PreTrainedTokenizerBase) -> list[list[int]]:
 
 
 def record_input_ranges(model: nn.Module, kv_cache: KVCache, prompts: list[list[int]]) -> None:
-    """Runs `prompts` as one prefill step on scratch blocks of `kv_cache` (freed after), the
-    projections multiplying by their loaded weights, not yet quantized, and sets
-    `input_range` [in] float32 on each layer of `layers_wanting_ranges`."""
+    """Runs `prompts` as one prefill step on scratch blocks of `kv_cache` (freed after), every
+    quantized layer (projections and experts) multiplying by its loaded weights, not yet
+    quantized, and sets `input_range` [in] float32 on each layer of `layers_wanting_ranges`."""
     layers = layers_wanting_ranges(model)
-    methods = {layer: layer.quant_method for layer in layers}
+    methods = {m: m.quant_method for m in model.modules() if getattr(m, "quant_method", None) is not None}
     started = time.perf_counter()
     ranges: dict[Linear, torch.Tensor] = {}
 
@@ -76,8 +76,8 @@ def record_input_ranges(model: nn.Module, kv_cache: KVCache, prompts: list[list[
         ranges[layer] = torch.maximum(ranges[layer], peak) if layer in ranges else peak
 
     hooks = [layer.register_forward_pre_hook(record) for layer in layers]
-    for layer in layers:
-        layer.quant_method = None
+    for module in methods:
+        module.quant_method = None
     meta = _prefill_metadata([len(p) for p in prompts], kv_cache)
     try:
         with torch.inference_mode():
@@ -87,8 +87,8 @@ def record_input_ranges(model: nn.Module, kv_cache: KVCache, prompts: list[list[
     finally:
         for hook in hooks:
             hook.remove()
-        for layer, method in methods.items():
-            layer.quant_method = method
+        for module, method in methods.items():
+            module.quant_method = method
         kv_cache.free()
     for layer, peak in ranges.items():
         layer.input_range = peak.clone()

@@ -233,6 +233,28 @@ def test_calibration_measures_each_projections_input_range(llama_with_biases, mo
         torch.testing.assert_close(ranges, expected[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
+@needs_vnni
+def test_a_mixture_of_experts_calibrates_and_runs_int8(tmp_path):
+    """The calibration runs the experts on their loaded weights (they are quantized after it),
+    then the projections are smoothed and the experts int8, and the model stays near float32's."""
+    from tests.tiny_models import build_tiny_model
+
+    folder = build_tiny_model(tmp_path / "qwen2_moe", "qwen2_moe")
+    prompts = mixed_prompts(count=4)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=0)
+    with LLM(str(folder), dtype="float32") as llm:
+        reference = llm.generate(prompts, params, use_tqdm=False)
+    with LLM(str(folder), dtype="float32", quantization="int8") as llm:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        model = llm.llm_engine.model_runner.model
+        experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
+        assert experts and all(m.w13_qweight.dtype == torch.int8 for m in experts)
+        assert any(hasattr(m, "input_scale") for m in model.modules() if isinstance(m, Linear))
+    for ours, full in zip(outputs, reference):  # each greedy first token's logprob: the two models' top ones
+        top = [o.outputs[0].logprobs[0][o.outputs[0].token_ids[0]].logprob for o in (ours, full)]
+        assert abs(top[0] - top[1]) < 0.1, top
+
+
 def chosen_logprobs(llm: LLM, prompts: list[dict],
                     lora_request: LoRARequest | None = None) -> list[tuple[list[int], torch.Tensor]]:
     """Each prompt's greedy tokens and their logprobs (with `lora_request`'s adapter, if given)."""
