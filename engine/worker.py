@@ -82,7 +82,7 @@ class Worker:
                                                   else self.model_config.path)
         scratch = KVCache(model, config.attention_backend, config.block_size,
                           cache_torch_dtype(config.kv_cache_dtype), self.device)
-        record_input_ranges(model, scratch, calibration_prompts(tokenizer))
+        record_input_ranges(model, scratch, calibration_prompts(tokenizer, self.model_config.max_model_len))
 
     def _set_up_device(self) -> int:
         """Sets the CPU threads and logs the device and the kernels chosen; returns the

@@ -49,15 +49,16 @@ def layers_wanting_ranges(model: nn.Module) -> list[Linear]:
             if isinstance(m, Linear) and getattr(m.quant_method, "wants_input_range", False)]
 
 
-def calibration_prompts(tokenizer: PreTrainedTokenizerBase) -> list[list[int]]:
-    """The texts as token ids: every other one as a user turn of the tokenizer's chat
-    template, where it has one (chat prompts are what the engine mostly runs)."""
+def calibration_prompts(tokenizer: PreTrainedTokenizerBase, max_len: int) -> list[list[int]]:
+    """The texts as token ids, each cut to `max_len` (the model's context): every other one
+    as a user turn of the tokenizer's chat template, where it has one (chat prompts are what
+    the engine mostly runs)."""
     prompts = []
     for i, text in enumerate(CALIBRATION_TEXTS):
         if i % 2 == 0 and tokenizer.chat_template:
             text = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                                  tokenize=False)
-        prompts.append(tokenizer(text, add_special_tokens=False).input_ids)
+        prompts.append(tokenizer(text, add_special_tokens=False).input_ids[:max_len])
     return prompts
 
 

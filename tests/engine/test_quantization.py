@@ -213,7 +213,7 @@ def test_calibration_measures_each_projections_input_range(llama_with_biases, mo
     monkeypatch.setattr(Int8LinearMethod, "weight_to_quantize", spy)
     with LLM(str(llama_with_biases), dtype="float32", quantization="int8") as llm:
         names = {module: name for name, module in llm.llm_engine.model_runner.model.named_modules()}
-        prompts = calibration_prompts(llm.get_tokenizer())
+        prompts = calibration_prompts(llm.get_tokenizer(), 512)
     measured = {names[layer]: ranges for layer, ranges in measured_by_layer.items()}
     assert len(prompts) == len(CALIBRATION_TEXTS) and len(measured) == 4 * 2
     model = AutoModelForCausalLM.from_pretrained(llama_with_biases, dtype=torch.float32).eval()
@@ -323,7 +323,8 @@ def test_the_default_quantization_follows_the_dtype_setting(llama_with_biases, t
         pytest.skip("this CPU runs float32 by default")
     AutoModelForCausalLM.from_pretrained(llama_with_biases, dtype=torch.bfloat16).save_pretrained(tmp_path)
     build_tokenizer(tmp_path)
-    for settings, expected in (({}, "int8"), ({"dtype": "bfloat16"}, None), ({"quantization": None}, None)):
+    for settings, expected in (({}, "int8"), ({"dtype": "bfloat16"}, None), ({"quantization": None}, None),
+                               ({"max_model_len": 16}, "int8")):  # the calibration text cut to the context
         with LLM(str(tmp_path), **settings) as llm:
             assert llm.llm_engine.config.quantization == expected, settings
 
