@@ -153,8 +153,8 @@ def _profile_step(config: EngineConfig, model: nn.Module, kv_cache: KVCache) -> 
     tokens, longest, device = config.max_num_batched_tokens, config.max_model_len, kv_cache.device
     lengths = [min(longest, tokens - start) for start in range(0, tokens, longest)]
     kv_cache.allocate(1)
-    positions = torch.cat([torch.arange(n) for n in lengths]).to(device)
-    meta = _scratch_metadata(lengths, positions, kv_cache)
+    meta = prefill_metadata(lengths, kv_cache)
+    positions = meta.positions
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     weights = torch.cuda.memory_allocated(device)
@@ -170,12 +170,24 @@ def _profile_step(config: EngineConfig, model: nn.Module, kv_cache: KVCache) -> 
     return peak
 
 
-def _scratch_metadata(lengths: list[int], positions: torch.Tensor, kv_cache: KVCache) -> AttentionMetadata:
-    """Attention inputs of prompts of these lengths whose keys and values all go to the null slot."""
+def prefill_metadata(lengths: list[int], kv_cache: KVCache, first_blocks: list[int] | None = None) -> AttentionMetadata:
+    """Attention inputs of one step that prefills prompts of these lengths, outside the
+    scheduler: prompt i's keys and values go to consecutive blocks from `first_blocks[i]`
+    (which the caller has allocated), or with None all to the null slot (a pass that keeps
+    nothing, such as the memory profile's)."""
     device, size = kv_cache.device, kv_cache.block_size
+    num_blocks = [-(-n // size) for n in lengths]
+    tables = torch.zeros(len(lengths), max(num_blocks), dtype=torch.int32)
+    if first_blocks is None:
+        slots = torch.full((sum(lengths),), kv_cache.null_slot, dtype=torch.long)
+    else:
+        slots = torch.cat([torch.arange(n) + first * size for n, first in zip(lengths, first_blocks)])
+        for row, (first, count) in enumerate(zip(first_blocks, num_blocks)):
+            tables[row, :count] = torch.arange(first, first + count)
     return AttentionMetadata(
-        slot_mapping=torch.full((len(positions),), kv_cache.null_slot, dtype=torch.long, device=device),
+        slot_mapping=slots.to(device),
         query_start_loc=torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device),
         seq_lens=torch.tensor(lengths, dtype=torch.int32, device=device),
-        block_tables=torch.zeros(len(lengths), -(-max(lengths) // size), dtype=torch.int32, device=device),
-        positions=positions, query_lens=lengths, context_lens=lengths, block_size=size)
+        block_tables=tables.to(device),
+        positions=torch.cat([torch.arange(n) for n in lengths]).to(device),
+        query_lens=lengths, context_lens=lengths, block_size=size)

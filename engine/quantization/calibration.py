@@ -17,8 +17,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from engine.kv_cache import KVCache
-from engine.layers.attention import AttentionMetadata
+from engine.kv_cache import KVCache, prefill_metadata
 from engine.layers.linear import Linear
 
 logger = logging.getLogger(__name__)
@@ -79,8 +78,11 @@ def record_input_ranges(model: nn.Module, kv_cache: KVCache, prompts: list[list[
     hooks = [layer.register_forward_pre_hook(record) for layer in layers]
     for module in methods:
         module.quant_method = None
-    meta = _prefill_metadata([len(p) for p in prompts], kv_cache)
+    lengths = [len(p) for p in prompts]
+    blocks = [-(-n // kv_cache.block_size) for n in lengths]
     try:
+        kv_cache.allocate(sum(blocks))
+        meta = prefill_metadata(lengths, kv_cache, first_blocks=[0, *itertools.accumulate(blocks)][:-1])
         with torch.inference_mode():
             kv_cache.backend.prepare(meta)
             ids = torch.tensor(list(itertools.chain(*prompts)), dtype=torch.long, device=kv_cache.device)
@@ -94,24 +96,4 @@ def record_input_ranges(model: nn.Module, kv_cache: KVCache, prompts: list[list[
     for layer, peak in ranges.items():
         layer.input_range = peak.clone()
     logger.info("int8 smoothing: input ranges of %d projections measured on %d calibration tokens in %.2f s",
-                len(ranges), len(meta.positions), time.perf_counter() - started)
-
-
-def _prefill_metadata(lengths: list[int], kv_cache: KVCache) -> AttentionMetadata:
-    """Allocates `kv_cache` blocks for prompts of these lengths (each its own consecutive
-    blocks) and returns the attention inputs of one step that prefills them all."""
-    size, device = kv_cache.block_size, kv_cache.device
-    blocks = [-(-n // size) for n in lengths]
-    kv_cache.allocate(sum(blocks))
-    firsts = [0, *itertools.accumulate(blocks)][:-1]
-    slots = torch.cat([torch.arange(n) + first * size for n, first in zip(lengths, firsts)])
-    tables = torch.zeros(len(lengths), max(blocks), dtype=torch.int32)
-    for row, (first, count) in enumerate(zip(firsts, blocks)):
-        tables[row, :count] = torch.arange(first, first + count)
-    return AttentionMetadata(
-        slot_mapping=slots.to(device),
-        query_start_loc=torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(lengths, dtype=torch.int32, device=device),
-        block_tables=tables.to(device),
-        positions=torch.cat([torch.arange(n) for n in lengths]).to(device),
-        query_lens=lengths, context_lens=lengths, block_size=size)
+                len(ranges), sum(lengths), time.perf_counter() - started)
