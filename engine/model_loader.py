@@ -165,7 +165,8 @@ def load_model(model_config: ModelConfig, group: TensorParallelGroup | None = No
     """Builds the model family named in config.json and fills it from the folder's
     weights: with a tensor-parallel `group`, this rank's share of them. With
     `triton_kernels` its layers run through Triton (`route_through_triton`), and otherwise
-    on a CPU its norms and rotary embeddings through C++ (`route_through_cpu_kernels`),
+    on a CPU its norms, rotary embeddings and MLP activations through C++
+    (`route_through_cpu_kernels`),
     before the rest are prepacked for this device; `calibrate` runs on the routed model
     just before (int8's input ranges, measured on the unquantized weights)."""
     started = time.perf_counter()

@@ -1,7 +1,8 @@
 """Routes the model's RMSNorms (with their residual add), rotary embeddings and gated MLP
-activations through the compiled CPU kernels instead of PyTorch's operators, where the CPU kernels can be built;
-chosen once by the model loader for a model on a CPU. (Attention and the routed experts pick
-their compiled kernels themselves: `engine.layers.attention_selector`, `FusedMoE`.)"""
+activations through the compiled CPU kernels instead of PyTorch's operators, where the CPU
+kernels can be built; chosen once by the model loader for a model on a CPU. (Attention and
+the routed experts pick their compiled kernels themselves: `engine.layers.attention_selector`,
+`FusedMoE`.)"""
 
 from torch import nn
 

@@ -30,6 +30,7 @@ from engine.quantization.at_load import QuantizedAtLoadMethod
 
 if TYPE_CHECKING:
     from engine.layers.fused_moe import ExpertFn, FusedMoE
+    from engine.layers.linear import Linear
 
 LEVELS = 127
 SMOOTHING_ALPHA = 0.5
