@@ -3,6 +3,7 @@
 Never imports Dagster; `dagster_llm` builds on it.
 """
 
+from engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from engine.llm import LLM
 from engine.llm_engine import EngineStats
 from engine.lora import LoRARequest
@@ -15,6 +16,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "LLM",
+    "BeamSearchOutput",
+    "BeamSearchParams",
+    "BeamSearchSequence",
     "CompletionOutput",
     "EngineStats",
     "Logprob",

@@ -6,6 +6,7 @@ from collections.abc import Callable, Sequence as SequenceABC
 from dataclasses import dataclass
 from typing import Any
 
+from engine.beam_search import BeamSearchParams
 from engine.chat_utils import invalid_unicode_problem
 from engine.llm_engine import LLMEngine
 from engine.lora.request import LoRARequest
@@ -29,11 +30,12 @@ class Request:
     sampling_params: SamplingParams
     priority: int
     lora_request: LoRARequest | None
+    beam_search: BeamSearchParams | None = None
 
     def submit(self, engine: LLMEngine, request_id: str) -> None:
         """Queues the request on `engine` under `request_id`."""
         engine.add_request(request_id, self.prompt, self.prompt_token_ids, self.sampling_params, self.priority,
-                           self.lora_request)
+                           self.lora_request, self.beam_search)
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,30 @@ class RequestChecker:
         Raises:
             ValueError: when the arguments as a whole do not fit (list lengths).
         """
+        return self._check(prompts, sampling_params, lora_request, priority)
+
+    def check_beam_search(self, prompts: SequenceABC[PromptType], params: BeamSearchParams,
+                          lora_request: LoRARequestArg) -> list[RowCheck]:
+        """Each row as a ready beam-search `Request`, or as the text of its problems.
+
+        Raises:
+            ValueError: when the arguments as a whole do not fit (list lengths, a
+                beam_width above max_num_seqs).
+        """
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"beam_search() takes BeamSearchParams, got {type(params).__name__}")
+        if params.beam_width > self.engine.config.max_num_seqs:
+            raise ValueError(f"beam_width={params.beam_width} beams run side by side, but max_num_seqs is "
+                             f"{self.engine.config.max_num_seqs}: lower beam_width or raise max_num_seqs")
+        rows = self._check(prompts, params.sampling_params(), lora_request, None, beam_search=params)
+        for row in rows:
+            if row.request is not None:
+                row.request.beam_search = params
+        return rows
+
+    def _check(self, prompts: SequenceABC[PromptType], sampling_params: SamplingParamsArg,
+               lora_request: LoRARequestArg, priority: PriorityArg,
+               beam_search: BeamSearchParams | None = None) -> list[RowCheck]:
         prompts = list(prompts)
         problems: list[str] = []
         params_list = _per_prompt("sampling_params", sampling_params, len(prompts), problems)
@@ -84,9 +110,9 @@ class RequestChecker:
         if any(params is None for params in params_list):
             defaults = SamplingParams(**self.engine.model_config.sampling_defaults)
             params_list = [defaults if params is None else params for params in params_list]
-        return [self._check_row(*row) for row in zip(prompts, params_list, adapters, priorities)]
+        return [self._check_row(*row, beam_search is not None) for row in zip(prompts, params_list, adapters, priorities)]
 
-    def _check_row(self, prompt: Any, params: Any, adapter: Any, priority: Any) -> RowCheck:
+    def _check_row(self, prompt: Any, params: Any, adapter: Any, priority: Any, beams: bool = False) -> RowCheck:
         priority = 0 if priority is None else priority
         found = self._argument_problems(params, adapter, priority)
         if (bad_text := invalid_unicode_problem(prompt)) is not None:
@@ -94,7 +120,7 @@ class RequestChecker:
         if not isinstance(params, SamplingParams):
             params = SamplingParams()  # the prompt is still checked, against the defaults
         text, ids = self._tokenize(prompt)
-        if (problem := _prompt_problem(prompt, ids, self.max_len, self.vocab) or self._params_problem(ids, params)):
+        if (problem := _prompt_problem(prompt, ids, self.max_len, self.vocab) or self._params_problem(ids, params, beams)):
             found.append(problem)
         if found:
             return RowCheck(None, "; ".join(found))
@@ -113,8 +139,10 @@ class RequestChecker:
             found.append(f"priority: expected an integer, got {priority!r}")
         return found
 
-    def _params_problem(self, ids: list[int], params: SamplingParams) -> str | None:
-        """The first way the sampling settings do not fit the engine with this prompt, or None."""
+    def _params_problem(self, ids: list[int], params: SamplingParams, beams: bool = False) -> str | None:
+        """The first way the sampling settings do not fit the engine with this prompt, or
+        None. A beam search's candidates are not logprobs the caller asked for, so
+        max_logprobs does not bound them (`beams`)."""
         engine, vocab = self.engine, self.vocab
         needed = len(ids) + params.max_output_tokens(len(ids), self.max_len)
         if any(t >= vocab for t in params.token_ids()):
@@ -126,7 +154,7 @@ class RequestChecker:
         if params.n > engine.config.max_num_seqs:
             return (f"sampling_params: n={params.n} completions run side by side, but max_num_seqs is "
                     f"{engine.config.max_num_seqs}: lower n or raise max_num_seqs")
-        if (problem := self._logprobs_problem(params)) is not None:
+        if not beams and (problem := self._logprobs_problem(params)) is not None:
             return problem
         if params.structured_outputs is not None and (problem := self._structured_problem(params)):
             return f"structured_outputs: {problem}"

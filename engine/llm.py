@@ -8,6 +8,7 @@ from collections.abc import Iterator, Sequence as SequenceABC
 from pathlib import Path
 from typing import Any
 
+from engine.beam_search import BeamSearchOutput, BeamSearchParams
 from engine.chat_utils import chat_messages_problem, render_chat
 from engine.config import EngineConfig, engine_settings, resolve_device
 from engine.distributed.data_parallel import ReplicaPool, deal
@@ -228,6 +229,30 @@ class LLM:
         requests = valid_requests(rows)
         return CompletedRequests(self._run(requests, use_tqdm), len(requests))
 
+    def beam_search(self, prompts: Prompts, params: BeamSearchParams, lora_request: LoRARequestArg = None,
+                    use_tqdm: UseTqdm = False) -> list[BeamSearchOutput]:
+        """The `params.beam_width` best completions of each prompt by beam search, best
+        first, one `BeamSearchOutput` per prompt in input order (vLLM's `LLM.beam_search`).
+
+        The beams run in the continuous batch as sequences of their own: they share the
+        prompt's KV blocks and every block they have in common, and a beam that
+        diverges copies only its partial last block. Beams are chosen as transformers'
+        `generate(num_beams=..., do_sample=False)` chooses them (see `BeamSearchParams`).
+        A prompt is a string, {"prompt": str} or {"prompt_token_ids": [int, ...]};
+        `lora_request` is one adapter for all prompts or one per prompt.
+
+        Raises:
+            ValueError: before any work starts, listing every bad row (index, field,
+                reason and what to do).
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        rows = RequestChecker(self.llm_engine).check_beam_search(prompts, params, lora_request)
+        outputs: list[BeamSearchOutput | None] = [None] * len(rows)
+        for index, output in self._run(valid_requests(rows), use_tqdm):
+            outputs[index] = output
+        return outputs
+
     def validate(self, prompts: SequenceABC[PromptType], sampling_params: SamplingParamsArg = None,
                  lora_request: LoRARequestArg = None, priority: PriorityArg = None) -> list[str | None]:
         """Checks requests without running them: for each row, its problems as one line
@@ -261,7 +286,7 @@ class LLM:
             while engine.has_unfinished_requests() or busy:
                 finished = []
                 if engine.has_unfinished_requests():
-                    finished = [(index_of[seq.request_id], engine.request_output(seq))
+                    finished = [(index_of[seq.request_id], engine.output(seq))
                                 for seq in engine.step_requests()]
                 if busy:  # a look at the replicas between steps; a wait once this engine is done
                     for position, report in pool.reports(call, 0 if engine.has_unfinished_requests() else None):

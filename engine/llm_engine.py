@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from engine.beam_search import BeamGroup, BeamSearchOutput, BeamSearchParams
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
@@ -24,7 +25,7 @@ from engine.lora.request import LoRARequest
 from engine.outputs import CompletionOutput, Logprob, RequestOutput, UnfinishedOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
-from engine.sequence import Sequence
+from engine.sequence import Sequence, SequenceStatus
 from engine.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -113,12 +114,18 @@ class LLMEngine:
         sampling_params: SamplingParams,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        beam_search: BeamSearchParams | None = None,
     ) -> Sequence:
-        """Queues a validated request (its first completion; the others fork from it)."""
+        """Queues a validated request (its first completion; the others fork from it).
+        With `beam_search` it is a beam search (`sampling_params` is then
+        `beam_search.sampling_params()`), whose first beam this sequence is."""
         seq = self._new_sequence(request_id, prompt, prompt_token_ids, sampling_params, priority, index=0,
                                  lora_request=lora_request)
         seq.bad_words_ids = self._bad_words_ids(sampling_params.bad_words)
         seq.processes_logits = _processes_logits(seq)
+        if beam_search is not None:
+            seq.beam = BeamGroup(beam_search, seq, seq.max_num_tokens - seq.num_prompt_tokens,
+                                 frozenset(self.model_config.eos_token_ids), beams=[seq])
         self.scheduler.add(seq)
         return seq
 
@@ -219,6 +226,11 @@ class LLMEngine:
         for i, (seq, token) in enumerate(zip(output.seqs, output.token_ids)):
             if seq.is_finished:
                 continue
+            if seq.beam is not None:
+                seq.num_pending_tokens = 0
+                if seq.beam.report(seq, logprobs[i]):
+                    finished += self._advance_beams(seq.beam)
+                continue
             self._append_token(seq, token, logprobs[i] if logprobs is not None else None)
             if seq.finish_reason is not None:
                 seq.metrics.finished_time = time.monotonic()
@@ -244,6 +256,51 @@ class LLMEngine:
             forks.append((child, parent))
         parent.num_pending_children = 0
         return forks
+
+    def _advance_beams(self, group: BeamGroup) -> list[Sequence]:
+        """Carries out a beam group's choice for the step on the running set: a beam chosen
+        once goes on, each further choice of it forks it (sharing its blocks), a beam not
+        chosen is retired. Returns the request's first sequence when the search is done."""
+        continuations = group.advance()
+        next_beams = []
+        for beam in group.beams:
+            chosen = [c for c in continuations if c.parent is beam]
+            next_beams += [(self._fork_beam(beam), c) for c in chosen[1:]]
+            if chosen:
+                next_beams.append((beam, chosen[0]))
+            else:
+                self.scheduler.finish(beam)
+        for beam, continuation in next_beams:
+            beam.token_ids.append(continuation.token_id)
+            beam.logprobs.append(continuation.candidates)
+            beam.cumulative_logprob = continuation.cum_logprob
+            self.stats.num_generated_tokens += 1
+            if beam.metrics.first_token_time is None:
+                beam.metrics.first_token_time = time.monotonic()
+        group.beams = [beam for beam, _ in next_beams]
+        if not group.done:
+            return []
+        for beam in group.beams:
+            self.scheduler.finish(beam)
+        group.head.metrics.finished_time = time.monotonic()
+        return [group.head]
+
+    def _fork_beam(self, parent: Sequence) -> Sequence:
+        """A new beam with the parent's tokens, sharing its blocks when it runs (a parent
+        preempted meanwhile recomputes, and so does its fork)."""
+        child = self._new_sequence(parent.request_id, parent.prompt, parent.token_ids[: parent.num_prompt_tokens],
+                                   parent.sampling_params, parent.priority, 0, parent.lora_request)
+        child.token_ids = list(parent.token_ids)
+        child.logprobs = list(parent.logprobs)
+        child.beam = parent.beam
+        child.metrics = replace(parent.metrics)
+        if parent.status is SequenceStatus.RUNNING:
+            child.num_computed_tokens = parent.num_computed_tokens
+            self.block_manager.fork(parent, child)
+            self.scheduler.add_running(child)
+        else:
+            self.scheduler.add(child)
+        return child
 
     def _logprob_dict(self, token: SampledToken, detokenize: bool) -> dict[int, Logprob]:
         """vLLM's logprobs entry: the top tokens plus the chosen one, each with its text
@@ -311,6 +368,13 @@ class LLMEngine:
         flight is forgotten (its tokens were for requests that no longer exist)."""
         self._in_flight = None
         self.scheduler.abort_all()
+
+    def output(self, seq: Sequence) -> RequestOutput | BeamSearchOutput:
+        """A finished request's output, given its first sequence: its beams for a beam
+        search, else `request_output`."""
+        if seq.beam is not None:
+            return seq.beam.output(self.tokenizer)
+        return self.request_output(seq)
 
     def request_output(self, seq: Sequence) -> RequestOutput:
         """The request's output: one CompletionOutput per completion, by index."""

@@ -30,8 +30,9 @@ class ProgressBar:
         logger can tick during long decodes."""
         if self.bar is None:
             return
-        self.input_tokens += sum(len(r.prompt_token_ids) for r in finished)
-        self.output_tokens += sum(len(c.token_ids) for r in finished for c in r.outputs)
+        generated = [r for r in finished if isinstance(r, RequestOutput)]  # beams and pooling: counted as requests
+        self.input_tokens += sum(len(r.prompt_token_ids) for r in generated)
+        self.output_tokens += sum(len(c.token_ids) for r in generated for c in r.outputs)
         elapsed = max(time.perf_counter() - self.started, 1e-9)
         self.bar.postfix = (f"est. speed input: {self.input_tokens / elapsed:.2f} toks/s, "
                             f"output: {self.output_tokens / elapsed:.2f} toks/s")

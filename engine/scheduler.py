@@ -95,7 +95,15 @@ class Scheduler:
         i = 0
         while i < len(self.running) and plan.budget > 0:
             seq = self.running[i]
-            num_tokens = seq.num_tokens + seq.num_pending_tokens
+            if seq.beam is not None:
+                # A beam's next token is its group's choice, made once every beam's
+                # candidates are read back: until then it has nothing to compute.
+                num_tokens = seq.num_tokens
+                if num_tokens == seq.num_computed_tokens:
+                    i += 1
+                    continue
+            else:
+                num_tokens = seq.num_tokens + seq.num_pending_tokens
             if seq.num_pending_tokens and num_tokens >= seq.max_num_tokens:
                 i += 1  # its pending token is its last: it finishes when that token is read back
                 continue
@@ -117,14 +125,15 @@ class Scheduler:
         """Admits waiting sequences in rank order while the budget, max_num_seqs, max_loras
         and the free blocks allow, reusing cached prefix blocks."""
         adapters = {s.lora_int_id for s in self.running} - {None}
-        # Running parents fork their other completions once their prompts are computed.
-        num_seqs = sum(1 + s.num_pending_children for s in self.running)
+        counted: set = set()  # beam groups whose rows are counted
+        num_seqs = sum(_rows_reserved(s, counted) for s in self.running)
         index = 0
         while index < len(self.waiting) and plan.budget > 0:
             seq = self.waiting[index]
             if seq.num_pending_tokens:
                 break  # preempted while its token was being sampled: it recomputes once the token is back
-            if num_seqs and num_seqs + 1 + seq.num_pending_children > self.config.max_num_seqs:
+            rows = _rows_reserved(seq, set(counted))
+            if num_seqs and num_seqs + rows > self.config.max_num_seqs:
                 break
             if seq.lora_int_id is not None and seq.lora_int_id not in adapters and len(adapters) >= self.config.max_loras:
                 index += 1
@@ -142,7 +151,7 @@ class Scheduler:
             if seq.lora_int_id is not None:
                 adapters.add(seq.lora_int_id)
             self._admit(seq, len(cached) * self.block_manager.block_size, plan)
-            num_seqs += 1 + seq.num_pending_children
+            num_seqs += _rows_reserved(seq, counted)
             plan.add(seq, num_new)
 
     def _admit(self, seq: Sequence, num_cached: int, plan: "_StepPlan") -> None:
@@ -213,6 +222,18 @@ class Scheduler:
             _mark_aborted(seq)
         self.running.clear()
         self.waiting.clear()
+
+
+def _rows_reserved(seq: Sequence, counted: set) -> int:
+    """Rows of the batch that `seq` holds or will hold: itself and the completions it has
+    yet to fork; for a beam, the whole group's beam_width once (`counted` holds the groups
+    already counted, and gains this one)."""
+    if seq.beam is None:
+        return 1 + seq.num_pending_children
+    if seq.beam in counted:
+        return 0
+    counted.add(seq.beam)
+    return seq.beam.params.beam_width
 
 
 def _mark_aborted(seq: Sequence) -> None:

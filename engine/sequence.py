@@ -12,6 +12,7 @@ from engine.outputs import RequestMetrics
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from engine.beam_search import BeamGroup
     from engine.structured_output.backend_xgrammar import Grammar
 
 
@@ -78,6 +79,8 @@ class Sequence:
         self.index = index
         self.num_pending_children = sampling_params.n - 1 if index == 0 else 0
         self.group: list[Sequence] = [self]
+        # A beam of a beam-search request: its group decides its next token (set by the engine).
+        self.beam: "BeamGroup | None" = None
         self.bad_words_ids: list[list[int]] = []
         # Whether its logits are processed before sampling (set by the engine).
         self.processes_logits = False

@@ -232,7 +232,7 @@ def _run_share(conn: Connection, engine: LLMEngine, assignment: Assignment) -> N
     report = ReplicaReport(assignment.call)
     last_report = time.monotonic()
     while engine.has_unfinished_requests():
-        report.finished += [(index_of[seq.request_id], engine.request_output(seq)) for seq in engine.step_requests()]
+        report.finished += [(index_of[seq.request_id], engine.output(seq)) for seq in engine.step_requests()]
         if conn.poll():  # only an abort can arrive while a share runs
             receive_message(conn)
             engine.abort_all()
