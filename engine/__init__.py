@@ -8,6 +8,10 @@ from engine.llm import LLM
 from engine.llm_engine import EngineStats
 from engine.lora import LoRARequest
 from engine.model_loader import ModelLoadError
+from engine.pooling import (
+    ClassificationOutput, ClassificationRequestOutput, EmbeddingOutput, EmbeddingRequestOutput, PoolingParams,
+    ScoringOutput, ScoringRequestOutput,
+)
 from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, UnfinishedOutput
 from engine.sampling_params import SamplingParams
 from engine.structured_output.params import StructuredOutputsParams
@@ -19,7 +23,14 @@ __all__ = [
     "BeamSearchOutput",
     "BeamSearchParams",
     "BeamSearchSequence",
+    "ClassificationOutput",
+    "ClassificationRequestOutput",
     "CompletionOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
+    "PoolingParams",
+    "ScoringOutput",
+    "ScoringRequestOutput",
     "EngineStats",
     "Logprob",
     "LoRARequest",

@@ -10,8 +10,9 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from engine.hardware import cpu_dtype, default_num_threads, detect_cpu
 from engine.layers.attention_selector import resolve_backend_name
-from engine.models import language_model_config
+from engine.models import POOLING_ARCHITECTURES, language_model_config
 from engine.kv_cache_dtype import KV_CACHE_DTYPES, resolve_kv_cache_dtype
+from engine.pooling import POOLING_TYPES, RUNNERS, PoolerConfig, resolve_pooler
 from engine.quantization import QUANTIZATION_METHODS, resolve_quantization
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -58,6 +59,14 @@ class EngineConfig:
                                                 "output feature, activations per token, smoothed by input ranges "
                                                 "measured at load, int8 products) or 'fp8' (a GPU with FP8 "
                                                 "units). The language-model head and routers stay in dtype.")
+    runner: str = _setting("auto", "'generate' (text from a causal LM), 'pooling' (embeddings or classes of whole "
+                                   "prompts: LLM.embed, classify, score; any supported decoder, its LM head unused) or "
+                                   "'auto': pooling for an embedding or sequence-classification checkpoint "
+                                   "('LlamaModel', 'Qwen2ForSequenceClassification') or a sentence-transformers "
+                                   "folder, else generate.")
+    pooling_type: str | None = _setting(None, "How a pooling model pools a prompt's hidden states: 'LAST' (the last "
+                                              "token's), 'MEAN' or 'CLS' (the first token's); None: the "
+                                              "sentence-transformers Pooling module's, else 'LAST'.")
     device: str = _setting("auto", "'auto' (a GPU when there is one), 'cpu' or 'cuda'.")
     seed: int = _setting(0, "Seed of the random draws of requests that have no seed of their own.")
     max_model_len: int | None = _setting(None, "Longest prompt plus completion, at most the model's context "
@@ -116,6 +125,11 @@ class EngineConfig:
         if self.quantization not in (None, "auto", *QUANTIZATION_METHODS):
             problems.append(f"quantization must be 'auto', None or one of {sorted(QUANTIZATION_METHODS)}, "
                             f"got {self.quantization!r}")
+        if self.runner not in RUNNERS:
+            problems.append(f"runner must be one of {', '.join(map(repr, RUNNERS))}, got {self.runner!r}")
+        if self.pooling_type not in (None, *POOLING_TYPES):
+            problems.append(f"pooling_type must be None or one of {', '.join(map(repr, POOLING_TYPES))}, "
+                            f"got {self.pooling_type!r}")
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             problems.append(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         for name in ("max_num_seqs", "block_size", "tensor_parallel_size", "data_parallel_size"):
@@ -212,6 +226,7 @@ class ModelConfig:
     eos_token_ids: set[int] = field(default_factory=set)
     sampling_defaults: dict = field(default_factory=dict)
     quantization: str | None = None
+    pooler: PoolerConfig | None = None  # a pooling model's; None for a generative one
 
     @property
     def dtype_name(self) -> str:
@@ -237,7 +252,8 @@ class ModelConfig:
         dtype = _resolve_dtype(engine.dtype, hf_config, device)
         quantization = resolve_quantization(engine.quantization, hf_config, device,
                                             auto_dtype=dtype if engine.dtype == "auto" else None)
-        return cls(path, hf_config, dtype, device, max_model_len, eos, defaults, quantization)
+        pooler = resolve_pooler(path, hf_config, engine.runner, engine.pooling_type, POOLING_ARCHITECTURES)
+        return cls(path, hf_config, dtype, device, max_model_len, eos, defaults, quantization, pooler)
 
 
 def resolve_device(setting: str) -> torch.device:

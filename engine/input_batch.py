@@ -31,6 +31,17 @@ class PromptRows:
 
 
 @dataclass
+class PoolRows:
+    """A pooling sequence's rows in the step; `last` when they end its prompt."""
+
+    seq: Sequence
+    first_row: int
+    first_position: int
+    count: int
+    last: bool
+
+
+@dataclass
 class StepInputs:
     """One step's rows on the device: each sequence's new tokens back to back.
 
@@ -45,6 +56,7 @@ class StepInputs:
     sample_seqs: list[Sequence] = field(default_factory=list)
     sample_rows: list[int] = field(default_factory=list)
     prompt_rows: list[PromptRows] = field(default_factory=list)
+    pool_rows: list[PoolRows] = field(default_factory=list)
     lora_ranges: list[LoRARange] = field(default_factory=list)
     # Rows whose input id is a token still being sampled, and the batch slots it lands in.
     pending_rows: torch.Tensor | None = None
@@ -157,6 +169,8 @@ class InputBatch:
             for seq, start, n, end in zip(seqs, starts, nums, ends)
             if seq.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1
         ]
+        step.pool_rows = [PoolRows(seq, end - n, start, n, start + n == seq.num_tokens)
+                          for seq, start, n, end in zip(seqs, starts, nums, ends) if seq.pooling is not None]
         if lora_slots:
             step.lora_ranges = _lora_ranges(seqs, ends, nums, lora_slots)
         return step
@@ -165,9 +179,9 @@ class InputBatch:
     def _sample_rows(step: StepInputs, seqs: list[Sequence], starts: list[int], nums: list[int],
                      ends: list[int], forks: list[tuple[Sequence, Sequence]]) -> None:
         """The sequences whose tokens are all computed after this step sample, from
-        their last row; forked children from their parent's."""
+        their last row (pooling ones pool instead); forked children from their parent's."""
         sampling = [i for i, (seq, start, n) in enumerate(zip(seqs, starts, nums))
-                    if start + n == len(seq.token_ids) + seq.num_pending_tokens]
+                    if start + n == len(seq.token_ids) + seq.num_pending_tokens and seq.pooling is None]
         step.sample_seqs = [seqs[i] for i in sampling]
         step.sample_rows = [ends[i] - 1 for i in sampling]
         if forks:

@@ -10,6 +10,7 @@ from engine.beam_search import BeamSearchParams
 from engine.chat_utils import invalid_unicode_problem
 from engine.llm_engine import LLMEngine
 from engine.lora.request import LoRARequest
+from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams, logprobs_count
 
 PromptType = str | dict[str, Any]
@@ -31,11 +32,12 @@ class Request:
     priority: int
     lora_request: LoRARequest | None
     beam_search: BeamSearchParams | None = None
+    pooling: PoolingParams | None = None
 
     def submit(self, engine: LLMEngine, request_id: str) -> None:
         """Queues the request on `engine` under `request_id`."""
         engine.add_request(request_id, self.prompt, self.prompt_token_ids, self.sampling_params, self.priority,
-                           self.lora_request, self.beam_search)
+                           self.lora_request, self.beam_search, self.pooling)
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,24 @@ class RequestChecker:
         for row in rows:
             if row.request is not None:
                 row.request.beam_search = params
+        return rows
+
+    def check_pooling(self, prompts: SequenceABC[PromptType], params: PoolingParams | None,
+                      lora_request: LoRARequestArg) -> list[RowCheck]:
+        """Each row as a ready pooling `Request` (a prompt to embed or classify), or as
+        the text of its problems.
+
+        Raises:
+            ValueError: when the arguments as a whole do not fit (list lengths, params
+                that are not PoolingParams).
+        """
+        params = PoolingParams() if params is None else params
+        if not isinstance(params, PoolingParams):
+            raise ValueError(f"pooling_params: expected PoolingParams, got {type(params).__name__}")
+        rows = self._check(prompts, SamplingParams(max_tokens=1), lora_request, None)
+        for row in rows:
+            if row.request is not None:
+                row.request.pooling = params
         return rows
 
     def _check(self, prompts: SequenceABC[PromptType], sampling_params: SamplingParamsArg,

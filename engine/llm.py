@@ -8,6 +8,8 @@ from collections.abc import Iterator, Sequence as SequenceABC
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from engine.beam_search import BeamSearchOutput, BeamSearchParams
 from engine.chat_utils import chat_messages_problem, render_chat
 from engine.config import EngineConfig, engine_settings, resolve_device
@@ -22,6 +24,10 @@ from engine.llm_engine import EngineStats, LLMEngine
 from engine.lora.request import LoRARequest
 from engine.model_loader import weights_fingerprint
 from engine.outputs import RequestOutput, UnfinishedOutput
+from engine.pooling import (
+    ClassificationRequestOutput, EmbeddingRequestOutput, PoolerConfig, PoolingParams, ScoringOutput,
+    ScoringRequestOutput,
+)
 from engine.progress_bar import ProgressBar
 from engine.sampling_params import SamplingParams
 from engine.structured_output.params import StructuredOutputsParams
@@ -225,6 +231,7 @@ class LLM:
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        self._require_task(None, "generate")
         rows = RequestChecker(self.llm_engine).check(prompts, sampling_params, lora_request, priority)
         requests = valid_requests(rows)
         return CompletedRequests(self._run(requests, use_tqdm), len(requests))
@@ -247,11 +254,117 @@ class LLM:
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        self._require_task(None, "beam_search")
         rows = RequestChecker(self.llm_engine).check_beam_search(prompts, params, lora_request)
-        outputs: list[BeamSearchOutput | None] = [None] * len(rows)
-        for index, output in self._run(valid_requests(rows), use_tqdm):
+        return self._run_in_order(valid_requests(rows), use_tqdm)
+
+    def embed(self, prompts: Prompts, pooling_params: PoolingParams | None = None, *, use_tqdm: UseTqdm = True,
+              lora_request: LoRARequestArg = None) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, in input order (vLLM's `LLM.embed`): the model's
+        pooled final hidden states (its pooling type: the last token's, the mean, or the
+        first token's), unit length unless `pooling_params.normalize` is False or the
+        model's sentence-transformers modules leave it unnormalised. The prompts are
+        batched by the scheduler like any prefill (chunked, and prefix-cached for last-token
+        pooling).
+
+        Raises:
+            ValueError: the model is not an embedding model (load a generative checkpoint
+                with runner="pooling" to embed with it); before any work starts, every
+                bad row (index, field, reason and what to do).
+        """
+        self._require_task("embed", "embed")
+        return self._pool(prompts, pooling_params, use_tqdm, lora_request)
+
+    def classify(self, prompts: Prompts, *, use_tqdm: UseTqdm = True,
+                 lora_request: LoRARequestArg = None) -> list[ClassificationRequestOutput]:
+        """Class probabilities of each prompt, in input order (vLLM's `LLM.classify`) from a
+        sequence-classification checkpoint: a softmax over its labels (a sigmoid for a
+        single label).
+
+        Raises:
+            ValueError: the model is not a classifier; before any work starts, every bad row.
+        """
+        self._require_task("classify", "classify")
+        return self._pool(prompts, None, use_tqdm, lora_request)
+
+    def score(self, text_1: str | list[str], text_2: str | list[str], *, use_tqdm: UseTqdm = True,
+              lora_request: LoRARequestArg = None) -> list[ScoringRequestOutput]:
+        """How well each text of `text_2` matches its text of `text_1` (vLLM's `LLM.score`):
+        one `text_1` is paired with every `text_2`, else they pair up in order. An
+        embedding model scores the cosine of the two embeddings; a cross-encoder (a
+        classifier with one label) reads each pair as one input (the tokenizer's pair
+        encoding) and scores the sigmoid of its logit.
+
+        Raises:
+            ValueError: lists of different lengths, an empty list, or a model that neither
+                embeds nor is a one-label classifier.
+        """
+        firsts = [text_1] if isinstance(text_1, str) else list(text_1)
+        seconds = [text_2] if isinstance(text_2, str) else list(text_2)
+        if len(firsts) == 1:
+            firsts = firsts * len(seconds)
+        if not seconds or len(firsts) != len(seconds):
+            raise ValueError(f"score: text_1 has {len(firsts)} texts and text_2 {len(seconds)}: give one text_1, "
+                             "or as many as text_2 (and at least one)")
+        pooler = self._require_task(None, "score", pooling=True)
+        if pooler.task == "classify":
+            return self._cross_encode(firsts, seconds, pooler, use_tqdm, lora_request)
+        adapters = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request] * len(firsts)
+        embedded = self._pool(firsts + seconds, None, use_tqdm, list(adapters) * 2)
+        outputs = []
+        for i, (first, second) in enumerate(zip(embedded[: len(firsts)], embedded[len(firsts):])):
+            cosine = torch.nn.functional.cosine_similarity(torch.tensor(first.outputs.embedding),
+                                                           torch.tensor(second.outputs.embedding), dim=0)
+            outputs.append(ScoringRequestOutput(str(i), ScoringOutput(cosine.item()),
+                                                first.prompt_token_ids + second.prompt_token_ids))
+        return outputs
+
+    def _cross_encode(self, firsts: list[str], seconds: list[str], pooler: PoolerConfig, use_tqdm: UseTqdm,
+                      lora_request: LoRARequestArg) -> list[ScoringRequestOutput]:
+        """Scores of a cross-encoder: each pair classified as one input."""
+        if pooler.num_labels != 1:
+            raise ValueError(f"score: this classifier has {pooler.num_labels} labels; a cross-encoder has one "
+                             "(use classify for the probabilities of several labels)")
+        tokenizer = self.llm_engine.tokenizer
+        pairs = [{"prompt_token_ids": tokenizer(first, second).input_ids} for first, second in zip(firsts, seconds)]
+        classified = self._pool(pairs, None, use_tqdm, lora_request)
+        return [ScoringRequestOutput(output.request_id, ScoringOutput(output.outputs.probs[0]),
+                                     output.prompt_token_ids) for output in classified]
+
+    def _pool(self, prompts: Prompts, params: PoolingParams | None, use_tqdm: UseTqdm,
+              lora_request: LoRARequestArg) -> list:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        rows = RequestChecker(self.llm_engine).check_pooling(prompts, params, lora_request)
+        return self._run_in_order(valid_requests(rows), use_tqdm)
+
+    def _run_in_order(self, requests: list[Request], use_tqdm: UseTqdm) -> list:
+        outputs: list = [None] * len(requests)
+        for index, output in self._run(requests, use_tqdm):
             outputs[index] = output
         return outputs
+
+    def _require_task(self, task: str | None, call: str, pooling: bool = False) -> PoolerConfig | None:
+        """The model's pooler, when `call` can run on it: `task` names the pooling task it
+        needs, None with `pooling` any pooling model, None without a generative model.
+
+        Raises:
+            ValueError: the model does not do what `call` needs, saying how to load one that does.
+        """
+        pooler = self.llm_engine.model_config.pooler
+        if task is None and not pooling:
+            if pooler is not None:
+                raise ValueError(f"{call}: this model pools (runner='pooling', {pooler.task}): call "
+                                 f"{'embed or score' if pooler.task == 'embed' else 'classify or score'}, or load a "
+                                 "causal LM with runner='generate'")
+            return None
+        if pooler is None:
+            raise ValueError(f"{call}: this model generates text; load an embedding or classification model, or "
+                             "this one with LLM(model, runner='pooling') to embed with its hidden states")
+        if task is not None and pooler.task != task:
+            raise ValueError(f"{call}: this model's task is {pooler.task!r}, not {task!r}: call "
+                             f"{pooler.task} or score")
+        return pooler
 
     def validate(self, prompts: SequenceABC[PromptType], sampling_params: SamplingParamsArg = None,
                  lora_request: LoRARequestArg = None, priority: PriorityArg = None) -> list[str | None]:

@@ -23,6 +23,10 @@ from engine.layers.sampler import SampledToken
 from engine.lora.manager import LoRAManager
 from engine.lora.request import LoRARequest
 from engine.outputs import CompletionOutput, Logprob, RequestOutput, UnfinishedOutput
+from engine.pooling import (
+    ClassificationOutput, ClassificationRequestOutput, EmbeddingOutput, EmbeddingRequestOutput, PoolingParams,
+    PoolingRequestOutput,
+)
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence, SequenceStatus
@@ -115,12 +119,18 @@ class LLMEngine:
         priority: int = 0,
         lora_request: LoRARequest | None = None,
         beam_search: BeamSearchParams | None = None,
+        pooling: PoolingParams | None = None,
     ) -> Sequence:
         """Queues a validated request (its first completion; the others fork from it).
         With `beam_search` it is a beam search (`sampling_params` is then
-        `beam_search.sampling_params()`), whose first beam this sequence is."""
+        `beam_search.sampling_params()`), whose first beam this sequence is; with
+        `pooling`, a prompt to embed or classify, which is only prefilled."""
         seq = self._new_sequence(request_id, prompt, prompt_token_ids, sampling_params, priority, index=0,
                                  lora_request=lora_request)
+        if pooling is not None:
+            seq.pooling = pooling
+            seq.max_num_tokens = seq.num_prompt_tokens
+            seq.computes_whole_prompt = self.model_config.pooler.needs_every_row
         seq.bad_words_ids = self._bad_words_ids(sampling_params.bad_words)
         seq.processes_logits = _processes_logits(seq)
         if beam_search is not None:
@@ -222,6 +232,12 @@ class LLMEngine:
             for position, token in positions:
                 seq.prompt_logprobs[position] = self._logprob_dict(token, seq.sampling_params.detokenize)
         finished = []
+        for seq, vector in output.pooled.items():
+            if not seq.is_finished:
+                seq.pooled = vector
+                seq.metrics.finished_time = time.monotonic()
+                self.scheduler.finish(seq)
+                finished.append(seq)
         logprobs = output.logprobs
         for i, (seq, token) in enumerate(zip(output.seqs, output.token_ids)):
             if seq.is_finished:
@@ -369,11 +385,17 @@ class LLMEngine:
         self._in_flight = None
         self.scheduler.abort_all()
 
-    def output(self, seq: Sequence) -> RequestOutput | BeamSearchOutput:
+    def output(self, seq: Sequence) -> RequestOutput | BeamSearchOutput | PoolingRequestOutput:
         """A finished request's output, given its first sequence: its beams for a beam
-        search, else `request_output`."""
+        search, its embedding or class probabilities for a pooling request, else
+        `request_output`."""
         if seq.beam is not None:
             return seq.beam.output(self.tokenizer)
+        if seq.pooling is not None:
+            prompt_ids = seq.token_ids[: seq.num_prompt_tokens]
+            if self.model_config.pooler.task == "classify":
+                return ClassificationRequestOutput(seq.request_id, ClassificationOutput(seq.pooled), prompt_ids)
+            return EmbeddingRequestOutput(seq.request_id, EmbeddingOutput(seq.pooled), prompt_ids)
         return self.request_output(seq)
 
     def request_output(self, seq: Sequence) -> RequestOutput:

@@ -21,7 +21,7 @@ from engine.layers.cpu_routing import route_through_cpu_kernels
 from engine.layers.fused_moe import FusedMoE
 from engine.layers.linear import Linear, ShardSlice
 from engine.layers.triton_routing import route_through_triton
-from engine.models import MODEL_REGISTRY
+from engine.models import MODEL_REGISTRY, model_class_for
 from engine.quantization import apply_quantization, checkpoint_format
 
 logger = logging.getLogger(__name__)
@@ -172,11 +172,11 @@ def load_model(model_config: ModelConfig, group: TensorParallelGroup | None = No
     started = time.perf_counter()
     hf_config = model_config.hf_config
     architectures = getattr(hf_config, "architectures", None) or []
-    model_class = next((MODEL_REGISTRY[a] for a in architectures if a in MODEL_REGISTRY), None)
+    model_class = model_class_for(architectures, model_config.pooler)
     if model_class is None:
         raise ModelLoadError(
             f"{model_config.path}: architecture {architectures} is not supported "
-            f"(supported: {sorted(MODEL_REGISTRY)})"
+            f"(supported: {sorted(MODEL_REGISTRY)}, and each family's Model and ForSequenceClassification)"
         )
     files = check_model_folder(model_config.path)
     with torch.device("meta"):

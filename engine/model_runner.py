@@ -12,10 +12,11 @@ from engine.config import EngineConfig, ModelConfig
 from engine.device_queue import Pending, launch
 from engine.distributed.plan import ReplicaPlan
 from engine.distributed.worker_group import WorkerGroup
-from engine.input_batch import InputBatch, PromptRows, StepInputs, upload
+from engine.input_batch import InputBatch, PoolRows, PromptRows, StepInputs, upload
 from engine.kv_cache import KVCache
 from engine.layers.sampler import SampledToken, Sampler, SamplerOutput, token_logprobs
 from engine.lora.manager import LoRAManager
+from engine.pooling import Pooler
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 from engine.sampling_metadata import SamplingMetadataBuilder
@@ -28,12 +29,14 @@ if TYPE_CHECKING:
 @dataclass
 class StepOutput:
     """What one step produced, read back on the host: the token each of `seqs` sampled
-    (with its logprobs when any row asked), and prompt logprobs by position."""
+    (with its logprobs when any row asked), prompt logprobs by position, and the output
+    vector of each pooling prompt the step finished."""
 
     seqs: list[Sequence]
     token_ids: list[int]
     logprobs: list[SampledToken] | None
     prompt_logprobs: dict[Sequence, list[tuple[int, SampledToken]]]
+    pooled: dict[Sequence, list[float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -45,7 +48,18 @@ class LaunchedStep:
     inputs: StepInputs
     forward: Pending[torch.Tensor]
     sample_seqs: list[Sequence] = field(default_factory=list)
-    sampling: Pending[tuple[SamplerOutput | None, list[tuple[PromptRows, SamplerOutput]]]] | None = None
+    sampling: Pending["SampledStep"] | None = None
+
+
+@dataclass
+class SampledStep:
+    """A step's results on their way to the host: what it sampled, its prompt logprobs,
+    and its finished pooling prompts with their output vectors (one row each)."""
+
+    sampled: SamplerOutput | None = None
+    prompt: list[tuple[PromptRows, SamplerOutput]] = field(default_factory=list)
+    pooled_seqs: list[Sequence] = field(default_factory=list)
+    pooled: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -71,6 +85,8 @@ class ModelRunner:
         self.sampling_metadata = SamplingMetadataBuilder(model_config.hf_config.vocab_size,
                                                          model_config.eos_token_ids, self.device)
         self.input_batch = InputBatch(config.max_num_seqs, model_config.max_model_len, self.block_size, self.device)
+        self.pooler = (Pooler(model_config.pooler, getattr(self.model, "score", None))
+                       if model_config.pooler is not None else None)
 
     @property
     def model(self) -> nn.Module:
@@ -138,30 +154,34 @@ class ModelRunner:
             seq.num_pending_tokens = 1
         non_blocking = self.device.type == "cuda"
 
-        def sample() -> tuple[SamplerOutput | None, list[tuple[PromptRows, SamplerOutput]]]:
-            step.forward.result()
+        def sample() -> SampledStep:
+            hidden = step.forward.result()
+            result = self._pool(hidden, inputs.pool_rows, non_blocking) if inputs.pool_rows else SampledStep()
             if not logit_rows:
-                return None, []
+                return result
             logits = self.workers.logits(rows_t, logit_rows)
-            prompt, first = [], len(rows)
+            first = len(rows)
             for prompt_rows in inputs.prompt_rows:
                 part = logits[first : first + prompt_rows.count]
-                prompt.append((prompt_rows, self._prompt_logprobs(prompt_rows, part).to_host(non_blocking)))
+                result.prompt.append((prompt_rows, self._prompt_logprobs(prompt_rows, part).to_host(non_blocking)))
                 first += prompt_rows.count
-            if meta is None:
-                return None, prompt
-            sampled = self.sampler.sample(logits[: len(rows)], meta)
-            self.input_batch.last_token_ids[slots_t] = sampled.token_ids
-            return sampled.to_host(non_blocking), prompt
+            if meta is not None:
+                sampled = self.sampler.sample(logits[: len(rows)], meta)
+                self.input_batch.last_token_ids[slots_t] = sampled.token_ids
+                result.sampled = sampled.to_host(non_blocking)
+            return result
 
         step.sample_seqs = seqs
         step.sampling = launch(sample, self.device, read_back=True)
 
     def collect(self, step: LaunchedStep) -> StepOutput:
         """Waits for the step's sampled tokens and reads them on the host."""
-        sampled, prompt = step.sampling.result()
+        result = step.sampling.result()
+        sampled, prompt = result.sampled, result.prompt
         step.forward = step.sampling = None  # the hidden states go
         output = StepOutput(step.sample_seqs, [], None, {})
+        if result.pooled is not None:
+            output.pooled = dict(zip(result.pooled_seqs, result.pooled.tolist()))
         if sampled is not None and sampled.logprobs is not None:
             output.logprobs = sampled.entries()
             output.token_ids = [entry.token_id for entry in output.logprobs]
@@ -171,6 +191,23 @@ class ModelRunner:
             output.prompt_logprobs[rows.seq] = [(rows.first_position + 1 + i, entry)
                                                 for i, entry in enumerate(logprobs.entries())]
         return output
+
+    def _pool(self, hidden: torch.Tensor, pool_rows: list[PoolRows], non_blocking: bool) -> SampledStep:
+        """Adds each pooling sequence's rows to its pooled state, and pools those whose
+        prompt the step finished into their output vectors."""
+        pooler, finished, vectors = self.pooler, [], []
+        for rows in pool_rows:
+            seq = rows.seq
+            part = hidden[rows.first_row : rows.first_row + rows.count]
+            seq.pooling_state = pooler.update(seq.pooling_state, part, rows.first_position)
+            if rows.last:
+                finished.append(seq)
+                vectors.append(pooler.vector(seq.pooling_state, part, seq.num_prompt_tokens))
+                seq.pooling_state = None
+        if not finished:
+            return SampledStep()
+        normalize = [pooler.config.normalize if s.pooling.normalize is None else s.pooling.normalize for s in finished]
+        return SampledStep(pooled_seqs=finished, pooled=pooler.finish(vectors, normalize).to("cpu", non_blocking=non_blocking))
 
     def _activate_adapters(self, seqs: list[Sequence]) -> dict[int, int]:
         """Puts the step's LoRA adapters into device slots: slot by adapter id."""

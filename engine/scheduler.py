@@ -95,15 +95,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and plan.budget > 0:
             seq = self.running[i]
-            if seq.beam is not None:
-                # A beam's next token is its group's choice, made once every beam's
-                # candidates are read back: until then it has nothing to compute.
-                num_tokens = seq.num_tokens
-                if num_tokens == seq.num_computed_tokens:
-                    i += 1
-                    continue
-            else:
-                num_tokens = seq.num_tokens + seq.num_pending_tokens
+            # A beam's next token is its group's choice, made once every beam's candidates
+            # are read back: its pending token is not its next input.
+            num_tokens = seq.num_tokens + (seq.num_pending_tokens if seq.beam is None else 0)
+            if num_tokens == seq.num_computed_tokens:
+                i += 1  # a beam awaiting its group's choice, or a pooled prompt awaiting its vector
+                continue
             if seq.num_pending_tokens and num_tokens >= seq.max_num_tokens:
                 i += 1  # its pending token is its last: it finishes when that token is read back
                 continue
@@ -138,8 +135,7 @@ class Scheduler:
             if seq.lora_int_id is not None and seq.lora_int_id not in adapters and len(adapters) >= self.config.max_loras:
                 index += 1
                 continue
-            # Prompt logprobs need every prompt position computed, so no cache hits then.
-            cached = [] if seq.sampling_params.prompt_logprobs is not None else self.block_manager.find_cached_blocks(seq)
+            cached = [] if seq.computes_whole_prompt else self.block_manager.find_cached_blocks(seq)
             num_new = seq.num_tokens - len(cached) * self.block_manager.block_size
             if num_new > plan.budget:
                 if not self.config.enable_chunked_prefill:

@@ -13,6 +13,7 @@ from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.beam_search import BeamGroup
+    from engine.pooling import PoolingParams
     from engine.structured_output.backend_xgrammar import Grammar
 
 
@@ -81,6 +82,14 @@ class Sequence:
         self.group: list[Sequence] = [self]
         # A beam of a beam-search request: its group decides its next token (set by the engine).
         self.beam: "BeamGroup | None" = None
+        # A pooling request's settings (set by the engine), the partial MEAN or CLS vector
+        # of a prompt pooled over several steps, and the output once its prompt is computed.
+        self.pooling: "PoolingParams | None" = None
+        self.pooling_state: torch.Tensor | None = None
+        self.pooled: list[float] | None = None
+        # Every prompt position is computed (none taken from the prefix cache): prompt
+        # logprobs read them all, and so does a MEAN or CLS pooling (set by the engine).
+        self.computes_whole_prompt = sampling_params.prompt_logprobs is not None
         self.bad_words_ids: list[list[int]] = []
         # Whether its logits are processed before sampling (set by the engine).
         self.processes_logits = False

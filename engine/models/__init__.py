@@ -3,10 +3,13 @@
 from torch import nn
 from transformers import PretrainedConfig
 
+from engine.pooling import PoolerConfig, pooling_architectures
+
 from engine.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from engine.models.llama import LlamaForCausalLM
 from engine.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from engine.models.phi3 import Phi3ForCausalLM
+from engine.models.pooling import pooling_model_class
 from engine.models.qwen2 import Qwen2ForCausalLM
 from engine.models.qwen3 import Qwen3ForCausalLM
 
@@ -22,6 +25,20 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
+
+# Embedding models ("LlamaModel") and classifiers ("Qwen2ForSequenceClassification") of each family.
+POOLING_ARCHITECTURES = pooling_architectures(MODEL_REGISTRY)
+
+
+def model_class_for(architectures: list[str], pooler: PoolerConfig | None) -> type[nn.Module] | None:
+    """The class that runs a checkpoint of these architectures (None: unsupported): the
+    family's causal LM, or with a `pooler` the family's pooling model."""
+    for name in architectures:
+        family = MODEL_REGISTRY.get(name) or POOLING_ARCHITECTURES.get(name, (None,))[0]
+        if family is not None:
+            return family if pooler is None else pooling_model_class(family, pooler.task == "classify")
+    return None
+
 
 # Vision-language checkpoints whose language model runs here on its own, for text prompts:
 # architecture -> the family of its `text_config`.
