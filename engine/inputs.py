@@ -93,7 +93,7 @@ class RequestChecker:
         if params.beam_width > self.engine.config.max_num_seqs:
             raise ValueError(f"beam_width={params.beam_width} beams run side by side, but max_num_seqs is "
                              f"{self.engine.config.max_num_seqs}: lower beam_width or raise max_num_seqs")
-        rows = self._check(prompts, params.sampling_params(), lora_request, None, beam_search=params)
+        rows = self._check(prompts, params.sampling_params(), lora_request, None, kind="beam_search")
         for row in rows:
             if row.request is not None:
                 row.request.beam_search = params
@@ -111,7 +111,7 @@ class RequestChecker:
         params = PoolingParams() if params is None else params
         if not isinstance(params, PoolingParams):
             raise ValueError(f"pooling_params: expected PoolingParams, got {type(params).__name__}")
-        rows = self._check(prompts, SamplingParams(max_tokens=1), lora_request, None)
+        rows = self._check(prompts, SamplingParams(max_tokens=1), lora_request, None, kind="pooling")
         for row in rows:
             if row.request is not None:
                 row.request.pooling = params
@@ -119,7 +119,7 @@ class RequestChecker:
 
     def _check(self, prompts: SequenceABC[PromptType], sampling_params: SamplingParamsArg,
                lora_request: LoRARequestArg, priority: PriorityArg,
-               beam_search: BeamSearchParams | None = None) -> list[RowCheck]:
+               kind: str = "generate") -> list[RowCheck]:
         prompts = list(prompts)
         problems: list[str] = []
         params_list = _per_prompt("sampling_params", sampling_params, len(prompts), problems)
@@ -130,9 +130,9 @@ class RequestChecker:
         if any(params is None for params in params_list):
             defaults = SamplingParams(**self.engine.model_config.sampling_defaults)
             params_list = [defaults if params is None else params for params in params_list]
-        return [self._check_row(*row, beam_search is not None) for row in zip(prompts, params_list, adapters, priorities)]
+        return [self._check_row(*row, kind) for row in zip(prompts, params_list, adapters, priorities)]
 
-    def _check_row(self, prompt: Any, params: Any, adapter: Any, priority: Any, beams: bool = False) -> RowCheck:
+    def _check_row(self, prompt: Any, params: Any, adapter: Any, priority: Any, kind: str = "generate") -> RowCheck:
         priority = 0 if priority is None else priority
         found = self._argument_problems(params, adapter, priority)
         if (bad_text := invalid_unicode_problem(prompt)) is not None:
@@ -140,7 +140,7 @@ class RequestChecker:
         if not isinstance(params, SamplingParams):
             params = SamplingParams()  # the prompt is still checked, against the defaults
         text, ids = self._tokenize(prompt)
-        if (problem := _prompt_problem(prompt, ids, self.max_len, self.vocab) or self._params_problem(ids, params, beams)):
+        if (problem := _prompt_problem(prompt, ids, self.max_len, self.vocab) or self._params_problem(ids, params, kind)):
             found.append(problem)
         if found:
             return RowCheck(None, "; ".join(found))
@@ -159,11 +159,16 @@ class RequestChecker:
             found.append(f"priority: expected an integer, got {priority!r}")
         return found
 
-    def _params_problem(self, ids: list[int], params: SamplingParams, beams: bool = False) -> str | None:
+    def _params_problem(self, ids: list[int], params: SamplingParams, kind: str = "generate") -> str | None:
         """The first way the sampling settings do not fit the engine with this prompt, or
-        None. A beam search's candidates are not logprobs the caller asked for, so
-        max_logprobs does not bound them (`beams`)."""
+        None. `kind` is "generate", "beam_search" (its candidates are not logprobs the
+        caller asked for, so max_logprobs does not bound them) or "pooling" (the prompt
+        alone is computed)."""
         engine, vocab = self.engine, self.vocab
+        if kind == "pooling":
+            return None if len(ids) <= engine.kv_cache_tokens else (
+                f"prompt: needs {len(ids)} tokens of KV cache, which holds {engine.kv_cache_tokens}: shorten it "
+                "or raise kv_cache_memory / gpu_memory_utilization")
         needed = len(ids) + params.max_output_tokens(len(ids), self.max_len)
         if any(t >= vocab for t in params.token_ids()):
             return (f"sampling_params: stop_token_ids, logit_bias or allowed_token_ids name ids "
@@ -174,7 +179,7 @@ class RequestChecker:
         if params.n > engine.config.max_num_seqs:
             return (f"sampling_params: n={params.n} completions run side by side, but max_num_seqs is "
                     f"{engine.config.max_num_seqs}: lower n or raise max_num_seqs")
-        if not beams and (problem := self._logprobs_problem(params)) is not None:
+        if kind == "generate" and (problem := self._logprobs_problem(params)) is not None:
             return problem
         if params.structured_outputs is not None and (problem := self._structured_problem(params)):
             return f"structured_outputs: {problem}"

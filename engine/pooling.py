@@ -21,9 +21,11 @@ from transformers import PretrainedConfig
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 RUNNERS = ("auto", "generate", "pooling")
 
-# sentence-transformers' Pooling module flags -> our pooling type.
-_SENTENCE_TRANSFORMERS_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN",
-                                "pooling_mode_cls_token": "CLS"}
+# sentence-transformers' Pooling modes -> our pooling type: its `pooling_mode` (version 6), or
+# one flag set among the older `pooling_mode_*` flags.
+_SENTENCE_TRANSFORMERS_MODES = {"lasttoken": "LAST", "mean": "MEAN", "cls": "CLS"}
+_SENTENCE_TRANSFORMERS_FLAGS = {"pooling_mode_lasttoken": "lasttoken", "pooling_mode_mean_tokens": "mean",
+                                "pooling_mode_cls_token": "cls"}
 
 
 @dataclass(frozen=True)
@@ -159,11 +161,13 @@ def _sentence_transformers_pooling(path: Path) -> tuple[str, bool] | None:
     for module in modules:
         if module.get("type", "").endswith(".Pooling"):
             settings = json.loads((path / module["path"] / "config.json").read_text())
-            on = [kind for flag, kind in _SENTENCE_TRANSFORMERS_MODES.items() if settings.get(flag)]
-            if len(on) != 1:
-                raise ValueError(f"{path}: the Pooling module sets {on or 'no mode'}; the engine pools by exactly one "
-                                 f"of {sorted(_SENTENCE_TRANSFORMERS_MODES)}")
-            pooling_type = on[0]
+            modes = settings.get("pooling_mode")
+            modes = [modes] if isinstance(modes, str) else modes or [
+                mode for flag, mode in _SENTENCE_TRANSFORMERS_FLAGS.items() if settings.get(flag)]
+            if len(modes) != 1 or modes[0] not in _SENTENCE_TRANSFORMERS_MODES:
+                raise ValueError(f"{path}: the Pooling module pools by {modes or 'no mode'}; the engine pools by "
+                                 f"exactly one of {sorted(_SENTENCE_TRANSFORMERS_MODES)}")
+            pooling_type = _SENTENCE_TRANSFORMERS_MODES[modes[0]]
     normalize = any(module.get("type", "").endswith(".Normalize") for module in modules)
     return pooling_type, normalize
 
