@@ -3,7 +3,9 @@
     dagster dev -f definitions.py
 
 The engine's model and dtype come from DAGSTER_LLM_MODEL (a model folder, default the
-embedded SmolLM2-135M-Instruct) and DAGSTER_LLM_DTYPE ("auto", "float32", "bfloat16").
+embedded SmolLM2-135M-Instruct) and DAGSTER_LLM_DTYPE ("auto", "float32", "bfloat16"); the
+embedding assets' model from DAGSTER_LLM_EMBEDDING_MODEL (default: the same SmolLM2 read as
+an embedding model, runner="pooling").
 """
 
 import os
@@ -20,6 +22,12 @@ defs = dg.Definitions.merge(
             "llm": LLMResource(
                 model_id=os.environ.get("DAGSTER_LLM_MODEL", "smollm2-135m-instruct"),
                 dtype=os.environ.get("DAGSTER_LLM_DTYPE", "auto"),
+            ),
+            # The embedding assets' engine: an embedding model, or a causal LM read as one.
+            "embedder": LLMResource(
+                model_id=os.environ.get("DAGSTER_LLM_EMBEDDING_MODEL", "smollm2-135m-instruct"),
+                dtype=os.environ.get("DAGSTER_LLM_DTYPE", "auto"),
+                runner="pooling",
             ),
             # Tables under $DAGSTER_LLM_OUTPUT_DIR/tables (default output/tables), one file per partition.
             "io_manager": ParquetIOManager(),

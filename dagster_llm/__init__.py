@@ -12,6 +12,10 @@ from typing import Any
 _EXPORTS = {
     "SAMPLING_FIELDS": "dagster_llm.core.sampling",
     "CheckThresholds": "dagster_llm.core.checks",
+    "EmbeddingOptions": "dagster_llm.core.embedding",
+    "EmbeddingRun": "dagster_llm.core.embedding",
+    "EmbeddingRunConfig": "dagster_llm.embedding_assets",
+    "EmbeddingSpec": "dagster_llm.embedding_spec",
     "GenerationComponent": "dagster_llm.components",
     "GenerationRun": "dagster_llm.core.generation",
     "GenerationRunConfig": "dagster_llm.run_config",
@@ -31,6 +35,7 @@ _EXPORTS = {
     "SamplingOverrides": "dagster_llm.run_config",
     "StructuredOutput": "dagster_llm.core.structured",
     "TableStore": "dagster_llm.core.table_store",
+    "build_embedding_asset": "dagster_llm.embedding_assets",
     "build_generation_asset": "dagster_llm.assets",
     "generation_asset": "dagster_llm.assets",
     "partition_file": "dagster_llm.core.table_store",

@@ -33,6 +33,7 @@ from dagster_llm.metadata import PartitionFacts, column_schema, partition_metada
 from dagster_llm.partitions import PartitionChoice, RowShard, output_choice, sharded_partitions, upstream_partition
 from dagster_llm.resource import LLMResource
 from dagster_llm.run_config import GenerationRunConfig
+from dagster_llm.steps import PartitionedStep
 from dagster_llm.spec import GenerationSpec
 
 
@@ -197,21 +198,19 @@ def _check_specs(asset_key: dg.AssetKey, partitions_def: dg.PartitionsDefinition
             for name, description in descriptions.items()]
 
 
-class _GenerationStep:
+class _GenerationStep(PartitionedStep):
     """One execution of a generation asset: checks, locks, the run, and its events."""
 
     def __init__(self, definition: _Definition, context: dg.AssetExecutionContext,
                  config: GenerationRunConfig) -> None:
+        spec = definition.spec
+        super().__init__(context, spec.name, spec.asset_key, spec.io_manager_key, definition.partitioned,
+                         definition.code_version)
         self.d = definition
-        self.spec = definition.spec
-        self.context = context
+        self.spec = spec
         self.config = config
-        self.resource: LLMResource = getattr(context.resources, self.spec.resource_key)
-        io_manager = getattr(context.resources, self.spec.io_manager_key)
-        self.store: TableStore | None = io_manager.table_store() if isinstance(io_manager, ParquetIOManager) else None
-        self.keys = list(context.partition_keys) if definition.partitioned else [None]
+        self.resource: LLMResource = getattr(context.resources, spec.resource_key)
         self.settings: dict[str | None, PartitionSettings] = {}
-        self.output_metadata: dict[str, object] = {}
 
     def execute(self, prompts: object) -> Iterator[object]:
         sampling = self._sampling()
@@ -220,7 +219,7 @@ class _GenerationStep:
             raise dg.Failure(f"{self.spec.name} declares LoRA adapters ({', '.join(sorted(self.d.lora_requests))}), "
                              f"but the resource {self.spec.resource_key!r} has enable_lora=False: set "
                              "LLMResource(enable_lora=True, max_loras=..., max_lora_rank=...)")
-        with self._locks():
+        with self.locks():
             llm = self.resource.get_llm()
             parts = self._inputs(frames, sampling, llm)
             run = GenerationRun(llm, self.d.lora_requests, self._options(), self.context.log.info, ParentWatch().check)
@@ -233,9 +232,7 @@ class _GenerationStep:
                 raise dg.Failure(str(exc)) from None
             except OutputSpecError as exc:
                 raise dg.Failure(f"{self.spec.name}: {exc}") from None
-        yield from self._output(results)
-        if len(self.keys) > 1:
-            yield from self._check_outputs()
+        yield from self.outputs(results)
 
     def _inputs(self, frames: dict[str | None, pd.DataFrame], sampling: dict[str | None, SamplingConfig],
                 llm: engine.LLM) -> list[PartitionInput]:
@@ -282,54 +279,19 @@ class _GenerationStep:
             raise dg.Failure(f"{self.spec.name}: {exc}") from None
         return frames
 
-    @contextlib.contextmanager
-    def _locks(self) -> Iterator[None]:
-        """Holds the writer locks of the run's partitions in the table store."""
-        if self.store is None:
-            yield
-            return
-        owner = f"run {self.context.run.run_id} of {self.spec.asset_key.to_user_string()}"
-        try:
-            with self.store.locks(self.spec.asset_key.path, self.keys, owner) as held:
-                now = time.time()
-                for key, lock in zip(self.keys, held):
-                    if lock.taken_over is not None:
-                        self.context.log.warning(f"partition {key}: took over the lease of "
-                                                 f"{lock.taken_over.describe(now)}; its saved rows are resumed")
-                yield
-        except PartitionLockedError as exc:
-            raise dg.Failure(f"{self.spec.name}: partition {exc}") from None
-        except StoreWithoutLeaseError as exc:
-            raise dg.Failure(f"{self.spec.name}: {exc}; nothing was run") from None
-
     def _options(self) -> RunOptions:
         return RunOptions(model_id=self.resource.model_id, code_version=self.d.code_version,
                           resume=self.config.resume, shard_rows=self.spec.shard_rows,
                           progress_interval_s=self.spec.progress_interval_s)
 
     def _committed(self, result: PartitionResult) -> Iterator[object]:
-        """A range's partition is recorded as it commits; a single partition with the output."""
+        """The partition's metadata and check outcomes, recorded (`PartitionedStep.committed`)."""
         metadata = partition_metadata(result, self._facts(result.key))
         output = self.d.output.for_partition(result.key)
         outcomes = evaluate(result.table, self.spec.thresholds(),
                             structured=(output is not None) if self.d.structured else None,
                             allow_duplicate_ids=self.spec.duplicate_ids == "keep")
-        key = self.spec.asset_key
-        if len(self.keys) == 1:
-            self.output_metadata = metadata
-            for check_name, outcome in outcomes.items():
-                yield dg.AssetCheckResult(asset_key=key, check_name=check_name, passed=outcome.passed,
-                                          metadata=outcome.metadata)
-            return
-        self.context.add_asset_metadata(metadata, partition_key=result.key)  # for the output, if it is yielded
-        if self.store is not None:
-            self.context.log_event(dg.AssetMaterialization(
-                key, partition=result.key, metadata=metadata,
-                tags={"dagster/data_version": result.data_version, "dagster/code_version": self.d.code_version}))
-        for check_name, outcome in outcomes.items():
-            self.context.log_event(dg.AssetCheckEvaluation(
-                asset_key=key, check_name=check_name, passed=outcome.passed, partition=result.key,
-                metadata=outcome.metadata))
+        return self.committed(result, metadata, outcomes)
 
     def _facts(self, key: str | None) -> PartitionFacts:
         settings = self.settings[key]
@@ -341,38 +303,6 @@ class _GenerationStep:
             sampling_used=used_values(settings.params(settings.sampling)),
             upstream_data_version=upstream_data_version(self.context, self.spec.upstream_key, key),
         )
-
-    def _output(self, results: dict[str | None, PartitionResult]) -> Iterator[object]:
-        """The table (or dict of tables) for the IO manager and downstream steps."""
-        name = self.spec.asset_key.to_python_identifier()
-        # Output(data_version=) is beta in Dagster 1.13; its warning would repeat in every run's log.
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", dg.BetaWarning)
-            if len(self.keys) == 1:
-                result = results[self.keys[0]]
-                output = dg.Output(result.table, output_name=name, metadata=self.output_metadata,
-                                   data_version=dg.DataVersion(result.data_version))
-            elif self.store is None or self._consumed_in_run():
-                # With our IO manager each partition was recorded as it committed, and the files
-                # are not rewritten: this output only feeds the downstream steps of this run.
-                versions = {key: r.data_version for key, r in results.items()}
-                output = dg.Output({key: r.table for key, r in results.items()}, output_name=name,
-                                   data_version=dg.DataVersion(digest(versions)[:24]))
-            else:
-                return
-        yield output
-
-    def _check_outputs(self) -> Iterator[dg.Output]:
-        """The checks' op outputs, once each: a range's evaluations were logged per partition
-        as they committed, and without these Dagster reports the checks as not yielded."""
-        layer = self.context.job_def.asset_layer
-        for check_key in sorted(self.context.selected_asset_check_keys, key=lambda k: k.name):
-            yield dg.Output(None, output_name=layer.get_op_output_name(check_key))
-
-    def _consumed_in_run(self) -> bool:
-        layer = self.context.job_def.asset_layer
-        children = layer.asset_graph.get(self.spec.asset_key).child_keys
-        return bool(children & set(layer.executable_asset_keys))
 
 
 def _options_doc() -> str:

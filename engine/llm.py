@@ -210,12 +210,8 @@ class LLM:
             ValueError: before any work starts, listing every bad row (index, field,
                 reason and what to do).
         """
-        finished = self.generate_as_completed(prompts, sampling_params, use_tqdm=use_tqdm,
-                                              lora_request=lora_request, priority=priority)
-        outputs: list[RequestOutput | None] = [None] * len(finished)
-        for index, output in finished:
-            outputs[index] = output
-        return outputs
+        return _in_order(self.generate_as_completed(prompts, sampling_params, use_tqdm=use_tqdm,
+                                                    lora_request=lora_request, priority=priority))
 
     def generate_as_completed(self, prompts: Prompts, sampling_params: SamplingParamsArg = None, *,
                               use_tqdm: UseTqdm = True, lora_request: LoRARequestArg = None,
@@ -255,8 +251,8 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         self._require_task(None, "beam_search")
-        rows = RequestChecker(self.llm_engine).check_beam_search(prompts, params, lora_request)
-        return self._run_in_order(valid_requests(rows), use_tqdm)
+        requests = valid_requests(RequestChecker(self.llm_engine).check_beam_search(prompts, params, lora_request))
+        return _in_order(CompletedRequests(self._run(requests, use_tqdm), len(requests)))
 
     def embed(self, prompts: Prompts, pooling_params: PoolingParams | None = None, *, use_tqdm: UseTqdm = True,
               lora_request: LoRARequestArg = None) -> list[EmbeddingRequestOutput]:
@@ -272,8 +268,37 @@ class LLM:
                 with runner="pooling" to embed with it); before any work starts, every
                 bad row (index, field, reason and what to do).
         """
+        return _in_order(self.embed_as_completed(prompts, pooling_params, use_tqdm=use_tqdm,
+                                                 lora_request=lora_request))
+
+    def embed_as_completed(self, prompts: Prompts, pooling_params: PoolingParams | None = None, *,
+                           use_tqdm: UseTqdm = True, lora_request: LoRARequestArg = None) -> "CompletedRequests":
+        """Like `embed`, but hands each embedding over as soon as it is computed, as
+        `(index, EmbeddingRequestOutput)` pairs (see `generate_as_completed`).
+
+        Raises:
+            ValueError: as `embed`, before any work starts.
+        """
         self._require_task("embed", "embed")
-        return self._pool(prompts, pooling_params, use_tqdm, lora_request)
+        return self._pool_as_completed(prompts, pooling_params, use_tqdm, lora_request)
+
+    def validate_pooling(self, prompts: SequenceABC[PromptType], lora_request: LoRARequestArg = None
+                         ) -> list[str | None]:
+        """Checks prompts to embed or classify without running them: for each row, its
+        problems as one line, or None when it is fine (see `validate`)."""
+        rows = RequestChecker(self.llm_engine).check_pooling(prompts, None, lora_request)
+        return [row.problem for row in rows]
+
+    @property
+    def task(self) -> str:
+        """What the model does: "generate" (text), "embed" or "classify" (a pooling model)."""
+        pooler = self.llm_engine.model_config.pooler
+        return "generate" if pooler is None else pooler.task
+
+    @property
+    def hidden_size(self) -> int:
+        """The width of the model's hidden states: an embedding's dimension."""
+        return self.llm_engine.model_config.hf_config.hidden_size
 
     def classify(self, prompts: Prompts, *, use_tqdm: UseTqdm = True,
                  lora_request: LoRARequestArg = None) -> list[ClassificationRequestOutput]:
@@ -333,16 +358,14 @@ class LLM:
 
     def _pool(self, prompts: Prompts, params: PoolingParams | None, use_tqdm: UseTqdm,
               lora_request: LoRARequestArg) -> list:
+        return _in_order(self._pool_as_completed(prompts, params, use_tqdm, lora_request))
+
+    def _pool_as_completed(self, prompts: Prompts, params: PoolingParams | None, use_tqdm: UseTqdm,
+                           lora_request: LoRARequestArg) -> "CompletedRequests":
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        rows = RequestChecker(self.llm_engine).check_pooling(prompts, params, lora_request)
-        return self._run_in_order(valid_requests(rows), use_tqdm)
-
-    def _run_in_order(self, requests: list[Request], use_tqdm: UseTqdm) -> list:
-        outputs: list = [None] * len(requests)
-        for index, output in self._run(requests, use_tqdm):
-            outputs[index] = output
-        return outputs
+        requests = valid_requests(RequestChecker(self.llm_engine).check_pooling(prompts, params, lora_request))
+        return CompletedRequests(self._run(requests, use_tqdm), len(requests))
 
     def _require_task(self, task: str | None, call: str, pooling: bool = False) -> PoolerConfig | None:
         """The model's pooler, when `call` can run on it: `task` names the pooling task it
@@ -456,6 +479,14 @@ class CompletedRequests:
     def close(self) -> None:
         """Stops early: aborts the requests that have not finished."""
         self._pairs.close()
+
+
+def _in_order(finished: CompletedRequests) -> list:
+    """The outputs of finished requests in their prompts' order."""
+    outputs: list = [None] * len(finished)
+    for index, output in finished:
+        outputs[index] = output
+    return outputs
 
 
 def _settings_doc() -> str:

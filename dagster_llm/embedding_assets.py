@@ -1,0 +1,180 @@
+"""`build_embedding_asset`: a text table in, an embedding table out, per partition.
+
+The asset body is glue: run config and resources in, `dagster_llm.core.embedding` does
+the work and writes through the IO manager's table store, and each committed partition
+becomes a materialization with its checks.
+"""
+
+from collections.abc import Iterator
+from typing import Any
+
+import dagster as dg
+import pandas as pd
+import pyarrow as pa
+from pydantic import Field, ValidationError
+
+from dagster_llm.core.embedding import (
+    CHECKS, EmbeddingOptions, EmbeddingResult, EmbeddingRun, TextPartition, evaluate_embeddings, text_rows,
+)
+from dagster_llm.core.generation import digest
+from dagster_llm.core.leases import LeaseLostError
+from dagster_llm.core.prompts import PromptTableError, to_dataframe
+from dagster_llm.core.watch import LaunchingProcessDied, ParentWatch
+from dagster_llm.embedding_spec import EmbeddingSpec
+from dagster_llm.metadata import upstream_data_version
+from dagster_llm.resource import LLMResource
+from dagster_llm.steps import PartitionedStep
+
+
+class EmbeddingRunConfig(dg.Config):
+    """Run config of an embedding asset."""
+
+    resume: bool = Field(
+        default=True,
+        description="Reuse rows already embedded for a partition's current data version (committed or in shards "
+                    "of an interrupted run); false embeds every row again.")
+
+
+def build_embedding_asset(name: str, upstream: str | dg.AssetKey | dg.AssetsDefinition, *,
+                          partitions_def: dg.PartitionsDefinition | None = None,
+                          **options: Any) -> dg.AssetsDefinition:
+    """Builds an asset that embeds a text column of an upstream table, per partition.
+
+    The upstream asset gives a pandas DataFrame or pyarrow Table per partition (a
+    `{partition_key: table}` dict for a range) with an id column and a text column. The
+    embedding table (`id`, `embedding` as a fixed-size list of float32, `model`,
+    `prompt_tokens`, `error`) goes through the IO manager, one Parquet file per partition,
+    so downstream assets take it as an input. With `ParquetIOManager`, rows are saved in
+    shards as they are embedded and a rerun after a crash embeds only what is missing;
+    each partition of a range commits as soon as its rows are done. A partition's data
+    version digests its ids and texts, the model weights and the settings. A row that
+    cannot run (null id or text, repeated id, too long) gets its `error`; the others run.
+    Checks per partition: no error rows, no empty or non-finite vector, the model's
+    dimension, unique ids.
+
+    The resource (`resource_key`, default "embedder") must load a pooling model: an
+    embedding or sentence-transformers checkpoint, or a causal LM with `runner="pooling"`.
+
+    Args:
+        name: The asset's name.
+        upstream: The text table asset (its partitions_def is reused when it has one).
+        partitions_def: The asset's partitions (default: the upstream asset's).
+        **options: `EmbeddingSpec`'s fields (text_column, id_column, normalize, resource_key, ...).
+
+    Raises:
+        DagsterInvalidDefinitionError: an unknown option or a bad value, naming each.
+    """
+    if partitions_def is None and isinstance(upstream, dg.AssetsDefinition):
+        partitions_def = upstream.partitions_def
+    try:
+        spec = EmbeddingSpec(name=name, upstream=upstream, **options)
+    except ValidationError as exc:
+        problems = [f"{'.'.join(map(str, e['loc']))}: {e['msg']}, got {e['input']!r}" for e in exc.errors()]
+        raise dg.DagsterInvalidDefinitionError(f"{name}: " + "; ".join(problems)) from None
+    return embedding_asset(spec, partitions_def)
+
+
+def embedding_asset(spec: EmbeddingSpec, partitions_def: dg.PartitionsDefinition | None) -> dg.AssetsDefinition:
+    """The asset of a spec."""
+    key = spec.asset_key
+    code_version = f"{spec.code_version}+{digest(spec.model_dump(exclude={'description', 'group_name', 'pool'}))[:12]}"
+
+    @dg.multi_asset(
+        name="__".join(key.path),
+        outs={key.to_python_identifier(): dg.AssetOut(
+            key=key, code_version=code_version, group_name=spec.group_name, kinds={"parquet"}, is_required=False,
+            description=spec.description or f"Embeddings of {spec.upstream}.{spec.text_column}",
+            io_manager_key=spec.io_manager_key,
+        )},
+        ins={"texts": dg.AssetIn(key=spec.upstream_key)},
+        check_specs=[dg.AssetCheckSpec(check, asset=key, description=text, partitions_def=partitions_def)
+                     for check, text in CHECKS.items()],
+        can_subset=True,
+        partitions_def=partitions_def,
+        backfill_policy=dg.BackfillPolicy.single_run() if partitions_def is not None else None,
+        pool=spec.pool,
+        required_resource_keys={spec.resource_key, spec.io_manager_key},
+    )
+    def _embed(context: dg.AssetExecutionContext, config: EmbeddingRunConfig, texts: object):
+        yield from _EmbeddingStep(spec, context, config, code_version, partitions_def is not None).execute(texts)
+
+    return _embed
+
+
+class _EmbeddingStep(PartitionedStep):
+    """One execution of an embedding asset: locks, the run, and its events."""
+
+    def __init__(self, spec: EmbeddingSpec, context: dg.AssetExecutionContext, config: EmbeddingRunConfig,
+                 code_version: str, partitioned: bool) -> None:
+        super().__init__(context, spec.name, spec.asset_key, spec.io_manager_key, partitioned, code_version)
+        self.spec = spec
+        self.config = config
+        self.resource: LLMResource = getattr(context.resources, spec.resource_key)
+
+    def execute(self, texts: object) -> Iterator[object]:
+        frames = self._frames(texts)
+        with self.locks():
+            llm = self.resource.get_llm()
+            if llm.task != "embed":
+                raise dg.Failure(f"{self.spec.name}: the resource {self.spec.resource_key!r} loads a model that does "
+                                 "not embed; give it an embedding model, or runner='pooling' for a causal LM")
+            options = EmbeddingOptions(model_id=self.resource.model_id, code_version=self.code_version,
+                                       normalize=self.spec.normalize, resume=self.config.resume,
+                                       shard_rows=self.spec.shard_rows)
+            run = EmbeddingRun(llm, options, self.context.log.info, ParentWatch().check)
+            parts = [TextPartition(key, text_rows(frames[key][self.spec.id_column].tolist(),
+                                                  frames[key][self.spec.text_column].tolist()),
+                                   self.store.partition(self.asset_key.path, key) if self.store else None)
+                     for key in self.keys]
+            results = {}
+            try:
+                for result in run.embed(parts):
+                    results[result.key] = result
+                    yield from self.committed(result, self._metadata(result, llm.model_fingerprint),
+                                              evaluate_embeddings(result.table, llm.hidden_size))
+            except (LaunchingProcessDied, LeaseLostError) as exc:
+                raise dg.Failure(str(exc)) from None
+        yield from self.outputs(results)
+
+    def _frames(self, texts: object) -> dict[str | None, pd.DataFrame]:
+        """Each partition's text table, its id and text columns checked."""
+        given = texts if isinstance(texts, dict) and len(self.keys) > 1 else {self.keys[0]: texts}
+        frames = {}
+        try:
+            for key in self.keys:
+                where = f"of partition {key!r}" if key is not None else ""
+                frame = to_dataframe(given[key], self.spec.upstream, where)
+                missing = [c for c in (self.spec.id_column, self.spec.text_column) if c not in frame.columns]
+                if missing:
+                    raise PromptTableError(f"the text table {where} has no column {missing[0]!r} (it has "
+                                           f"{list(frame.columns)}); rename it upstream or pass id_column= / "
+                                           "text_column= to the embedding asset")
+                frames[key] = frame
+        except PromptTableError as exc:
+            raise dg.Failure(f"{self.spec.name}: {exc}; nothing was run") from None
+        return frames
+
+    def _metadata(self, result: EmbeddingResult, fingerprint: str) -> dict[str, object]:
+        stats = result.stats
+        location = self.store.partition(self.asset_key.path, result.key).location if self.store else None
+        metadata: dict[str, object] = {
+            "dagster/row_count": stats.rows, "error_rows": stats.error_rows, "resumed_rows": stats.resumed_rows,
+            "embedded_rows": stats.embedded_rows, "prompt_tokens": stats.prompt_tokens,
+            "dimension": stats.dimension, "model": self.resource.model_id, "model_fingerprint": fingerprint,
+            "elapsed_s": stats.elapsed_s, "data_version": result.data_version,
+            "preview": dg.MetadataValue.md(_preview(result.table)),
+        }
+        upstream = upstream_data_version(self.context, self.spec.upstream_key, result.key)
+        if upstream is not None:
+            metadata["upstream_data_version"] = upstream
+        if location is not None:
+            metadata["path"] = dg.MetadataValue.path(location)
+        return metadata
+
+
+def _preview(table: pa.Table, rows: int = 5) -> str:
+    """The first rows as a Markdown table, each vector cut to its first three values."""
+    frame = table.slice(0, rows).to_pandas()
+    frame["embedding"] = [None if v is None else "[" + ", ".join(f"{x:.3f}" for x in v[:3]) + ", ...]"
+                          for v in frame["embedding"]]
+    return frame.to_markdown(index=False)

@@ -1,0 +1,52 @@
+"""`EmbeddingSpec`: every option of an embedding asset, declared once (the factory's
+keyword arguments and the component's fields are read from it)."""
+
+import dagster as dg
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class EmbeddingSpec(BaseModel):
+    """An embedding asset: an upstream text table in, one vector per row out."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(description="The embedding asset's name.")
+    upstream: str = Field(description="Asset key of the text table, e.g. 'tickets' or 'raw/tickets' (the factory "
+                                      "also takes an AssetKey or the upstream AssetsDefinition).")
+    text_column: str = Field(default="text", description="The column of text to embed.")
+    id_column: str = Field(default="id", description="The column of row ids (unique within a partition).")
+    normalize: bool | None = Field(default=None, description="Scale each vector to unit length (None: the model's "
+                                                             "default, which is yes unless its sentence-transformers "
+                                                             "modules leave vectors unnormalised).")
+    resource_key: str = Field(default="embedder", description="The LLMResource that embeds: one that loads an "
+                                                              "embedding model, or a causal LM with "
+                                                              "runner='pooling'.")
+    io_manager_key: str = Field(default="io_manager", description="The IO manager of the embedding table "
+                                                                  "(ParquetIOManager: shards, resume and locks).")
+    key_prefix: list[str] = Field(default_factory=list, description="Prefix of the asset key.")
+    group_name: str | None = Field(default=None, description="Asset group.")
+    description: str | None = Field(default=None, description="Asset description.")
+    code_version: str = Field(default="1", description="Bump it when the embedding logic changes.")
+    pool: str | None = Field(default=None, description="Dagster concurrency pool the step claims a slot of.")
+    shard_rows: int = Field(default=64, ge=1, description="Embedded rows per shard (a shard is also written "
+                                                          "every 30 s).")
+
+    @field_validator("upstream", mode="before")
+    @classmethod
+    def _upstream_key(cls, value: object) -> object:
+        if isinstance(value, dg.AssetsDefinition):
+            value = value.key
+        return value.to_user_string() if isinstance(value, dg.AssetKey) else value
+
+    @field_validator("key_prefix", mode="before")
+    @classmethod
+    def _one_level(cls, value: object) -> object:
+        return [value] if isinstance(value, str) else [] if value is None else value
+
+    @property
+    def asset_key(self) -> dg.AssetKey:
+        return dg.AssetKey([*self.key_prefix, self.name])
+
+    @property
+    def upstream_key(self) -> dg.AssetKey:
+        return dg.AssetKey.from_user_string(self.upstream)

@@ -1,0 +1,120 @@
+"""What every table-writing asset step does the same way: hold its partitions' writer
+locks, record each partition of a range as it commits (materialization and checks), and
+hand the tables to the IO manager and the downstream steps of the run."""
+
+import contextlib
+import time
+import warnings
+from collections.abc import Iterator, Mapping
+from typing import Protocol
+
+import dagster as dg
+import pyarrow as pa
+
+from dagster_llm.core.checks import CheckOutcome
+from dagster_llm.core.generation import digest
+from dagster_llm.core.leases import PartitionLockedError, StoreWithoutLeaseError
+from dagster_llm.core.table_store import TableStore
+from dagster_llm.io_manager import ParquetIOManager
+
+
+class CommittedPartition(Protocol):
+    """A partition's result as a run commits it."""
+
+    key: str | None
+    table: pa.Table
+    data_version: str
+
+
+class PartitionedStep:
+    """One execution of an asset that writes a table per partition through the table store.
+
+    `name` names the asset in messages; `asset_key` is its key; `io_manager_key` the IO
+    manager whose table store it writes through (None: the IO manager is another and
+    stores the tables itself)."""
+
+    def __init__(self, context: dg.AssetExecutionContext, name: str, asset_key: dg.AssetKey,
+                 io_manager_key: str, partitioned: bool, code_version: str) -> None:
+        self.context = context
+        self.name = name
+        self.asset_key = asset_key
+        self.code_version = code_version
+        io_manager = getattr(context.resources, io_manager_key)
+        self.store: TableStore | None = io_manager.table_store() if isinstance(io_manager, ParquetIOManager) else None
+        self.keys: list[str | None] = list(context.partition_keys) if partitioned else [None]
+        self.output_metadata: dict[str, object] = {}
+
+    @contextlib.contextmanager
+    def locks(self) -> Iterator[None]:
+        """Holds the writer locks of the run's partitions in the table store."""
+        if self.store is None:
+            yield
+            return
+        owner = f"run {self.context.run.run_id} of {self.asset_key.to_user_string()}"
+        try:
+            with self.store.locks(self.asset_key.path, self.keys, owner) as held:
+                now = time.time()
+                for key, lock in zip(self.keys, held):
+                    if lock.taken_over is not None:
+                        self.context.log.warning(f"partition {key}: took over the lease of "
+                                                 f"{lock.taken_over.describe(now)}; its saved rows are resumed")
+                yield
+        except PartitionLockedError as exc:
+            raise dg.Failure(f"{self.name}: partition {exc}") from None
+        except StoreWithoutLeaseError as exc:
+            raise dg.Failure(f"{self.name}: {exc}; nothing was run") from None
+
+    def committed(self, result: CommittedPartition, metadata: dict[str, object],
+                  outcomes: Mapping[str, CheckOutcome]) -> Iterator[object]:
+        """A range's partition is recorded as it commits; a single partition with the output."""
+        key = self.asset_key
+        if len(self.keys) == 1:
+            self.output_metadata = metadata
+            for check_name, outcome in outcomes.items():
+                yield dg.AssetCheckResult(asset_key=key, check_name=check_name, passed=outcome.passed,
+                                          metadata=outcome.metadata)
+            return
+        self.context.add_asset_metadata(metadata, partition_key=result.key)  # for the output, if it is yielded
+        if self.store is not None:
+            self.context.log_event(dg.AssetMaterialization(
+                key, partition=result.key, metadata=metadata,
+                tags={"dagster/data_version": result.data_version, "dagster/code_version": self.code_version}))
+        for check_name, outcome in outcomes.items():
+            self.context.log_event(dg.AssetCheckEvaluation(
+                asset_key=key, check_name=check_name, passed=outcome.passed, partition=result.key,
+                metadata=outcome.metadata))
+
+    def outputs(self, results: Mapping[str | None, CommittedPartition]) -> Iterator[object]:
+        """The table (or dict of tables) for the IO manager and downstream steps, then the
+        checks' op outputs of a range."""
+        name = self.asset_key.to_python_identifier()
+        output = None
+        # Output(data_version=) is beta in Dagster 1.13; its warning would repeat in every run's log.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", dg.BetaWarning)
+            if len(self.keys) == 1:
+                result = results[self.keys[0]]
+                output = dg.Output(result.table, output_name=name, metadata=self.output_metadata,
+                                   data_version=dg.DataVersion(result.data_version))
+            elif self.store is None or self._consumed_in_run():
+                # With our IO manager each partition was recorded as it committed, and the files
+                # are not rewritten: this output only feeds the downstream steps of this run.
+                versions = {key: r.data_version for key, r in results.items()}
+                output = dg.Output({key: r.table for key, r in results.items()}, output_name=name,
+                                   data_version=dg.DataVersion(digest(versions)[:24]))
+        if output is not None:
+            yield output
+        if len(self.keys) > 1:
+            yield from self._check_outputs()
+
+    def _check_outputs(self) -> Iterator[dg.Output]:
+        """The checks' op outputs, once each: a range's evaluations were logged per partition
+        as they committed, and without these Dagster reports the checks as not yielded."""
+        layer = self.context.job_def.asset_layer
+        for check_key in sorted(self.context.selected_asset_check_keys, key=lambda k: k.name):
+            yield dg.Output(None, output_name=layer.get_op_output_name(check_key))
+
+    def _consumed_in_run(self) -> bool:
+        layer = self.context.job_def.asset_layer
+        children = layer.asset_graph.get(self.asset_key).child_keys
+        return bool(children & set(layer.executable_asset_keys))
