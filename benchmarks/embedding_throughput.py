@@ -125,7 +125,7 @@ def main() -> None:
     reference = hf_embed(hf["float32"], documents, args.batch_size)
     cosine = F.cosine_similarity(ours_vectors, reference, dim=-1)
     ours_rate, hf_rate = (len(documents) / min(times[k]) for k in ("ours", "transformers"))
-    print(f"probe (s, first batch): " + ", ".join(f"{d} {s:.3f}" for d, s in probe.items()))
+    print("probe (s, first batch): " + ", ".join(f"{d} {s:.3f}" for d, s in probe.items()))
     print(f"ours ({setup}): {ours_rate:,.1f} embeddings/s ({tokens / min(times['ours']):,.0f} tokens/s)")
     print(f"transformers ({hf_dtype}, batches of {args.batch_size}): {hf_rate:,.1f} embeddings/s "
           f"({tokens / min(times['transformers']):,.0f} tokens/s)")

@@ -5,11 +5,8 @@ writes through the IO manager's table store, and each committed partition become
 materialization with its checks.
 """
 
-import contextlib
 import inspect
 import textwrap
-import time
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,14 +18,12 @@ from pydantic import ValidationError
 
 import engine
 from dagster_llm.core.checks import DESCRIPTIONS, PARSE_RATE, PARSE_RATE_DESCRIPTION, evaluate
-from dagster_llm.core.generation import GenerationRun, PartitionInput, PartitionResult, RunOptions, digest
-from dagster_llm.core.leases import LeaseLostError, PartitionLockedError, StoreWithoutLeaseError
+from dagster_llm.core.generation import GenerationRun, PartitionInput, PartitionResult, RunOptions
+from dagster_llm.core.leases import LeaseLostError
 from dagster_llm.core.prompts import PartitionSettings, PromptTableError, check_columns, read_rows, to_dataframe
 from dagster_llm.core.sampling import SamplingConfig, used_values
 from dagster_llm.core.structured import OutputSpecError, StructuredOutput
-from dagster_llm.core.table_store import TableStore
 from dagster_llm.core.watch import LaunchingProcessDied, ParentWatch
-from dagster_llm.io_manager import ParquetIOManager
 from dagster_llm.metadata import PartitionFacts, column_schema, partition_metadata, upstream_data_version
 from dagster_llm.partitions import PartitionChoice, RowShard, output_choice, sharded_partitions, upstream_partition
 from dagster_llm.resource import LLMResource
