@@ -129,6 +129,7 @@ def test_bad_rows_get_their_error_and_the_checks_see_them():
     assert not evaluate_embeddings(table, 3)["dimension"].passed
 
 
+@pytest.mark.slow
 def test_definition_and_run_errors_name_the_fix(tmp_path):
     with pytest.raises(dg.DagsterInvalidDefinitionError, match="text_colum: Extra inputs are not permitted"):
         build_embedding_asset("vectors", upstream="texts", text_colum="body")
