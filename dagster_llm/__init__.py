@@ -12,6 +12,7 @@ from typing import Any
 _EXPORTS = {
     "SAMPLING_FIELDS": "dagster_llm.core.sampling",
     "CheckThresholds": "dagster_llm.core.checks",
+    "EmbeddingComponent": "dagster_llm.components",
     "EmbeddingOptions": "dagster_llm.core.embedding",
     "EmbeddingRun": "dagster_llm.core.embedding",
     "EmbeddingRunConfig": "dagster_llm.embedding_assets",

@@ -1,13 +1,36 @@
-"""`GenerationComponent`: a generation asset declared in a `defs.yaml`."""
+"""`GenerationComponent` and `EmbeddingComponent`: a generation or embedding asset declared
+in a `defs.yaml`."""
 
 import dagster as dg
-from pydantic import Field
+from pydantic import BaseModel, Field
 
 from dagster_llm.assets import generation_asset
+from dagster_llm.embedding_assets import embedding_asset
+from dagster_llm.embedding_spec import EmbeddingSpec
 from dagster_llm.spec import GenerationSpec
 
 
-class GenerationComponent(GenerationSpec, dg.Component, dg.Resolvable):
+class PartitionFields(BaseModel):
+    """The partitions of a component's asset, which a Python definition passes as a `partitions_def`."""
+
+    partitions: list[str] | None = Field(default=None, description="Static partition keys (same as upstream's).")
+    daily_start_date: str | None = Field(default=None, description="Daily partitions from this date (YYYY-MM-DD).")
+    daily_end_date: str | None = Field(
+        default=None, description="End of the daily partitions, exclusive (YYYY-MM-DD); none: they run up to today.")
+
+    def partitions_def(self, name: str) -> dg.PartitionsDefinition | None:
+        if self.partitions and self.daily_start_date:
+            raise dg.DagsterInvalidDefinitionError(f"{name}: give partitions or daily_start_date, not both")
+        if self.daily_end_date and not self.daily_start_date:
+            raise dg.DagsterInvalidDefinitionError(f"{name}: daily_end_date needs daily_start_date")
+        if self.partitions:
+            return dg.StaticPartitionsDefinition(self.partitions)
+        if self.daily_start_date:
+            return dg.DailyPartitionsDefinition(start_date=self.daily_start_date, end_date=self.daily_end_date)
+        return None
+
+
+class GenerationComponent(GenerationSpec, PartitionFields, dg.Component, dg.Resolvable):
     """Runs the LLM resource over an upstream prompt table; the table goes through the IO manager.
     Its fields are `GenerationSpec`'s (the options of `build_generation_asset`), plus the
     partitions, which a Python definition passes as a `partitions_def`.
@@ -42,22 +65,29 @@ class GenerationComponent(GenerationSpec, dg.Component, dg.Resolvable):
               min_parse_rate: 0.9
     """
 
-    partitions: list[str] | None = Field(default=None, description="Static partition keys (same as upstream's).")
-    daily_start_date: str | None = Field(default=None, description="Daily partitions from this date (YYYY-MM-DD).")
-    daily_end_date: str | None = Field(
-        default=None, description="End of the daily partitions, exclusive (YYYY-MM-DD); none: they run up to today.")
-
     def build_defs(self, context: dg.ComponentLoadContext) -> dg.Definitions:
         spec = GenerationSpec(**self.model_dump(include=set(GenerationSpec.model_fields)))
-        return dg.Definitions(assets=[generation_asset(spec.with_files_from(context.path), self._partitions())])
+        return dg.Definitions(assets=[generation_asset(spec.with_files_from(context.path),
+                                                       self.partitions_def(self.name))])
 
-    def _partitions(self) -> dg.PartitionsDefinition | None:
-        if self.partitions and self.daily_start_date:
-            raise dg.DagsterInvalidDefinitionError(f"{self.name}: give partitions or daily_start_date, not both")
-        if self.daily_end_date and not self.daily_start_date:
-            raise dg.DagsterInvalidDefinitionError(f"{self.name}: daily_end_date needs daily_start_date")
-        if self.partitions:
-            return dg.StaticPartitionsDefinition(self.partitions)
-        if self.daily_start_date:
-            return dg.DailyPartitionsDefinition(start_date=self.daily_start_date, end_date=self.daily_end_date)
-        return None
+
+class EmbeddingComponent(EmbeddingSpec, PartitionFields, dg.Component, dg.Resolvable):
+    """Embeds a text column of an upstream table with the embedding resource; the table of
+    vectors goes through the IO manager. Its fields are `EmbeddingSpec`'s (the options of
+    `build_embedding_asset`), plus the partitions.
+
+    Examples:
+        .. code-block:: yaml
+
+            type: dagster_llm.components.EmbeddingComponent
+            attributes:
+              name: ticket_vectors
+              upstream: ticket_texts
+              text_column: text
+              resource_key: embedder
+              daily_start_date: "2024-06-01"
+    """
+
+    def build_defs(self, context: dg.ComponentLoadContext) -> dg.Definitions:
+        spec = EmbeddingSpec(**self.model_dump(include=set(EmbeddingSpec.model_fields)))
+        return dg.Definitions(assets=[embedding_asset(spec, self.partitions_def(self.name))])

@@ -17,6 +17,7 @@ import pytest
 from upath import UPath
 
 from dagster_llm import LLMResource, ParquetIOManager, build_embedding_asset, partition_file
+from dagster_llm.components import EmbeddingComponent
 from dagster_llm.core.embedding import evaluate_embeddings, text_rows
 from engine import LLM
 from example_pipelines.defs.daily_tickets import raw_support_tickets
@@ -145,3 +146,16 @@ def test_definition_and_run_errors_name_the_fix(tmp_path):
     vectors = build_embedding_asset("vectors", upstream=texts, resource_key="llm", text_column="body")
     with pytest.raises(dg.Failure, match="loads a model that does not embed.*runner='pooling'"):
         dg.materialize([texts, vectors], resources=resources)
+
+
+def test_the_embedding_component_builds_the_factorys_asset():
+    component = EmbeddingComponent(name="vectors", upstream="texts", text_column="body", daily_start_date="2024-06-01",
+                                   daily_end_date="2024-06-03")
+    [asset] = dg.build_defs_for_component(component).assets
+    assert asset.key == dg.AssetKey("vectors") and asset.partitions_def.get_partition_keys() == ["2024-06-01",
+                                                                                                 "2024-06-02"]
+    assert {c.name for c in asset.check_specs} == {"no_error_rows", "finite_vectors", "dimension", "unique_ids"}
+    assert asset.required_resource_keys == {"embedder", "io_manager"}
+    with pytest.raises(dg.DagsterInvalidDefinitionError, match="give partitions or daily_start_date, not both"):
+        dg.build_defs_for_component(EmbeddingComponent(name="v", upstream="t", partitions=["a"],
+                                                       daily_start_date="2024-06-01"))
