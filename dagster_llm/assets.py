@@ -21,11 +21,13 @@ from dagster_llm.core.checks import DESCRIPTIONS, PARSE_RATE, PARSE_RATE_DESCRIP
 from dagster_llm.core.generation import GenerationRun, PartitionInput, PartitionResult, RunOptions
 from dagster_llm.core.leases import LeaseLostError
 from dagster_llm.core.prompts import PartitionSettings, PromptTableError, check_columns, read_rows, to_dataframe
-from dagster_llm.core.sampling import SamplingConfig, used_values
+from dagster_llm.core.sampling import BeamSearchConfig, SamplingConfig, used_values
 from dagster_llm.core.structured import OutputSpecError, StructuredOutput
 from dagster_llm.core.watch import LaunchingProcessDied, ParentWatch
 from dagster_llm.metadata import PartitionFacts, column_schema, partition_metadata, upstream_data_version
-from dagster_llm.partitions import PartitionChoice, RowShard, output_choice, sharded_partitions, upstream_partition
+from dagster_llm.partitions import (
+    PartitionChoice, RowShard, beam_choice, output_choice, sharded_partitions, upstream_partition,
+)
 from dagster_llm.resource import LLMResource
 from dagster_llm.run_config import GenerationRunConfig
 from dagster_llm.steps import PartitionedStep
@@ -122,6 +124,7 @@ class _Definition:
     spec: GenerationSpec
     sampling: PartitionChoice[SamplingConfig]
     adapter: PartitionChoice[str | None]
+    beam: PartitionChoice[BeamSearchConfig | None]
     output: PartitionChoice[StructuredOutput | None]
     structured: bool  # some partition has a structured output: the asset has the parse_rate check
     lora_requests: dict[str, engine.LoRARequest]
@@ -142,6 +145,7 @@ def generation_asset(spec: GenerationSpec, partitions_def: dg.PartitionsDefiniti
                                  "sampling_by_partition"),
         adapter=PartitionChoice(spec.adapter, spec.adapter_by_partition, partitions_def, spec.name,
                                 "adapter_by_partition"),
+        beam=beam_choice(spec, partitions_def, output),
         output=output, structured=any(o is not None for o in [output.default, *output.by_partition.values()]),
         # Ids by sorted name: stable across runs and processes.
         lora_requests={a: engine.LoRARequest(a, i + 1, path) for i, (a, path) in enumerate(sorted(spec.adapters.items()))},
@@ -237,7 +241,7 @@ class _GenerationStep(PartitionedStep):
         try:
             for key in self.keys:
                 settings = PartitionSettings(key, sampling[key], self.d.adapter.for_partition(key),
-                                             self.d.output.for_partition(key), defaults)
+                                             self.d.output.for_partition(key), defaults, self.d.beam.for_partition(key))
                 self.settings[key] = settings
                 rows = read_rows(frames[key], settings, self.spec, tokenizer)
                 store = self.store.partition(self.spec.asset_key.path, key) if self.store else None

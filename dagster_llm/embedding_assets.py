@@ -14,7 +14,7 @@ import pyarrow as pa
 from pydantic import Field, ValidationError
 
 from dagster_llm.core.embedding import (
-    CHECKS, EmbeddingOptions, EmbeddingResult, EmbeddingRun, TextPartition, evaluate_embeddings, text_rows,
+    CHECKS, COLUMNS, EmbeddingOptions, EmbeddingResult, EmbeddingRun, TextPartition, evaluate_embeddings, text_rows,
 )
 from dagster_llm.core.generation import digest
 from dagster_llm.core.leases import LeaseLostError
@@ -84,7 +84,7 @@ def embedding_asset(spec: EmbeddingSpec, partitions_def: dg.PartitionsDefinition
         outs={key.to_python_identifier(): dg.AssetOut(
             key=key, code_version=code_version, group_name=spec.group_name, kinds={"parquet"}, is_required=False,
             description=spec.description or f"Embeddings of {spec.upstream}.{spec.text_column}",
-            io_manager_key=spec.io_manager_key,
+            io_manager_key=spec.io_manager_key, metadata={"dagster/column_schema": _column_schema()},
         )},
         ins={"texts": dg.AssetIn(key=spec.upstream_key)},
         check_specs=[dg.AssetCheckSpec(check, asset=key, description=text, partitions_def=partitions_def)
@@ -157,8 +157,13 @@ class _EmbeddingStep(PartitionedStep):
     def _metadata(self, result: EmbeddingResult, fingerprint: str) -> dict[str, object]:
         stats = result.stats
         location = self.store.partition(self.asset_key.path, result.key).location if self.store else None
+        lineage = dg.TableColumnLineage(deps_by_column={
+            "embedding": [dg.TableColumnDep(asset_key=self.spec.upstream_key, column_name=self.spec.text_column)],
+            "id": [dg.TableColumnDep(asset_key=self.spec.upstream_key, column_name=self.spec.id_column)],
+        })
         metadata: dict[str, object] = {
-            "dagster/row_count": stats.rows, "error_rows": stats.error_rows, "resumed_rows": stats.resumed_rows,
+            "dagster/row_count": stats.rows, "dagster/column_schema": _column_schema(),
+            "dagster/column_lineage": lineage, "error_rows": stats.error_rows, "resumed_rows": stats.resumed_rows,
             "embedded_rows": stats.embedded_rows, "prompt_tokens": stats.prompt_tokens,
             "dimension": stats.dimension, "model": self.resource.model_id, "model_fingerprint": fingerprint,
             "elapsed_s": stats.elapsed_s, "data_version": result.data_version,
@@ -170,6 +175,14 @@ class _EmbeddingStep(PartitionedStep):
         if location is not None:
             metadata["path"] = dg.MetadataValue.path(location)
         return metadata
+
+
+def _column_schema() -> dg.TableSchema:
+    """The embedding table's columns (the vector's width is the model's, known once it loads)."""
+    types = {"id": "string", "embedding": "fixed_size_list<float32>", "model": "string", "prompt_tokens": "int32",
+             "error": "string"}
+    return dg.TableSchema(columns=[dg.TableColumn(name, types[name], description=text)
+                                   for name, text in COLUMNS.items()])
 
 
 def _preview(table: pa.Table, rows: int = 5) -> str:

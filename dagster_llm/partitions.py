@@ -10,6 +10,7 @@ from typing import Any, Generic, TypeVar
 
 import dagster as dg
 
+from dagster_llm.core.sampling import BeamSearchConfig
 from dagster_llm.core.schema import output_columns_problem
 from dagster_llm.core.structured import OutputSpecError, StructuredOutput
 from dagster_llm.spec import GenerationSpec
@@ -153,3 +154,24 @@ def _structured(asset_name: str, argument: str, schema: Mapping[str, Any] | type
     if problem is not None:
         raise dg.DagsterInvalidDefinitionError(f"{asset_name}: {argument}: {problem}")
     return output
+
+
+def beam_choice(spec: GenerationSpec, partitions_def: dg.PartitionsDefinition | None,
+                output: PartitionChoice[StructuredOutput | None]) -> PartitionChoice[BeamSearchConfig | None]:
+    """Each partition's beam search (None: sampling).
+
+    Raises:
+        DagsterInvalidDefinitionError: a partition with both a beam search and a structured
+            output (beams are not constrained by a grammar).
+    """
+    beams = PartitionChoice(spec.beam_search, spec.beam_search_by_partition, partitions_def, spec.name,
+                            "beam_search_by_partition")
+    enumerable = partitions_def is not None and not isinstance(partitions_def, dg.DynamicPartitionsDefinition)
+    keys = partitions_def.get_partition_keys() if enumerable else [*spec.beam_search_by_partition, None]
+    for key in keys:
+        if beams.for_partition(key) is not None and output.for_partition(key) is not None:
+            where = f"partition {key!r}" if key is not None else "the asset"
+            raise dg.DagsterInvalidDefinitionError(
+                f"{spec.name}: {where} has a beam search and a structured output; beams are not constrained by "
+                "a grammar: drop one of the two for it")
+    return beams

@@ -16,7 +16,7 @@ from pydantic import BaseModel, Field, field_validator
 from dagster_llm.core.checks import CheckThresholds
 from dagster_llm.core.generation import digest
 from dagster_llm.core.prompts import PromptTableRules
-from dagster_llm.core.sampling import SamplingConfig
+from dagster_llm.core.sampling import BeamSearchConfig, SamplingConfig
 from dagster_llm.kubernetes import KubernetesStep
 
 _OPERATIONAL = {"operational": True}
@@ -40,6 +40,14 @@ class GenerationSpec(CheckThresholds, PromptTableRules):
     sampling_by_partition: dict[str, SamplingConfig] = Field(
         default_factory=dict, description="Partition key or glob pattern (e.g. '2024-*', 'creative|*') to its "
                                           "sampling; exact keys win over patterns, earlier patterns over later.")
+    beam_search: BeamSearchConfig | None = Field(
+        default=None, description="Beam search instead of sampling for partitions that beam_search_by_partition "
+                                  "does not name (BeamSearchConfig: beam_width, length_penalty; max_tokens and "
+                                  "ignore_eos from the sampling); the best beam is the completion. Not with a "
+                                  "structured output.")
+    beam_search_by_partition: dict[str, BeamSearchConfig | None] = Field(
+        default_factory=dict, description="Partition key or glob pattern to its beam search (None: sampling), "
+                                          "matched like sampling_by_partition.")
     adapter: str | None = Field(default=None, description="The LoRA adapter of partitions that adapter_by_partition "
                                                           "does not name (None: the base model).")
     adapter_by_partition: dict[str, str | None] = Field(

@@ -248,11 +248,22 @@ class LLM:
             ValueError: before any work starts, listing every bad row (index, field,
                 reason and what to do).
         """
+        return _in_order(self.beam_search_as_completed(prompts, params, lora_request=lora_request, use_tqdm=use_tqdm))
+
+    def beam_search_as_completed(self, prompts: Prompts, params: BeamSearchParams,
+                                 lora_request: LoRARequestArg = None, use_tqdm: UseTqdm = False
+                                 ) -> "CompletedRequests":
+        """Like `beam_search`, but hands each prompt's beams over as soon as its search ends,
+        as `(index, BeamSearchOutput)` pairs (see `generate_as_completed`).
+
+        Raises:
+            ValueError: as `beam_search`, before any work starts.
+        """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         self._require_task(None, "beam_search")
         requests = valid_requests(RequestChecker(self.llm_engine).check_beam_search(prompts, params, lora_request))
-        return _in_order(CompletedRequests(self._run(requests, use_tqdm), len(requests)))
+        return CompletedRequests(self._run(requests, use_tqdm), len(requests))
 
     def embed(self, prompts: Prompts, pooling_params: PoolingParams | None = None, *, use_tqdm: UseTqdm = True,
               lora_request: LoRARequestArg = None) -> list[EmbeddingRequestOutput]:
@@ -288,6 +299,11 @@ class LLM:
         problems as one line, or None when it is fine (see `validate`)."""
         rows = RequestChecker(self.llm_engine).check_pooling(prompts, None, lora_request)
         return [row.problem for row in rows]
+
+    @property
+    def max_num_seqs(self) -> int:
+        """The most sequences in one step (a beam search's beams count one each)."""
+        return self.llm_engine.config.max_num_seqs
 
     @property
     def task(self) -> str:

@@ -20,7 +20,14 @@ from dagster_llm.core.generation import digest
 from dagster_llm.core.table_store import POSITION_COLUMN, PartitionFiles, with_data_version
 from engine import LLM, PoolingParams
 
-COLUMNS = ("id", "embedding", "model", "prompt_tokens", "error")
+COLUMNS = {
+    "id": "The row's id, from the upstream table (as text).",
+    "embedding": "The text's vector: a fixed-size list of float32 of the model's width (null when the row "
+                 "could not run).",
+    "model": "The model id.",
+    "prompt_tokens": "Tokens of the text.",
+    "error": "Why the row was not embedded; null otherwise.",
+}
 CHECKS = {
     "no_error_rows": "Every row was embedded (no `error`).",
     "finite_vectors": "No embedding is empty or holds NaN or infinity.",

@@ -22,7 +22,7 @@ from dagster_llm.core.sampling import used_values
 from dagster_llm.core.schema import records_table, result_record
 from dagster_llm.core.structured import OutputSpecError, StructuredOutput
 from dagster_llm.core.table_store import POSITION_COLUMN, PartitionFiles, with_data_version
-from engine import LLM, LoRARequest
+from engine import LLM, BeamSearchOutput, CompletionOutput, LoRARequest, RequestOutput
 
 
 @dataclass(frozen=True)
@@ -163,13 +163,21 @@ class GenerationRun:
         for row, problem in zip(ready, problems):
             if problem is not None:
                 row.fail(problem)
+        for beam in {row.beam for row in rows if row.beam is not None and row.error is None}:
+            if beam.beam_width > self.llm.max_num_seqs:
+                for row in rows:
+                    if row.beam == beam:
+                        row.fail(f"beam_search: beam_width={beam.beam_width} beams run side by side, but the "
+                                 f"resource's max_num_seqs is {self.llm.max_num_seqs}: lower beam_width or raise "
+                                 "max_num_seqs")
 
     def _lora(self, row: PromptRow) -> LoRARequest | None:
         return self.lora_requests[row.adapter] if row.adapter is not None else None
 
     def _data_version(self, part: _Partition, model_fingerprint: str) -> str:
         """Digest of everything the partition's table depends on."""
-        rows = [(r.id, r.prompt_text, used_values(r.params), r.adapter, self.fingerprints.get(r.adapter), r.error)
+        rows = [(r.id, r.prompt_text, used_values(r.params), r.adapter, self.fingerprints.get(r.adapter), r.error,
+                 r.beam.model_dump() if r.beam is not None else None)
                 for r in part.rows]
         output = part.output.describe() if part.output is not None else None
         return digest({"code_version": self.options.code_version, "model": model_fingerprint, "rows": rows,
@@ -192,7 +200,6 @@ class GenerationRun:
 
     def _run(self, todo: list[PromptRow], by_key: dict[str | None, _Partition], started: float
              ) -> Iterator[PartitionResult]:
-        params = [row.params for row in todo]
         counters = WorkCounters(
             rows_total=len(todo),
             prompt_tokens_total=sum(len(r.prompt["prompt_token_ids"]) for r in todo),
@@ -201,19 +208,42 @@ class GenerationRun:
         progress = GenerationProgress(self.log, self.options.progress_interval_s, counters, self.llm.get_stats,
                                       self.check_alive, self.llm.unfinished_outputs)
         with progress:
-            finished = self.llm.generate_as_completed([r.prompt for r in todo], params, use_tqdm=progress.bar,
-                                                      lora_request=[self._lora(r) for r in todo])
-            for index, output in finished:
-                row = todo[index]
-                part = by_key[row.partition]
-                part.records[row.position] = result_record(row, output, self.options.model_id)
-                part.unsaved.append(row.position)
-                part.pending -= 1
-                progress.row_finished(len(output.outputs[0].token_ids), self._max_tokens(row))
-                if part.pending == 0:
-                    yield self._commit(part, started)
-                elif self._shard_due(part):
-                    self._save_shard(part)
+            for rows, finished in self._calls(todo, progress.bar):
+                yield from self._take(rows, finished, by_key, progress, started)
+
+    def _calls(self, todo: list[PromptRow], bar: Any) -> Iterator[tuple[list[PromptRow], Iterator]]:
+        """The engine calls that generate `todo`, each with its rows: one for the sampled
+        rows, one per distinct beam search (a call takes one BeamSearchParams)."""
+        sampled = [row for row in todo if row.beam is None]
+        if sampled:
+            yield sampled, self.llm.generate_as_completed([r.prompt for r in sampled], [r.params for r in sampled],
+                                                          use_tqdm=bar, lora_request=[self._lora(r) for r in sampled])
+        groups: dict[tuple, list[PromptRow]] = {}
+        for row in todo:
+            if row.beam is not None:
+                groups.setdefault((row.beam, row.params.max_tokens, row.params.ignore_eos), []).append(row)
+        for rows in groups.values():
+            # max_tokens None: up to the context, which the engine caps for each prompt.
+            params = rows[0].beam.params(rows[0].params, rows[0].params.max_tokens or self.llm.max_model_len)
+            yield rows, self.llm.beam_search_as_completed([r.prompt for r in rows], params, use_tqdm=bar,
+                                                          lora_request=[self._lora(r) for r in rows])
+
+    def _take(self, rows: list[PromptRow], finished: Iterator, by_key: dict[str | None, _Partition],
+              progress: GenerationProgress, started: float) -> Iterator[PartitionResult]:
+        """Records each finished row of one engine call, committing the partitions it completes."""
+        for index, output in finished:
+            row = rows[index]
+            if isinstance(output, BeamSearchOutput):
+                output = _best_beam(output, len(row.prompt["prompt_token_ids"]))
+            part = by_key[row.partition]
+            part.records[row.position] = result_record(row, output, self.options.model_id)
+            part.unsaved.append(row.position)
+            part.pending -= 1
+            progress.row_finished(len(output.outputs[0].token_ids), self._max_tokens(row))
+            if part.pending == 0:
+                yield self._commit(part, started)
+            elif self._shard_due(part):
+                self._save_shard(part)
 
     def _max_tokens(self, row: PromptRow) -> int:
         """The most tokens the row may generate (max_tokens None: what the context leaves)."""
@@ -264,3 +294,13 @@ def digest(value: object) -> str:
     """sha256 of a JSON-able value, independent of dict order."""
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
 
+
+
+def _best_beam(output: BeamSearchOutput, prompt_tokens: int) -> RequestOutput:
+    """A beam search's best beam as the completion of a RequestOutput."""
+    best = output.sequences[0]
+    completion = CompletionOutput(index=0, text=best.text, token_ids=best.tokens[prompt_tokens:],
+                                  cumulative_logprob=best.cum_logprob, finish_reason=best.finish_reason,
+                                  lora_request=best.lora_request)
+    return RequestOutput(request_id="", prompt=None, prompt_token_ids=best.tokens[:prompt_tokens],
+                         outputs=[completion], finished=True, lora_request=best.lora_request)

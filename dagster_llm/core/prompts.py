@@ -9,7 +9,7 @@ import pandas as pd
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from dagster_llm.core.sampling import SAMPLING_FIELD_NAMES, SamplingConfig
+from dagster_llm.core.sampling import SAMPLING_FIELD_NAMES, BeamSearchConfig, SamplingConfig
 from dagster_llm.core.structured import StructuredOutput
 from engine import SamplingParams
 from engine.chat_utils import chat_messages_problem, invalid_unicode_problem, render_chat
@@ -58,6 +58,7 @@ class PromptRow:
     prompt: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
     output: StructuredOutput | None = None
+    beam: BeamSearchConfig | None = None
 
     def fail(self, problem: str) -> None:
         """Records a problem; the first one found is the row's error."""
@@ -85,13 +86,15 @@ def check_columns(frame: pd.DataFrame, spec: PromptTableRules, where: str) -> No
 @dataclass(frozen=True)
 class PartitionSettings:
     """What one partition's rows share: its sampling, adapter and structured output (None:
-    free text), and the model's default sampling that unset fields take."""
+    free text), the model's default sampling that unset fields take, and its beam search
+    (None: sampling)."""
 
     key: str | None
     sampling: SamplingConfig
     adapter: str | None
     output: StructuredOutput | None
     defaults: SamplingParams
+    beam: BeamSearchConfig | None = None
 
     def params(self, sampling: SamplingConfig) -> SamplingParams:
         return sampling.effective_params(self.defaults, self.output.params if self.output is not None else None)
@@ -115,7 +118,8 @@ def read_rows(frame: pd.DataFrame, partition: PartitionSettings, spec: PromptTab
     for position, record in enumerate(frame.to_dict("records")):
         raw_id = record[spec.id_column]
         row = PromptRow(partition.key, position, None if _missing(raw_id) else str(raw_id), None,
-                        partition.sampling, shared, partition.adapter, output=partition.output)
+                        partition.sampling, shared, partition.adapter, output=partition.output,
+                        beam=partition.beam)
         _check_id(row, first_position, spec)
         _apply_adapter(row, record, spec)
         _apply_overrides(row, {c: _plain(record[c]) for c in overrides if not _missing(record[c])}, partition)

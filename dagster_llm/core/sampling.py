@@ -15,7 +15,7 @@ from typing import Any
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
-from engine import SamplingParams, StructuredOutputsParams
+from engine import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
 # The sampling fields a generation table carries, as override columns and as output
 # columns, with their Parquet types (the Python types follow from them).
@@ -124,6 +124,26 @@ class SamplingConfig(create_model("_SamplingFields", __base__=_Checked, **option
             raise ValueError(f"{'; '.join(problems)} (unset fields take the model's defaults: "
                              f"{base}); set the field explicitly")
         return SamplingParams(**{**base, **set_values(self)}, structured_outputs=structured_outputs)
+
+
+class BeamSearchConfig(BaseModel):
+    """Beam search instead of sampling for a partition: its `beam_width` best beams are kept
+    at each step and the best one is the row's completion (`LLM.beam_search`, chosen as
+    transformers' greedy beam search chooses). `max_tokens` and `ignore_eos` come from the
+    partition's sampling; its other sampling fields do not apply."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    beam_width: int = Field(ge=1, description="Beams kept at each step.")
+    length_penalty: float = Field(default=1.0, description="Finished beams are ranked by their log-probability "
+                                                           "divided by (generated tokens) ** length_penalty: above "
+                                                           "0 favours longer outputs, below 0 shorter ones.")
+
+    def params(self, sampling: SamplingParams, max_tokens: int) -> BeamSearchParams:
+        """The engine's params for a row whose sampling is `sampling` and that may generate
+        `max_tokens` tokens."""
+        return BeamSearchParams(beam_width=self.beam_width, max_tokens=max_tokens, ignore_eos=sampling.ignore_eos,
+                                length_penalty=self.length_penalty)
 
 
 def used_values(params: SamplingParams) -> dict[str, Any]:

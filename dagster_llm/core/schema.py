@@ -23,6 +23,8 @@ _RESULT_COLUMNS: tuple[tuple[str, pa.DataType, str], ...] = (
     ("completion_tokens", pa.int32(), "Tokens generated."),
     ("model", pa.string(), "The model id."),
     ("adapter", pa.string(), "The LoRA adapter used, or null for the base model."),
+    ("beam_width", pa.int64(), "Beams of the beam search whose best beam is the completion; null for a sampled "
+                               "row (the sampling columns then say how)."),
 )
 _ERROR_COLUMN = ("error", pa.string(), "Why the row was not generated, or why its structured output did not "
                                        "parse; null otherwise.")
@@ -77,6 +79,7 @@ def result_record(row: PromptRow, output: RequestOutput | None, model_id: str) -
         "completion_tokens": len(completion.token_ids) if completion else None,
         "model": model_id,
         "adapter": row.adapter,
+        "beam_width": row.beam.beam_width if row.beam is not None else None,
         **used_values(row.params),
         "error": row.error,
     }

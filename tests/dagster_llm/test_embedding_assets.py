@@ -54,6 +54,8 @@ def test_the_ticket_example_embeds_and_a_downstream_asset_reads_the_vectors(tmp_
         assert len(result.get_asset_check_evaluations()) == 5 * 4
         meta = latest(instance, "ticket_embeddings", "2024-06-02")
         assert meta["dagster/row_count"] == 3 and meta["embedded_rows"] == 3 and meta["dimension"] == 576
+        lineage = meta["dagster/column_lineage"].deps_by_column
+        assert [d.column_name for d in lineage["embedding"]] == ["text"] and meta["upstream_data_version"]
         texts_by_id = {}
         for day in DAYS:
             frame = pd.read_parquet(partition_file(root, dg.AssetKey("ticket_texts"), day))
