@@ -11,6 +11,7 @@ from typing import Any
 
 _EXPORTS = {
     "SAMPLING_FIELDS": "dagster_llm.core.sampling",
+    "BeamSearchConfig": "dagster_llm.core.sampling",
     "CheckThresholds": "dagster_llm.core.checks",
     "EmbeddingComponent": "dagster_llm.components",
     "EmbeddingOptions": "dagster_llm.core.embedding",

@@ -7,8 +7,7 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 
-from dagster_llm import SamplingConfig, build_generation_asset, partition_file
-from dagster_llm.core.sampling import BeamSearchConfig
+from dagster_llm import BeamSearchConfig, SamplingConfig, build_generation_asset, partition_file
 from engine import LLM, BeamSearchParams, SamplingParams
 
 PARTS = dg.StaticPartitionsDefinition(["sampled", "beams", "wide"])

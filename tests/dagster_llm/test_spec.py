@@ -10,7 +10,7 @@ import dagster as dg
 import pytest
 
 import dagster_llm.components
-from dagster_llm import GenerationComponent, GenerationSpec, SamplingConfig, build_generation_asset
+from dagster_llm import BeamSearchConfig, GenerationComponent, GenerationSpec, SamplingConfig, build_generation_asset
 from dagster_llm.spec import data_version_exclusions
 from dagster_llm.kubernetes import KubernetesStep
 from tests.dagster_llm.readme_tables import options_table, sampling_table
@@ -26,7 +26,8 @@ OTHER_VALUES = {
     "output_schema_by_partition": {"a": SCHEMA}, "choices_by_partition": {"b": ["p"]}, "code_version": "2",
     "resource_key": "llm2", "io_manager_key": "tables", "pool": None, "max_partitions_per_run": 4,
     "key_prefix": ["team"], "group_name": "g", "description": "d", "progress_interval_s": 1.0, "shard_rows": 8,
-    "row_shards": 3, "kubernetes": KubernetesStep(gpus=2),
+    "row_shards": 3, "kubernetes": KubernetesStep(gpus=2), "beam_search": BeamSearchConfig(beam_width=2),
+    "beam_search_by_partition": {"c": BeamSearchConfig(beam_width=3, length_penalty=0.5)},
 }
 BASE = {"name": "gen", "upstream": "prompts"}
 
