@@ -213,3 +213,17 @@ def test_wrong_calls_say_what_to_do(pooling_models):
         LLM(str(pooling_models["llama-model"]), runner="generate")
     with pytest.raises(ValueError, match="pooling_type must be None or one of"):
         LLM(str(pooling_models["llama-model"]), pooling_type="max")
+
+
+def test_tensor_parallel_ranks_pool_and_classify_as_one(pooling_models):
+    """Two ranks (gloo, on the CPU): rank 0 pools the hidden states the ranks computed
+    together and applies the classifier's head: transformers' probabilities."""
+    folder = pooling_models["qwen2-classifier"]
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    with LLM(str(folder), dtype="float32", tensor_parallel_size=2) as llm:
+        outputs = llm.classify(TEXTS, use_tqdm=False)
+    for text, output in zip(TEXTS, outputs):
+        with torch.no_grad():
+            expected = model(tokenizer(text, return_tensors="pt").input_ids).logits[0].softmax(-1)
+        torch.testing.assert_close(torch.tensor(output.outputs.probs), expected, atol=1e-5, rtol=1e-4)
