@@ -28,8 +28,7 @@ class EmbeddingSpec(BaseModel):
     description: str | None = Field(default=None, description="Asset description.")
     code_version: str = Field(default="1", description="Bump it when the embedding logic changes.")
     pool: str | None = Field(default=None, description="Dagster concurrency pool the step claims a slot of.")
-    shard_rows: int = Field(default=64, ge=1, description="Embedded rows per shard (a shard is also written "
-                                                          "every 30 s).")
+    shard_rows: int = Field(default=64, description="Embedded rows per shard (a shard is also written every 30 s).")
 
     @field_validator("upstream", mode="before")
     @classmethod
@@ -37,6 +36,13 @@ class EmbeddingSpec(BaseModel):
         if isinstance(value, dg.AssetsDefinition):
             value = value.key
         return value.to_user_string() if isinstance(value, dg.AssetKey) else value
+
+    @field_validator("shard_rows")
+    @classmethod
+    def _positive(cls, value: int) -> int:
+        if value < 1:
+            raise ValueError("must be at least 1")
+        return value
 
     @field_validator("key_prefix", mode="before")
     @classmethod

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 from engine import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
@@ -134,10 +134,17 @@ class BeamSearchConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    beam_width: int = Field(ge=1, description="Beams kept at each step.")
+    beam_width: int = Field(description="Beams kept at each step (at least 1).")
     length_penalty: float = Field(default=1.0, description="Finished beams are ranked by their log-probability "
                                                            "divided by (generated tokens) ** length_penalty: above "
                                                            "0 favours longer outputs, below 0 shorter ones.")
+
+    @field_validator("beam_width")
+    @classmethod
+    def _positive(cls, value: int) -> int:
+        if value < 1:
+            raise ValueError("beam_width must be at least 1")
+        return value
 
     def params(self, sampling: SamplingParams, max_tokens: int) -> BeamSearchParams:
         """The engine's params for a row whose sampling is `sampling` and that may generate

@@ -17,7 +17,7 @@ import pytest
 from upath import UPath
 
 from dagster_llm import LLMResource, ParquetIOManager, build_embedding_asset, partition_file
-from dagster_llm.components import EmbeddingComponent
+from dagster_llm.components import EmbeddingComponent, GenerationComponent
 from dagster_llm.core.embedding import evaluate_embeddings, text_rows
 from engine import LLM
 from example_pipelines.defs.daily_tickets import raw_support_tickets
@@ -161,3 +161,15 @@ def test_the_embedding_component_builds_the_factorys_asset():
     with pytest.raises(dg.DagsterInvalidDefinitionError, match="give partitions or daily_start_date, not both"):
         dg.build_defs_for_component(EmbeddingComponent(name="v", upstream="t", partitions=["a"],
                                                        daily_start_date="2024-06-01"))
+
+
+def test_both_components_resolve_their_new_options_from_yaml():
+    """What a defs.yaml gives: Dagster's resolver refuses pydantic constraints it cannot map,
+    so these options must resolve from YAML, not only from Python."""
+    embedding = EmbeddingComponent.resolve_from_yaml('name: v\nupstream: t\ndaily_start_date: "2024-06-01"\n'
+                                                     "shard_rows: 4\nnormalize: false")
+    assert embedding.shard_rows == 4 and embedding.normalize is False
+    generation = GenerationComponent.resolve_from_yaml(
+        "name: g\nupstream: t\nbeam_search: {beam_width: 3}\n"
+        "beam_search_by_partition: {a: {beam_width: 2, length_penalty: 0.5}}")
+    assert generation.beam_search.beam_width == 3 and generation.beam_search_by_partition["a"].length_penalty == 0.5
