@@ -1,11 +1,12 @@
 """`EmbeddingSpec`: every option of an embedding asset, declared once (the factory's
 keyword arguments and the component's fields are read from it)."""
 
-import dagster as dg
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, field_validator
+
+from dagster_llm.spec import AssetKeys
 
 
-class EmbeddingSpec(BaseModel):
+class EmbeddingSpec(AssetKeys):
     """An embedding asset: an upstream text table in, one vector per row out."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -30,29 +31,9 @@ class EmbeddingSpec(BaseModel):
     pool: str | None = Field(default=None, description="Dagster concurrency pool the step claims a slot of.")
     shard_rows: int = Field(default=64, description="Embedded rows per shard (a shard is also written every 30 s).")
 
-    @field_validator("upstream", mode="before")
-    @classmethod
-    def _upstream_key(cls, value: object) -> object:
-        if isinstance(value, dg.AssetsDefinition):
-            value = value.key
-        return value.to_user_string() if isinstance(value, dg.AssetKey) else value
-
     @field_validator("shard_rows")
     @classmethod
     def _positive(cls, value: int) -> int:
         if value < 1:
             raise ValueError("must be at least 1")
         return value
-
-    @field_validator("key_prefix", mode="before")
-    @classmethod
-    def _one_level(cls, value: object) -> object:
-        return [value] if isinstance(value, str) else [] if value is None else value
-
-    @property
-    def asset_key(self) -> dg.AssetKey:
-        return dg.AssetKey([*self.key_prefix, self.name])
-
-    @property
-    def upstream_key(self) -> dg.AssetKey:
-        return dg.AssetKey.from_user_string(self.upstream)

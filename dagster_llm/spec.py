@@ -27,7 +27,33 @@ def _operational(default: Any, description: str) -> Any:
     return Field(default=default, description=description, json_schema_extra=_OPERATIONAL)
 
 
-class GenerationSpec(CheckThresholds, PromptTableRules):
+class AssetKeys(BaseModel):
+    """The asset key and the upstream's of a spec that declares `name`, `upstream` (an
+    asset key string, or an AssetKey or AssetsDefinition turned into one) and `key_prefix`
+    (a string is one level). The fields stay the spec's own, where its options list them."""
+
+    @field_validator("upstream", mode="before", check_fields=False)
+    @classmethod
+    def _upstream_key(cls, value: object) -> object:
+        if isinstance(value, dg.AssetsDefinition):
+            value = value.key
+        return value.to_user_string() if isinstance(value, dg.AssetKey) else value
+
+    @field_validator("key_prefix", mode="before", check_fields=False)
+    @classmethod
+    def _one_level(cls, value: object) -> object:
+        return [value] if isinstance(value, str) else [] if value is None else value
+
+    @property
+    def asset_key(self) -> dg.AssetKey:
+        return dg.AssetKey([*self.key_prefix, self.name])
+
+    @property
+    def upstream_key(self) -> dg.AssetKey:
+        return dg.AssetKey.from_user_string(self.upstream)
+
+
+class GenerationSpec(CheckThresholds, PromptTableRules, AssetKeys):
     """A generation asset: an upstream prompt table in, one completion per row out."""
 
     name: str = _operational(..., "The generation asset's name.")
@@ -89,13 +115,6 @@ class GenerationSpec(CheckThresholds, PromptTableRules):
     progress_interval_s: float = _operational(5.0, "Seconds between progress lines in the event log.")
     shard_rows: int = _operational(64, "Finished rows per shard (a shard is also written every 30 s).")
 
-    @field_validator("upstream", mode="before")
-    @classmethod
-    def _upstream_key(cls, value: object) -> object:
-        if isinstance(value, dg.AssetsDefinition):
-            value = value.key
-        return value.to_user_string() if isinstance(value, dg.AssetKey) else value
-
     @field_validator("output_schema", mode="before")
     @classmethod
     def _model_schema(cls, value: object) -> object:
@@ -115,18 +134,6 @@ class GenerationSpec(CheckThresholds, PromptTableRules):
             raise ValueError("must be at least 1")
         return value
 
-    @field_validator("key_prefix", mode="before")
-    @classmethod
-    def _one_level(cls, value: object) -> object:
-        return [value] if isinstance(value, str) else [] if value is None else value
-
-    @property
-    def asset_key(self) -> dg.AssetKey:
-        return dg.AssetKey([*self.key_prefix, self.name])
-
-    @property
-    def upstream_key(self) -> dg.AssetKey:
-        return dg.AssetKey.from_user_string(self.upstream)
 
     def with_files_from(self, folder: Path) -> "GenerationSpec":
         """The spec with adapter folders and schema files (relative paths) read from `folder`.

@@ -180,14 +180,8 @@ class EmbeddingRun:
     def _resume(self, part: _Partition) -> None:
         if part.files is None or not self.options.resume:
             return
-        finished = part.files.finished_rows(part.data_version)
-        if finished is None:
-            return
-        ok = {row.position for row in part.rows if row.error is None}
-        for record in finished.to_pylist():
-            position = record.pop(POSITION_COLUMN)
-            if position in ok and record["error"] is None:
-                part.records[position] = record
+        part.records = part.files.finished_records(part.data_version,
+                                                   {row.position for row in part.rows if row.error is None})
         part.resumed_rows = len(part.records)
 
     def _record(self, row: TextRow, embedding: list[float] | None, prompt_tokens: int) -> dict[str, Any]:

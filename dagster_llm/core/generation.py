@@ -187,14 +187,8 @@ class GenerationRun:
         """Takes the rows already generated for the partition's data version."""
         if part.files is None or not self.options.resume:
             return
-        finished = part.files.finished_rows(part.data_version)
-        if finished is None:
-            return
-        ok = {row.position for row in part.rows if row.error is None}
-        for record in finished.to_pylist():
-            position = record.pop(POSITION_COLUMN)
-            if position in ok and position not in part.records:
-                part.records[position] = record
+        part.records = part.files.finished_records(part.data_version,
+                                                   {row.position for row in part.rows if row.error is None})
         part.resumed_rows = len(part.records)
         part.resumed_tokens = sum(r["completion_tokens"] for r in part.records.values())
 

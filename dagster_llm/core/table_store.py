@@ -172,6 +172,17 @@ class PartitionFiles:
             return None
         return pa.concat_tables([pq.read_table(shard, filesystem=self.fs) for shard in shards])
 
+    def finished_records(self, version: str, positions: set[int]) -> dict[int, dict]:
+        """The rows already finished for `version` (`finished_rows`) at `positions`, by
+        position (the first where a position was saved twice), without the position column."""
+        finished = self.finished_rows(version)
+        records: dict[int, dict] = {}
+        for record in finished.to_pylist() if finished is not None else []:
+            position = record.pop(POSITION_COLUMN)
+            if position in positions:
+                records.setdefault(position, record)
+        return records
+
     def append_shard(self, version: str, rows: pa.Table) -> None:
         """Persists finished rows (with their positions) of `version`."""
         name = f"shard-{time.time_ns():020d}-{uuid.uuid4().hex[:8]}.parquet"
