@@ -26,7 +26,11 @@ std::vector<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight, 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
                        const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& input_scale,
                        const std::optional<at::Tensor>& outlier_index,
-                       const std::optional<at::Tensor>& outlier_weight);
+                       const std::optional<at::Tensor>& outlier_weight,
+                       const std::optional<at::Tensor>& outlier_pairs);
+
+at::Tensor int8_gated_mlp(const at::Tensor& x, const std::vector<std::optional<at::Tensor>>& gate_up,
+                          const std::vector<std::optional<at::Tensor>>& down, bool gelu);
 
 at::Tensor act_and_mul(const at::Tensor& x, bool gelu);
 
@@ -39,6 +43,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_moe_int8", &fused_moe_int8, "Routed experts on int8 matrices (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm with the residual add fused in (CPU)");
   m.def("int8_linear", &int8_linear, "x times an int8 weight, x smoothed and quantized per row (CPU)");
+  m.def("int8_gated_mlp", &int8_gated_mlp, "A gated MLP on int8 weights, activated between the products (CPU)");
   m.def("rotary", &rotary, "Rotary position embedding (CPU)");
   m.def("act_and_mul", &act_and_mul, "The MLP's gated activation, act(gate) * up (CPU)");
 }

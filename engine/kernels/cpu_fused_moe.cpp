@@ -56,7 +56,7 @@ struct Int8Matrix {
   at::Tensor q, scale;
   int64_t min_rows = 1;
 
-  at::Tensor times(const at::Tensor& x) const { return int8_matmul(x, q, scale, std::nullopt); }
+  at::Tensor times(const at::Tensor& x) const { return int8_matmul(x, {q, scale, std::nullopt, {}}); }
   int64_t in() const { return q.size(0); }
   int64_t out() const { return q.size(1); }
 };

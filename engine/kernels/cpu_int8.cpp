@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "cpu_activation.h"
 #include "cpu_vector.h"
 
 namespace engine_cpu {
@@ -81,138 +82,334 @@ void quantize_row(const scalar_t* x, const float* input_scale, int64_t n, int8_t
 
 constexpr int64_t kMaxOutliers = 64;
 
-// A row's outlier channels (`Int8Smoothing`): their values, and their weight rows [count, n].
-struct OutlierRow {
-  float x[kMaxOutliers];
-  const float* weight = nullptr;
-  int64_t count = 0;
+// A step's rows ready for a product: quantized (xq [rows, in] int8, x_scale [rows]) and their
+// outlier channels' values as floats (outliers [rows, k]; none without smoothing).
+struct QuantizedRows {
+  at::Tensor xq, x_scale, outliers;
 };
 
-// side[c] = the outlier channels' products for output c, fused multiply-adds over the channels in
-// order. Eight accumulators of eight outputs each keep both FMA pipes busy: one accumulator's
-// chain of dependent FMAs would wait on each one's latency.
-void outlier_sums(const OutlierRow& outliers, int64_t n, float* side) {
-  int64_t c = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-  constexpr int kAccumulators = 8;
-  for (; c + 8 * kAccumulators <= n; c += 8 * kAccumulators) {
-    __m256 acc[kAccumulators];
-    for (auto& a : acc) a = _mm256_setzero_ps();
-    for (int64_t k = 0; k < outliers.count; ++k) {
-      const __m256 x = _mm256_set1_ps(outliers.x[k]);
-      const float* w = outliers.weight + k * n + c;
-      for (int a = 0; a < kAccumulators; ++a) acc[a] = _mm256_fmadd_ps(x, _mm256_loadu_ps(w + 8 * a), acc[a]);
-    }
-    for (int a = 0; a < kAccumulators; ++a) _mm256_storeu_ps(side + c + 8 * a, acc[a]);
+// Quantizes rows of x for a product with a weight smoothed by `smoothing` (or not): row r
+// from its values, which need not lie in a tensor (the fused MLP's activations).
+struct Quantize {
+  const float* input_scale;  // or null
+  const int64_t* outlier_index;
+  int64_t num_outliers;
+  int64_t in;
+  int8_t* xq;
+  float* x_scale;
+  float* outliers;
+
+  static Quantize into(QuantizedRows& rows, const Int8Smoothing& smoothing) {
+    const int64_t k = rows.outliers.size(1);
+    return {smoothing.input_scale.defined() ? smoothing.input_scale.data_ptr<float>() : nullptr,
+            k ? smoothing.outlier_index.data_ptr<int64_t>() : nullptr,
+            k,
+            rows.xq.size(1),
+            rows.xq.data_ptr<int8_t>(),
+            rows.x_scale.data_ptr<float>(),
+            rows.outliers.data_ptr<float>()};
   }
-#endif
-  for (; c < n; ++c) {
-    float sum = 0.f;
-    for (int64_t k = 0; k < outliers.count; ++k) sum = std::fma(outliers.x[k], outliers.weight[k * n + c], sum);
-    side[c] = sum;
+
+  template <typename scalar_t>
+  void row(const scalar_t* x, int64_t r) const {
+    quantize_row<scalar_t>(x, input_scale, in, xq + r * in, x_scale + r);
+    for (int64_t k = 0; k < num_outliers; ++k) outliers[r * num_outliers + k] = static_cast<float>(x[outlier_index[k]]);
   }
+};
+
+QuantizedRows empty_rows(int64_t rows, int64_t in, const Int8Smoothing& smoothing, const at::TensorOptions& options) {
+  const int64_t k = smoothing.outlier_index.defined() ? smoothing.outlier_index.numel() : 0;
+  return {at::empty({rows, in}, options.dtype(at::kChar)), at::empty({rows}, options.dtype(at::kFloat)),
+          at::empty({rows, k}, options.dtype(at::kFloat))};
 }
 
-// out[r, c] = float(acc[r, c]) * x_scale[r] * w_scale[c] (+ bias[c]) (+ side[c]), each step rounded
-// to float32 in that order, then once to scalar_t.
 template <typename scalar_t>
-void dequantize_row(const int32_t* acc, int64_t n, float x_scale, const float* w_scale, const float* bias,
-                    const float* side, scalar_t* out) {
-  int64_t c = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-  if constexpr (kVector8<scalar_t>) {
-    const __m256 xs = _mm256_set1_ps(x_scale);
-    for (; c + 8 <= n; c += 8) {
-      const __m256 a = _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(acc + c)));
-      __m256 v = _mm256_mul_ps(_mm256_mul_ps(a, xs), _mm256_loadu_ps(w_scale + c));
-      if (bias != nullptr) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + c));
-      if (side != nullptr) v = _mm256_add_ps(v, _mm256_loadu_ps(side + c));
-      store8(out + c, v);
-    }
-  }
+QuantizedRows quantize(const at::Tensor& x, const Int8Smoothing& smoothing) {
+  const int64_t rows = x.size(0), in = x.size(1);
+  QuantizedRows quantized = empty_rows(rows, in, smoothing, x.options());
+  const Quantize pass = Quantize::into(quantized, smoothing);
+  const scalar_t* xp = x.data_ptr<scalar_t>();
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) pass.row(xp + r * in, r);
+  });
+  return quantized;
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+// bfloat16 rows take their outlier channels two at a time through the CPU's bfloat16 dot
+// products, where the weights come in pairs (`Int8Smoothing::outlier_pairs`): the channels'
+// values are bfloat16 already, and so are a bfloat16 model's weights, so each product is exact
+// as in a fused multiply-add, at half the instructions.
+template <typename scalar_t>
+constexpr bool kPairedOutliers = std::is_same_v<scalar_t, c10::BFloat16>;
+#else
+template <typename scalar_t>
+constexpr bool kPairedOutliers = false;
 #endif
-  for (; c < n; ++c) {
-    float v = static_cast<float>(acc[c]) * x_scale * w_scale[c];
+
+// Two bfloat16 values (held as floats) in one 32-bit word, `low` in the low half: a pair as the
+// bfloat16 dot product takes it.
+inline uint32_t bf16_pair(float low, float high) {
+  return static_cast<uint32_t>(c10::BFloat16(low).x) | static_cast<uint32_t>(c10::BFloat16(high).x) << 16;
+}
+
+// The pass after the product: out[r, c] = float(acc[r, c]) * x_scale[r] * w_scale[c] (+ bias[c])
+// (+ side[r, c]), each step rounded to float32 in that order, then once to scalar_t. side[r, c] is
+// the outlier channels' sum (`Int8Smoothing`): outliers[r, k] * outlier_weight[k, c] as fused
+// multiply-adds over k in order, from zero (for bfloat16 rows, channels 2j and 2j + 1 in one
+// bfloat16 dot product, over j in order: `kPairedOutliers`).
+template <typename scalar_t>
+struct Dequantize {
+  const int32_t* acc;
+  const float* x_scale;
+  const float* w_scale;
+  const float* bias;      // or null
+  const float* outliers;  // [rows, num_outliers]
+  const float* outlier_weight;  // [num_outliers, n]
+  int64_t num_outliers;
+  int64_t n;
+  const uint32_t* weight_pairs;  // [num_outliers / 2, n], or null
+
+  // The tensors must outlive the pass: it keeps their data pointers.
+  Dequantize(const at::Tensor& sums, const QuantizedRows& rows, const at::Tensor& scale, const at::Tensor& bias_f,
+             const Int8Smoothing& smoothing)
+      : acc(sums.data_ptr<int32_t>()),
+        x_scale(rows.x_scale.data_ptr<float>()),
+        w_scale(scale.data_ptr<float>()),
+        bias(bias_f.defined() ? bias_f.data_ptr<float>() : nullptr),
+        outliers(rows.outliers.data_ptr<float>()),
+        outlier_weight(rows.outliers.size(1) ? smoothing.outlier_weight.data_ptr<float>() : nullptr),
+        num_outliers(rows.outliers.size(1)),
+        n(sums.size(1)),
+        weight_pairs(kPairedOutliers<scalar_t> && num_outliers && smoothing.outlier_pairs.defined()
+                         ? reinterpret_cast<const uint32_t*>(smoothing.outlier_pairs.data_ptr<int32_t>())
+                         : nullptr) {}
+
+  void element(int64_t r, int64_t c, scalar_t* out) const {
+    float side = 0.f;
+    for (int64_t k = 0; k < num_outliers; ++k)
+      side = std::fma(outliers[r * num_outliers + k], outlier_weight[k * n + c], side);
+    float v = static_cast<float>(acc[r * n + c]) * x_scale[r] * w_scale[c];
     if (bias != nullptr) v += bias[c];
-    if (side != nullptr) v += side[c];
+    if (num_outliers) v += side;
     out[c] = static_cast<scalar_t>(v);
   }
+
+#if defined(__AVX2__) && defined(__FMA__)
+  // Rows [r, r + R) and outputs [c, c + 8C) into out (row r's outputs; rows n apart): each
+  // outlier weight vector loaded once serves R rows (one row at a time, the weights streamed
+  // from L2 for every row held the pass at a third of the product).
+  // x_pairs[i][j] is row r + i's channels 2j and 2j + 1 (where there are weight pairs).
+  template <int R, int C>
+  void tile(int64_t r, int64_t c, scalar_t* out, const uint32_t (*x_pairs)[kMaxOutliers / 2]) const {
+    __m256 side[R][C];
+    for (auto& row : side)
+      for (auto& v : row) v = _mm256_setzero_ps();
+    int64_t k = 0;
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+    if constexpr (kPairedOutliers<scalar_t>) {
+      for (; weight_pairs != nullptr && k + 2 <= num_outliers; k += 2) {
+        __m256bh w[C];
+        for (int j = 0; j < C; ++j)
+          w[j] = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(weight_pairs + k / 2 * n + c + 8 * j));
+        for (int i = 0; i < R; ++i) {
+          const __m256bh xk = (__m256bh)_mm256_set1_epi32(static_cast<int>(x_pairs[i][k / 2]));
+          for (int j = 0; j < C; ++j) side[i][j] = _mm256_dpbf16_ps(side[i][j], xk, w[j]);
+        }
+      }
+    }
+#endif
+    for (; k < num_outliers; ++k) {
+      __m256 w[C];
+      for (int j = 0; j < C; ++j) w[j] = _mm256_loadu_ps(outlier_weight + k * n + c + 8 * j);
+      for (int i = 0; i < R; ++i) {
+        const __m256 xk = _mm256_set1_ps(outliers[(r + i) * num_outliers + k]);
+        for (int j = 0; j < C; ++j) side[i][j] = _mm256_fmadd_ps(xk, w[j], side[i][j]);
+      }
+    }
+    for (int i = 0; i < R; ++i) {
+      const __m256 xs = _mm256_set1_ps(x_scale[r + i]);
+      for (int j = 0; j < C; ++j) {
+        const int64_t col = c + 8 * j;
+        const __m256 a =
+            _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(acc + (r + i) * n + col)));
+        __m256 v = _mm256_mul_ps(_mm256_mul_ps(a, xs), _mm256_loadu_ps(w_scale + col));
+        if (bias != nullptr) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + col));
+        if (num_outliers) v = _mm256_add_ps(v, side[i][j]);
+        store8(out + i * n + col, v);
+      }
+    }
+  }
+
+  // Rows [r, r + R), every output.
+  template <int R>
+  void rows(int64_t r, scalar_t* out) const {
+#if defined(__AVX512VL__)
+    constexpr int C = 4;  // R * C accumulators of the 32 vector registers
+#else
+    constexpr int C = 2;
+#endif
+    uint32_t x_pairs[R][kMaxOutliers / 2];
+    if (weight_pairs != nullptr) {
+      for (int i = 0; i < R; ++i)
+        for (int64_t j = 0; j < num_outliers / 2; ++j) {
+          const float* pair = outliers + (r + i) * num_outliers + 2 * j;
+          x_pairs[i][j] = bf16_pair(pair[0], pair[1]);
+        }
+    }
+    int64_t c = 0;
+    for (; c + 8 * C <= n; c += 8 * C) tile<R, C>(r, c, out, x_pairs);
+    for (; c + 8 <= n; c += 8) tile<R, 1>(r, c, out, x_pairs);
+    for (int i = 0; i < R; ++i)
+      for (int64_t t = c; t < n; ++t) element(r + i, t, out + i * n);
+  }
+#endif
+
+  // Rows [r0, r1) into out (row r0's outputs; rows n apart).
+  void run(int64_t r0, int64_t r1, scalar_t* out) const {
+    int64_t r = r0;
+#if defined(__AVX2__) && defined(__FMA__)
+    if constexpr (kVector8<scalar_t>) {
+      for (; r + 4 <= r1; r += 4) rows<4>(r, out + (r - r0) * n);
+      for (; r < r1; ++r) rows<1>(r, out + (r - r0) * n);
+    }
+#endif
+    for (; r < r1; ++r)
+      for (int64_t c = 0; c < n; ++c) element(r, c, out + (r - r0) * n);
+  }
+};
+
+at::Tensor float_bias(const std::optional<at::Tensor>& bias) {
+  return bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
 }
 
+// The product of quantized rows with a weight, dequantized into a new [rows, out] tensor of x's dtype.
 template <typename scalar_t>
-at::Tensor int8_matmul_typed(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
-                             const std::optional<at::Tensor>& bias, const Int8Smoothing& smoothing) {
-  const int64_t rows = x.size(0), in = x.size(1), out_features = q.size(1);
-  at::Tensor xq = at::empty({rows, in}, x.options().dtype(at::kChar));
-  at::Tensor x_scale = at::empty({rows}, x.options().dtype(at::kFloat));
-  const scalar_t* xp = x.data_ptr<scalar_t>();
-  const float* isp = smoothing.input_scale.defined() ? smoothing.input_scale.data_ptr<float>() : nullptr;
-  int8_t* qp = xq.data_ptr<int8_t>();
-  float* sp = x_scale.data_ptr<float>();
-  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) quantize_row<scalar_t>(xp + r * in, isp, in, qp + r * in, sp + r);
-  });
-  const at::Tensor acc = at::_int_mm(xq, q);
-  at::Tensor out = at::empty({rows, out_features}, x.options());
-  const at::Tensor bias_f = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
-  const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
-  const int64_t num_outliers = smoothing.outlier_index.defined() ? smoothing.outlier_index.numel() : 0;
-  const int64_t* index = num_outliers ? smoothing.outlier_index.data_ptr<int64_t>() : nullptr;
-  const float* outlier_weight = num_outliers ? smoothing.outlier_weight.data_ptr<float>() : nullptr;
-  const int32_t* ap = acc.data_ptr<int32_t>();
-  const float* wp = scale.data_ptr<float>();
+at::Tensor product(const QuantizedRows& rows, const Int8Weight& weight, const at::TensorOptions& options) {
+  const at::Tensor acc = at::_int_mm(rows.xq, weight.q);
+  at::Tensor out = at::empty({acc.size(0), acc.size(1)}, options);
+  const at::Tensor bias = float_bias(weight.bias);
+  const Dequantize<scalar_t> pass(acc, rows, weight.scale, bias, weight.smoothing);
   scalar_t* op = out.data_ptr<scalar_t>();
-  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
-    OutlierRow outliers;
-    outliers.weight = outlier_weight;
-    outliers.count = num_outliers;
-    std::vector<float> side(num_outliers ? out_features : 0);
-    for (int64_t r = r0; r < r1; ++r) {
-      for (int64_t k = 0; k < num_outliers; ++k) outliers.x[k] = static_cast<float>(xp[r * in + index[k]]);
-      if (num_outliers) outlier_sums(outliers, out_features, side.data());
-      dequantize_row<scalar_t>(ap + r * out_features, out_features, sp[r], wp, bp, num_outliers ? side.data() : nullptr,
-                               op + r * out_features);
+  at::parallel_for(0, acc.size(0), 16, [&](int64_t r0, int64_t r1) { pass.run(r0, r1, op + r0 * acc.size(1)); });
+  return out;
+}
+
+// Rows handled together by the fused MLP: their gate/up outputs stay in a thread's L2.
+constexpr int64_t kMlpBlockRows = 16;
+
+template <typename scalar_t>
+at::Tensor gated_mlp_typed(const at::Tensor& x, const Int8Weight& gate_up, const Int8Weight& down, bool gelu) {
+  const int64_t rows = x.size(0), width = gate_up.q.size(1) / 2;
+  const QuantizedRows first = quantize<scalar_t>(x, gate_up.smoothing);
+  const at::Tensor acc = at::_int_mm(first.xq, gate_up.q);
+  const at::Tensor bias = float_bias(gate_up.bias);
+  const Dequantize<scalar_t> gate_up_pass(acc, first, gate_up.scale, bias, gate_up.smoothing);
+  QuantizedRows second = empty_rows(rows, width, down.smoothing, x.options());
+  const Quantize down_pass = Quantize::into(second, down.smoothing);
+  at::parallel_for(0, rows, kMlpBlockRows, [&](int64_t r0, int64_t r1) {
+    std::vector<scalar_t> gate_up_rows(kMlpBlockRows * 2 * width), act(width);
+    for (int64_t b = r0; b < r1; b += kMlpBlockRows) {
+      const int64_t e = std::min(b + kMlpBlockRows, r1);
+      gate_up_pass.run(b, e, gate_up_rows.data());
+      for (int64_t r = b; r < e; ++r) {
+        const scalar_t* row = gate_up_rows.data() + (r - b) * 2 * width;
+        act_row(row, row + width, width, gelu, act.data());
+        down_pass.row(act.data(), r);
+      }
     }
   });
-  return out;
+  return product<scalar_t>(second, down, x.options());
+}
+
+void check_weight(const Int8Weight& weight, int64_t in) {
+  const at::Tensor &q = weight.q, &scale = weight.scale;
+  TORCH_CHECK(q.dim() == 2 && q.size(0) == in, "x [rows, in] and q [in, out]");
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.is_contiguous(), "q: contiguous int8 [in, out]");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == q.size(1) && scale.is_contiguous(),
+              "scale: float32 [out]");
+  TORCH_CHECK(!weight.bias.has_value() || weight.bias->numel() == q.size(1), "bias [out]");
+  const at::Tensor& input_scale = weight.smoothing.input_scale;
+  TORCH_CHECK(!input_scale.defined() || (input_scale.scalar_type() == at::kFloat && input_scale.is_contiguous() &&
+                                         input_scale.numel() == in), "input_scale: float32 [in]");
+  const at::Tensor& index = weight.smoothing.outlier_index;
+  const at::Tensor& outlier_weight = weight.smoothing.outlier_weight;
+  TORCH_CHECK(!index.defined() || (index.scalar_type() == at::kLong && index.numel() <= kMaxOutliers &&
+                                   outlier_weight.scalar_type() == at::kFloat && outlier_weight.is_contiguous() &&
+                                   outlier_weight.sizes() == at::IntArrayRef({index.numel(), q.size(1)})),
+              "outlier_index: int64 [k <= 64], outlier_weight: float32 [k, out]");
+  const at::Tensor& pairs = weight.smoothing.outlier_pairs;
+  TORCH_CHECK(!pairs.defined() || (pairs.scalar_type() == at::kInt && pairs.is_contiguous() &&
+                                   pairs.sizes() == at::IntArrayRef({index.numel() / 2, q.size(1)})),
+              "outlier_pairs: int32 [k / 2, out]");
 }
 
 }  // namespace
 
-at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
-                       const std::optional<at::Tensor>& bias, const Int8Smoothing& smoothing) {
-  TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && q.size(0) == x.size(1), "x [rows, in] and q [in, out]");
-  TORCH_CHECK(q.scalar_type() == at::kChar && q.is_contiguous(), "q: contiguous int8 [in, out]");
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == q.size(1) && scale.is_contiguous(),
-              "scale: float32 [out]");
-  TORCH_CHECK(!bias.has_value() || bias->numel() == q.size(1), "bias [out]");
-  const at::Tensor& input_scale = smoothing.input_scale;
-  TORCH_CHECK(!input_scale.defined() || (input_scale.scalar_type() == at::kFloat && input_scale.is_contiguous() &&
-                                         input_scale.numel() == q.size(0)), "input_scale: float32 [in]");
-  const at::Tensor& index = smoothing.outlier_index;
-  TORCH_CHECK(!index.defined() || (index.scalar_type() == at::kLong && index.numel() <= kMaxOutliers &&
-                                   smoothing.outlier_weight.scalar_type() == at::kFloat &&
-                                   smoothing.outlier_weight.is_contiguous() &&
-                                   smoothing.outlier_weight.sizes() == at::IntArrayRef({index.numel(), q.size(1)})),
-              "outlier_index: int64 [k <= 64], outlier_weight: float32 [k, out]");
+at::Tensor int8_matmul(const at::Tensor& x, const Int8Weight& weight) {
+  TORCH_CHECK(x.dim() == 2, "x [rows, in]");
+  check_weight(weight, x.size(1));
   const at::Tensor xc = x.contiguous();
   at::Tensor out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "int8_matmul", [&] {
-    out = int8_matmul_typed<scalar_t>(xc, q, scale, bias, smoothing);
+    out = product<scalar_t>(quantize<scalar_t>(xc, weight.smoothing), weight, xc.options());
+  });
+  return out;
+}
+
+at::Tensor int8_gated_mlp(const at::Tensor& x, const Int8Weight& gate_up, const Int8Weight& down, bool gelu) {
+  TORCH_CHECK(x.dim() == 2, "x [rows, in]");
+  check_weight(gate_up, x.size(1));
+  TORCH_CHECK(gate_up.q.size(1) % 2 == 0, "gate_up: q [in, 2 * width]");
+  check_weight(down, gate_up.q.size(1) / 2);
+  const at::Tensor xc = x.contiguous();
+  at::Tensor out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "int8_gated_mlp", [&] {
+    out = gated_mlp_typed<scalar_t>(xc, gate_up, down, gelu);
   });
   return out;
 }
 
 }  // namespace engine_cpu
 
-// The Python entry (`engine.quantization.int8`): `int8_matmul` with x of any leading shape.
+namespace {
+
+engine_cpu::Int8Weight int8_weight(const at::Tensor& q, const at::Tensor& scale, const std::optional<at::Tensor>& bias,
+                                   const std::optional<at::Tensor>& input_scale,
+                                   const std::optional<at::Tensor>& outlier_index,
+                                   const std::optional<at::Tensor>& outlier_weight,
+                                   const std::optional<at::Tensor>& outlier_pairs) {
+  return {q, scale, bias,
+          {input_scale.value_or(at::Tensor()), outlier_index.value_or(at::Tensor()),
+           outlier_weight.value_or(at::Tensor()), outlier_pairs.value_or(at::Tensor())}};
+}
+
+}  // namespace
+
+// The Python entries (`engine.quantization.int8`), x of any leading shape. int8_linear: x times
+// one quantized weight (q, scale, bias, and its smoothing's four parts or Nones). int8_gated_mlp:
+// a gated MLP, act(x @ gate_up[:, :width]) * (x @ gate_up[:, width:]) @ down, each weight given
+// as a list of those seven (absent ones None), with the gate/up outputs dequantized, activated and quantized
+// for down a row block at a time instead of through three passes over the step.
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
                        const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& input_scale,
                        const std::optional<at::Tensor>& outlier_index,
-                       const std::optional<at::Tensor>& outlier_weight) {
+                       const std::optional<at::Tensor>& outlier_weight,
+                       const std::optional<at::Tensor>& outlier_pairs) {
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = q.size(1);
-  const engine_cpu::Int8Smoothing smoothing{input_scale.value_or(at::Tensor()), outlier_index.value_or(at::Tensor()),
-                                            outlier_weight.value_or(at::Tensor())};
-  return engine_cpu::int8_matmul(x.reshape({-1, x.size(-1)}), q, scale, bias, smoothing).view(shape);
+  const auto weight = int8_weight(q, scale, bias, input_scale, outlier_index, outlier_weight, outlier_pairs);
+  return engine_cpu::int8_matmul(x.reshape({-1, x.size(-1)}), weight).view(shape);
+}
+
+at::Tensor int8_gated_mlp(const at::Tensor& x, const std::vector<std::optional<at::Tensor>>& gate_up,
+                          const std::vector<std::optional<at::Tensor>>& down, bool gelu) {
+  TORCH_CHECK(gate_up.size() == 7 && down.size() == 7 && gate_up[0] && gate_up[1] && down[0] && down[1],
+              "each weight as [q, scale, bias, input_scale, outlier_index, outlier_weight, outlier_pairs]");
+  const auto weight = [](const std::vector<std::optional<at::Tensor>>& w) {
+    return int8_weight(*w[0], *w[1], w[2], w[3], w[4], w[5], w[6]);
+  };
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = down[0]->size(1);
+  return engine_cpu::int8_gated_mlp(x.reshape({-1, x.size(-1)}), weight(gate_up), weight(down), gelu).view(shape);
 }

@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -357,11 +358,6 @@ std::vector<std::pair<int64_t, int64_t>> row_tiles(const int64_t* seq_of, int64_
   return tiles;
 }
 
-// The cache slot of a sequence's key `key`, through its block table row.
-inline int64_t slot_of(const int64_t* table, int64_t block_size, int64_t key) {
-  return table[key / block_size] * block_size + key % block_size;
-}
-
 template <typename scalar_t, typename cache_t>
 void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k_scale,
             const at::Tensor& v_scale, const at::Tensor& block_tables, const at::Tensor& row_seq,
@@ -408,8 +404,11 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       value_rows.resize(span);
       key_scales.resize(kScaled<cache_t> ? span : 0);
       value_scales.resize(kScaled<cache_t> ? span : 0);
-      for (int64_t c = 0; c < span; ++c) {
-        const int64_t slot = slot_of(tables + seq_of[first_row] * max_blocks, block_size, base + c);
+      const int64_t* table = tables + seq_of[first_row] * max_blocks;
+      // Key base + c lies at `offset` in block `block` of the sequence (no division per key).
+      for (int64_t c = 0, block = base / block_size, offset = base % block_size; c < span; ++c) {
+        const int64_t slot = table[block] * block_size + offset;
+        if (++offset == block_size) offset = 0, ++block;
         key_rows[c] = kp + (h * num_slots + slot) * dim;
         value_rows[c] = vp + (h * num_slots + slot) * dim;
         if constexpr (kScaled<cache_t>) {
@@ -486,6 +485,8 @@ void store_vector(const scalar_t* x, int64_t dim, cache_t* row, float* scale) {
       row[d] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, q)));
     }
     *scale = s;
+  } else if constexpr (std::is_same_v<scalar_t, cache_t>) {
+    std::memcpy(row, x, dim * sizeof(cache_t));
   } else {
     for (int64_t d = 0; d < dim; ++d) row[d] = static_cast<cache_t>(static_cast<float>(x[d]));
   }

@@ -58,6 +58,15 @@ inline __m256 load8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+// v rounded to the nearest bfloat16 (ties to even) by the CPU's conversion, as eight 16-bit
+// values; NaN stays NaN (quiet), and float32 subnormals (below 1.2e-38) become zero.
+inline __m128i bf16_bits(__m256 v) { return (__m128i)_mm256_cvtneps_pbh(v); }
+
+inline __m256 round_bf16(__m256 v) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bf16_bits(v)), 16));
+}
+#else
 // v rounded to the nearest bfloat16 (ties to even), still as floats; NaN stays NaN.
 inline __m256 round_bf16(__m256 v) {
   const __m256i bits = _mm256_castps_si256(v);
@@ -67,12 +76,16 @@ inline __m256 round_bf16(__m256 v) {
   return _mm256_blendv_ps(rounded, v, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
 }
 
+inline __m128i bf16_bits(__m256 v) {
+  const __m256i high = _mm256_srli_epi32(_mm256_castps_si256(round_bf16(v)), 16);
+  return _mm_packus_epi32(_mm256_castsi256_si128(high), _mm256_extracti128_si256(high, 1));
+}
+#endif
+
 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 
 inline void store8(c10::BFloat16* p, __m256 v) {
-  const __m256i high = _mm256_srli_epi32(_mm256_castps_si256(round_bf16(v)), 16);
-  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(high), _mm256_extracti128_si256(high, 1));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), bf16_bits(v));
 }
 
 #if defined(__F16C__)

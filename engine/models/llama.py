@@ -138,9 +138,12 @@ def activation_of(config: PretrainedConfig) -> str:
 class LlamaMLP(nn.Module):
     """A gated MLP: SwiGLU, or GeGLU with tanh-approximated GELU (Gemma). `kernel`, when
     set (see `engine.layers.triton_routing`), computes act(gate) * up from the fused gate/up
-    output in one launch: kernel(gate_up, activation)."""
+    output in one launch: kernel(gate_up, activation). `fused`, when set (see
+    `engine.layers.cpu_routing`), runs the whole MLP in one call where its projections allow:
+    fused(x, gate_up_proj, down_proj, activation), None where they do not."""
 
     kernel: Callable | None = None
+    fused: Callable[[torch.Tensor, Linear, Linear, str], torch.Tensor | None] | None = None
 
     def __init__(self, config: PretrainedConfig, group: TensorParallelGroup, intermediate_size: int | None = None):
         super().__init__()
@@ -151,6 +154,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(size, config.hidden_size, group, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            out = self.fused(x, self.gate_up_proj, self.down_proj, self.activation)
+            if out is not None:
+                return out
         gate_up = self.gate_up_proj(x)
         if self.kernel is not None:
             return self.down_proj(self.kernel(gate_up, self.activation))

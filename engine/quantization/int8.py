@@ -42,16 +42,21 @@ class Int8Smoothing:
     """How a calibrated projection is smoothed: `input_scale` [in] float32 multiplies each
     input channel before the row is quantized (1 / s_j; 0 for the outlier channels, which
     leaves them out of the int8 sums), and the outlier channels (`outlier_index` [k] int64)
-    meet their weight columns (`outlier_weight` [k, out] float32) in float32."""
+    meet their weight columns (`outlier_weight` [k, out] float32) in float32. A bfloat16
+    model's also come as `outlier_pairs` [k // 2, out] int32, channels 2j and 2j + 1 as two
+    bfloat16 in one word (2j in the low half): the compiled kernel multiplies its bfloat16
+    rows by them in bfloat16 dot products, two channels an instruction."""
 
     input_scale: torch.Tensor
     outlier_index: torch.Tensor
     outlier_weight: torch.Tensor
+    outlier_pairs: torch.Tensor | None = None
 
     @classmethod
     def plan(cls, weight: torch.Tensor, input_range: torch.Tensor) -> "Int8Smoothing":
-        """The smoothing of a projection (weight [out, in]) whose inputs reached |x_j| <=
-        input_range[j] on the calibration text."""
+        """The smoothing of a projection (weight [out, in], in the model's dtype) whose inputs
+        reached |x_j| <= input_range[j] on the calibration text."""
+        columns = weight
         weight = weight.float()
         factor = input_range.float().clamp(min=1e-5) ** SMOOTHING_ALPHA
         factor /= weight.abs().amax(0).clamp(min=1e-5) ** (1 - SMOOTHING_ALPHA)
@@ -59,13 +64,21 @@ class Int8Smoothing:
         count = min(OUTLIER_CHANNELS, weight.shape[1] // 8)
         index = (input_range.float() * input_scale).topk(count).indices.sort().values
         input_scale[index] = 0
-        return cls(input_scale.contiguous(), index, weight[:, index].t().contiguous())
+        pairs = bfloat16_pairs(columns[:, index].t()) if columns.dtype == torch.bfloat16 else None
+        return cls(input_scale.contiguous(), index, weight[:, index].t().contiguous(), pairs)
 
     def smoothed(self, weight: torch.Tensor) -> torch.Tensor:
         """weight [out, in] with each input column divided by its input scale (the outlier
         columns zeroed): what the int8 product multiplies the scaled input by."""
         weight = weight.float()
         return torch.where(self.input_scale > 0, weight / self.input_scale.clamp(min=1e-30), 0)
+
+
+def bfloat16_pairs(rows: torch.Tensor) -> torch.Tensor:
+    """rows [k, out] bfloat16 -> [k // 2, out] int32: rows 2j and 2j + 1 as one word per
+    column, row 2j in the low half (a trailing odd row is left out)."""
+    pairs = rows[: rows.shape[0] // 2 * 2].reshape(-1, 2, rows.shape[1]).transpose(1, 2).contiguous()
+    return pairs.view(torch.int32).squeeze(-1)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,8 +104,7 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: tor
     the same bits except for the outliers' sum, which the kernel takes in fused steps."""
     kernels = cpu_build.load()
     if kernels is not None:
-        parts = (smoothing.input_scale, smoothing.outlier_index, smoothing.outlier_weight) if smoothing else (None,) * 3
-        return kernels.int8_linear(x, q, scale, bias, *parts)
+        return kernels.int8_linear(x, q, scale, bias, *_kernel_smoothing(smoothing))
     flat = x.reshape(-1, x.shape[-1])
     rows, x_scale = quantize_rows(flat if smoothing is None else flat.float() * smoothing.input_scale)
     out = torch._int_mm(rows, q).float().mul_(x_scale).mul_(scale)
@@ -101,6 +113,32 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: tor
     if smoothing is not None:
         out += flat[:, smoothing.outlier_index].float() @ smoothing.outlier_weight
     return out.to(x.dtype).view(*x.shape[:-1], q.shape[1])
+
+
+def _kernel_smoothing(smoothing: Int8Smoothing | None) -> list[torch.Tensor | None]:
+    """A smoothing as the compiled kernels take it (Nones for none)."""
+    if smoothing is None:
+        return [None] * 4
+    return [smoothing.input_scale, smoothing.outlier_index, smoothing.outlier_weight, smoothing.outlier_pairs]
+
+
+def _kernel_weight(layer: "Linear") -> list[torch.Tensor | None]:
+    """A quantized projection as the compiled MLP takes it: q, scale, bias and its smoothing."""
+    return [layer.qweight, layer.weight_scale, layer.bias, *_kernel_smoothing(layer.__dict__.get("smoothing"))]
+
+
+def int8_gated_mlp(x: torch.Tensor, gate_up: "Linear", down: "Linear", activation: str) -> torch.Tensor | None:
+    """The gated MLP down(act(gate) * up) of two int8 projections in one compiled call, the
+    same bits as `int8_linear`, the activation kernel and `int8_linear` in turn; None where
+    it cannot run it (no compiled kernels, weights not yet quantized, an adapter on either
+    projection, or a down projection summed over tensor-parallel ranks), and the caller
+    takes those three steps itself."""
+    kernels = cpu_build.load()
+    fusable = all(isinstance(layer.quant_method, Int8LinearMethod) and hasattr(layer, "qweight")
+                  and layer.lora is None for layer in (gate_up, down))
+    if kernels is None or not fusable or getattr(down, "group", None) is not None and down.group.size > 1:
+        return None
+    return kernels.int8_gated_mlp(x, _kernel_weight(gate_up), _kernel_weight(down), activation == "gelu_tanh")
 
 
 class Int8LinearMethod(QuantizedAtLoadMethod):

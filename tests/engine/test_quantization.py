@@ -18,11 +18,15 @@ from engine import LLM, LoRARequest, SamplingParams
 from engine import quantization
 from engine.config import EngineConfig
 from engine.hardware import CPU_KINDS, detect_cpu
+from engine.models.llama import LlamaMLP
+from engine.distributed.communicator import TensorParallelGroup
+from engine.layers.cpu_routing import route_through_cpu_kernels
 from engine.layers.fused_moe import FusedMoE
 from engine.layers.linear import Linear
 from engine.quantization import apply_quantization, resolve_quantization
 from engine.quantization.calibration import CALIBRATION_TEXTS, calibration_prompts
-from engine.quantization.int8 import Int8LinearMethod, Int8Smoothing, int8_linear, quantize_rows, quantize_weight
+from engine.quantization.int8 import (Int8LinearMethod, Int8Smoothing, bfloat16_pairs, int8_gated_mlp, int8_linear,
+                                     quantize_rows, quantize_weight)
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="int8 runs on a CPU")
@@ -93,7 +97,9 @@ def test_int8_linear_matches_the_emulation(cpu_path, dtype, rows, bias, smoothed
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 72, generator=gen).to(dtype)
     x[0] = 0  # a zero row: scale 0, no division by it
-    weight, b = torch.randn(40, 72, generator=gen), torch.randn(40, generator=gen).to(dtype) if bias else None
+    # the weights in the model's dtype: a bfloat16 model's outliers go two at a time (9 of them here)
+    weight = torch.randn(40, 72, generator=gen).to(dtype)
+    b = torch.randn(40, generator=gen).to(dtype) if bias else None
     smoothing = smoothing_case(weight, gen) if smoothed else None
     q, scale = quantize_weight(smoothing.smoothed(weight) if smoothed else weight)
     out = int8_linear(x, q, scale, b, smoothing)
@@ -113,8 +119,9 @@ def test_the_kernel_and_pytorch_agree_and_rows_ignore_the_batch(monkeypatch, dty
     if cpu_build.load() is None:
         pytest.skip("the CPU kernels cannot be built here")
     gen = torch.Generator().manual_seed(1)
-    x, weight = torch.randn(33, 96, generator=gen).to(dtype), torch.randn(50, 96, generator=gen)
+    x, weight = torch.randn(33, 96, generator=gen).to(dtype), torch.randn(50, 96, generator=gen).to(dtype)
     smoothing = smoothing_case(weight, gen) if smoothed else None
+    assert smoothing is None or (smoothing.outlier_pairs is not None) == (dtype == torch.bfloat16)
     q, scale = quantize_weight(smoothing.smoothed(weight) if smoothed else weight)
     compiled = int8_linear(x, q, scale, None, smoothing)
     for t in range(len(x)):
@@ -125,6 +132,82 @@ def test_the_kernel_and_pytorch_agree_and_rows_ignore_the_batch(monkeypatch, dty
                                    rtol=1e-5 if dtype == torch.float32 else 8e-3, atol=1e-5)
     else:
         assert torch.equal(int8_linear(x, q, scale, None, smoothing), compiled)
+
+
+def test_outlier_pairs_hold_two_bfloat16_channels_a_word():
+    columns = torch.randn(5, 7).bfloat16()  # 5 channels [k, out]: the last one has no partner
+    pairs = bfloat16_pairs(columns)
+    assert pairs.dtype == torch.int32 and pairs.shape == (2, 7)
+    low = (pairs & 0xFFFF).short().view(torch.bfloat16)
+    high = (pairs >> 16).short().view(torch.bfloat16)
+    assert torch.equal(low, columns[0:4:2]) and torch.equal(high, columns[1:4:2])
+
+
+def int8_mlp(dtype: torch.dtype, activation: str, smoothed: bool, gen: torch.Generator) -> LlamaMLP:
+    """A gated MLP (biases on) quantized to int8 and routed as the model loader routes it,
+    calibrated with input ranges of which a few channels are 20x the rest's when `smoothed`."""
+    config = LlamaConfig(hidden_size=72, intermediate_size=100, num_attention_heads=4, hidden_act=activation,
+                         mlp_bias=True)
+    mlp = LlamaMLP(config, TensorParallelGroup())
+    for parameter in mlp.parameters():
+        parameter.data = (torch.randn(parameter.shape, generator=gen) * 0.1).to(dtype)
+    apply_quantization(mlp, "int8", config, CPU)
+    route_through_cpu_kernels(mlp)
+    for layer in (mlp.gate_up_proj, mlp.down_proj):
+        if smoothed:
+            ranges = torch.rand(layer.in_features, generator=gen) + 0.5
+            ranges[[3, 17, 40]] *= 20
+            layer.input_range = ranges
+        layer.prepack()
+    return mlp
+
+
+@needs_vnni
+@pytest.mark.cpu_kinds
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh"])
+@pytest.mark.parametrize("smoothed", [False, True], ids=["plain", "smoothed"])
+def test_the_fused_int8_mlp_gives_the_bits_of_its_steps_in_turn(dtype, activation, smoothed):
+    from engine.kernels import cpu_build
+
+    if cpu_build.load() is None:
+        pytest.skip("the CPU kernels cannot be built here")
+    gen = torch.Generator().manual_seed(2)
+    mlp = int8_mlp(dtype, activation, smoothed, gen)
+    assert mlp.fused is int8_gated_mlp
+    x = torch.randn(37, 72, generator=gen).to(dtype)  # rows in no multiple of the kernel's tiles
+    x[5] = 0
+    fused = mlp(x)
+    assert fused.shape == (37, 72) and fused.dtype == dtype
+    mlp.fused = None  # gate/up product, activation, down product: three passes over the step
+    assert torch.equal(fused, mlp(x))
+    for t in (0, 5, 36):  # and a row's result ignores the rest of the step
+        mlp.fused = int8_gated_mlp
+        assert torch.equal(mlp(x[t : t + 1]), fused[t : t + 1])
+
+
+@needs_vnni
+def test_the_fused_int8_mlp_steps_aside_for_adapters_and_unquantized_weights():
+    from engine.kernels import cpu_build
+
+    if cpu_build.load() is None:
+        pytest.skip("the CPU kernels cannot be built here")
+    gen = torch.Generator().manual_seed(3)
+    config = LlamaConfig(hidden_size=72, intermediate_size=100, num_attention_heads=4)
+    mlp = LlamaMLP(config, TensorParallelGroup())
+    apply_quantization(mlp, "int8", config, CPU)
+    route_through_cpu_kernels(mlp)
+    x = torch.randn(4, 72, generator=gen)
+    # before prepack (as the calibration runs the model) the weights are not quantized yet
+    assert int8_gated_mlp(x, mlp.gate_up_proj, mlp.down_proj, "silu") is None
+    for layer in (mlp.gate_up_proj, mlp.down_proj):
+        layer.prepack()
+    assert int8_gated_mlp(x, mlp.gate_up_proj, mlp.down_proj, "silu") is not None
+    mlp.down_proj.lora = object()  # an adapter adds its delta to the activations' product
+    assert int8_gated_mlp(x, mlp.gate_up_proj, mlp.down_proj, "silu") is None
+    plain = LlamaMLP(config, TensorParallelGroup())
+    route_through_cpu_kernels(plain)
+    assert plain.fused is None  # unquantized projections keep the activation kernel alone
 
 
 def int8_experts(w13: torch.Tensor, w2: torch.Tensor) -> FusedMoE:
