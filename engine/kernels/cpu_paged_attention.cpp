@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "cpu_vector.h"
@@ -91,7 +92,8 @@ inline void prefetch_row(const scalar_t* row) {
 }
 
 // The scores of query q against keys[c0, c1), eight keys at a time: a last group past c1
-// repeats key c1 - 1 and is stored but never read. Returns the running maximum.
+// repeats key c1 - 1 and is stored but never read. Keys before `end` are asked for kAhead keys
+// ahead (end 0: none, they are in L1 already). Returns the running maximum.
 template <int V, typename scalar_t>
 __m256 scores_avx2(const float* q, const scalar_t* const* keys, const float* key_scales, int64_t c0, int64_t c1,
                    int64_t end, float scale, float* scores, __m256 top) {
@@ -172,7 +174,8 @@ constexpr int kValueGroup = 2;
 #endif
 
 // out[g][0:8V] += sum over c in [c0, c1) of p[g][c] * values[c], in key order, for the G
-// queries g that see the same keys: 32 dimensions at a time, each value loaded once for all G.
+// queries g that see the same keys: 32 dimensions at a time, each value loaded once for all G;
+// values before `end` asked for ahead, as scores_avx2's keys.
 template <int V, int G, typename scalar_t>
 void weighted_sums_avx2(const float* const* p, const scalar_t* const* values, const float* value_scales, int64_t c0,
                         int64_t c1, int64_t end, float* const* out) {
@@ -234,17 +237,20 @@ void attend_queries_avx2(const float* q, int64_t count, const int64_t* first, co
   for (int64_t c0 = 0; c0 < longest; c0 += kBlock) {
     for (int64_t c = c0; c < std::min(c0 + kBlock, longest); ++c) prefetch_row<V, _MM_HINT_T1>(values[c]);
     for (int64_t c = c0 + kBlock; c < std::min(c0 + 2 * kBlock, longest); ++c) prefetch_row<V, _MM_HINT_T1>(keys[c]);
+    // Only the first query to read the block asks for its keys ahead: the others find them in L1.
+    int64_t ahead = longest;
     for (int64_t i = 0; i < count; ++i) {
       if (c0 >= n[i] || c0 + kBlock <= first[i]) continue;
       const int64_t from = std::max(c0, first[i]), to = std::min(c0 + kBlock, n[i]);
       float* row = scores + i * stride;
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
       if constexpr (kBf16Dots<query_t, scalar_t>) {
-        top[i] = scores_bf16<V>(q + i * dim, keys, from, to, longest, scale, row, top[i]);
+        top[i] = scores_bf16<V>(q + i * dim, keys, from, to, std::exchange(ahead, 0), scale, row, top[i]);
         continue;
       }
 #endif
-      top[i] = scores_avx2<V, scalar_t>(q + i * dim, keys, key_scales, from, to, longest, scale, row, top[i]);
+      top[i] = scores_avx2<V, scalar_t>(q + i * dim, keys, key_scales, from, to, std::exchange(ahead, 0), scale, row,
+                                        top[i]);
     }
   }
   for (int64_t a = 0; a < std::min(kAhead, longest); ++a) prefetch_row<V>(values[a]);
@@ -262,14 +268,16 @@ void attend_queries_avx2(const float* q, int64_t count, const int64_t* first, co
   group_start.push_back(count);
   const float* p[kValueGroup];
   float* o[kValueGroup];
-  for (int64_t c0 = 0; c0 < longest; c0 += kBlock)
+  for (int64_t c0 = 0; c0 < longest; c0 += kBlock) {
+    int64_t ahead = longest;  // as for the keys: the first group to read the block prefetches its values
     for (size_t g = 0; g + 1 < group_start.size(); ++g) {
       const int64_t i = group_start[g], size = group_start[g + 1] - i;
       if (c0 >= n[i] || c0 + kBlock <= first[i]) continue;
       for (int64_t m = 0; m < size; ++m) p[m] = scores + (i + m) * stride, o[m] = out + (i + m) * dim;
       weighted_sums_some<V, scalar_t>(static_cast<int>(size), p, values, value_scales, std::max(c0, first[i]),
-                                      std::min(c0 + kBlock, n[i]), longest, o);
+                                      std::min(c0 + kBlock, n[i]), std::exchange(ahead, 0), o);
     }
+  }
   for (int64_t i = 0; i < count; ++i)
     for (int d = 0; d < dim; ++d) out[i * dim + d] *= inv[i];
 }
@@ -348,7 +356,7 @@ void attend_queries(const float* q, int64_t count, const int64_t* first, const i
 // Consecutive rows of the same sequence, at most kTileRows, as [start, end) pairs: a tile's
 // rows read the same keys, so they share each block of them.
 std::vector<std::pair<int64_t, int64_t>> row_tiles(const int64_t* seq_of, int64_t rows) {
-  constexpr int64_t kTileRows = 4;
+  constexpr int64_t kTileRows = 8;
   std::vector<std::pair<int64_t, int64_t>> tiles;
   for (int64_t row = 0; row < rows; ++row) {
     if (tiles.empty() || seq_of[row] != seq_of[tiles.back().first] || row - tiles.back().first == kTileRows)
