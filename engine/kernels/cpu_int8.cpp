@@ -156,8 +156,9 @@ inline uint32_t bf16_pair(float low, float high) {
 // The pass after the product: out[r, c] = float(acc[r, c]) * x_scale[r] * w_scale[c] (+ bias[c])
 // (+ side[r, c]), each step rounded to float32 in that order, then once to scalar_t. side[r, c] is
 // the outlier channels' sum (`Int8Smoothing`): outliers[r, k] * outlier_weight[k, c] as fused
-// multiply-adds over k in order, from zero (for bfloat16 rows, channels 2j and 2j + 1 in one
-// bfloat16 dot product, over j in order: `kPairedOutliers`).
+// multiply-adds over k in order, from zero (for bfloat16 rows with weight pairs, in the columns
+// taken eight at a time, channels 2j and 2j + 1 in one bfloat16 dot product, over j in order, and
+// an odd last channel after them: `kPairedOutliers`).
 template <typename scalar_t>
 struct Dequantize {
   const int32_t* acc;
