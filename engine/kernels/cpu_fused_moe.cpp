@@ -24,6 +24,7 @@
 #include <exception>
 #include <vector>
 
+#include "cpu_activation.h"
 #include "cpu_int8.h"
 #include "cpu_vector.h"
 
@@ -93,33 +94,12 @@ struct SlotsByExpert {
 };
 
 // out[r] = SiLU(gate[r]) * up[r] for h[r] = [gate | up], each step rounded to scalar_t as
-// PyTorch's F.silu(gate) * up rounds it.
+// PyTorch's F.silu(gate) * up rounds it (`cpu_activation.h`).
 template <typename scalar_t>
 void silu_and_mul(const scalar_t* h, int64_t rows, int64_t inter, scalar_t* out) {
   for (int64_t r = 0; r < rows; ++r) {
     const scalar_t* gate = h + r * 2 * inter;
-    const scalar_t* up = gate + inter;
-    scalar_t* o = out + r * inter;
-    int64_t j = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-    if constexpr (kVector8<scalar_t>) {
-      const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
-      for (; j + 8 <= inter; j += 8) {
-        const __m256 g = load8(gate + j);
-        // sigmoid(g) from exp(-|g|), which cannot overflow: 1 / (1 + e), or e / (1 + e) for g < 0.
-        const __m256 e = exp_avx2(_mm256_or_ps(g, sign));
-        const __m256 inv = _mm256_div_ps(one, _mm256_add_ps(one, e));
-        const __m256 sigmoid = _mm256_blendv_ps(inv, _mm256_mul_ps(e, inv), g);
-        const __m256 silu = round8<scalar_t>(_mm256_mul_ps(g, sigmoid));
-        store8(o + j, _mm256_mul_ps(silu, load8(up + j)));
-      }
-    }
-#endif
-    for (; j < inter; ++j) {
-      const float g = static_cast<float>(gate[j]);
-      const float silu = static_cast<float>(static_cast<scalar_t>(g / (1.f + std::exp(-g))));
-      o[j] = static_cast<scalar_t>(silu * static_cast<float>(up[j]));
-    }
+    act_row(gate, gate + inter, inter, /*gelu=*/false, out + r * inter);
   }
 }
 

@@ -390,8 +390,8 @@ engine_cpu::Int8Weight int8_weight(const at::Tensor& q, const at::Tensor& scale,
 // The Python entries (`engine.quantization.int8`), x of any leading shape. int8_linear: x times
 // one quantized weight (q, scale, bias, and its smoothing's four parts or Nones). int8_gated_mlp:
 // a gated MLP, act(x @ gate_up[:, :width]) * (x @ gate_up[:, width:]) @ down, each weight given
-// as a list of those seven (absent ones None), with the gate/up outputs dequantized, activated and quantized
-// for down a row block at a time instead of through three passes over the step.
+// as a list of those seven (absent ones None), with the gate/up outputs dequantized, activated
+// and quantized for down a row block at a time instead of through three passes over the step.
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
                        const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& input_scale,
                        const std::optional<at::Tensor>& outlier_index,

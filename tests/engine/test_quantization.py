@@ -54,11 +54,16 @@ def test_weights_quantize_per_output_feature():
     assert ((dequantized(weight) - weight).abs() <= scale[:, None] / 2 + 1e-6).all()
 
 
-def smoothing_case(weight: torch.Tensor, gen: torch.Generator) -> Int8Smoothing:
-    """A smoothing planned from input ranges of which a few channels are 20x the rest's."""
-    ranges = torch.rand(weight.shape[1], generator=gen) + 0.5
+def wide_ranges(channels: int, gen: torch.Generator) -> torch.Tensor:
+    """Input ranges of which a few channels are 20x the rest's."""
+    ranges = torch.rand(channels, generator=gen) + 0.5
     ranges[[3, 17, 40]] *= 20
-    return Int8Smoothing.plan(weight, ranges)
+    return ranges
+
+
+def smoothing_case(weight: torch.Tensor, gen: torch.Generator) -> Int8Smoothing:
+    """A smoothing planned from `wide_ranges`."""
+    return Int8Smoothing.plan(weight, wide_ranges(weight.shape[1], gen))
 
 
 def emulated_product(x: torch.Tensor, weight: torch.Tensor, smoothing: Int8Smoothing | None) -> torch.Tensor:
@@ -145,7 +150,7 @@ def test_outlier_pairs_hold_two_bfloat16_channels_a_word():
 
 def int8_mlp(dtype: torch.dtype, activation: str, smoothed: bool, gen: torch.Generator) -> LlamaMLP:
     """A gated MLP (biases on) quantized to int8 and routed as the model loader routes it,
-    calibrated with input ranges of which a few channels are 20x the rest's when `smoothed`."""
+    calibrated with `wide_ranges` when `smoothed`."""
     config = LlamaConfig(hidden_size=72, intermediate_size=100, num_attention_heads=4, hidden_act=activation,
                          mlp_bias=True)
     mlp = LlamaMLP(config, TensorParallelGroup())
@@ -155,9 +160,7 @@ def int8_mlp(dtype: torch.dtype, activation: str, smoothed: bool, gen: torch.Gen
     route_through_cpu_kernels(mlp)
     for layer in (mlp.gate_up_proj, mlp.down_proj):
         if smoothed:
-            ranges = torch.rand(layer.in_features, generator=gen) + 0.5
-            ranges[[3, 17, 40]] *= 20
-            layer.input_range = ranges
+            layer.input_range = wide_ranges(layer.in_features, gen)
         layer.prepack()
     return mlp
 
