@@ -156,13 +156,20 @@ def test_killed_in_the_second_partition_of_a_range_keeps_the_first(setup):
 
 
 def test_two_runs_of_one_partition_on_a_fresh_instance_take_turns(setup, tmp_path):
-    """The instance `make` sets up (migrated once, the llm pool at one slot): two runs
-    launched at once both succeed; the second waits for the slot, then reuses every row."""
+    """The instance `make` sets up (migrated once, the llm pool at one slot): a second run
+    launched while the first generates succeeds; it waits for the slot, then reuses every row.
+
+    The second starts once the first's step holds the slot: two claims in the same few
+    milliseconds can both win on a SQLite instance (Dagster selects a free slot, then
+    updates it, outside one transaction), and then the partition's lock turns the second
+    away with the error the other tests check."""
     env, folder = setup
     home = tmp_path / "fresh_home"
     subprocess.run(["make", "-s", "instance", f"DAGSTER_HOME={home}"], cwd=REPO, check=True, capture_output=True)
     env = {**env, "DAGSTER_HOME": str(home)}
-    first, second = (materialize(env, ["--partition", "p1"]) for _ in range(2))
+    first = materialize(env, ["--partition", "p1"])
+    wait_for(lambda: (folder / ".p1.lock").exists(), 180, "the first run's step to hold p1")
+    second = materialize(env, ["--partition", "p1"])
     for cli in (first, second):
         output, _ = cli.communicate(timeout=600)
         assert cli.returncode == 0, output
