@@ -12,6 +12,9 @@
 // The cache may be narrower than the queries (a float32 model over a bfloat16 or float16
 // cache) or int8 with a float scale per (token, KV head): a key's dot product and a value's
 // weight are then multiplied by that token's scale, so keys are never widened in memory.
+//
+// On a CPU with AVX512-BF16, bfloat16 queries over a bfloat16 cache take scores and (without
+// a sliding window) value sums by its bfloat16 dot products, the weights rounded to bfloat16.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -214,6 +217,76 @@ void weighted_sums_some(int count, const float* const* p, const scalar_t* const*
   }
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+// The weighted value sums of bfloat16 queries over a bfloat16 cache without a sliding window,
+// two keys an instruction by the CPU's bfloat16 dot products: the weights p are rounded to
+// bfloat16 (as FlashAttention and PyTorch's CPU kernel round them before their product with
+// the values), pw[g][j] holding the pair (p[2j], p[2j + 1]) as one word. Each lane adds
+// p[c + 1] * v[c + 1] + p[c] * v[c] for key pairs c = 0, 2, 4, ... in order, so a query's
+// sums do not depend on the others. A 16-dimension chunk's accumulators hold dimensions
+// {0-3, 8-11} and {4-7, 12-15} (the order of the pairs' unpacking); unpair_dimensions puts
+// them back. Key c1 (odd counts) pairs with a zero weight and a zero vector.
+template <int V, int G>
+void weighted_sums_bf16(const uint32_t* const* pw, const c10::BFloat16* const* values, int64_t c0, int64_t c1,
+                        int64_t end, float* const* out) {
+  constexpr int kPart = 4;  // registers of a query's accumulators in one pass
+  static_assert(V % kPart == 0, "head sizes of 32 dimensions at a time");
+  alignas(32) static const c10::BFloat16 zeros[V * kLanes] = {};
+  for (int part = 0; part < V; part += kPart) {
+    __m256 acc[G][kPart];
+    for (int g = 0; g < G; ++g)
+      for (int r = 0; r < kPart; ++r) acc[g][r] = _mm256_loadu_ps(out[g] + (part + r) * kLanes);
+    for (int64_t c = c0; c < c1; c += 2) {
+      if (part == 0 && c + kAhead + 1 < end) prefetch_row<V>(values[c + kAhead]), prefetch_row<V>(values[c + kAhead + 1]);
+      const c10::BFloat16* a = values[c] + part * kLanes;
+      const c10::BFloat16* b = (c + 1 < c1 ? values[c + 1] : zeros) + part * kLanes;
+      for (int r = 0; r < kPart; r += 2) {
+        const __m256i va = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + r * kLanes));
+        const __m256i vb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + r * kLanes));
+        const __m256bh low = (__m256bh)_mm256_unpacklo_epi16(va, vb), high = (__m256bh)_mm256_unpackhi_epi16(va, vb);
+        for (int g = 0; g < G; ++g) {
+          const __m256bh w = (__m256bh)_mm256_set1_epi32(static_cast<int>(pw[g][c / 2]));
+          acc[g][r] = _mm256_dpbf16_ps(acc[g][r], w, low);
+          acc[g][r + 1] = _mm256_dpbf16_ps(acc[g][r + 1], w, high);
+        }
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int r = 0; r < kPart; ++r) _mm256_storeu_ps(out[g] + (part + r) * kLanes, acc[g][r]);
+  }
+}
+
+// weighted_sums_bf16 for `count` (1 to kValueGroup) queries.
+template <int V>
+void weighted_sums_bf16_some(int count, const uint32_t* const* pw, const c10::BFloat16* const* values, int64_t c0,
+                             int64_t c1, int64_t end, float* const* out) {
+  switch (count) {
+    case 1: return weighted_sums_bf16<V, 1>(pw, values, c0, c1, end, out);
+    case 2: return weighted_sums_bf16<V, 2>(pw, values, c0, c1, end, out);
+    case 3: return weighted_sums_bf16<V, 3>(pw, values, c0, c1, end, out);
+    case 4: return weighted_sums_bf16<V, 4>(pw, values, c0, c1, end, out);
+    default: TORCH_CHECK(false, "at most ", kValueGroup, " queries summed together");
+  }
+}
+
+// p[0:n] rounded to bfloat16 pairs: words[j] = (p[2j], p[2j + 1]), p being zero from n to the
+// next multiple of eight.
+inline void pair_weights(const float* p, int64_t n, uint32_t* words) {
+  for (int64_t c = 0; c < n; c += kLanes)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(words + c / 2), (__m128i)_mm256_cvtneps_pbh(_mm256_loadu_ps(p + c)));
+}
+
+// A query's sums in dimension order (weighted_sums_bf16 leaves each 16 in two interleaved halves).
+template <int V>
+void unpair_dimensions(float* out) {
+  for (int r = 0; r < V; r += 2) {
+    const __m256 low = _mm256_loadu_ps(out + r * kLanes), high = _mm256_loadu_ps(out + (r + 1) * kLanes);
+    _mm256_storeu_ps(out + r * kLanes, _mm256_permute2f128_ps(low, high, 0x20));
+    _mm256_storeu_ps(out + (r + 1) * kLanes, _mm256_permute2f128_ps(low, high, 0x31));
+  }
+}
+#endif
+
 // `count` query vectors q[i] (head size 8 * V) over keys [first[i], n[i]) of the same
 // keys: the heads that share one KV head, for one row or a few rows of one sequence. Keys
 // and values are read in blocks of kBlock, each block once for all the queries while it
@@ -221,11 +294,13 @@ void weighted_sums_some(int count, const float* const* p, const scalar_t* const*
 // from its first key, soft-capped (cap > 0), a vectorised softmax, the value sum in key
 // order, normalised once at the end. `scores` holds `count` rows of `stride` >= max n + 8
 // floats; `key_scales` and `value_scales` are the keys' and values' scales (int8 caches).
+// `windowed`: some query may start past key 0 (a sliding window); bfloat16 queries over a
+// bfloat16 cache take their value sums in weight pairs (weighted_sums_bf16) where not.
 template <int V, typename query_t, typename scalar_t>
 void attend_queries_avx2(const float* q, int64_t count, const int64_t* first, const int64_t* n,
                          const scalar_t* const* keys, const scalar_t* const* values, const float* key_scales,
-                         const float* value_scales, float scale, float cap, float* scores, int64_t stride,
-                         float* out) {
+                         const float* value_scales, float scale, float cap, bool windowed, float* scores,
+                         int64_t stride, float* out) {
   constexpr int64_t kBlock = 64;
   constexpr int dim = V * kLanes;
   const int64_t longest = *std::max_element(n, n + count);
@@ -266,20 +341,46 @@ void attend_queries_avx2(const float* q, int64_t count, const int64_t* first, co
     if (i == 0 || first[i] != first[i - 1] || n[i] != n[i - 1] || i - group_start.back() == kValueGroup)
       group_start.push_back(i);
   group_start.push_back(count);
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+  constexpr bool kPairable = kBf16Dots<query_t, scalar_t>;
+#else
+  constexpr bool kPairable = false;
+#endif
+  const bool paired = kPairable && !windowed;
+  const int64_t word_stride = stride / 2 + kLanes;
+  std::vector<uint32_t> words(paired ? count * word_stride : 0);
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+  for (int64_t i = 0; i < (paired ? count : 0); ++i) pair_weights(scores + i * stride, n[i], &words[i * word_stride]);
+#endif
   const float* p[kValueGroup];
+  const uint32_t* pw[kValueGroup];
   float* o[kValueGroup];
   for (int64_t c0 = 0; c0 < longest; c0 += kBlock) {
     int64_t ahead = longest;  // as for the keys: the first group to read the block prefetches its values
     for (size_t g = 0; g + 1 < group_start.size(); ++g) {
       const int64_t i = group_start[g], size = group_start[g + 1] - i;
       if (c0 >= n[i] || c0 + kBlock <= first[i]) continue;
+      const int64_t from = std::max(c0, first[i]), to = std::min(c0 + kBlock, n[i]);
       for (int64_t m = 0; m < size; ++m) p[m] = scores + (i + m) * stride, o[m] = out + (i + m) * dim;
-      weighted_sums_some<V, scalar_t>(static_cast<int>(size), p, values, value_scales, std::max(c0, first[i]),
-                                      std::min(c0 + kBlock, n[i]), std::exchange(ahead, 0), o);
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+      if constexpr (kPairable) {
+        if (paired) {
+          for (int64_t m = 0; m < size; ++m) pw[m] = &words[(i + m) * word_stride];
+          weighted_sums_bf16_some<V>(static_cast<int>(size), pw, values, from, to, std::exchange(ahead, 0), o);
+          continue;
+        }
+      }
+#endif
+      weighted_sums_some<V, scalar_t>(static_cast<int>(size), p, values, value_scales, from, to,
+                                      std::exchange(ahead, 0), o);
     }
   }
-  for (int64_t i = 0; i < count; ++i)
+  for (int64_t i = 0; i < count; ++i) {
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+    if (paired) unpair_dimensions<V>(out + i * dim);
+#endif
     for (int d = 0; d < dim; ++d) out[i * dim + d] *= inv[i];
+  }
 }
 #endif
 
@@ -330,12 +431,12 @@ inline void softmax(float* s, int64_t n) {
 template <typename query_t, typename scalar_t>
 void attend_queries(const float* q, int64_t count, const int64_t* first, const int64_t* n,
                     const scalar_t* const* keys, const scalar_t* const* values, const float* key_scales,
-                    const float* value_scales, int64_t dim, float scale, float cap, float* scores, int64_t stride,
-                    float* out) {
+                    const float* value_scales, int64_t dim, float scale, float cap, bool windowed, float* scores,
+                    int64_t stride, float* out) {
 #if defined(__AVX2__) && defined(__FMA__)
   if constexpr (kLoad8<scalar_t>) {
     const auto run = [&](auto avx2) {
-      avx2(q, count, first, n, keys, values, key_scales, value_scales, scale, cap, scores, stride, out);
+      avx2(q, count, first, n, keys, values, key_scales, value_scales, scale, cap, windowed, scores, stride, out);
     };
     if (dim == 64) return run(attend_queries_avx2<8, query_t, scalar_t>);
     if (dim == 128) return run(attend_queries_avx2<16, query_t, scalar_t>);
@@ -433,7 +534,8 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       const int64_t stride = span + kLanes;
       scores.resize(count * stride);
       attend_queries<scalar_t>(query.data(), count, first.data(), n.data(), key_rows.data(), value_rows.data(),
-                     key_scales.data(), value_scales.data(), dim, fscale, cap, scores.data(), stride, acc.data());
+                     key_scales.data(), value_scales.data(), dim, fscale, cap, window > 0, scores.data(), stride,
+                     acc.data());
       for (int64_t i = 0; i < count; ++i) {
         scalar_t* o = op + ((first_row + i / group) * heads + h * group + i % group) * dim;
         for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<scalar_t>(acc[i * dim + d]);
