@@ -85,7 +85,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [rows, in] -> (q [rows, in] int8, scale [rows, 1] float32), one scale per row."""
     rows = x.float()
     scale = rows.abs().amax(dim=1, keepdim=True) / LEVELS
-    q = torch.round(rows / torch.where(scale > 0, scale, 1)).clamp_(-LEVELS, LEVELS)
+    q = torch.round(rows * (1 / torch.where(scale > 0, scale, 1))).clamp_(-LEVELS, LEVELS)
     return q.to(torch.int8), scale
 
 
