@@ -9,7 +9,9 @@ work per token; and a token still being sampled on the device (asynchronous sche
 becomes the next step's input there, without a round trip through the host.
 """
 
+import bisect
 import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +43,35 @@ class PoolRows:
     last: bool
 
 
+@dataclass(frozen=True)
+class KeptRows:
+    """The rows of a step whose final hidden states are read (to sample, for prompt
+    logprobs, to pool), ascending, where they are fewer than all: the last layer then
+    computes its attention output, MLP and final norm for these rows alone, and the
+    forward pass returns them in this order. `rows` None: every row, in step order."""
+
+    rows: list[int] | None = None
+    index: torch.Tensor | None = None  # `rows` on the device
+
+    @classmethod
+    def of(cls, wanted: Iterable[int], num_tokens: int, device: torch.device) -> "KeptRows":
+        """The rows in `wanted`; at least the last one, so that no product runs on no rows."""
+        rows = sorted(set(wanted)) or [num_tokens - 1]
+        if len(rows) == num_tokens:
+            return cls()
+        return cls(rows, upload(rows, torch.long, device))
+
+    def position(self, row: int) -> int:
+        """Where kept row `row` is in the forward pass's output."""
+        return row if self.rows is None else bisect.bisect_left(self.rows, row)
+
+    def span(self, first_row: int, count: int) -> slice:
+        """Where the kept rows among rows [first_row, first_row + count) are in the output."""
+        if self.rows is None:
+            return slice(first_row, first_row + count)
+        return slice(bisect.bisect_left(self.rows, first_row), bisect.bisect_left(self.rows, first_row + count))
+
+
 @dataclass
 class StepInputs:
     """One step's rows on the device: each sequence's new tokens back to back.
@@ -58,6 +89,7 @@ class StepInputs:
     prompt_rows: list[PromptRows] = field(default_factory=list)
     pool_rows: list[PoolRows] = field(default_factory=list)
     lora_ranges: list[LoRARange] = field(default_factory=list)
+    kept: KeptRows = field(default_factory=KeptRows)
     # Rows whose input id is a token still being sampled, and the batch slots it lands in.
     pending_rows: torch.Tensor | None = None
     pending_slots: torch.Tensor | None = None

@@ -12,7 +12,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.device_queue import Pending, launch
 from engine.distributed.plan import ReplicaPlan
 from engine.distributed.worker_group import WorkerGroup
-from engine.input_batch import InputBatch, PoolRows, PromptRows, StepInputs, upload
+from engine.input_batch import InputBatch, KeptRows, PromptRows, StepInputs, upload
 from engine.kv_cache import KVCache
 from engine.layers.sampler import SampledToken, Sampler, SamplerOutput, token_logprobs
 from engine.lora.manager import LoRAManager
@@ -67,9 +67,11 @@ class ModelRunner:
     tensor_parallel_size 1, all of it).
 
     Each step's tokens run as one flat batch of rows ([tokens, hidden]); only the rows
-    whose logits are needed (a sequence's last token, once its prompt is fully computed)
-    go through the language-model head and the sampler. Sampling and everything after it
-    happen here only; the other ranks run the forward passes and their slices of the logits.
+    whose final hidden states are read (a sequence's last token once its prompt is fully
+    computed, prompt-logprob and pooled rows) go through the last layer's MLP, and of
+    those the ones whose logits are needed through the language-model head and the
+    sampler. Sampling and everything after it happen here only; the other ranks run the
+    forward passes and their slices of the logits.
     """
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig, replica: ReplicaPlan) -> None:
@@ -120,11 +122,12 @@ class ModelRunner:
         self.input_batch.release(batch.released)
         lora_slots = self._activate_adapters(batch.seqs)
         inputs = self.input_batch.prepare(batch, lora_slots)
+        inputs.kept = self._kept_rows(inputs)
 
         def forward() -> torch.Tensor:
             self.input_batch.fill_pending(inputs)
-            return self.workers.execute_model(
-                ModelInputs(inputs.input_ids, inputs.attention, batch.block_copies, inputs.lora_ranges))
+            return self.workers.execute_model(ModelInputs(inputs.input_ids, inputs.attention, batch.block_copies,
+                                                          inputs.lora_ranges, inputs.kept.index))
 
         return LaunchedStep(inputs, launch(forward, self.device))
 
@@ -147,7 +150,8 @@ class ModelRunner:
         meta = self.sampling_metadata.build(seqs) if seqs else None
         # One pass through the language-model head: the sampling rows, then each
         # sequence's prompt rows that need logprobs.
-        logit_rows = rows + [row for p in inputs.prompt_rows for row in range(p.first_row, p.first_row + p.count)]
+        logit_rows = [inputs.kept.position(row) for row in
+                      rows + [row for p in inputs.prompt_rows for row in range(p.first_row, p.first_row + p.count)]]
         rows_t = upload(logit_rows, torch.long, self.device)
         slots_t = upload([seq.batch_slot for seq in seqs], torch.long, self.device)
         for seq in seqs:
@@ -156,7 +160,7 @@ class ModelRunner:
 
         def sample() -> SampledStep:
             hidden = step.forward.result()
-            result = self._pool(hidden, inputs.pool_rows, non_blocking) if inputs.pool_rows else SampledStep()
+            result = self._pool(hidden, inputs, non_blocking) if inputs.pool_rows else SampledStep()
             if not logit_rows:
                 return result
             logits = self.workers.logits(rows_t, logit_rows)
@@ -192,13 +196,25 @@ class ModelRunner:
                                                 for i, entry in enumerate(logprobs.entries())]
         return output
 
-    def _pool(self, hidden: torch.Tensor, pool_rows: list[PoolRows], non_blocking: bool) -> SampledStep:
+    def _kept_rows(self, inputs: StepInputs) -> KeptRows:
+        """The rows whose final hidden states the step reads; all of them where adapters
+        run (their deltas are laid out over every row of the step)."""
+        if inputs.lora_ranges:
+            return KeptRows()
+        wanted = list(inputs.sample_rows)
+        for p in inputs.prompt_rows:
+            wanted += range(p.first_row, p.first_row + p.count)
+        for p in inputs.pool_rows:
+            wanted += self.pooler.rows_read(p.first_row, p.count, p.first_position, p.last)
+        return KeptRows.of(wanted, inputs.num_tokens, self.device)
+
+    def _pool(self, hidden: torch.Tensor, inputs: StepInputs, non_blocking: bool) -> SampledStep:
         """Adds each pooling sequence's rows to its pooled state, and pools those whose
         prompt the step finished into their output vectors."""
         pooler, finished, vectors = self.pooler, [], []
-        for rows in pool_rows:
+        for rows in inputs.pool_rows:
             seq = rows.seq
-            part = hidden[rows.first_row : rows.first_row + rows.count]
+            part = hidden[inputs.kept.span(rows.first_row, rows.count)]
             seq.pooling_state = pooler.update(seq.pooling_state, part, rows.first_position)
             if rows.last:
                 finished.append(seq)

@@ -192,6 +192,17 @@ class Pooler:
             return hidden[0].float()
         return state
 
+    def rows_read(self, first_row: int, count: int, first_position: int, last: bool) -> range:
+        """The rows of a chunk (rows [first_row, first_row + count) of a step, from prompt
+        position `first_position`; `last` when it ends the prompt) that `update` and
+        `vector` read: all of them (MEAN), the prompt's first (CLS) or its last (LAST)."""
+        kind = self.config.pooling_type
+        if kind == "MEAN":
+            return range(first_row, first_row + count)
+        if kind == "CLS":
+            return range(first_row, first_row + (first_position == 0))
+        return range(first_row + count - 1, first_row + count) if last else range(0)
+
     def vector(self, state: torch.Tensor | None, last_chunk: torch.Tensor, num_tokens: int) -> torch.Tensor:
         """The pooled vector of a prompt of `num_tokens` whose last chunk of rows is `last_chunk`."""
         if self.config.pooling_type == "LAST":

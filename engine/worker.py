@@ -44,6 +44,7 @@ class ModelInputs:
     attention: AttentionMetadata
     block_copies: list[tuple[int, int]]
     lora_ranges: list[LoRARange]
+    kept_rows: torch.Tensor | None = None  # the rows whose final hidden states are read (None: all)
 
 
 
@@ -137,18 +138,19 @@ class Worker:
 
     @torch.inference_mode()
     def execute_model(self, inputs: ModelInputs) -> torch.Tensor:
-        """Hidden states [tokens, hidden] of the step's rows (kept for `logits`): a CUDA
-        graph's replay for a decode step that fits one, else the model run eagerly."""
+        """Hidden states [rows, hidden] of the step's kept rows (all its tokens without
+        `kept_rows`), held for `logits`: a CUDA graph's replay for a decode step that fits
+        one, else the model run eagerly."""
         self.kv_cache.copy_blocks(inputs.block_copies)
         num_tokens = len(inputs.input_ids)
         if self.lora_manager is not None:
             self.lora_manager.batch.set(inputs.lora_ranges, num_tokens, self.device)
         graphs = self.cuda_graphs
-        if graphs is not None and inputs.attention.is_decode and graphs.fits(num_tokens):
+        if graphs is not None and inputs.attention.is_decode and inputs.kept_rows is None and graphs.fits(num_tokens):
             self.hidden = graphs.run(inputs.input_ids, inputs.attention)
         else:
             self.kv_cache.backend.prepare(inputs.attention)
-            self.hidden = self.model(inputs.input_ids, inputs.attention.positions, inputs.attention)
+            self.hidden = self.model(inputs.input_ids, inputs.attention.positions, inputs.attention, inputs.kept_rows)
         return self.hidden
 
     @torch.inference_mode()

@@ -44,26 +44,28 @@ class ForwardCommand:
     block_size: int
     block_copies: list[tuple[int, int]]
     lora_ranges: list[LoRARange]
+    num_kept: int | None  # how many kept rows (None: all)
 
     @classmethod
     def of(cls, inputs: ModelInputs) -> "ForwardCommand":
         meta = inputs.attention
+        kept = None if inputs.kept_rows is None else len(inputs.kept_rows)
         return cls(len(inputs.input_ids), len(meta.query_lens), meta.block_tables.shape[1], meta.query_lens,
-                   meta.context_lens, meta.block_size, inputs.block_copies, inputs.lora_ranges)
+                   meta.context_lens, meta.block_size, inputs.block_copies, inputs.lora_ranges, kept)
 
     @property
     def _sizes(self) -> list[int]:
         tokens, seqs = self.num_tokens, self.num_seqs
-        return [tokens, tokens, tokens, seqs + 1, seqs, seqs * self.table_width]
+        return [tokens, tokens, tokens, seqs + 1, seqs, seqs * self.table_width, self.num_kept or 0]
 
     def unpack(self, packed: torch.Tensor) -> ModelInputs:
         """The inputs from the broadcast tensor."""
-        ids, positions, slots, starts, lens, tables = packed.split(self._sizes)
+        ids, positions, slots, starts, lens, tables, kept = packed.split(self._sizes)
         meta = AttentionMetadata(
             slot_mapping=slots, query_start_loc=starts.int(), seq_lens=lens.int(),
             block_tables=tables.int().view(self.num_seqs, self.table_width), positions=positions,
             query_lens=self.query_lens, context_lens=self.context_lens, block_size=self.block_size)
-        return ModelInputs(ids, meta, self.block_copies, self.lora_ranges)
+        return ModelInputs(ids, meta, self.block_copies, self.lora_ranges, None if self.num_kept is None else kept)
 
     def buffer(self, device: torch.device) -> torch.Tensor:
         """The tensor the broadcast lands in."""
@@ -74,7 +76,7 @@ def pack_tensors(inputs: ModelInputs) -> torch.Tensor:
     """The forward pass's tensors as one int64 tensor, in `ForwardCommand.unpack`'s order."""
     meta = inputs.attention
     parts = [inputs.input_ids, meta.positions, meta.slot_mapping, meta.query_start_loc, meta.seq_lens,
-             meta.block_tables.flatten()]
+             meta.block_tables.flatten(), *([] if inputs.kept_rows is None else [inputs.kept_rows])]
     return torch.cat([part.long() for part in parts])
 
 

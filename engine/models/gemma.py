@@ -43,9 +43,10 @@ class GemmaDecoderLayer(LlamaDecoderLayer):
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
         meta: AttentionMetadata,
+        kept_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, residual = self.normed_input(hidden, residual)
-        hidden = self.post_attention_layernorm(self.self_attn(positions, hidden, meta))
+        hidden, residual = self.normed_input(hidden, residual, kept_rows)
+        hidden = self.post_attention_layernorm(self.self_attn(positions, hidden, meta, kept_rows))
         hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
         return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 

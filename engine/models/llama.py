@@ -116,15 +116,18 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, scale=options.scale,
                               sliding_window=options.sliding_window, logit_softcap=options.logit_softcap)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata,
+                kept_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The attention output of every row, or of `kept_rows` alone (every row's key and
+        value still go to the cache)."""
         qk, v = self.qkv_proj(hidden).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         q, k = self.rotary[0](positions, qk).split([self.num_heads, self.num_kv_heads], dim=1)
-        out = self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim), meta)
-        return self.o_proj(out.view(-1, self.q_size))
+        out = self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim), meta).view(-1, self.q_size)
+        return self.o_proj(out if kept_rows is None else out[kept_rows])
 
 
 def activation_of(config: PretrainedConfig) -> str:
@@ -167,7 +170,8 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm attention and MLP, each added to the residual stream."""
+    """Pre-norm attention and MLP, each added to the residual stream. With `kept_rows`
+    (the last layer, see `KeptRows`) the rows after the attention are those alone."""
 
     def __init__(self, config: PretrainedConfig, attention: LlamaAttention, mlp: nn.Module, norm: type[RMSNorm]):
         super().__init__()
@@ -182,18 +186,23 @@ class LlamaDecoderLayer(nn.Module):
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
         meta: AttentionMetadata,
+        kept_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, residual = self.normed_input(hidden, residual)
-        hidden = self.self_attn(positions, hidden, meta)
+        hidden, residual = self.normed_input(hidden, residual, kept_rows)
+        hidden = self.self_attn(positions, hidden, meta, kept_rows)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
-    def normed_input(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def normed_input(self, hidden: torch.Tensor, residual: torch.Tensor | None,
+                     kept_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The previous layer's output added to the residual stream, normalised for this
-        layer's attention; and the stream (the embeddings themselves before the first layer)."""
+        layer's attention; and the stream (the embeddings themselves before the first
+        layer), of `kept_rows` alone where given."""
         if residual is None:
-            return self.input_layernorm(hidden), hidden.float()  # the stream stays in float32 (see RMSNorm)
-        return self.input_layernorm(hidden, residual)
+            normed, residual = self.input_layernorm(hidden), hidden.float()  # the stream stays in float32 (see RMSNorm)
+        else:
+            normed, residual = self.input_layernorm(hidden, residual)
+        return normed, residual if kept_rows is None else residual[kept_rows]
 
 
 class LlamaModel(nn.Module):
@@ -208,13 +217,16 @@ class LlamaModel(nn.Module):
         self.norm = norm(config.hidden_size, config.rms_norm_eps)
         self.embed_scale = embed_scale
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kept_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Final hidden states of every row, or of `kept_rows` (see `KeptRows`)."""
         hidden = self.embed_tokens(input_ids)
         if self.embed_scale is not None:  # a Python number: nothing for a CUDA graph to copy
             hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype).item()
         residual = None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, meta)
+        last = len(self.layers) - 1
+        for index, layer in enumerate(self.layers):
+            hidden, residual = layer(positions, hidden, residual, meta, kept_rows if index == last else None)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -283,9 +295,11 @@ class LlamaForCausalLM(nn.Module):
             fresh = self._rotary(kind)
             rotary.cos, rotary.sin = fresh.cos.to(device), fresh.sin.to(device)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states [tokens, hidden] of the step's tokens."""
-        return self.model(input_ids, positions, meta)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kept_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states [tokens, hidden] of the step's tokens; [kept, hidden] of
+        `kept_rows` alone where given (the last layer's MLP runs for those only)."""
+        return self.model(input_ids, positions, meta, kept_rows)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits [rows, vocab] in float32 (see `Linear.forward_float32`), on tensor-parallel

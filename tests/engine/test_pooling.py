@@ -108,6 +108,30 @@ def test_embeddings_equal_sentence_transformers(pooling_models, tmp_path, poolin
                                atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("pooling_type", ["LAST", "CLS", "MEAN"])
+def test_the_last_layer_computes_the_rows_a_step_reads(pooling_models, pooling_type):
+    """Every row's key and value reach the cache, but the last layer's MLP sees only the
+    rows whose final hidden states the step reads: a prompt's last row (LAST), its first
+    (CLS), all of them (MEAN); for a generating prompt the row it samples from."""
+    def rows_through(llm, run) -> tuple[int, int]:
+        layers = llm.llm_engine.model_runner.model.model.layers
+        seen = {0: 0, 1: 0}
+        hooks = [layer.mlp.register_forward_pre_hook(lambda _, args, i=i: seen.__setitem__(i, seen[i] + len(args[0])))
+                 for i, layer in enumerate((layers[0], layers[-1]))]
+        run()
+        for hook in hooks:
+            hook.remove()
+        return seen[0], seen[1]
+
+    texts = TEXTS[:4]
+    with LLM(str(pooling_models["llama-model"]), dtype="float32", pooling_type=pooling_type) as llm:
+        first, last = rows_through(llm, lambda: llm.embed(texts, use_tqdm=False))
+    assert last == (first if pooling_type == "MEAN" else len(texts)) and first > 4 * len(texts)
+    with LLM(str(pooling_models["llama"]), dtype="float32") as llm:
+        first, last = rows_through(llm, lambda: llm.generate(texts, SamplingParams(max_tokens=1), use_tqdm=False))
+    assert last == len(texts) and first > 4 * len(texts)
+
+
 def test_last_token_pooling_reuses_cached_prefixes(pooling_models):
     """Prompts sharing a long prefix hit the prefix cache under LAST pooling, with the
     vectors of a cold run; MEAN pooling computes every position."""
