@@ -353,7 +353,6 @@ void attend_queries_avx2(const float* q, int64_t count, const int64_t* first, co
   for (int64_t i = 0; i < (paired ? count : 0); ++i) pair_weights(scores + i * stride, n[i], &words[i * word_stride]);
 #endif
   const float* p[kValueGroup];
-  const uint32_t* pw[kValueGroup];
   float* o[kValueGroup];
   for (int64_t c0 = 0; c0 < longest; c0 += kBlock) {
     int64_t ahead = longest;  // as for the keys: the first group to read the block prefetches its values
@@ -365,6 +364,7 @@ void attend_queries_avx2(const float* q, int64_t count, const int64_t* first, co
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
       if constexpr (kPairable) {
         if (paired) {
+          const uint32_t* pw[kValueGroup];
           for (int64_t m = 0; m < size; ++m) pw[m] = &words[(i + m) * word_stride];
           weighted_sums_bf16_some<V>(static_cast<int>(size), pw, values, from, to, std::exchange(ahead, 0), o);
           continue;
