@@ -1,6 +1,8 @@
 """How far quantization moves greedy output: ours against our bfloat16, OpenVINO GenAI's int8
 model against its own fp16, and each one's narrower KV cache against its 16-bit one, on the
-same prompts in one run.
+same prompts in one run; and how far our default set-up (what dtype='auto' and
+quantization='auto' pick on this CPU, a float32 checkpoint's too) and our bfloat16 are from
+our float32.
 
 Why: a quantized model is only worth its speed if it says what the full-precision one says.
 The measure is greedy agreement on the embedded model: of 64 chat prompts, how many give the
@@ -59,9 +61,12 @@ def agreement(reference: list[list[int]], other: list[list[int]]) -> str:
 
 
 def ours(prompts: list[list[int]], tokens: int, **settings: object) -> list[list[int]]:
+    """Our greedy tokens, in bfloat16 unless `settings` say otherwise."""
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-    with LLM(dtype="bfloat16", **settings) as llm:
+    with LLM(**{"dtype": "bfloat16", **settings}) as llm:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        print(f"  ours {settings or 'bfloat16'}: {llm.llm_engine.model_config.dtype_name}, "
+              f"quantization {llm.llm_engine.model_config.quantization}", file=sys.stderr)
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
@@ -95,6 +100,10 @@ def main() -> None:
     for cache in filter(None, args.kv_cache_dtypes.split(",")):
         narrow = ours(prompts, args.tokens, kv_cache_dtype=cache)
         print(f"ours {cache:<5} KV cache vs bfloat16:   {agreement(reference, narrow)}")
+    float32 = ours(prompts, args.tokens, dtype="float32")
+    print(f"ours bfloat16 vs ours float32:      {agreement(float32, reference)}")
+    default = ours(prompts, args.tokens, dtype="auto")
+    print(f"ours default ('auto') vs float32:   {agreement(float32, default)}")
     if args.openvino_python:
         optimum_cli = args.openvino_python.parent / "optimum-cli"
         with tempfile.TemporaryDirectory() as tmp:

@@ -50,10 +50,14 @@ LABELS = {
     "ours-int8-kv": "ours, int8 KV cache",
     "ours-unquantized": "ours, unquantized",
     "hf-generate": "transformers generate",
+    "hf-generate-float32": "transformers gen. fp32",
+    "hf-generate-bfloat16": "transformers gen. bf16",
     "hf-continuous": "transformers CB",
     "openvino": "OpenVINO GenAI CB",
 }
 PEERS = ["hf-generate", "hf-continuous"]
+# transformers' static generate in one dtype each, whatever --hf-dtype says (`--hf-dtype both`).
+HF_GENERATE_IN = {"hf-generate-float32": "float32", "hf-generate-bfloat16": "bfloat16"}
 ENGINE_MAX_NUM_SEQS = 256  # our engine's default, for the roofline's decode steps
 
 
@@ -97,9 +101,13 @@ def parse_args() -> argparse.Namespace:
                         help="our engine's quantization: its default 'auto' (int8 where that is the default), "
                              "'none' (the dtype's products), or a method")
     parser.add_argument("--kv-cache-dtype", default="auto", help="our engine's kv_cache_dtype (default: 'auto')")
-    parser.add_argument("--hf-dtype", default="auto", choices=["auto", "probe", "float32", "bfloat16"],
+    parser.add_argument("--hf-dtype", default="auto", choices=["auto", "probe", "both", "float32", "bfloat16"],
                         help="transformers' dtype; auto: what our engine's dtype='auto' picks on this CPU (float32 "
-                             "without native bf16); probe: the faster of both in a short run")
+                             "without native bf16); probe: the faster of both in a short run; both: its static "
+                             "generate in each dtype, side by side")
+    parser.add_argument("--checkpoint-dtype", choices=["as-is", "float32"], default="as-is",
+                        help="float32: every engine loads a float32 copy of the model, as save_pretrained writes "
+                             "after a float32 fine-tune (our dtype='auto' then picks what it picks for one)")
     parser.add_argument("--hf-batch-size", type=int, default=64, help="batch size of transformers' static generate")
     parser.add_argument("--kv-cache-gib", type=float, default=4.0,
                         help="KV cache budget for every engine that takes one (ours, transformers CB, OpenVINO)")
@@ -123,10 +131,13 @@ def main() -> None:
     rates, shape = print_header(args, model_path)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     workloads = build_workloads(args.workloads.split(","), tokenizer, args.scale, args.seed)
-    opts = WorkerOptions(args.model, str(model_path), args.threads, args.dtype, "float32", args.hf_batch_size,
-                         int(args.kv_cache_gib * 2**30), str(args.openvino_model) if args.openvino_model else None,
-                         args.quantization, args.kv_cache_dtype)
     with tempfile.TemporaryDirectory(prefix="throughput-") as tmp:
+        if args.checkpoint_dtype == "float32":
+            model_path = float32_copy(model_path, Path(tmp) / "float32-checkpoint")
+            args.model = str(model_path)
+        opts = WorkerOptions(args.model, str(model_path), args.threads, args.dtype, "float32", args.hf_batch_size,
+                             int(args.kv_cache_gib * 2**30), str(args.openvino_model) if args.openvino_model else None,
+                             args.quantization, args.kv_cache_dtype)
         opts.hf_dtype = choose_hf_dtype(args, model_path, tokenizer, opts, Path(tmp))
         print(f"transformers dtype: {opts.hf_dtype} | scale {args.scale} | best of {args.rounds} round(s) | "
               f"KV cache budget {args.kv_cache_gib:g} GiB\n")
@@ -140,9 +151,26 @@ def main() -> None:
             print()
 
 
+def float32_copy(model_path: Path, folder: Path) -> Path:
+    """The model saved again in float32 (weights and config.json's dtype), with its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(model_path).save_pretrained(folder)
+    for extra in ("generation_config.json",):
+        if (model_path / extra).exists() and not (folder / extra).exists():
+            (folder / extra).write_bytes((model_path / extra).read_bytes())
+    print(f"checkpoint: a float32 copy of {model_path.name}", flush=True)
+    return folder
+
+
 def select_engines(args: argparse.Namespace, model_path: Path) -> list[str]:
-    """--engines, plus OpenVINO (and its export's folder) with --openvino-python; exits on an unknown name."""
+    """--engines, plus OpenVINO (and its export's folder) with --openvino-python, and
+    transformers' generate in each dtype for --hf-dtype both; exits on an unknown name."""
     engines = [e for e in args.engines.split(",") if e]
+    if args.hf_dtype == "both" and "hf-generate" in engines:
+        at = engines.index("hf-generate")
+        engines[at : at + 1] = list(HF_GENERATE_IN)
     if args.openvino_python:
         engines.append("openvino")
         args.openvino_model = args.openvino_model or _default_openvino_export(model_path)
@@ -166,10 +194,10 @@ def print_header(args: argparse.Namespace, model_path: Path) -> tuple[rl.Machine
 
 def choose_hf_dtype(args: argparse.Namespace, model_path: Path, tokenizer, opts: WorkerOptions, tmp: Path) -> str:
     """--hf-dtype resolved: as given; auto as our engine's dtype='auto' on this CPU; probe by a
-    short timed run of each."""
+    short timed run of each; both as auto for the peers other than `HF_GENERATE_IN`'s."""
     if args.hf_dtype in ("float32", "bfloat16"):
         return args.hf_dtype
-    if args.hf_dtype == "auto":
+    if args.hf_dtype in ("auto", "both"):
         dtype = ModelConfig.resolve(model_path, EngineConfig(model=str(model_path)), None).dtype
         return str(dtype).removeprefix("torch.")
     probe = build_workloads(["a"], tokenizer, scale=8 / 256)[0]  # 8 chat prompts x 4 new tokens
@@ -202,7 +230,10 @@ def run_worker(engine: str, workload_file: Path, opts: WorkerOptions,
                args: argparse.Namespace) -> WorkerResult | str:
     """One measurement in a fresh process; the result, or the error's last lines."""
     python = str(args.openvino_python) if engine == "openvino" else sys.executable
-    command = [python, str(Path(__file__).resolve()), "--worker", engine, "--workload-file", str(workload_file),
+    runner = engine
+    if engine in HF_GENERATE_IN:
+        runner, opts = "hf-generate", WorkerOptions(**{**asdict(opts), "hf_dtype": HF_GENERATE_IN[engine]})
+    command = [python, str(Path(__file__).resolve()), "--worker", runner, "--workload-file", str(workload_file),
                "--options", json.dumps(asdict(opts))]
     threads = str(opts.threads)
     env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false",

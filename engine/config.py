@@ -47,11 +47,12 @@ class EngineConfig:
                                        "default) for the embedded SmolLM2-135M-Instruct.")
     tokenizer: str | None = _setting(None, "A folder with the tokenizer, when it is not in the model folder.")
     dtype: str = _setting("auto", "'auto', 'float32', 'bfloat16' or 'float16'. 'auto' is the checkpoint's own on "
-                                  "a GPU (bfloat16 for a float32 one); on a CPU, bfloat16 for a 16-bit checkpoint "
-                                  "where the CPU has native bfloat16 (AVX512-BF16, AMX, ARM BF16), else float32.")
+                                  "a GPU (bfloat16 for a float32 one); on a CPU, bfloat16 where the CPU has native "
+                                  "bfloat16 (AVX512-BF16, AMX, ARM BF16), a float32 checkpoint's too, else float32.")
     quantization: str | None = _setting("auto", "How the weights are quantized: 'auto' (the checkpoint's own; "
-                                                "an unquantized one runs 'int8' on a CPU with VNNI or AMX when "
-                                                "dtype is left 'auto' and resolves to bfloat16, else the dtype), "
+                                                "an unquantized one runs 'int8' on a CPU with VNNI when dtype is "
+                                                "left 'auto' and resolves to bfloat16, but not where oneDNN runs "
+                                                "AMX tiles, whose bfloat16 products are faster; else the dtype), "
                                                 "None (the checkpoint's own or the dtype, as vLLM's default), the "
                                                 "checkpoint's own (config.json quantization_config: 'fp8' or "
                                                 "'compressed-tensors' FP8, 'awq', 'gptq'), or quantized at load: "
@@ -113,6 +114,12 @@ class EngineConfig:
                                           "share of CPU cores). A call's prompts are dealt out among them by "
                                           "estimated work and come back in input order; a seeded request gives the "
                                           "same tokens whatever the number of replicas.")
+    batch_invariant: bool = _setting(False, "Give a row the same bits whatever else shares its step, on every "
+                                            "CPU (vLLM's VLLM_BATCH_INVARIANT): a seeded request's output then "
+                                            "does not depend on its batch. Free except on a CPU with AMX, whose "
+                                            "fastest bfloat16 kernels (the default there) pick their summation "
+                                            "order by the batch's size; this keeps oneDNN off AMX in the "
+                                            "process, at AVX512-BF16's speed. Not built on a GPU.")
     attention_backend: str = _setting("auto", "'auto' (Triton kernels on a GPU; on a CPU the compiled "
                                               "paged-attention kernel where it builds, else PyTorch's products), "
                                               "'triton' (a GPU, or Triton's interpreter under TRITON_INTERPRET=1), "
@@ -159,6 +166,8 @@ class EngineConfig:
         if self.async_scheduling not in (None, True, False):
             problems.append(f"async_scheduling must be True, False or None (the device's default), "
                             f"got {self.async_scheduling!r}")
+        if not isinstance(self.batch_invariant, bool):
+            problems.append(f"batch_invariant must be True or False, got {self.batch_invariant!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             problems.append(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if problems:
@@ -184,10 +193,15 @@ class EngineConfig:
         Raises:
             ValueError: without chunked prefill, a step budget below max_model_len (a long
                 prompt could never run); an attention backend that cannot run here, or
-                that cannot read the kv_cache_dtype.
+                that cannot read the kv_cache_dtype; batch_invariant on a GPU.
         """
         device, max_model_len = model_config.device, model_config.max_model_len
         on_cpu = device.type == "cpu"
+        if self.batch_invariant and not on_cpu:
+            raise ValueError(
+                "batch_invariant=True runs on a CPU only: on a GPU the matrix products (cuBLAS) and the prefill "
+                "kernel choose their tiles by the batch's shape, and batch-invariant kernels are not built here. "
+                "Leave it False on a GPU (a seeded request's draws are still its own), or use device='cpu'")
         step_tokens = self.max_num_batched_tokens
         if step_tokens is None:
             step_tokens = DEFAULT_STEP_TOKENS[device.type]
@@ -251,7 +265,8 @@ class ModelConfig:
             defaults = {name: generation[key] for key, name in _GENERATION_DEFAULTS.items() if key in generation}
         dtype = _resolve_dtype(engine.dtype, hf_config, device)
         quantization = resolve_quantization(engine.quantization, hf_config, device,
-                                            auto_dtype=dtype if engine.dtype == "auto" else None)
+                                            auto_dtype=dtype if engine.dtype == "auto" else None,
+                                            batch_invariant=engine.batch_invariant)
         pooler = resolve_pooler(path, hf_config, engine.runner, engine.pooling_type, POOLING_ARCHITECTURES)
         return cls(path, hf_config, dtype, device, max_model_len, eos, defaults, quantization, pooler)
 

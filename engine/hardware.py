@@ -10,6 +10,12 @@ here instead of assuming an instruction set.
 that kind of CPU: the dtype "auto" picks and the matrix-product kernel. It is how the
 test suite runs each CPU's path on one machine, and a way out where a virtual
 machine hides flags the CPU has.
+
+On a CPU with AMX, oneDNN picks AMX tiles or AVX512-BF16 code for a bfloat16 product
+by its row count, and the two sum a row in different orders: a row's bits then depend
+on how many rows share its step. The engine's `batch_invariant` mode keeps oneDNN at
+`BATCH_INVARIANT_ONEDNN_ISA` there (`amx_products`); every other kind's fastest kernels
+keep a row's bits apart from its batch already.
 """
 
 import contextlib
@@ -34,6 +40,12 @@ _X86_NATIVE_BF16 = frozenset({"avx512_bf16", "amx_bf16"})
 _X86_ONEDNN_BF16 = (frozenset({"avx512bw", "avx512vl", "avx512dq"}), frozenset({"avx_ne_convert"}))
 _X86 = ("x86_64", "AMD64", "i686")
 _X86_INT8_DOT = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
+
+# oneDNN's cap on the instruction sets it dispatches to, read once, before its first kernel
+# runs in a process; and the cap that leaves AMX out (AVX-512 with bfloat16 dot products),
+# under which a Sapphire Rapids' bfloat16 rows were the same bits at every row count.
+ONEDNN_ISA_ENV = "ONEDNN_MAX_CPU_ISA"
+BATCH_INVARIANT_ONEDNN_ISA = "AVX512_CORE_BF16"
 
 
 @dataclass(frozen=True)
@@ -67,6 +79,11 @@ class CpuInfo:
         AMX on x86, which multiply-add 8-bit pairs into 32 bits. Without them oneDNN's int8
         kernels add pairs in 16 bits first, which saturate (measured on AVX2: wrong sums)."""
         return self.architecture in _X86 and bool(self.flags & _X86_INT8_DOT)
+
+    @property
+    def amx(self) -> bool:
+        """Whether the CPU has AMX tiles for bfloat16 (Intel since Sapphire Rapids)."""
+        return self.architecture in _X86 and "amx_bf16" in self.flags
 
     def describe(self) -> str:
         """One line for logs and benchmark headers."""
@@ -274,18 +291,48 @@ def release_freed_memory() -> None:
         libc.malloc_trim(0)
 
 
+def amx_products(cpu: CpuInfo, batch_invariant: bool) -> bool:
+    """Whether oneDNN computes the engine's products on AMX tiles: a CPU with AMX, outside
+    batch-invariant mode, with `ONEDNN_MAX_CPU_ISA` unset or naming an AMX instruction set.
+
+    Where it does, a bfloat16 row's bits depend on how many rows share the product (oneDNN
+    switches between AMX and AVX512-BF16 kernels by shape), and bfloat16 products run
+    faster than int8's (`engine.quantization.int8_by_default`)."""
+    if not cpu.amx or batch_invariant:
+        return False
+    cap = os.environ.get(ONEDNN_ISA_ENV, "").strip().upper()
+    return cap in ("", "ALL", "DEFAULT") or "AMX" in cap
+
+
+def keep_onednn_off_amx(cpu: CpuInfo) -> bool:
+    """Caps oneDNN below AMX for this process (`BATCH_INVARIANT_ONEDNN_ISA`), where the CPU
+    has AMX and `ONEDNN_MAX_CPU_ISA` is unset; returns whether it set the cap. oneDNN reads
+    the cap before its first kernel, so the cap takes only in a process that has not run
+    one yet (`engine.layers.linear.rows_kept_apart` tells)."""
+    if not cpu.amx or os.environ.get(ONEDNN_ISA_ENV):
+        return False
+    os.environ[ONEDNN_ISA_ENV] = BATCH_INVARIANT_ONEDNN_ISA
+    logger.info("batch_invariant=True on a CPU with AMX: oneDNN capped at %s (AVX-512 bfloat16 kernels, no AMX "
+                "tiles), whose rows do not depend on the batch", BATCH_INVARIANT_ONEDNN_ISA)
+    return True
+
+
 def cpu_dtype(requested: torch.dtype | None, checkpoint: torch.dtype, cpu: CpuInfo) -> torch.dtype:
     """The dtype to compute in on this CPU.
 
-    `requested` None means "auto": bfloat16 for a 16-bit checkpoint where the CPU has
-    native bfloat16, float32 otherwise (float16 products are slow on CPUs, and
-    emulated bfloat16 is several times slower than float32). An explicit bfloat16 on a
-    CPU without native support is honoured, with a warning.
+    `requested` None means "auto": bfloat16 where the CPU has native bfloat16, whatever
+    the checkpoint's dtype (a float32 checkpoint too, as on a GPU: its matrix units run
+    bfloat16 several times faster than float32), float32 otherwise (float16 products are
+    slow on CPUs, and emulated bfloat16 is several times slower than float32). An
+    explicit bfloat16 on a CPU without native support is honoured, with a warning.
     """
     if requested is None:
-        if checkpoint in (torch.bfloat16, torch.float16) and cpu.native_bf16:
-            return torch.bfloat16
-        return torch.float32
+        if not cpu.native_bf16:
+            return torch.float32
+        if checkpoint == torch.float32:
+            logger.info("dtype='auto': the float32 checkpoint computes in bfloat16 on this CPU, whose bfloat16 "
+                        "matrix instructions are several times faster than float32's; dtype='float32' keeps float32")
+        return torch.bfloat16
     if requested == torch.bfloat16 and not cpu.native_bf16:
         logger.warning(
             "dtype='bfloat16' on %s: this CPU has no native bfloat16 matrix instructions (AVX512-BF16 or "

@@ -17,11 +17,11 @@ import torch
 
 from engine.config import EngineConfig, ModelConfig
 from engine.distributed.communicator import TensorParallelGroup
-from engine.hardware import detect_cpu, keep_freed_memory, long_lived_allocations, set_num_threads
+from engine.hardware import amx_products, detect_cpu, keep_freed_memory, long_lived_allocations, set_num_threads
 from engine.kv_cache import KVCache, plan_num_blocks
 from engine.kv_cache_dtype import cache_torch_dtype
 from engine.layers.attention import AttentionMetadata
-from engine.layers.linear import linear_kernel
+from engine.layers.linear import enforce_batch_invariance, linear_kernel
 from engine.lora.manager import LoRAManager
 from engine.lora.request import LoRARequest
 from engine.lora.slots import LoRARange
@@ -86,15 +86,21 @@ class Worker:
         record_input_ranges(model, scratch, calibration_prompts(tokenizer, self.model_config.max_model_len))
 
     def _set_up_device(self) -> int:
-        """Sets the CPU threads and logs the device and the kernels chosen; returns the
-        bytes of GPU memory in use before the engine loads anything (0 on a CPU)."""
+        """Sets the CPU threads (and batch-invariant products where asked) and logs the
+        device and the kernels chosen; returns the bytes of GPU memory in use before the
+        engine loads anything (0 on a CPU)."""
         model_config, config = self.model_config, self.config
         if self.device.type == "cpu":
             keep_freed_memory()
             set_num_threads(config.num_threads)
-            logger.info("CPU: %s; dtype %s, %s matrix products, %s attention, %s KV cache, %d threads",
+            if config.batch_invariant:
+                enforce_batch_invariance(model_config.dtype)
+            rows = ("AMX tiles (a row's bits depend on its batch; batch_invariant=True keeps them apart)"
+                    if model_config.dtype == torch.bfloat16 and amx_products(detect_cpu(), config.batch_invariant)
+                    else "rows independent of the batch")
+            logger.info("CPU: %s; dtype %s, %s matrix products, %s, %s attention, %s KV cache, %d threads",
                         detect_cpu().describe(), model_config.dtype_name,
-                        linear_kernel(model_config.dtype, self.device), config.attention_backend,
+                        linear_kernel(model_config.dtype, self.device), rows, config.attention_backend,
                         config.kv_cache_dtype, config.num_threads)
             return 0
         torch.cuda.set_device(self.device)

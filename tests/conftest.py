@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import LLM
-from engine.hardware import chosen_cpu_kind, detect_cpu
+from engine.hardware import BATCH_INVARIANT_ONEDNN_ISA, ONEDNN_ISA_ENV, chosen_cpu_kind, detect_cpu, machine_cpu
 from tests.tiny_models import FAMILIES, build_tiny_model
 from tests.triton_launches import record_launches
 
@@ -19,6 +19,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 if _kind := chosen_cpu_kind():
     for _name, _value in _kind.torch_env.items():
         os.environ.setdefault(_name, _value)
+# On a CPU with AMX the suite keeps oneDNN off AMX, as batch_invariant=True does: its tests
+# compare a row's bits across batches, which AMX's kernels do not keep. The AMX kernels run
+# in the `amx` run of tests/cpu_kinds.py, whose batch-invariance tests check each mode.
+elif machine_cpu().amx:
+    os.environ.setdefault(ONEDNN_ISA_ENV, BATCH_INVARIANT_ONEDNN_ISA)
 # Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors. It is chosen
 # when a kernel is defined, so it must be set before any engine module imports Triton.
 if not torch.cuda.is_available():

@@ -1,8 +1,10 @@
 """Helpers of the tests that start, kill and wait for processes: a call with a time
-limit (a hang fails the test instead of blocking the run), and the state of processes
-as /proc shows it."""
+limit (a hang fails the test instead of blocking the run), the state of processes as
+/proc shows it, and a test rerun in a child process whose oneDNN stays off AMX."""
 
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -10,6 +12,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+
+from engine.hardware import BATCH_INVARIANT_ONEDNN_ISA, ONEDNN_ISA_ENV, amx_products, detect_cpu
 
 T = TypeVar("T")
 
@@ -66,3 +70,23 @@ def child_pids() -> set[int]:
         if int(ppid) == os.getpid() and state not in ("Z", "X"):
             children.add(int(stat.parent.name))
     return children
+
+
+def run_in_batch_mode(request: pytest.FixtureRequest, batch_invariant: bool) -> bool:
+    """Readies a test of a batch-invariance mode in this process's oneDNN: returns False
+    where its body should run here; where oneDNN here runs AMX kernels (the `amx` run of
+    tests/cpu_kinds.py), skips the default mode, which promises nothing there, and runs
+    the test of `batch_invariant=True` in a child process started with oneDNN off AMX (as
+    a fresh process under that mode has it), failing with its output if it fails there,
+    and returns True."""
+    if not amx_products(detect_cpu(), batch_invariant=False):
+        return False
+    if not batch_invariant:
+        pytest.skip("AMX's kernels pick their summation order by the batch's size: only batch_invariant=True "
+                    "promises a row's bits there")
+    env = {**os.environ, ONEDNN_ISA_ENV: BATCH_INVARIANT_ONEDNN_ISA}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", request.node.nodeid],
+                          env=env, capture_output=True, text=True, check=False, timeout=900)
+    assert done.returncode == 0 and " 1 passed" in done.stdout, \
+        f"in a child process with oneDNN off AMX:\n{done.stdout[-4000:]}"
+    return True

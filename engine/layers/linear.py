@@ -3,6 +3,7 @@ add per-request LoRA deltas, and may be split over tensor-parallel ranks (column
 row-parallel, as in Megatron-LM and vLLM)."""
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -10,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.hardware import detect_cpu
+from engine.hardware import ONEDNN_ISA_ENV, detect_cpu, keep_onednn_off_amx
 
 if TYPE_CHECKING:
     from engine.distributed.communicator import TensorParallelGroup
@@ -65,6 +66,44 @@ def project(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
     if rows < MIN_ROWS:
         x = F.pad(x, (0, 0, 0, MIN_ROWS - rows))
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")[:rows]
+
+
+def rows_kept_apart(dtype: torch.dtype) -> bool:
+    """Whether this process's `project` gives a row of `dtype` the same bits whatever the
+    number of rows it shares a product with: a product of the shape where AMX's rows
+    differed at every row count tried (1,536 inputs x 576 outputs, on a Sapphire Rapids),
+    computed whole and 1, 13 and 32 rows at a time. A few milliseconds."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(576, 1536, generator=generator).to(dtype)
+    x = torch.randn(64, 1536, generator=generator).to(dtype)
+    packed = prepack(weight)
+    whole = project(x, weight, packed)
+    return all(torch.equal(torch.cat([project(x[i : i + rows], weight, packed) for i in range(0, len(x), rows)]),
+                           whole) for rows in (1, 13, 32))
+
+
+def enforce_batch_invariance(dtype: torch.dtype) -> None:
+    """Makes this process's products in `dtype` keep a row's bits apart from its batch
+    (the engine's `batch_invariant=True` on a CPU): for bfloat16 on an AMX CPU oneDNN is
+    capped below AMX (`keep_onednn_off_amx`) and a product checked. Every other kind's
+    kernels keep rows apart already, as do float32's on AMX (measured on a Sapphire Rapids).
+
+    Raises:
+        RuntimeError: oneDNN in this process runs kernels whose rows depend on the batch
+            (it had started before the cap, or ONEDNN_MAX_CPU_ISA lets it use AMX), naming the fix.
+    """
+    cpu = detect_cpu()
+    if not cpu.amx or dtype != torch.bfloat16:
+        return
+    keep_onednn_off_amx(cpu)
+    if rows_kept_apart(torch.bfloat16):
+        return
+    setting = os.environ.get(ONEDNN_ISA_ENV)
+    raise RuntimeError(
+        "batch_invariant=True: oneDNN in this process runs AMX kernels, whose bfloat16 rows depend on how many rows "
+        f"share a product ({ONEDNN_ISA_ENV}={setting}); oneDNN reads that cap once, before its first product, and "
+        "this process had run one already. Create the LLM in a fresh process (or before any other PyTorch product "
+        f"on the CPU), or start the process with {ONEDNN_ISA_ENV}=AVX512_CORE_BF16")
 
 
 class LinearMethod(Protocol):

@@ -1,11 +1,14 @@
 """Fixtures shared by the engine's tests."""
 
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from engine.hardware import ONEDNN_ISA_ENV
 from engine.kernels import cpu_build
 
 
@@ -37,3 +40,15 @@ def llama_with_biases(tmp_path_factory) -> Path:
     model.save_pretrained(folder, safe_serialization=True)
     build_tokenizer(folder)
     return folder
+
+
+@pytest.fixture
+def onednn_uncapped() -> Iterator[None]:
+    """`ONEDNN_MAX_CPU_ISA` unset for the test, and back as it was after it, whatever the
+    engine's batch-invariant mode set meanwhile (monkeypatch does not restore a variable
+    it deleted while it was unset)."""
+    before = os.environ.pop(ONEDNN_ISA_ENV, None)
+    yield
+    os.environ.pop(ONEDNN_ISA_ENV, None)
+    if before is not None:
+        os.environ[ONEDNN_ISA_ENV] = before

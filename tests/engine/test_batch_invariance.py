@@ -1,4 +1,6 @@
-"""A row's numbers do not depend on the rest of the batch, bit for bit (CPU, float32 and bfloat16).
+"""A row's numbers do not depend on the rest of the batch, bit for bit (CPU, float32 and bfloat16),
+in both modes: the default (every kind of CPU but one with AMX promises it) and
+`batch_invariant=True` (every kind).
 
 These are the layers a seeded request's output runs through; the end-to-end check is
 `test_sampling.py::test_seeded_requests_do_not_depend_on_the_batch`.
@@ -9,22 +11,38 @@ import random
 import pytest
 import torch
 
+from engine.hardware import amx_products, detect_cpu, machine_cpu
 from engine.layers.attention import Attention
 from engine.layers.attention_torch import matmul_attention
-from engine.layers.linear import Linear, linear_kernel
+from engine.layers.linear import Linear, enforce_batch_invariance, linear_kernel, rows_kept_apart
 from engine.layers.sampler import _inverse_cdf, top_k_top_p_head
+from tests.processes import run_in_batch_mode
 
 pytestmark = pytest.mark.cpu_kinds
 
 
 DTYPES = [torch.float32, torch.bfloat16]
+MODES = pytest.mark.parametrize("batch_invariant", [False, True], ids=["default", "batch_invariant"])
 
 
+def in_mode(request: pytest.FixtureRequest, batch_invariant: bool, dtype: torch.dtype) -> bool:
+    """Whether the test's body runs in this process (see `run_in_batch_mode`), after
+    readying it as the engine does for `batch_invariant` in `dtype`."""
+    if run_in_batch_mode(request, batch_invariant):
+        return False
+    if batch_invariant:
+        enforce_batch_invariance(dtype)
+    return True
+
+
+@MODES
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(576, 960), (1536, 576), (64, 320)])
-def test_linear_rows_do_not_depend_on_the_batch(shape, dtype):
+def test_linear_rows_do_not_depend_on_the_batch(shape, dtype, batch_invariant, request):
     """Through whichever kernel this CPU gets: oneDNN's (float32 everywhere, bfloat16
     where native), or the plain emulated bfloat16 product."""
+    if not in_mode(request, batch_invariant, dtype):
+        return
     torch.manual_seed(0)
     layer = Linear(*shape, bias=False).to(dtype)
     layer.prepack()
@@ -52,10 +70,13 @@ def pad_group(queries, keys, values, context_lens):
     return q, k, v, mask
 
 
+@MODES
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_attention_rows_do_not_depend_on_the_batch(dtype):
+def test_attention_rows_do_not_depend_on_the_batch(dtype, batch_invariant, request):
     """Each sequence attended alone, as one query row (a decode step), or in a padded group
     of sequences with other lengths gives the same bits."""
+    if not in_mode(request, batch_invariant, dtype):
+        return
     rng = random.Random(0)
     torch.manual_seed(0)
     attention = Attention(num_heads=9, head_dim=64, num_kv_heads=3)
@@ -71,6 +92,17 @@ def test_attention_rows_do_not_depend_on_the_batch(dtype):
             assert torch.equal(alone[0, : new[i]], together[i, : new[i]])
             last = matmul_attention(attention, *pad_group([queries[i][-1:]], [keys[i]], [values[i]], [contexts[i]]))
             assert torch.equal(last[0, 0], together[i, new[i] - 1])
+
+
+def test_the_check_of_batch_invariant_mode_tells_amx_kernels_apart():
+    """`rows_kept_apart`, which batch-invariant mode runs after keeping oneDNN off AMX,
+    finds the rows apart wherever oneDNN's kernels keep them so, and (on a real AMX CPU
+    whose oneDNN runs AMX here: the `amx` run of tests/cpu_kinds.py) finds AMX's rows
+    depend on the batch, as they did on a Sapphire Rapids."""
+    assert rows_kept_apart(torch.float32)
+    if detect_cpu().onednn_bf16:
+        on_amx = machine_cpu().amx and amx_products(detect_cpu(), batch_invariant=False)
+        assert rows_kept_apart(torch.bfloat16) is not on_amx
 
 
 def test_draws_depend_on_the_row_alone():

@@ -54,12 +54,18 @@ def test_bf16_support_is_read_from_the_flags(cpu, native, onednn):
 
 
 @pytest.mark.parametrize("kind", CPU_KINDS)
-def test_auto_dtype_follows_the_cpu(kind):
+def test_auto_dtype_follows_the_cpu(kind, caplog):
+    """bfloat16 where it is native, a float32 checkpoint's too (with a line saying so);
+    float32 elsewhere; an explicit float32 is kept."""
     cpu = CPU_KINDS[kind].info()
-    sixteen_bit = torch.bfloat16 if NATIVE_BF16[kind] else torch.float32
-    assert cpu_dtype(None, torch.bfloat16, cpu) == sixteen_bit
-    assert cpu_dtype(None, torch.float16, cpu) == sixteen_bit
-    assert cpu_dtype(None, torch.float32, cpu) == torch.float32  # a float32 checkpoint stays so
+    auto = torch.bfloat16 if NATIVE_BF16[kind] else torch.float32
+    assert cpu_dtype(None, torch.bfloat16, cpu) == auto
+    assert cpu_dtype(None, torch.float16, cpu) == auto
+    with caplog.at_level(logging.INFO, logger="engine.hardware"):
+        assert cpu_dtype(None, torch.float32, cpu) == auto
+    assert ("float32 checkpoint computes in bfloat16" in caplog.text) is NATIVE_BF16[kind]
+    assert ("dtype='float32' keeps float32" in caplog.text) is NATIVE_BF16[kind]
+    assert cpu_dtype(torch.float32, torch.float32, cpu) == torch.float32
 
 
 def test_explicit_bfloat16_without_native_support_warns_once_and_is_kept(caplog):
@@ -68,6 +74,46 @@ def test_explicit_bfloat16_without_native_support_warns_once_and_is_kept(caplog)
         assert cpu_dtype(torch.bfloat16, torch.bfloat16, AMX) == torch.bfloat16
     [record] = caplog.records
     assert "no native bfloat16" in record.getMessage() and "AMD EPYC" in record.getMessage()
+
+
+@pytest.mark.parametrize("cap, amx", [(None, True), ("AVX512_CORE_AMX", True), ("avx512_core_amx_fp16", True),
+                                      ("ALL", True), ("AVX512_CORE_BF16", False), ("AVX2", False)])
+def test_amx_products_follow_the_cpu_the_mode_and_onednns_cap(onednn_uncapped, monkeypatch, cap, amx):
+    if cap is not None:
+        monkeypatch.setenv(hardware.ONEDNN_ISA_ENV, cap)
+    assert hardware.amx_products(AMX, batch_invariant=False) is amx
+    assert hardware.amx_products(AMX, batch_invariant=True) is False
+    for kind in ("avx2", "avx512", "avx512_bf16"):
+        assert hardware.amx_products(CPU_KINDS[kind].info(), batch_invariant=False) is False
+
+
+def test_onednn_is_kept_off_amx_only_on_an_amx_cpu_and_only_when_unset(onednn_uncapped, monkeypatch):
+    assert hardware.keep_onednn_off_amx(CPU_KINDS["avx512_bf16"].info()) is False
+    assert hardware.ONEDNN_ISA_ENV not in os.environ
+    assert hardware.keep_onednn_off_amx(AMX) is True
+    assert os.environ[hardware.ONEDNN_ISA_ENV] == hardware.BATCH_INVARIANT_ONEDNN_ISA == "AVX512_CORE_BF16"
+    monkeypatch.setenv(hardware.ONEDNN_ISA_ENV, "AVX512_CORE_AMX")  # the user's own setting stays
+    assert hardware.keep_onednn_off_amx(AMX) is False
+    assert os.environ[hardware.ONEDNN_ISA_ENV] == "AVX512_CORE_AMX"
+
+
+def test_batch_invariance_is_enforced_on_amx_and_refused_where_onednn_started_on_it(onednn_uncapped, monkeypatch):
+    """On an AMX CPU (mocked: the check itself runs on this CPU's kernels) the mode caps
+    oneDNN and checks a product; where the rows still depend on the batch it raises,
+    naming the fix. Elsewhere it changes nothing."""
+    monkeypatch.setattr(linear, "detect_cpu", lambda: CPU_KINDS["avx512_bf16"].info())
+    linear.enforce_batch_invariance(torch.bfloat16)
+    assert hardware.ONEDNN_ISA_ENV not in os.environ
+    monkeypatch.setattr(linear, "detect_cpu", lambda: AMX)
+    linear.enforce_batch_invariance(torch.float32)  # float32's kernels keep rows apart on AMX too
+    assert hardware.ONEDNN_ISA_ENV not in os.environ
+    if detect_cpu().onednn_bf16:  # the check's bfloat16 product runs through oneDNN here
+        linear.enforce_batch_invariance(torch.bfloat16)
+        assert os.environ[hardware.ONEDNN_ISA_ENV] == "AVX512_CORE_BF16"
+    monkeypatch.setattr(linear, "rows_kept_apart", lambda dtype: False)
+    with pytest.raises(RuntimeError, match=r"batch_invariant=True: oneDNN in this process runs AMX kernels.*"
+                                           r"fresh process.*ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16"):
+        linear.enforce_batch_invariance(torch.bfloat16)
 
 
 def test_linear_kernel_by_capability(monkeypatch):
@@ -106,16 +152,43 @@ def bf16_checkpoint(tiny_models, tmp_path_factory):
     return folder
 
 
+# The quantization "auto" picks for an unquantized checkpoint, by kind and mode: int8 where
+# the CPU has VNNI and native bfloat16, except where oneDNN runs AMX tiles (bfloat16 faster).
+AUTO_QUANTIZATION = {("avx2", False): None, ("avx512", False): None, ("avx512_bf16", False): "int8",
+                     ("amx", False): None, ("avx2", True): None, ("avx512", True): None,
+                     ("avx512_bf16", True): "int8", ("amx", True): "int8"}
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True], ids=["default", "batch_invariant"])
 @pytest.mark.parametrize("kind", CPU_KINDS)
-def test_engine_default_dtype_by_cpu_kind(bf16_checkpoint, cpu_kind, kind):
-    """`LLM()` on a bfloat16 checkpoint computes in float32 on a CPU without native
-    bfloat16 and in bfloat16 with it (the detection set by DAGSTER_LLM_CPU_KIND; the
-    kernels stay those of the real CPU)."""
+def test_engine_defaults_by_cpu_kind(bf16_checkpoint, tiny_models, cpu_kind, onednn_uncapped, kind, batch_invariant):
+    """`LLM()` on a bfloat16 checkpoint and on a float32 one computes in float32 on a CPU
+    without native bfloat16 and in bfloat16 with it, int8 or not by `AUTO_QUANTIZATION`
+    (the detection set by DAGSTER_LLM_CPU_KIND; the kernels stay those of the real CPU)."""
     cpu_kind(kind)
-    with LLM(str(bf16_checkpoint)) as llm:
-        assert llm.llm_engine.model_config.dtype == (torch.bfloat16 if NATIVE_BF16[kind] else torch.float32)
-        out = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
-        assert len(out[0].outputs[0].token_ids) == 4
+    for folder in (bf16_checkpoint, tiny_models["llama"]):
+        with LLM(str(folder), batch_invariant=batch_invariant) as llm:
+            config = llm.llm_engine.model_config
+            assert config.dtype == (torch.bfloat16 if NATIVE_BF16[kind] else torch.float32)
+            assert config.quantization == AUTO_QUANTIZATION[kind, batch_invariant]
+            out = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                               use_tqdm=False)
+            assert len(out[0].outputs[0].token_ids) == 4
+    assert (os.environ.get(hardware.ONEDNN_ISA_ENV) == "AVX512_CORE_BF16") is (kind == "amx" and batch_invariant)
+    with LLM(str(tiny_models["llama"]), dtype="float32") as llm:  # an explicit dtype keeps float32
+        assert llm.llm_engine.model_config.dtype == torch.float32 and llm.llm_engine.model_config.quantization is None
+
+
+def test_batch_invariant_mode_is_refused_on_a_gpu_before_anything_loads(tiny_models):
+    from transformers import LlamaConfig
+
+    from engine.config import EngineConfig, ModelConfig
+
+    on_gpu = ModelConfig(tiny_models["llama"], LlamaConfig(), torch.bfloat16, torch.device("cuda"), 128)
+    with pytest.raises(ValueError, match="batch_invariant=True runs on a CPU only.*device='cpu'"):
+        EngineConfig(batch_invariant=True).resolve(on_gpu)
+    with pytest.raises(ValueError, match="batch_invariant must be True or False, got 'yes'"):
+        EngineConfig(batch_invariant="yes")
 
 
 def test_the_cpu_kind_setting_names_itself_and_refuses_a_wrong_name(cpu_kind, caplog):

@@ -17,6 +17,7 @@ from tests.engine.test_fused_moe import moe_case, reference_moe
 from engine import LLM, LoRARequest, SamplingParams
 from engine import quantization
 from engine.config import EngineConfig
+from engine import hardware
 from engine.hardware import CPU_KINDS, detect_cpu
 from engine.models.llama import LlamaMLP
 from engine.distributed.communicator import TensorParallelGroup
@@ -384,15 +385,22 @@ def test_int8_model_matches_the_emulation(llama_with_biases, settings):
 
 
 @pytest.mark.parametrize("kind, auto_dtype, expected", [
-    ("avx512_bf16", torch.bfloat16, "int8"), ("amx", torch.bfloat16, "int8"),
+    ("avx512_bf16", torch.bfloat16, "int8"),
+    ("amx", torch.bfloat16, None),  # AMX's bfloat16 products are the faster
     ("avx512_bf16", None, None),  # a dtype was asked for
-    ("avx512_bf16", torch.float32, None),  # a float32 checkpoint keeps float32
+    ("avx512_bf16", torch.float32, None),  # float32 asked for (auto picks bfloat16 there)
     ("avx512", torch.float32, None), ("avx2", torch.float32, None),
 ])
-def test_int8_is_the_default_where_the_cpu_picks_bfloat16_and_has_vnni(monkeypatch, kind, auto_dtype, expected):
+def test_int8_is_the_default_where_the_cpu_picks_bfloat16_and_has_vnni(onednn_uncapped, monkeypatch, kind,
+                                                                       auto_dtype, expected):
     monkeypatch.setattr(quantization, "detect_cpu", CPU_KINDS[kind].info)
     config = LlamaConfig()
     assert resolve_quantization("auto", config, CPU, auto_dtype) == expected
+    # Batch-invariant mode, or oneDNN capped below AMX by hand, runs AVX-512 kernels, where int8 is the faster.
+    invariant = "int8" if kind in ("amx", "avx512_bf16") and auto_dtype == torch.bfloat16 else None
+    assert resolve_quantization("auto", config, CPU, auto_dtype, batch_invariant=True) == invariant
+    monkeypatch.setenv(hardware.ONEDNN_ISA_ENV, "AVX512_CORE_BF16")
+    assert resolve_quantization("auto", config, CPU, auto_dtype) == invariant
     assert resolve_quantization(None, config, CPU, auto_dtype) is None  # vLLM's default: the checkpoint's or none
     assert resolve_quantization("auto", config, torch.device("cuda"), torch.bfloat16) is None
     config.quantization_config = {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"}

@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
+from tests.processes import run_in_batch_mode
 
 EOS = 2  # the tiny models' EOS id
 
@@ -63,12 +64,12 @@ def completion(output) -> tuple:
     return c.token_ids, c.cumulative_logprob, [{t: lp.logprob for t, lp in step.items()} for step in c.logprobs]
 
 
-def check_seeded_requests_do_not_depend_on_the_batch(model: str, dtype: str) -> None:
+def check_seeded_requests_do_not_depend_on_the_batch(model: str, **settings: object) -> None:
     """The same seeded requests give bit-identical completions alone, inside a batch of 32
     mixed requests, in reversed order, after prefix-cache hits, and with chunked prefill
-    and preemption forced."""
+    and preemption forced (an engine with `settings` each time)."""
     seeded = seeded_requests()
-    with LLM(model, dtype=dtype) as llm:
+    with LLM(model, **settings) as llm:
         alone = [completion(run(llm, [r])[0]) for r in seeded]
         batch = mixed_neighbours(32 - len(seeded))
         mixed = batch[:5] + [seeded[0]] + batch[5:14] + [seeded[1]] + batch[14:] + seeded[2:]
@@ -81,7 +82,7 @@ def check_seeded_requests_do_not_depend_on_the_batch(model: str, dtype: str) -> 
         llm.reset_prefix_cache()
         assert [completion(run(llm, [r])[0]) for r in seeded] == alone
         room_for_600_tokens = 600 * llm.llm_engine.model_runner.kv_cache.bytes_per_token
-    with LLM(model, dtype=dtype, kv_cache_memory=room_for_600_tokens, max_num_batched_tokens=48) as small:
+    with LLM(model, **settings, kv_cache_memory=room_for_600_tokens, max_num_batched_tokens=48) as small:
         outs = run(small, mixed)
         assert small.llm_engine.scheduler.num_preemptions > 0
         assert [completion(outs[p]) for p in positions] == alone
@@ -93,14 +94,21 @@ def check_seeded_requests_do_not_depend_on_the_batch(model: str, dtype: str) -> 
 def test_seeded_requests_do_not_depend_on_the_batch(tiny_models, family, dtype):
     """Llama; Gemma 2 (windows, soft-capping); Qwen2-MoE (experts grouped by the batch's
     routing, a shared expert)."""
-    check_seeded_requests_do_not_depend_on_the_batch(str(tiny_models[family]), dtype)
+    check_seeded_requests_do_not_depend_on_the_batch(str(tiny_models[family]), dtype=dtype)
 
 
 @pytest.mark.cpu_kinds
 @pytest.mark.slow
-def test_seeded_requests_do_not_depend_on_the_batch_on_the_embedded_model():
-    """In the dtype that "auto" picks on this CPU (float32 without native bfloat16)."""
-    check_seeded_requests_do_not_depend_on_the_batch("smollm2-135m-instruct", "auto")
+@pytest.mark.parametrize("settings", [{}, {"dtype": "bfloat16", "quantization": None, "batch_invariant": True}],
+                         ids=["default", "batch_invariant_bfloat16"])
+def test_seeded_requests_do_not_depend_on_the_batch_on_the_embedded_model(settings, request):
+    """In the default settings (what "auto" picks on this CPU: float32 without native
+    bfloat16, else bfloat16 with int8 products or, with AMX, without), and in batch-invariant
+    mode with bfloat16 products (where AMX's kernels gave a seeded chat request other tokens
+    alone than in a batch of 16)."""
+    if run_in_batch_mode(request, settings.get("batch_invariant", False)):
+        return
+    check_seeded_requests_do_not_depend_on_the_batch("smollm2-135m-instruct", **settings)
 
 
 def test_n_completions_share_one_prompt_computation(llm):
