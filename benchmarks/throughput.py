@@ -15,6 +15,13 @@ peer, and a roofline estimate from the machine's measured matmul rate and memory
     .venv/bin/python benchmarks/throughput.py                         # everything, full size
     .venv/bin/python benchmarks/throughput.py --workloads a --scale 0.05
     .venv/bin/python benchmarks/throughput.py --openvino-python .venv-openvino/bin/python
+
+A float32 checkpoint (what save_pretrained writes after a float32 fine-tune) against
+transformers' static generate in both dtypes; and our batch-invariant mode beside the default:
+
+    .venv/bin/python benchmarks/throughput.py --checkpoint-dtype float32 --hf-dtype both \
+        --engines ours,hf-generate --workloads a --rounds 2
+    .venv/bin/python benchmarks/throughput.py --engines ours,ours-batch-invariant --scale 0.5 --rounds 2
 """
 
 import sys
@@ -49,6 +56,7 @@ LABELS = {
     "ours-no-prefix-cache": "ours, no prefix cache",
     "ours-int8-kv": "ours, int8 KV cache",
     "ours-unquantized": "ours, unquantized",
+    "ours-batch-invariant": "ours, batch-invariant",
     "hf-generate": "transformers generate",
     "hf-generate-float32": "transformers gen. fp32",
     "hf-generate-bfloat16": "transformers gen. bf16",

@@ -37,6 +37,7 @@ class WorkerOptions:
     openvino_model: str | None = None
     quantization: str | None = "auto"  # our engine's
     kv_cache_dtype: str = "auto"  # our engine's
+    batch_invariant: bool = False  # our engine's
 
 
 @dataclass
@@ -75,7 +76,7 @@ def run_ours(workload: Workload, opts: WorkerOptions, prefix_caching: bool = Tru
     torch.set_num_threads(opts.threads)
     with LLM(opts.model, dtype=opts.dtype, quantization=opts.quantization, enable_prefix_caching=prefix_caching,
              kv_cache_memory=opts.kv_cache_bytes, num_threads=opts.threads,
-             kv_cache_dtype=kv_cache_dtype or opts.kv_cache_dtype) as llm:
+             kv_cache_dtype=kv_cache_dtype or opts.kv_cache_dtype, batch_invariant=opts.batch_invariant) as llm:
         warmup = SamplingParams(temperature=0, max_tokens=WARMUP_TOKENS, ignore_eos=True)
         llm.generate([{"prompt_token_ids": p} for p in workload.warmup], warmup, use_tqdm=False)
         llm.reset_prefix_cache()
@@ -86,7 +87,8 @@ def run_ours(workload: Workload, opts: WorkerOptions, prefix_caching: bool = Tru
         dtype, cache, quantization = llm.dtype, llm.llm_engine.config.kv_cache_dtype, llm.llm_engine.config.quantization
     _check_lengths([len(o.outputs[0].token_ids) for o in outputs], workload)
     weights = f" + {quantization}" if quantization else ""
-    return elapsed, dtype, f"{dtype}{weights}, {cache} KV, prefix caching {'on' if prefix_caching else 'off'}"
+    mode = ", batch-invariant" if opts.batch_invariant else ""
+    return elapsed, dtype, f"{dtype}{weights}, {cache} KV, prefix caching {'on' if prefix_caching else 'off'}{mode}"
 
 
 def run_hf_generate(workload: Workload, opts: WorkerOptions) -> tuple[float, str, str]:
@@ -197,6 +199,7 @@ RUNNERS = {
     "ours-no-prefix-cache": lambda workload, opts: run_ours(workload, opts, prefix_caching=False),
     "ours-int8-kv": lambda workload, opts: run_ours(workload, opts, kv_cache_dtype="int8"),
     "ours-unquantized": lambda workload, opts: run_ours(workload, replace(opts, quantization=None)),
+    "ours-batch-invariant": lambda workload, opts: run_ours(workload, replace(opts, batch_invariant=True)),
     "hf-generate": run_hf_generate,
     "hf-continuous": run_hf_continuous,
     "openvino": run_openvino,
