@@ -160,14 +160,12 @@ def main() -> None:
 
 
 def float32_copy(model_path: Path, folder: Path) -> Path:
-    """The model saved again in float32 (weights and config.json's dtype), with its tokenizer."""
+    """The model saved again in float32 (weights and config.json's dtype), with its tokenizer
+    and generation config."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).save_pretrained(folder)
     AutoTokenizer.from_pretrained(model_path).save_pretrained(folder)
-    for extra in ("generation_config.json",):
-        if (model_path / extra).exists() and not (folder / extra).exists():
-            (folder / extra).write_bytes((model_path / extra).read_bytes())
     print(f"checkpoint: a float32 copy of {model_path.name}", flush=True)
     return folder
 
