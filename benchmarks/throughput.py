@@ -19,8 +19,7 @@ peer, and a roofline estimate from the machine's measured matmul rate and memory
 A float32 checkpoint (what save_pretrained writes after a float32 fine-tune) against
 transformers' static generate in both dtypes; and our batch-invariant mode beside the default:
 
-    .venv/bin/python benchmarks/throughput.py --checkpoint-dtype float32 --hf-dtype both \
-        --engines ours,hf-generate --workloads a --rounds 2
+    .venv/bin/python benchmarks/throughput.py --checkpoint-dtype float32 --hf-dtype both --engines ours,hf-generate
     .venv/bin/python benchmarks/throughput.py --engines ours,ours-batch-invariant --scale 0.5 --rounds 2
 """
 
