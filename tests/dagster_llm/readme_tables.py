@@ -1,5 +1,6 @@
-"""The README's tables of generation-asset options and sampling fields, built from their
-declarations (`GenerationSpec`, `SamplingParams` through `SAMPLING_FIELDS`)."""
+"""The documented tables of generation-asset options (in README.md) and sampling fields (in
+docs/dagster.md), built from their declarations (`GenerationSpec`, `SamplingParams` through
+`SAMPLING_FIELDS`)."""
 
 from dagster_llm.core.sampling import SAMPLING_FIELDS
 from dagster_llm.spec import GenerationSpec, data_version_exclusions

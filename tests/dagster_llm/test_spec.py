@@ -2,6 +2,7 @@
 the core imports without Dagster."""
 
 import inspect
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -89,7 +90,29 @@ def test_the_core_imports_without_dagster():
     assert out.strip() == "[]"
 
 
+ROOT = Path(__file__).resolve().parents[2]
+MARKDOWN_LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+
+
 def test_the_readme_tables_are_the_declarations():
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    assert options_table() in readme, "README: paste tests.dagster_llm.readme_tables.options_table()"
-    assert sampling_table() in readme, "README: paste tests.dagster_llm.readme_tables.sampling_table()"
+    readme = (ROOT / "README.md").read_text()
+    dagster_page = (ROOT / "docs" / "dagster.md").read_text()
+    assert options_table() in readme, "README.md: paste tests.dagster_llm.readme_tables.options_table()"
+    assert sampling_table() in dagster_page, "docs/dagster.md: paste tests.dagster_llm.readme_tables.sampling_table()"
+
+
+def test_the_readme_is_short_and_every_relative_link_resolves():
+    readme = ROOT / "README.md"
+    lines = len(readme.read_text().splitlines())
+    assert lines <= 200, f"README.md has {lines} lines (at most 200): move detail to a page under docs/"
+    broken = []
+    for page in [readme, *sorted((ROOT / "docs").glob("*.md"))]:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.DOTALL)  # links in code are code
+        text = re.sub(r"`[^`\n]*`", "", text)
+        for target in MARKDOWN_LINK.findall(text):
+            if re.match(r"[a-z][a-z0-9+.-]*:", target, re.IGNORECASE) or target.startswith("#"):
+                continue  # http(s), mailto: and the like, or an anchor in the same page
+            path = target.split("#", 1)[0]
+            if not (page.parent / path).exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+    assert not broken, "relative links to missing files:\n" + "\n".join(broken)
