@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from benchmarks.workloads import PARAGRAPHS
 from engine import LLM
 from engine.hardware import detect_cpu
-from engine.model_loader import resolve_model_path
+from engine.model_loader.folder import resolve_model_path
 
 HF_DTYPES = ("float32", "bfloat16")
 

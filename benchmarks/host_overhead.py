@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.hardware import detect_cpu  # noqa: E402
-from engine.input_batch import StepInputs  # noqa: E402
+from engine.worker.input_batch import StepInputs  # noqa: E402
 
 PROMPT_TOKENS = 16
 VOCAB = 512

@@ -284,7 +284,7 @@ def profile_ours(llm: LLM, workload: Workload) -> dict[str, dict[str, float]]:
     nest (the experts are in the MoE block, the kernel in the attention layer): each row
     counts its own time only. "outside the forward" (logits, sampling, scheduling, the
     host's work) is the wall time the model's forward does not take."""
-    from engine.layers.attention import Attention
+    from engine.attention.layer import Attention
     from engine.layers.fused_moe import FusedMoE
     from engine.models.llama import LlamaAttention
     from engine.models.moe import SparseMoeBlock

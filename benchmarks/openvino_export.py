@@ -16,8 +16,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.embedded_model import default_cache_dir  # noqa: E402
-from engine.model_loader import resolve_model_path  # noqa: E402
+from engine.model_loader.embedded_model import default_cache_dir  # noqa: E402
+from engine.model_loader.folder import resolve_model_path  # noqa: E402
 
 MARKER = "openvino_model.xml"
 

@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.prompts import chat_prompt_ids  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.embedded_model import ensure_embedded_model  # noqa: E402
 from engine.hardware import detect_cpu  # noqa: E402
+from engine.model_loader.embedded_model import ensure_embedded_model  # noqa: E402
 
 
 def random_model(folder: Path, tokenizer_folder: Path) -> Path:

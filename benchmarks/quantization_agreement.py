@@ -49,7 +49,7 @@ from benchmarks.openvino_export import ensure_export  # noqa: E402
 from benchmarks.prompts import chat_prompt_ids  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.hardware import detect_cpu  # noqa: E402
-from engine.model_loader import resolve_model_path  # noqa: E402
+from engine.model_loader.folder import resolve_model_path  # noqa: E402
 
 
 def agreement(reference: list[list[int]], other: list[list[int]]) -> str:

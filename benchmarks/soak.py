@@ -25,9 +25,10 @@ import time  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.config import EngineConfig, ModelConfig  # noqa: E402
-from engine.embedded_model import EMBEDDED_MODEL_NAME  # noqa: E402
-from engine.model_loader import resolve_model_path  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from engine.model_loader.embedded_model import EMBEDDED_MODEL_NAME  # noqa: E402
+from engine.model_loader.folder import resolve_model_path  # noqa: E402
+from engine.model_loader.model_config import resolve_model_config  # noqa: E402
 from engine.models.llama import head_dim_of  # noqa: E402
 
 TINY = "tiny"
@@ -77,7 +78,7 @@ def model_folder(name: str, workdir: Path) -> Path:
 
 def kv_cache_bytes(path: Path, dtype: str, num_blocks: int, block_size: int) -> int:
     """The kv_cache_memory that holds exactly `num_blocks` blocks of this model."""
-    config = ModelConfig.resolve(path, EngineConfig(model=str(path), dtype=dtype), None)
+    config = resolve_model_config(path, EngineConfig(model=str(path), dtype=dtype), None)
     hf = config.hf_config
     kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
     element = config.dtype.itemsize

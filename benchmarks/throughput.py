@@ -47,8 +47,9 @@ import torch  # noqa: E402
 from benchmarks import roofline as rl  # noqa: E402
 from benchmarks.throughput_workers import RESULT_PREFIX, WorkerOptions, WorkerResult  # noqa: E402
 from benchmarks.workloads import Workload, build_workloads  # noqa: E402
-from engine.config import EngineConfig, ModelConfig  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
 from engine.hardware import detect_cpu  # noqa: E402
+from engine.model_loader.model_config import resolve_model_config  # noqa: E402
 
 LABELS = {
     "ours": "ours",
@@ -131,7 +132,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
 
-    from engine.model_loader import resolve_model_path
+    from engine.model_loader.folder import resolve_model_path
 
     model_path = resolve_model_path(args.model)
     engines = select_engines(args, model_path)
@@ -203,7 +204,7 @@ def choose_hf_dtype(args: argparse.Namespace, model_path: Path, tokenizer, opts:
     if args.hf_dtype in ("float32", "bfloat16"):
         return args.hf_dtype
     if args.hf_dtype in ("auto", "both"):
-        dtype = ModelConfig.resolve(model_path, EngineConfig(model=str(model_path)), None).dtype
+        dtype = resolve_model_config(model_path, EngineConfig(model=str(model_path)), None).dtype
         return str(dtype).removeprefix("torch.")
     probe = build_workloads(["a"], tokenizer, scale=8 / 256)[0]  # 8 chat prompts x 4 new tokens
     file = tmp / "probe.json"

@@ -6,8 +6,7 @@ The names below load on first use, so that `import dagster_llm.core` does not im
 Dagster.
 """
 
-import importlib
-from typing import Any
+from engine.lazy_exports import lazy_exports
 
 _EXPORTS = {
     "SAMPLING_FIELDS": "dagster_llm.core.sampling",
@@ -45,8 +44,4 @@ _EXPORTS = {
 }
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'dagster_llm' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

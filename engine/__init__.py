@@ -1,43 +1,36 @@
 """An offline LLM inference engine with vLLM's API: continuous batching over a paged KV cache.
 
-Never imports Dagster; `dagster_llm` builds on it.
+Never imports Dagster; `dagster_llm` builds on it. The public names below load on first use,
+so that `import engine.core.scheduler` (or any one module) does not load the whole engine.
 """
 
-from engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-from engine.llm import LLM
-from engine.llm_engine import EngineStats
-from engine.lora import LoRARequest
-from engine.model_loader import ModelLoadError
-from engine.pooling import (
-    ClassificationOutput, ClassificationRequestOutput, EmbeddingOutput, EmbeddingRequestOutput, PoolingParams,
-    ScoringOutput, ScoringRequestOutput,
-)
-from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, UnfinishedOutput
-from engine.sampling_params import SamplingParams
-from engine.structured_output.params import StructuredOutputsParams
+from engine.lazy_exports import lazy_exports
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "LLM",
-    "BeamSearchOutput",
-    "BeamSearchParams",
-    "BeamSearchSequence",
-    "ClassificationOutput",
-    "ClassificationRequestOutput",
-    "CompletionOutput",
-    "EmbeddingOutput",
-    "EmbeddingRequestOutput",
-    "PoolingParams",
-    "ScoringOutput",
-    "ScoringRequestOutput",
-    "EngineStats",
-    "Logprob",
-    "LoRARequest",
-    "ModelLoadError",
-    "RequestMetrics",
-    "RequestOutput",
-    "SamplingParams",
-    "StructuredOutputsParams",
-    "UnfinishedOutput",
-]
+_EXPORTS = {
+    "LLM": "engine.llm",
+    "BeamSearchOutput": "engine.beam_search",
+    "BeamSearchParams": "engine.beam_search",
+    "BeamSearchSequence": "engine.beam_search",
+    "ClassificationOutput": "engine.outputs",
+    "ClassificationRequestOutput": "engine.outputs",
+    "CompletionOutput": "engine.outputs",
+    "EmbeddingOutput": "engine.outputs",
+    "EmbeddingRequestOutput": "engine.outputs",
+    "EngineStats": "engine.llm_engine",
+    "Logprob": "engine.outputs",
+    "LoRARequest": "engine.lora.request",
+    "ModelLoadError": "engine.model_loader.folder",
+    "PoolingParams": "engine.pooling_params",
+    "RequestMetrics": "engine.outputs",
+    "RequestOutput": "engine.outputs",
+    "SamplingParams": "engine.sampling_params",
+    "ScoringOutput": "engine.outputs",
+    "ScoringRequestOutput": "engine.outputs",
+    "StructuredOutputsParams": "engine.structured_output.params",
+    "UnfinishedOutput": "engine.outputs",
+}
+__all__ = sorted(_EXPORTS)
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -1,21 +1,26 @@
-"""Engine settings (`EngineConfig`) and what is derived from the model folder (`ModelConfig`)."""
+"""Engine settings (`EngineConfig`), what the model folder decides (`ModelConfig`, resolved by
+`engine.model_loader.model_config`) and the names each setting allows. A leaf: it imports no
+other tier of the engine, so that every tier may read it."""
 
-import json
 from dataclasses import Field, dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, PretrainedConfig
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers import PretrainedConfig
 
-from engine.hardware import cpu_dtype, default_num_threads, detect_cpu
-from engine.layers.attention_selector import resolve_backend_name
-from engine.models import POOLING_ARCHITECTURES, language_model_config
+from engine.hardware import default_num_threads
 from engine.kv_cache_dtype import KV_CACHE_DTYPES, resolve_kv_cache_dtype
-from engine.pooling import POOLING_TYPES, RUNNERS, PoolerConfig, resolve_pooler
-from engine.quantization import QUANTIZATION_METHODS, resolve_quantization
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Methods that quantize a 16- or 32-bit checkpoint at load -> what they need.
+AT_LOAD = {"int8": "a CPU with VNNI or AMX", "fp8": "a GPU with FP8 units (compute capability 8.9 or later)"}
+# Methods a checkpoint's own weights may be stored in.
+CHECKPOINT_METHODS = ("awq", "gptq", "fp8", "compressed-tensors")
+QUANTIZATION_METHODS = tuple(sorted({*AT_LOAD, *CHECKPOINT_METHODS}))
+
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
+RUNNERS = ("auto", "generate", "pooling")
 
 # KV cache on a CPU when kv_cache_memory is not set (a GPU's is what gpu_memory_utilization leaves).
 DEFAULT_KV_CACHE_MEMORY = 4 << 30
@@ -24,13 +29,6 @@ DEFAULT_KV_CACHE_MEMORY = 4 << 30
 # 1.3-1.5x the throughput of 4,096 on prefill-heavy batches (its activations stay in cache
 # between operators); on a GPU a larger step keeps the device busy.
 DEFAULT_STEP_TOKENS = {"cpu": 1024, "cuda": 4096}
-
-# generation_config.json keys that vLLM takes as sampling defaults -> SamplingParams field.
-_GENERATION_DEFAULTS = {
-    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens",
-}
-
 
 def _setting(default: object, help: str) -> object:
     """A dataclass field whose `help` is its one description (the `LLM` docs and the
@@ -127,7 +125,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         problems = []
-        if self.dtype not in ("auto", *_DTYPES):
+        if self.dtype not in ("auto", *DTYPES):
             problems.append(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {self.dtype!r}")
         if self.quantization not in (None, "auto", *QUANTIZATION_METHODS):
             problems.append(f"quantization must be 'auto', None or one of {sorted(QUANTIZATION_METHODS)}, "
@@ -183,10 +181,11 @@ class EngineConfig:
         (`default_num_threads`) shared among the ranks, at least one."""
         return max(1, default_num_threads() // self.world_size)
 
-    def resolve(self, model_config: "ModelConfig") -> "EngineConfig":
+    def resolve(self, model_config: "ModelConfig", attention_backend: str) -> "EngineConfig":
         """These settings with every default filled in for the model and the device it
         runs on: the one place defaults are decided, and what the engine, the scheduler
-        and the model runner read. `self` is left as it is.
+        and the model runner read. `self` is left as it is. `attention_backend` is what
+        this field resolves to on the model's device (`engine.attention.selector.resolve_backend_name`).
 
         kv_cache_memory stays None on a GPU, where the model runner measures it.
 
@@ -211,7 +210,7 @@ class EngineConfig:
                 f"max_num_batched_tokens={step_tokens} is below max_model_len={max_model_len}: without chunked "
                 f"prefill a long prompt could never run. Raise it, lower max_model_len, or enable_chunked_prefill=True"
             )
-        backend = resolve_backend_name(self.attention_backend, device)
+        backend = attention_backend
         return replace(
             self,
             dtype=model_config.dtype_name,
@@ -226,6 +225,24 @@ class EngineConfig:
             attention_backend=backend,
             kv_cache_dtype=resolve_kv_cache_dtype(self.kv_cache_dtype, model_config.dtype_name, backend),
         )
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    """How a pooling model turns a prompt into its output: `task` "embed" or "classify",
+    the pooling type, whether embeddings are normalised by default, and a classifier's
+    number of labels."""
+
+    task: str
+    pooling_type: str
+    normalize: bool
+    num_labels: int = 0
+
+    @property
+    def needs_every_row(self) -> bool:
+        """Whether the pooled vector reads rows other than the last: then no prompt
+        position may come from the prefix cache."""
+        return self.pooling_type != "LAST"
 
 
 @dataclass
@@ -247,30 +264,6 @@ class ModelConfig:
         """The compute dtype as `LLM(dtype=...)` names it ("bfloat16")."""
         return str(self.dtype).removeprefix("torch.")
 
-    @classmethod
-    def resolve(cls, path: Path, engine: EngineConfig, eos_token_id: int | None) -> "ModelConfig":
-        hf_config = language_model_config(AutoConfig.from_pretrained(path))
-        if not getattr(hf_config, "architectures", None) and hf_config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-            # As transformers' AutoModelForCausalLM (and vLLM) resolve a config.json without one.
-            hf_config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[hf_config.model_type]]
-        device = resolve_device(engine.device)
-        max_model_len = _max_model_len(hf_config, engine.max_model_len)
-        eos = {eos_token_id} if eos_token_id is not None else set()
-        defaults = {}
-        if (path / "generation_config.json").exists():
-            generation = json.loads((path / "generation_config.json").read_text())
-            ids = generation.get("eos_token_id")
-            eos |= set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
-            # Only what the file sets: transformers' own defaults (top_k=50) are not vLLM's.
-            defaults = {name: generation[key] for key, name in _GENERATION_DEFAULTS.items() if key in generation}
-        dtype = _resolve_dtype(engine.dtype, hf_config, device)
-        quantization = resolve_quantization(engine.quantization, hf_config, device,
-                                            auto_dtype=dtype if engine.dtype == "auto" else None,
-                                            batch_invariant=engine.batch_invariant)
-        pooler = resolve_pooler(path, hf_config, engine.runner, engine.pooling_type, POOLING_ARCHITECTURES)
-        return cls(path, hf_config, dtype, device, max_model_len, eos, defaults, quantization, pooler)
-
-
 def resolve_device(setting: str) -> torch.device:
     """The device a `device` setting names: "auto" is a GPU when there is one, else the CPU."""
     if setting == "auto":
@@ -281,30 +274,3 @@ def resolve_device(setting: str) -> torch.device:
 def engine_settings() -> list[Field]:
     """The fields of `EngineConfig`, each with its type, default and `metadata["help"]`."""
     return list(fields(EngineConfig))
-
-
-def _resolve_dtype(dtype: str, hf_config: PretrainedConfig, device: torch.device) -> torch.dtype:
-    """The compute dtype: on a CPU by what it can do (see `cpu_dtype`); on a GPU the
-    requested one, or for "auto" the checkpoint's own where it is 16-bit and bfloat16
-    otherwise (as vLLM does for float32 checkpoints)."""
-    checkpoint = getattr(hf_config, "dtype", None) or torch.float32
-    if isinstance(checkpoint, str):
-        checkpoint = _DTYPES.get(checkpoint, torch.float32)
-    requested = None if dtype == "auto" else _DTYPES[dtype]
-    if device.type == "cpu":
-        return cpu_dtype(requested, checkpoint, detect_cpu())
-    if requested is None and checkpoint == torch.float32:
-        return torch.bfloat16
-    return requested or checkpoint
-
-
-def _max_model_len(hf_config: PretrainedConfig, requested: int | None) -> int:
-    limit = getattr(hf_config, "max_position_embeddings", None) or 2048
-    if requested is None:
-        return limit
-    if requested > limit:
-        raise ValueError(
-            f"max_model_len={requested} exceeds the model's context of {limit} tokens "
-            f"(config.json max_position_embeddings); use at most {limit}"
-        )
-    return requested

@@ -10,7 +10,7 @@ from engine.beam_search import BeamSearchParams
 from engine.chat_utils import invalid_unicode_problem
 from engine.llm_engine import LLMEngine
 from engine.lora.request import LoRARequest
-from engine.pooling import PoolingParams
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams, logprobs_count
 
 PromptType = str | dict[str, Any]

@@ -12,8 +12,8 @@ import torch
 
 from engine.beam_search import BeamSearchOutput, BeamSearchParams
 from engine.chat_utils import chat_messages_problem, render_chat
-from engine.config import EngineConfig, engine_settings, resolve_device
-from engine.distributed.data_parallel import ReplicaPool, deal
+from engine.config import EngineConfig, PoolerConfig, engine_settings, resolve_device
+from engine.data_parallel import ReplicaPool, deal
 from engine.distributed.plan import plan_parallelism
 from engine.hardware import release_freed_memory
 from engine.inputs import (
@@ -22,12 +22,12 @@ from engine.inputs import (
 )
 from engine.llm_engine import EngineStats, LLMEngine
 from engine.lora.request import LoRARequest
-from engine.model_loader import weights_fingerprint
-from engine.outputs import RequestOutput, UnfinishedOutput
-from engine.pooling import (
-    ClassificationRequestOutput, EmbeddingRequestOutput, PoolerConfig, PoolingParams, ScoringOutput,
-    ScoringRequestOutput,
+from engine.model_loader.folder import weights_fingerprint
+from engine.outputs import (
+    ClassificationRequestOutput, EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput,
+    UnfinishedOutput,
 )
+from engine.pooling_params import PoolingParams
 from engine.progress_bar import ProgressBar
 from engine.sampling_params import SamplingParams
 from engine.structured_output.params import StructuredOutputsParams

@@ -11,26 +11,30 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from engine.beam_search import BeamGroup, BeamSearchOutput, BeamSearchParams
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig, ModelConfig
+from engine.attention.selector import resolve_backend_name
+from engine.beam_search import BeamSearchOutput, BeamSearchParams
+from engine.config import EngineConfig
+from engine.core.beam_group import BeamGroup
+from engine.core.block_manager import BlockManager
+from engine.core.sched_output import ScheduledBatch
+from engine.core.scheduler import Scheduler
+from engine.core.sequence import Sequence, SequenceStatus
 from engine.detokenizer import IncrementalDetokenizer
 from engine.distributed.plan import ReplicaPlan, check_tensor_parallel, plan_parallelism
 from engine.hardware import release_freed_memory
-from engine.model_loader import check_model_folder, resolve_model_path
-from engine.model_runner import LaunchedStep, ModelRunner
-from engine.layers.sampler import SampledToken
 from engine.lora.manager import LoRAManager
 from engine.lora.request import LoRARequest
-from engine.outputs import CompletionOutput, Logprob, RequestOutput, UnfinishedOutput
-from engine.pooling import (
-    ClassificationOutput, ClassificationRequestOutput, EmbeddingOutput, EmbeddingRequestOutput, PoolingParams,
-    PoolingRequestOutput,
+from engine.model_loader.folder import check_model_folder, resolve_model_path
+from engine.model_loader.model_config import resolve_model_config
+from engine.outputs import (
+    ClassificationOutput, ClassificationRequestOutput, CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput,
+    Logprob, PoolingRequestOutput, RequestOutput, UnfinishedOutput,
 )
+from engine.pooling_params import PoolingParams
+from engine.sample.sampler import SampledToken
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledBatch, Scheduler
-from engine.sequence import Sequence, SequenceStatus
 from engine.structured_output.manager import StructuredOutputManager
+from engine.worker.model_runner import LaunchedStep, ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -66,13 +70,14 @@ class LLMEngine:
         tokenizer_path = Path(config.tokenizer).expanduser() if config.tokenizer else path
         check_model_folder(path, tokenizer_path)
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(tokenizer_path)
-        model_config = ModelConfig.resolve(path, config, self.tokenizer.eos_token_id)
+        model_config = resolve_model_config(path, config, self.tokenizer.eos_token_id)
         check_tensor_parallel(model_config.hf_config, config.tensor_parallel_size)
         if replica is None:
             replica = plan_parallelism(config.tensor_parallel_size, config.data_parallel_size,
                                        model_config.device).replicas[0]
         self.model_config = model_config = replace(model_config, device=replica.placements[0].device)
-        config = config.resolve(model_config)  # every default decided, once
+        backend = resolve_backend_name(config.attention_backend, model_config.device)
+        config = config.resolve(model_config, backend)  # every default decided, once
         self.config = config
         self.structured_output = StructuredOutputManager(
             self.tokenizer, model_config.hf_config.vocab_size, sorted(model_config.eos_token_ids))

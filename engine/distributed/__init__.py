@@ -1,3 +1,4 @@
-"""Running the engine over several processes: tensor-parallel ranks of one model
-(`communicator`, `tp_worker`), data-parallel replicas (`data_parallel`), where each
-process goes (`plan`) and how the processes are started and stopped (`process`)."""
+"""Low-level plumbing of running over several processes: the collectives layers call
+(`communicator`), where each process goes (`plan`) and how processes are started and stopped
+(`process`, `child`). The rank fan-out lives in `engine.worker`, whole-engine replicas in
+`engine.data_parallel`."""

@@ -1,1 +1,2 @@
-"""Building blocks shared by the model families: norms, rotary embeddings, paged attention."""
+"""Building blocks shared by the model families: linear layers, norms, rotary embeddings,
+vocabulary embeddings, fused experts and the pooler."""

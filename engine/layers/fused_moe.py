@@ -70,7 +70,7 @@ class FusedMoE(nn.Module):
     I = intermediate_size / ranks of it (rank r the r-th slice: rows of the checkpoint's
     gate and up, columns of its down), and the partial outputs are summed over the ranks.
 
-    `kernel`, when set (see `engine.layers.triton_routing`), computes the experts in one
+    `kernel`, when set (see `engine.model_loader.kernel_routing`), computes the experts in one
     fused call: kernel(x, w13, w2, topk_weights, topk_ids). `packed` holds the experts'
     matrices in oneDNN's layout once `prepack` has run (the 3-D weights are then empty);
     they are opaque tensors without a storage, so a count of the weights' bytes adds their

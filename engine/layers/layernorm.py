@@ -13,7 +13,7 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    """`kernel`, when set (see `engine.layers.triton_routing` and `cpu_routing`), computes the
+    """`kernel`, when set (see `engine.model_loader.kernel_routing` and `cpu_routing`), computes the
     same thing in one fused pass: kernel(x, weight, eps, residual) for x [rows, hidden].
     `weight_offset` is added to the checkpoint's weight as it loads (see `GemmaRMSNorm`)."""
 

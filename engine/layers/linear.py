@@ -15,7 +15,6 @@ from engine.hardware import ONEDNN_ISA_ENV, detect_cpu, keep_onednn_off_amx
 
 if TYPE_CHECKING:
     from engine.distributed.communicator import TensorParallelGroup
-    from engine.lora.slots import LoRASlots
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +119,14 @@ class LinearMethod(Protocol):
         """x @ weight.T (+ bias) in x's dtype."""
 
 
+class LoRADeltas(Protocol):
+    """A projection's LoRA adapter slots (`engine.lora.slots.LoRASlots`): each request's
+    adapter delta added to its rows of the output."""
+
+    def add_deltas(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Adds each row's adapter delta to `out`, in place, and returns it."""
+
+
 @dataclass(frozen=True)
 class ShardSlice:
     """The part of a checkpoint tensor one tensor-parallel rank holds: `length` entries
@@ -143,6 +150,16 @@ class ShardSlice:
         return tensor.narrow(self.dim, self.start, self.length)
 
 
+class StoredTensor(Protocol):
+    """A checkpoint tensor as the loader reads it (`engine.model_loader.weights.CheckpointTensor`,
+    or a pre-quantized projection's `engine.quantization.checkpoint.QuantizedTensor`)."""
+
+    shape: tuple[int, ...]
+
+    def read(self, piece: "ShardSlice | None" = None) -> torch.Tensor:
+        """The tensor, or the slice `piece` of it a tensor-parallel rank holds."""
+
+
 class Linear(nn.Linear):
     """`nn.Linear` whose weight may be reordered once into oneDNN's blocked layout.
 
@@ -159,7 +176,7 @@ class Linear(nn.Linear):
     """
 
     packed_weight: torch.Tensor | None = None
-    lora: "LoRASlots | None" = None
+    lora: LoRADeltas | None = None
     quant_method: "LinearMethod | None" = None
     quantizable = True
     # Rows of each checkpoint tensor stacked here (q/k/v, gate/up; one when not fused).

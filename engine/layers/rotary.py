@@ -73,7 +73,7 @@ class RotaryEmbedding(nn.Module):
     `partial_rotary_factor` says fewer); the rest pass through. The table's sine carries
     the sign of the rotation (-sin on the first half), so a rotation is x * cos +
     roll(x, rotary_dim / 2) * signed_sin. `kernel`, when set (see
-    `engine.layers.triton_routing`), does it in one launch: kernel(positions, x, cos, sin).
+    `engine.model_loader.kernel_routing`), does it in one launch: kernel(positions, x, cos, sin).
     """
 
     kernel: Callable | None = None

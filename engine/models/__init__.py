@@ -3,8 +3,7 @@
 from torch import nn
 from transformers import PretrainedConfig
 
-from engine.pooling import PoolerConfig, pooling_architectures
-
+from engine.config import PoolerConfig
 from engine.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from engine.models.llama import LlamaForCausalLM
 from engine.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
@@ -25,6 +24,18 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
+
+def pooling_architectures(causal_models: dict[str, type]) -> dict[str, tuple[type, str]]:
+    """The pooling checkpoints' architectures: for each "XForCausalLM", "XModel" (the bare
+    decoder, an embedding model) and "XForSequenceClassification" (a classifier), with
+    the family class and the task."""
+    found = {}
+    for name, family in causal_models.items():
+        stem = name.removesuffix("ForCausalLM")
+        found[f"{stem}Model"] = (family, "embed")
+        found[f"{stem}ForSequenceClassification"] = (family, "classify")
+    return found
+
 
 # Embedding models ("LlamaModel") and classifiers ("Qwen2ForSequenceClassification") of each family.
 POOLING_ARCHITECTURES = pooling_architectures(MODEL_REGISTRY)

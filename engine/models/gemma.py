@@ -10,18 +10,16 @@ and gives its local and global layers their own rotary bases.
 
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from engine.layers.attention import AttentionMetadata
+from engine.attention.layer import AttentionMetadata
 from engine.layers.layernorm import GemmaRMSNorm, RMSNorm
+from engine.layers.linear import StoredTensor
 from engine.models.llama import AttentionOptions, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 
-if TYPE_CHECKING:
-    from engine.model_loader import CheckpointTensor
 
 # A vision-language checkpoint's language model, as the hub's files and transformers 5 name it.
 _LANGUAGE_MODEL_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
@@ -88,8 +86,8 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
     qk_norm = True
 
     def checkpoint_tensors(
-        self, weights: Iterable[tuple[str, "CheckpointTensor"]]
-    ) -> Iterator[tuple[str, "CheckpointTensor"]]:
+        self, weights: Iterable[tuple[str, StoredTensor]]
+    ) -> Iterator[tuple[str, StoredTensor]]:
         for name, tensor in weights:
             for prefix, replacement in _LANGUAGE_MODEL_PREFIXES:
                 if name.startswith(prefix):

@@ -9,24 +9,21 @@ window, the MLP) comes from class hooks read once at construction (`attention_op
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
+from engine.attention.layer import Attention, AttentionMetadata
 from engine.distributed.communicator import TensorParallelGroup
-from engine.layers.attention import Attention, AttentionMetadata
 from engine.layers.fused_moe import FusedMoE
 from engine.layers.layernorm import RMSNorm
-from engine.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear, ShardSlice
+from engine.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear, ShardSlice, StoredTensor
 from engine.layers.rotary import RotaryEmbedding, rope_parameters
 from engine.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.lora.slots import LoRATarget
 
-if TYPE_CHECKING:
-    from engine.model_loader import CheckpointTensor
 
 # Checkpoint tensor suffix -> (fused parameter suffix, shard index within it).
 _FUSED = {
@@ -73,7 +70,7 @@ class AttentionOptions:
     logit_softcap: float | None = None
 
 
-def check_shape(name: str, tensor: "CheckpointTensor", expected: list[int]) -> None:
+def check_shape(name: str, tensor: StoredTensor, expected: list[int]) -> None:
     """Raises ValueError when a checkpoint tensor's shape is not what the model expects."""
     if tuple(tensor.shape) != tuple(expected):
         raise ValueError(
@@ -140,9 +137,9 @@ def activation_of(config: PretrainedConfig) -> str:
 
 class LlamaMLP(nn.Module):
     """A gated MLP: SwiGLU, or GeGLU with tanh-approximated GELU (Gemma). `kernel`, when
-    set (see `engine.layers.triton_routing`), computes act(gate) * up from the fused gate/up
+    set (see `engine.model_loader.kernel_routing`), computes act(gate) * up from the fused gate/up
     output in one launch: kernel(gate_up, activation). `fused`, when set (see
-    `engine.layers.cpu_routing`), runs the whole MLP in one call where its projections allow:
+    `engine.model_loader.kernel_routing`), runs the whole MLP in one call where its projections allow:
     fused(x, gate_up_proj, down_proj, activation), None where they do not."""
 
     kernel: Callable | None = None
@@ -329,7 +326,7 @@ class LlamaForCausalLM(nn.Module):
                 targets[f"{prefix}.{hf_leaf}"] = LoRATarget(module, shard)
         return targets
 
-    def load_weights(self, weights: Iterable[tuple[str, "CheckpointTensor"]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, StoredTensor]]) -> None:
         """Copies checkpoint tensors in, fusing q/k/v and gate/up; of a split projection
         only this rank's slice is read.
 
@@ -353,8 +350,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def checkpoint_tensors(
-        self, weights: Iterable[tuple[str, "CheckpointTensor"]]
-    ) -> Iterable[tuple[str, "CheckpointTensor"]]:
+        self, weights: Iterable[tuple[str, StoredTensor]]
+    ) -> Iterable[tuple[str, StoredTensor]]:
         """The checkpoint's tensors under the names `load_tensor` takes (a family whose
         checkpoints fuse projections splits them here)."""
         return weights
@@ -363,7 +360,7 @@ class LlamaForCausalLM(nn.Module):
         """How many checkpoint tensors fill the parameter (3 for a fused q/k/v)."""
         return len(self._module_of(param_name)[1])
 
-    def load_tensor(self, name: str, tensor: "CheckpointTensor", params: dict[str, nn.Parameter]) -> tuple[str, int]:
+    def load_tensor(self, name: str, tensor: StoredTensor, params: dict[str, nn.Parameter]) -> tuple[str, int]:
         """Copies one checkpoint tensor (this rank's slice of it) into its parameter;
         returns (parameter name, which of its stacked tensors it was)."""
         module_path, _, kind = name.rpartition(".")

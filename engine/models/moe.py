@@ -14,7 +14,6 @@ each tensor-parallel rank holding its slice of every expert's intermediate featu
 
 import re
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -22,11 +21,9 @@ from transformers import PretrainedConfig
 
 from engine.distributed.communicator import TensorParallelGroup
 from engine.layers.fused_moe import FusedMoE, select_experts
-from engine.layers.linear import Linear, ShardSlice
+from engine.layers.linear import Linear, ShardSlice, StoredTensor
 from engine.models.llama import LlamaForCausalLM, LlamaMLP, check_shape
 
-if TYPE_CHECKING:
-    from engine.model_loader import CheckpointTensor
 
 # A multiple of the widest vectorised loop step (2 x 16 floats on AVX-512): see `_shared_gate`.
 _GATE_LANES = 64
@@ -112,7 +109,7 @@ class MoEForCausalLM(LlamaForCausalLM):
             return module.num_experts * (2 if param_name.endswith("w13") else 1)
         return super().num_checkpoint_tensors(param_name)
 
-    def load_tensor(self, name: str, tensor: "CheckpointTensor", params: dict[str, nn.Parameter]) -> tuple[str, int]:
+    def load_tensor(self, name: str, tensor: StoredTensor, params: dict[str, nn.Parameter]) -> tuple[str, int]:
         match = _EXPERT.match(name)
         if match is None or match["leaf"] not in _EXPERT_LEAVES:
             return super().load_tensor(name, tensor, params)
@@ -155,8 +152,8 @@ class MixtralForCausalLM(MoEForCausalLM):
         return True
 
     def checkpoint_tensors(
-        self, weights: Iterable[tuple[str, "CheckpointTensor"]]
-    ) -> Iterator[tuple[str, "CheckpointTensor"]]:
+        self, weights: Iterable[tuple[str, StoredTensor]]
+    ) -> Iterator[tuple[str, StoredTensor]]:
         """Mixtral's `block_sparse_moe` is the layer's `mlp` here."""
         for name, tensor in weights:
             yield name.replace(".block_sparse_moe.", ".mlp."), tensor

@@ -3,18 +3,15 @@ projections are already fused (`qkv_proj`, `gate_up_proj`), with LongRoPE scalin
 Phi-4-mini, rotation of part of each head (see `engine.layers.rotary`)."""
 
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING
 
+from engine.layers.linear import StoredTensor
 from engine.models.llama import LlamaForCausalLM, head_dim_of
-
-if TYPE_CHECKING:
-    from engine.model_loader import CheckpointTensor
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
     def checkpoint_tensors(
-        self, weights: Iterable[tuple[str, "CheckpointTensor"]]
-    ) -> Iterator[tuple[str, "CheckpointTensor"]]:
+        self, weights: Iterable[tuple[str, StoredTensor]]
+    ) -> Iterator[tuple[str, StoredTensor]]:
         """The fused tensors split into the q/k/v and gate/up tensors they stack, so that
         each loads (and each tensor-parallel rank reads its slice) as in Llama."""
         config = self.config

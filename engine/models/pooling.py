@@ -4,15 +4,13 @@ transformers' `*ForSequenceClassification`."""
 
 import functools
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 from torch import nn
 from transformers import PretrainedConfig
 
 from engine.distributed.communicator import TensorParallelGroup
+from engine.layers.linear import StoredTensor
 
-if TYPE_CHECKING:
-    from engine.model_loader import CheckpointTensor
 
 # Checkpoint names that keep their place; any other (a bare `XModel`'s "layers.0...") is the decoder's.
 _TOP_LEVEL = ("model.", "score.", "lm_head.")
@@ -30,8 +28,8 @@ def pooling_model_class(family: type[nn.Module], classify: bool) -> type[nn.Modu
             self.score = nn.Linear(config.hidden_size, config.num_labels, bias=False) if classify else None
 
         def checkpoint_tensors(
-            self, weights: Iterable[tuple[str, "CheckpointTensor"]]
-        ) -> Iterable[tuple[str, "CheckpointTensor"]]:
+            self, weights: Iterable[tuple[str, StoredTensor]]
+        ) -> Iterable[tuple[str, StoredTensor]]:
             renamed = ((name if name.startswith(_TOP_LEVEL) else f"model.{name}", tensor) for name, tensor in weights)
             return super().checkpoint_tensors(renamed)
 

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from engine.config import AT_LOAD, CHECKPOINT_METHODS
 from engine.hardware import amx_products, detect_cpu
 from engine.quantization.checkpoint import CheckpointFormat
 from engine.quantization.fp8 import Fp8LinearMethod, fp8_products_available
@@ -23,13 +24,6 @@ from engine.quantization.int4 import Int4LinearMethod
 from engine.quantization.int8 import Int8LinearMethod, Int8MoEMethod
 
 logger = logging.getLogger(__name__)
-
-# Methods that quantize a 16- or 32-bit checkpoint at load -> what they need.
-AT_LOAD = {"int8": "a CPU with VNNI or AMX", "fp8": "a GPU with FP8 units (compute capability 8.9 or later)"}
-# Methods a checkpoint's own weights may be stored in.
-CHECKPOINT_METHODS = ("awq", "gptq", "fp8", "compressed-tensors")
-QUANTIZATION_METHODS = tuple(sorted({*AT_LOAD, *CHECKPOINT_METHODS}))
-
 
 def _settings(hf_config: PretrainedConfig) -> dict[str, Any] | None:
     settings = getattr(hf_config, "quantization_config", None)

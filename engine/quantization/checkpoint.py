@@ -12,12 +12,12 @@ multiplies in the checkpoint's own precision takes it undequantized instead
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from engine.layers.linear import ShardSlice
+from engine.kernels.int4_layout import unpack_int4
+from engine.layers.linear import ShardSlice, StoredTensor
 
 # The tensors one quantized projection is stored as.
 INT4_PARTS = ("qweight", "qzeros", "scales", "g_idx")
@@ -26,15 +26,7 @@ FP8_PARTS = ("weight", "weight_scale", "weight_scale_inv", "input_scale")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 
-class StoredTensor(Protocol):
-    """A checkpoint tensor as the loader reads it (`engine.model_loader.CheckpointTensor`)."""
-
-    shape: tuple[int, ...]
-
-    def read(self, piece: "ShardSlice | None" = None) -> torch.Tensor: ...
-
-
-def _narrow(tensor: torch.Tensor, piece: "ShardSlice | None") -> torch.Tensor:
+def _narrow(tensor: torch.Tensor, piece: ShardSlice | None) -> torch.Tensor:
     return tensor if piece is None else piece.of(tensor)
 
 
@@ -47,7 +39,7 @@ class QuantizedTensor:
         """The whole weight [out, in] in float32."""
         raise NotImplementedError
 
-    def read(self, piece: "ShardSlice | None" = None) -> torch.Tensor:
+    def read(self, piece: ShardSlice | None = None) -> torch.Tensor:
         """The weight dequantized, or its slice `piece` (a tensor-parallel rank's: the
         projection is read whole, one at a time, and the rest dropped)."""
         return _narrow(self.dequantize(), piece)
@@ -67,7 +59,7 @@ class QuantizedRows(QuantizedTensor):
     def dequantize(self) -> torch.Tensor:
         return self.whole.dequantize().narrow(0, self.start, self.shape[0])
 
-    def int4(self, piece: "ShardSlice | None" = None) -> "Int4Weight":
+    def int4(self, piece: ShardSlice | None = None) -> "Int4Weight":
         return self.whole.int4().narrow(0, self.start, self.shape[0]).of(piece)  # type: ignore[attr-defined]
 
 
@@ -110,7 +102,7 @@ class Int4Weight:
         zeros, scales = self.zeros[self.group_index].float(), self.scales[self.group_index].float()
         return ((self.q.float() - zeros) * scales).t()
 
-    def of(self, piece: "ShardSlice | None") -> "Int4Weight":
+    def of(self, piece: ShardSlice | None) -> "Int4Weight":
         """The slice `piece` of the weight (all of it for None)."""
         return self if piece is None else self.narrow(piece.dim, piece.start, piece.length)
 
@@ -121,17 +113,6 @@ class Int4Weight:
                               self.scales.narrow(1, start, length), self.group_index)
         return Int4Weight(self.q.narrow(0, start, length), self.zeros, self.scales,
                           self.group_index.narrow(0, start, length))
-
-
-def unpack_int4(packed: torch.Tensor, dim: int, order: tuple[int, ...] = tuple(range(8))) -> torch.Tensor:
-    """int32 words holding eight 4-bit values each -> uint8 values, eight per word along
-    `dim`; nibble j of a word holds value `order[j]` of its eight."""
-    shifts = torch.tensor([4 * order.index(i) for i in range(8)], dtype=torch.int32)
-    words = packed.to(torch.int32).unsqueeze(-1 if dim == 1 else 1)
-    shape = [1] * words.dim()
-    shape[-1 if dim == 1 else 1] = 8
-    values = (words >> shifts.view(shape)) & 0xF
-    return values.flatten(1, 2) if dim == 1 else values.flatten(0, 1)
 
 
 @dataclass(frozen=True)
@@ -149,7 +130,7 @@ class Int4Tensor(QuantizedTensor):
     def shape(self) -> tuple[int, int]:  # type: ignore[override]
         return tuple(self.scales.shape[1:2]) + (self.qweight.shape[0] * (1 if self.awq else 8),)
 
-    def int4(self, piece: "ShardSlice | None" = None) -> Int4Weight:
+    def int4(self, piece: ShardSlice | None = None) -> Int4Weight:
         """The weight undequantized (of `piece` only, if given)."""
         if self.awq:
             q = unpack_int4(self.qweight.read(), 1, AWQ_ORDER)

@@ -5,7 +5,7 @@ load, multiplied in int8.
 Weights: symmetric, one scale per output feature (max |w| / 127), stored [in, out] as the
 int8 product reads them. Activations: each row (token) quantized the same way on the fly,
 so a row's result never depends on the rest of the batch. A projection whose input ranges
-were measured at load (`engine.quantization.calibration`) is smoothed first, as SmoothQuant
+were measured at load (`engine.worker.calibration`) is smoothed first, as SmoothQuant
 does: each input channel j is divided by s_j = range_j^0.5 / max|w_j|^0.5 and its weight
 column multiplied by it (the same product, with the activations' outlier channels tamed so
 that one row scale suits them all), and its `OUTLIER_CHANNELS` widest channels after that

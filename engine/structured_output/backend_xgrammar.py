@@ -14,7 +14,7 @@ import torch
 import xgrammar as xgr
 from transformers import PreTrainedTokenizerBase
 
-from engine.structured_output.manager import GrammarCompileError
+from engine.structured_output.backend_types import GrammarCompileError
 from engine.structured_output.params import StructuredOutputsParams
 
 # xgrammar's messages start with a timestamp and its C++ source location.

@@ -2,19 +2,14 @@
 builds each step's token bitmask for the constrained rows."""
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from engine.structured_output.backend_types import (
+    GrammarCompileError, StructuredOutputBackend, StructuredOutputGrammar,
+)
 from engine.structured_output.params import StructuredOutputsParams
-
-if TYPE_CHECKING:
-    from engine.structured_output.backend_xgrammar import Grammar, XgrammarBackend
-
-
-class GrammarCompileError(ValueError):
-    """A constraint the backend cannot compile; the message is the backend's reason."""
 
 
 @dataclass
@@ -22,7 +17,7 @@ class GrammarBitmask:
     """The step's constraints: `bitmask` [sampled rows, ceil(vocab / 32)] (int32, on the
     host), filled only at `rows`, the rows whose completion has a grammar."""
 
-    backend: "XgrammarBackend"
+    backend: StructuredOutputBackend
     bitmask: torch.Tensor
     rows: list[int]
 
@@ -41,10 +36,10 @@ class StructuredOutputManager:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = stop_token_ids
-        self._backend: "XgrammarBackend | None" = None
+        self._backend: StructuredOutputBackend | None = None
 
     @property
-    def backend(self) -> "XgrammarBackend":
+    def backend(self) -> StructuredOutputBackend:
         if self._backend is None:
             from engine.structured_output.backend_xgrammar import XgrammarBackend
 
@@ -60,12 +55,12 @@ class StructuredOutputManager:
             return f"the {params.kind} constraint does not compile: {exc}"
         return None
 
-    def grammar(self, params: StructuredOutputsParams) -> "Grammar":
+    def grammar(self, params: StructuredOutputsParams) -> StructuredOutputGrammar:
         """A new matcher for one completion of a request with these constraints."""
         return self.backend.matcher(params)
 
 
-def grammar_bitmask(grammars: "list[Grammar | None]") -> GrammarBitmask | None:
+def grammar_bitmask(grammars: list[StructuredOutputGrammar | None]) -> GrammarBitmask | None:
     """The bitmask of a step whose sampled rows have these grammars (None: unconstrained),
     or None when no row is constrained."""
     rows = [row for row, grammar in enumerate(grammars) if grammar is not None]

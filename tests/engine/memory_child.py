@@ -48,15 +48,15 @@ def disable_the_fix() -> None:
     """The engine before its fix: an LLM dropped without close() frees its tensors as the
     garbage collector finds them, and malloc keeps the freed heap."""
     import engine.llm_engine
-    import engine.model_runner
+    import engine.worker.model_runner
 
     engine.llm_engine._free_dropped_engine = lambda attributes: None
-    engine.model_runner.long_lived_allocations = contextlib.nullcontext
+    engine.worker.model_runner.long_lived_allocations = contextlib.nullcontext
 
 
 def run_cycle(model: str, ending: str, report: MemoryReport) -> None:
     from engine import LLM, SamplingParams
-    from engine.model_loader import weight_bytes
+    from engine.model_loader.loader import weight_bytes
 
     prompts = [f"Write a short story about the number {i}." for i in range(32)]
     llm = LLM(model)

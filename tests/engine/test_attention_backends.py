@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-import engine.layers.attention_selector as selector
 from engine import LLM, SamplingParams
+import engine.attention.selector as selector
 from engine.kernels import cpu_build
 from engine.kernels import triton as triton_kernels
 
@@ -60,7 +60,7 @@ def test_impossible_choices_say_why(monkeypatch):
 
 
 def test_cuda_graph_buckets():
-    from engine.cuda_graphs import decode_buckets
+    from engine.worker.cuda_graphs import decode_buckets
 
     assert decode_buckets(256) == [1, 2, 4, 8, *range(16, 257, 16)]
     assert decode_buckets(40) == [1, 2, 4, 8, 16, 32, 40]

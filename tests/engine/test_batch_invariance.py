@@ -11,11 +11,11 @@ import random
 import pytest
 import torch
 
+from engine.attention.backends.torch_attn import matmul_attention
+from engine.attention.layer import Attention
 from engine.hardware import amx_products, detect_cpu, machine_cpu
-from engine.layers.attention import Attention
-from engine.layers.attention_torch import matmul_attention
 from engine.layers.linear import Linear, enforce_batch_invariance, linear_kernel, rows_kept_apart
-from engine.layers.sampler import _inverse_cdf, top_k_top_p_head
+from engine.sample.sampler import _inverse_cdf, top_k_top_p_head
 from tests.processes import run_in_batch_mode
 
 pytestmark = pytest.mark.cpu_kinds

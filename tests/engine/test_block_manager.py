@@ -2,9 +2,9 @@
 
 import pytest
 
-from engine.block_manager import BlockManager
+from engine.core.block_manager import BlockManager
+from engine.core.sequence import Sequence
 from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
 
 
 def make_seq(tokens: list[int], seq_id: int = 0) -> Sequence:

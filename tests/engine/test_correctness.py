@@ -224,7 +224,7 @@ def test_embedded_model_matches_transformers():
     """The real SmolLM2 weights, 16 chat prompts of mixed lengths, in four engine set-ups.
     transformers' greedy tokens are checked by `check_transformers_greedy` (one forward pass
     per prompt; `generate` token by token took half a minute of this test)."""
-    from engine.model_loader import resolve_model_path
+    from engine.model_loader.folder import resolve_model_path
 
     path = resolve_model_path(None)
     with LLM(dtype="float32", max_model_len=512) as llm:

@@ -10,11 +10,11 @@ import random
 import pytest
 import torch
 
-import engine.layers.attention_selector as attention_selector
 from engine import LLM, SamplingParams
+from engine.attention.backends.torch_attn import matmul_attention
+from engine.attention.layer import Attention
+import engine.attention.selector as attention_selector
 from engine.kernels import cpu_attention, cpu_build
-from engine.layers.attention import Attention
-from engine.layers.attention_torch import matmul_attention
 
 pytestmark = pytest.mark.cpu_kinds
 

@@ -10,9 +10,9 @@ from torch import nn
 
 from engine.distributed.communicator import TensorParallelGroup
 from engine.kernels import cpu_build
-from engine.layers.cpu_routing import route_through_cpu_kernels
 from engine.layers.layernorm import GemmaRMSNorm, RMSNorm
 from engine.layers.rotary import RotaryEmbedding
+from engine.model_loader.kernel_routing import route_through_cpu_kernels
 from engine.models.llama import LlamaMLP
 
 pytestmark = pytest.mark.cpu_kinds

@@ -29,9 +29,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import engine.distributed.plan as plan_module
 from engine import LLM, LoRARequest, SamplingParams
-from engine.distributed.data_parallel import deal, estimated_work
+from engine.data_parallel import deal, estimated_work
+import engine.distributed.plan as plan_module
 from engine.distributed.process import WorkerError
 from engine.inputs import PromptType, Request, RequestChecker, valid_requests
 from engine.outputs import RequestOutput

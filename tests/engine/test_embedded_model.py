@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from engine import embedded_model
-from engine.embedded_model import EMBEDDED_MODEL_NAME, default_cache_dir, ensure_embedded_model
+from engine.model_loader import embedded_model
+from engine.model_loader.embedded_model import EMBEDDED_MODEL_NAME, default_cache_dir, ensure_embedded_model
 
 CHATML_HI = (
     "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"

@@ -168,7 +168,7 @@ def test_tensor_parallel_shards_sum_to_the_whole():
 def test_routed_experts_keep_their_weights_for_the_kernel():
     """Routed through Triton before the model is prepacked (as `load_model` does), the
     experts keep the 3-D weights the kernel reads."""
-    from engine.layers.triton_routing import route_through_triton
+    from engine.model_loader.kernel_routing import route_through_triton
 
     x, w13, w2, weights, ids = moe_case(5, 4, 2)
     layer = layer_of(w13, w2, prepacked=False)

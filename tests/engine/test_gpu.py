@@ -24,7 +24,7 @@ def test_embedded_model_bfloat16_matches_float32_greedy():
     embedded model: the first 16 greedy tokens agree on at least 60 of 64 chat prompts
     (bfloat16 rounding may flip a near-tie now and then). DAGSTER_LLM_TEST_MODEL names a
     model folder where the embedded model's package is not installed."""
-    from engine.embedded_model import ensure_embedded_model
+    from engine.model_loader.embedded_model import ensure_embedded_model
 
     path = os.environ.get("DAGSTER_LLM_TEST_MODEL") or str(ensure_embedded_model())
     conversations = [[{"role": "user", "content": ask.format(topic)}] for topic in TOPICS for ask in ASKS]

@@ -17,10 +17,10 @@ import sys
 import pytest
 import torch
 
-import engine.hardware as hardware
-import engine.layers.linear as linear
 from engine import LLM, SamplingParams
+import engine.hardware as hardware
 from engine.hardware import CPU_KIND_ENV, CPU_KINDS, CpuInfo, available_cpus, cpu_dtype, default_num_threads, detect_cpu
+import engine.layers.linear as linear
 from tests.cpu_kinds import stand_ins
 
 pytestmark = pytest.mark.cpu_kinds
@@ -192,7 +192,7 @@ def test_batch_invariant_mode_is_refused_on_a_gpu_before_anything_loads(tiny_mod
 
     on_gpu = ModelConfig(tiny_models["llama"], LlamaConfig(), torch.bfloat16, torch.device("cuda"), 128)
     with pytest.raises(ValueError, match="batch_invariant=True runs on a CPU only.*device='cpu'"):
-        EngineConfig(batch_invariant=True).resolve(on_gpu)
+        EngineConfig(batch_invariant=True).resolve(on_gpu, "triton")
     with pytest.raises(ValueError, match="batch_invariant must be True or False, got 'yes'"):
         EngineConfig(batch_invariant="yes")
 

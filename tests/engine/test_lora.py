@@ -69,7 +69,7 @@ def test_mixed_adapters_on_the_triton_backend(tmp_path):
 
 @pytest.mark.slow
 def test_mixed_adapters_match_peft_on_the_embedded_model(tmp_path):
-    from engine.embedded_model import ensure_embedded_model
+    from engine.model_loader.embedded_model import ensure_embedded_model
 
     check_mixed_batch_matches_peft(ensure_embedded_model(), tmp_path, vocab=49152, num_prompts=3, new_tokens=10)
 

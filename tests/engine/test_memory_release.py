@@ -36,7 +36,7 @@ from pathlib import Path
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.embedded_model import EMBEDDED_MODEL_NAME
+from engine.model_loader.embedded_model import EMBEDDED_MODEL_NAME
 from tests.engine.memory_child import Cycle, MemoryReport
 
 pytestmark = pytest.mark.cpu_kinds

@@ -16,18 +16,18 @@ from tests.engine.test_correctness import MAX_TOKENS, mixed_prompts
 from tests.engine.test_fused_moe import moe_case, reference_moe
 from engine import LLM, LoRARequest, SamplingParams
 from engine import quantization
-from engine.config import EngineConfig
 from engine import hardware
-from engine.hardware import CPU_KINDS, detect_cpu
-from engine.models.llama import LlamaMLP
+from engine.config import EngineConfig
 from engine.distributed.communicator import TensorParallelGroup
-from engine.layers.cpu_routing import route_through_cpu_kernels
+from engine.hardware import CPU_KINDS, detect_cpu
 from engine.layers.fused_moe import FusedMoE
 from engine.layers.linear import Linear
+from engine.model_loader.kernel_routing import route_through_cpu_kernels
+from engine.models.llama import LlamaMLP
 from engine.quantization import apply_quantization, resolve_quantization
-from engine.quantization.calibration import CALIBRATION_TEXTS, calibration_prompts
 from engine.quantization.int8 import (Int8LinearMethod, Int8Smoothing, bfloat16_pairs, int8_gated_mlp, int8_linear,
                                      quantize_rows, quantize_weight)
+from engine.worker.calibration import CALIBRATION_TEXTS, calibration_prompts
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="int8 runs on a CPU")

@@ -1,4 +1,4 @@
-"""Unit tests of the batched sampler (`engine/layers/sampler.py`) against independent references.
+"""Unit tests of the batched sampler (`engine/sample/sampler.py`) against independent references.
 
 No model is loaded: every test builds `SamplingMetadata` by hand from per-row `SamplingParams`
 and checks the sampler against transformers' logits warpers, float64 re-computations of vLLM's
@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-import engine.layers.sampler as sampler_module
-from engine.layers.sampler import (
+import engine.sample.sampler as sampler_module
+from engine.sample.sampler import (
     Penalties,
     Sampler,
     SamplingMetadata,

@@ -4,11 +4,11 @@ import random
 
 import pytest
 
-from engine.block_manager import BlockManager
-from engine.sampling_params import SamplingParams
 from engine.config import EngineConfig
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SequenceStatus
+from engine.core.block_manager import BlockManager
+from engine.core.scheduler import Scheduler
+from engine.core.sequence import Sequence, SequenceStatus
+from engine.sampling_params import SamplingParams
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, chunked=True,

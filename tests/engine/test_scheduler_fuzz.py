@@ -21,12 +21,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import LLM, SamplingParams
-from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.core.block_manager import BlockManager
+from engine.core.sched_output import ScheduledBatch
+from engine.core.scheduler import Scheduler
+from engine.core.sequence import Sequence, SequenceStatus
 from engine.llm_engine import EngineStats, LLMEngine
-from engine.model_runner import StepOutput
-from engine.scheduler import ScheduledBatch, Scheduler
-from engine.sequence import Sequence, SequenceStatus
+from engine.worker.model_runner import StepOutput
 
 # Hundreds of generated workloads and a set of LLMs: outside the quick set (-m 'not slow').
 pytestmark = pytest.mark.slow

@@ -16,11 +16,11 @@ import random
 import pytest
 import torch
 
+from engine.attention.layer import Attention, AttentionMetadata
+from engine.attention.selector import make_backend
 from engine.kernels import cpu_build
 from engine.kernels import triton as triton_kernels
 from engine.kv_cache_dtype import is_scaled
-from engine.layers.attention import Attention, AttentionMetadata
-from engine.layers.attention_selector import make_backend
 from tests.engine.test_triton_kernels import DEVICE as TRITON_DEVICE
 from tests.engine.test_triton_kernels import reference_attention, tolerance
 
@@ -159,8 +159,8 @@ def test_triton_decode_splits_only_the_window(window, monkeypatch):
     """Split-K decode with partitions of 32 keys: contexts inside one window, and spanning
     up to five partitions of which the window covers one or two; one split more than
     needed, as a CUDA graph pads."""
+    from engine.attention.backends import triton_attn as attention_triton
     from engine.kernels.triton import paged_attention
-    from engine.layers import attention_triton
 
     monkeypatch.setattr(paged_attention, "DECODE_PARTITION", 32)
     monkeypatch.setattr(attention_triton, "decode_splits", lambda length: paged_attention.decode_splits(length) + 1)

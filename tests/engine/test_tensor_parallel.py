@@ -28,13 +28,14 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-import engine.distributed.plan as plan_module
 from engine import LLM, LoRARequest, SamplingParams, model_loader
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
 from engine.distributed.communicator import TensorParallelGroup
+import engine.distributed.plan as plan_module
 from engine.distributed.plan import check_tensor_parallel, plan_parallelism
 from engine.distributed.process import WorkerError
 from engine.layers.linear import Linear, ShardSlice
+from engine.model_loader.model_config import resolve_model_config
 from engine.outputs import RequestOutput
 from engine.structured_output.params import StructuredOutputsParams
 from tests.lora_adapters import build_lora_adapter
@@ -486,7 +487,7 @@ def test_rank_1_reads_only_its_slices_of_the_checkpoint(models: dict[str, Path],
 
     monkeypatch.setattr(model_loader, "open_safetensors", recorded_open)
     monkeypatch.setattr(Linear, "prepack", lambda self: None)  # keep .weight (not oneDNN's packed copy)
-    model_config = ModelConfig.resolve(folder, EngineConfig(dtype="float32", device="cpu"), eos_token_id=2)
+    model_config = resolve_model_config(folder, EngineConfig(dtype="float32", device="cpu"), eos_token_id=2)
     model = model_loader.load_model(model_config, TensorParallelGroup(rank=1, size=2))
 
     whole = {name: t.numel() * t.element_size() for name, t in full.items()}

@@ -2,7 +2,7 @@
 
 Written from vLLM 0.33's `SamplingParams` and its tests (tests/v1/sample/
 test_sampling_params*.py, tests/test_sampling_params.py); the deliberate differences
-are in the README's "Differences from vLLM", and tested here as differences.
+are in docs/engine.md's "Differences from vLLM", and tested here as differences.
 """
 
 import json

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.quantization.checkpoint import unpack_int4
+from engine.kernels.int4_layout import unpack_int4
 
 
 @triton.jit

@@ -6,8 +6,8 @@ from multiprocessing.connection import Connection
 
 from engine.distributed.communicator import TensorParallelGroup
 from engine.distributed.process import receive_message, send_message
-from engine.distributed.worker_group import ForwardCommand, RankStart
-from engine.worker import Worker
+from engine.worker.worker import Worker
+from engine.worker.worker_group import ForwardCommand, RankStart
 
 
 class _RemoteWorker(Worker):

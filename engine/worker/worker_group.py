@@ -19,14 +19,14 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from engine.attention.layer import AttentionMetadata
 from engine.config import EngineConfig, ModelConfig
 from engine.distributed.communicator import TensorParallelGroup
 from engine.distributed.plan import ReplicaPlan
 from engine.distributed.process import ChildProcess, WorkerError, stop_all
-from engine.layers.attention import AttentionMetadata
 from engine.lora.request import LoRARequest
 from engine.lora.slots import LoRARange
-from engine.worker import ModelInputs, Worker
+from engine.worker.worker import ModelInputs, Worker
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ class WorkerGroup:
         try:
             for p in placements[1:]:
                 start = RankStart(p.rank, size, store.port, backend, config, replace(model_config, device=p.device))
-                self.remote.append(ChildProcess(f"tensor-parallel rank {p.rank}", "engine.distributed.tp_worker:serve",
+                self.remote.append(ChildProcess(f"tensor-parallel rank {p.rank}", "engine.worker.tp_worker:serve",
                                                 start, threads=config.num_threads, cores=list(p.cores or []) or None))
             for child in self.remote:
                 child.recv()  # imported and about to join: a rank that cannot start fails here, not in a wait

@@ -2,7 +2,7 @@
 
 import enum
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -12,9 +12,27 @@ from engine.outputs import RequestMetrics
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.beam_search import BeamGroup
-    from engine.pooling import PoolingParams
-    from engine.structured_output.backend_xgrammar import Grammar
+    from transformers import PreTrainedTokenizerBase
+
+    from engine.beam_search import BeamSearchOutput, BeamSearchParams
+    from engine.pooling_params import PoolingParams
+    from engine.sample.sampler import SampledToken
+    from engine.structured_output.backend_types import StructuredOutputGrammar
+
+
+class BeamGroupState(Protocol):
+    """The beam-search request a live beam belongs to, as the scheduler and the engine read
+    it through the beam (`engine.core.beam_group.BeamGroup` implements it; declared here so
+    that a sequence does not import its group)."""
+
+    params: "BeamSearchParams"
+    beams: list["Sequence"]
+
+    def report(self, beam: "Sequence", sampled: "SampledToken") -> bool:
+        """Records a live beam's candidates for this step; True once every live beam has."""
+
+    def output(self, tokenizer: "PreTrainedTokenizerBase") -> "BeamSearchOutput":
+        """The finished beams, best first."""
 
 
 class SequenceStatus(enum.Enum):
@@ -81,7 +99,7 @@ class Sequence:
         self.num_pending_children = sampling_params.n - 1 if index == 0 else 0
         self.group: list[Sequence] = [self]
         # A beam of a beam-search request: its group decides its next token (set by the engine).
-        self.beam: "BeamGroup | None" = None
+        self.beam: BeamGroupState | None = None
         # A pooling request's settings (set by the engine), the partial MEAN or CLS vector
         # of a prompt pooled over several steps, and the output once its prompt is computed.
         self.pooling: "PoolingParams | None" = None
@@ -94,7 +112,7 @@ class Sequence:
         # Whether its logits are processed before sampling (set by the engine).
         self.processes_logits = False
         # Where the completion stands in its structured-output grammar, set by the engine.
-        self.grammar: "Grammar | None" = None
+        self.grammar: "StructuredOutputGrammar | None" = None
         self.logprobs: list[dict] | None = [] if sampling_params.logprobs is not None else None
         self.cumulative_logprob: float | None = 0.0 if sampling_params.logprobs is not None else None
         self.prompt_logprobs: list[dict | None] | None = (

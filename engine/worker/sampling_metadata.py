@@ -8,10 +8,10 @@ tokens, min_tokens, bad words) are flagged when their sequence is created
 
 import torch
 
-from engine.input_batch import upload
-from engine.layers.sampler import Penalties, SamplingMetadata
-from engine.sequence import Sequence
+from engine.core.sequence import Sequence
+from engine.sample.sampler import Penalties, SamplingMetadata
 from engine.structured_output.manager import grammar_bitmask
+from engine.worker.input_batch import upload
 
 
 class SamplingMetadataBuilder:

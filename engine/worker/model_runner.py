@@ -9,21 +9,21 @@ import torch
 from torch import nn
 
 from engine.config import EngineConfig, ModelConfig
-from engine.device_queue import Pending, launch
+from engine.core.sched_output import ScheduledBatch
+from engine.core.sequence import Sequence
 from engine.distributed.plan import ReplicaPlan
-from engine.distributed.worker_group import WorkerGroup
-from engine.input_batch import InputBatch, KeptRows, PromptRows, StepInputs, upload
-from engine.kv_cache import KVCache
-from engine.layers.sampler import SampledToken, Sampler, SamplerOutput, token_logprobs
+from engine.layers.pooler import Pooler
 from engine.lora.manager import LoRAManager
-from engine.pooling import Pooler
-from engine.scheduler import ScheduledBatch
-from engine.sequence import Sequence
-from engine.sampling_metadata import SamplingMetadataBuilder
-from engine.worker import ModelInputs
+from engine.sample.sampler import SampledToken, Sampler, SamplerOutput, token_logprobs
+from engine.worker.device_queue import Pending, launch
+from engine.worker.input_batch import InputBatch, KeptRows, PromptRows, StepInputs, upload
+from engine.worker.kv_cache import KVCache
+from engine.worker.sampling_metadata import SamplingMetadataBuilder
+from engine.worker.worker import ModelInputs
+from engine.worker.worker_group import WorkerGroup
 
 if TYPE_CHECKING:
-    from engine.cuda_graphs import CUDAGraphRunner
+    from engine.worker.cuda_graphs import CUDAGraphRunner
 
 
 @dataclass

@@ -99,7 +99,7 @@ class ReplicaPool:
             rank0 = plan.placements[0]
             start = ReplicaStart(replace(config, seed=config.seed + rank0.replica, num_threads=threads), plan)
             self.replicas.append(ChildProcess(f"data-parallel replica {rank0.replica}",
-                                              "engine.distributed.data_parallel:serve", start, threads=threads,
+                                              "engine.data_parallel:serve", start, threads=threads,
                                               cores=list(rank0.cores or []) or None))
 
     @property

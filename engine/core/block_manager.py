@@ -2,7 +2,7 @@
 
 from collections import OrderedDict
 
-from engine.sequence import Sequence
+from engine.core.sequence import Sequence
 
 BlockKey = tuple[int | None, tuple[int, ...]]
 

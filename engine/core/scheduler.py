@@ -4,32 +4,10 @@ import bisect
 import time
 from dataclasses import dataclass, field
 
-from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.sequence import Sequence, SequenceStatus
-
-
-@dataclass
-class ScheduledBatch:
-    """One step's work: each sequence with the number of its tokens to compute now.
-
-    `forks` are (child, parent) pairs: new completions of a prompt that the parent
-    finishes computing in this step; each samples its first token from the parent's
-    logits. `block_copies` are (source, destination) blocks to copy before the step.
-    """
-
-    seqs: list[Sequence]
-    num_new_tokens: list[int]
-    forks: list[tuple[Sequence, Sequence]] = field(default_factory=list)
-    block_copies: list[tuple[int, int]] = field(default_factory=list)
-    cached_prompt_tokens: int = 0  # prefix-cache hits of the requests admitted for the first time
-    # Sequences that left the running set since the previous step (finished, preempted or
-    # aborted): the model runner frees their rows of the persistent batch.
-    released: list[Sequence] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.num_new_tokens)
+from engine.core.block_manager import BlockManager
+from engine.core.sched_output import ScheduledBatch
+from engine.core.sequence import Sequence, SequenceStatus
 
 
 class Scheduler:

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from engine.attention.layer import Attention, AttentionBackend, AttentionMetadata
+from engine.attention.selector import make_backend
 from engine.config import EngineConfig
 from engine.kv_cache_dtype import is_scaled
-from engine.layers.attention import Attention, AttentionBackend, AttentionMetadata
-from engine.layers.attention_selector import make_backend
 
 logger = logging.getLogger(__name__)
 

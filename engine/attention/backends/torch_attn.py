@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from engine.attention.layer import Attention, AttentionBackend, AttentionMetadata
 from engine.hardware import detect_cpu
 from engine.kv_cache_dtype import dequantize, is_scaled, quantize
-from engine.layers.attention import Attention, AttentionBackend, AttentionMetadata
 
 
 # Queries attend in chunks of at most this many rows per sequence, and sequences in

@@ -3,7 +3,7 @@ KV cache of its heads and its LoRA adapter slots. It runs forward passes and com
 the logits of chosen rows.
 
 Every rank's Worker makes the same calls in the same order: rank 0's model runner makes
-them and `WorkerGroup` (engine.distributed.worker_group) repeats them on the other
+them and `WorkerGroup` (engine.worker.worker_group) repeats them on the other
 ranks, so that the collectives inside the model pair up.
 """
 
@@ -15,21 +15,21 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.attention.layer import AttentionMetadata
 from engine.config import EngineConfig, ModelConfig
 from engine.distributed.communicator import TensorParallelGroup
 from engine.hardware import amx_products, detect_cpu, keep_freed_memory, long_lived_allocations, set_num_threads
-from engine.kv_cache import KVCache, plan_num_blocks
 from engine.kv_cache_dtype import cache_torch_dtype
-from engine.layers.attention import AttentionMetadata
 from engine.layers.linear import enforce_batch_invariance, linear_kernel
 from engine.lora.manager import LoRAManager
 from engine.lora.request import LoRARequest
 from engine.lora.slots import LoRARange
-from engine.model_loader import load_model
-from engine.quantization.calibration import calibration_prompts, layers_wanting_ranges, record_input_ranges
+from engine.model_loader.loader import load_model
+from engine.worker.calibration import calibration_prompts, layers_wanting_ranges, record_input_ranges
+from engine.worker.kv_cache import KVCache, plan_num_blocks
 
 if TYPE_CHECKING:
-    from engine.cuda_graphs import CUDAGraphRunner
+    from engine.worker.cuda_graphs import CUDAGraphRunner
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ class Worker:
             logger.info("CUDA graphs are off with %s", "enable_lora (adapter slots change between steps)"
                         if config.enable_lora else "tensor_parallel_size > 1")
             return None
-        from engine.cuda_graphs import CUDAGraphRunner
+        from engine.worker.cuda_graphs import CUDAGraphRunner
 
         graphs = CUDAGraphRunner(self.model, config.max_num_seqs, self.model_config.max_model_len,
                                  config.block_size, self.device)

@@ -2,9 +2,9 @@
 
 import torch
 
+from engine.attention.layer import AttentionBackend
 from engine.kernels import cpu_build
 from engine.kernels import triton as triton_kernels
-from engine.layers.attention import AttentionBackend
 
 
 def resolve_backend_name(setting: str, device: torch.device) -> str:
@@ -31,13 +31,13 @@ def resolve_backend_name(setting: str, device: torch.device) -> str:
 def make_backend(name: str, null_slot: int) -> AttentionBackend:
     """The backend called `name` (as `resolve_backend_name` returns it)."""
     if name == "triton":
-        from engine.layers.attention_triton import TritonAttentionBackend
+        from engine.attention.backends.triton_attn import TritonAttentionBackend
 
         return TritonAttentionBackend()
     if name == "cpu":
-        from engine.layers.attention_cpu import CpuAttentionBackend
+        from engine.attention.backends.cpu_attn import CpuAttentionBackend
 
         return CpuAttentionBackend(null_slot)
-    from engine.layers.attention_torch import TorchAttentionBackend
+    from engine.attention.backends.torch_attn import TorchAttentionBackend
 
     return TorchAttentionBackend(null_slot)

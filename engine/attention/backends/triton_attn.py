@@ -9,14 +9,14 @@ layer's sliding window and soft-cap as compile-time constants: a kernel per kind
 
 import torch
 
+from engine.attention.layer import Attention, AttentionBackend, AttentionMetadata
 from engine.kernels.triton.kv_store import store_kv
 from engine.kernels.triton.paged_attention import decode_attention, decode_splits, prefill_attention
-from engine.layers.attention import Attention, AttentionBackend, AttentionMetadata
 
 
 class TritonAttentionBackend(AttentionBackend):
     """`backend_data` is the decode kernel's context split count: from the step's longest
-    context here, fixed for every step where CUDA graphs replay (see `engine.cuda_graphs`)."""
+    context here, fixed for every step where CUDA graphs replay (see `engine.worker.cuda_graphs`)."""
 
     name = "triton"
 

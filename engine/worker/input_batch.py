@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.layers.attention import AttentionMetadata
+from engine.attention.layer import AttentionMetadata
+from engine.core.sched_output import ScheduledBatch
+from engine.core.sequence import Sequence
 from engine.lora.slots import LoRARange
-from engine.scheduler import ScheduledBatch
-from engine.sequence import Sequence
 
 
 @dataclass

@@ -12,7 +12,7 @@ import time
 import torch
 from torch import nn
 
-from engine.layers.attention import AttentionMetadata
+from engine.attention.layer import AttentionMetadata
 from engine.kernels.triton.paged_attention import decode_splits
 
 logger = logging.getLogger(__name__)

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from engine.kv_cache import KVCache, prefill_metadata
 from engine.layers.linear import Linear
+from engine.worker.kv_cache import KVCache, prefill_metadata
 
 logger = logging.getLogger(__name__)
 

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.attention.backends.torch_attn import TorchAttentionBackend
+from engine.attention.layer import Attention, AttentionMetadata
 from engine.kernels import cpu_attention
-from engine.layers.attention import Attention, AttentionMetadata
-from engine.layers.attention_torch import TorchAttentionBackend
 
 
 @dataclass

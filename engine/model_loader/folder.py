@@ -1,0 +1,78 @@
+"""The model folder: where a model name points (the embedded default or a local folder), what
+it must hold, and a fingerprint of its weights."""
+
+import functools
+import hashlib
+import json
+from pathlib import Path
+
+from engine.model_loader.embedded_model import EMBEDDED_MODEL_NAME, ensure_embedded_model
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+class ModelLoadError(ValueError):
+    """A model folder that cannot be used; the message names the path and the fix."""
+
+
+def resolve_model_path(model: str | Path | None) -> Path:
+    """The local folder for `model`: the embedded default, or a Hugging Face model folder."""
+    if model is None or str(model) == EMBEDDED_MODEL_NAME:
+        return ensure_embedded_model()
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise ModelLoadError(
+            f"model {str(model)!r} is not a local folder. This engine loads Hugging Face model "
+            f"folders from disk (config.json, *.safetensors, tokenizer files) and never "
+            f"downloads; pass a folder path or {EMBEDDED_MODEL_NAME!r}."
+        )
+    return path
+
+
+def check_model_folder(path: Path, tokenizer_path: Path | None = None) -> list[Path]:
+    """Checks that the folder holds a config, weights and a tokenizer; returns the weight files."""
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{path} has no config.json: it is not a Hugging Face model folder")
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [path / name for name in names]
+        lost = [f.name for f in files if not f.is_file()]
+        if lost:
+            raise ModelLoadError(f"{path} lacks weight files listed in {index.name}: {lost}")
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(
+            f"{path} has no *.safetensors weights (only safetensors are loaded; convert "
+            f"pytorch_model.bin with transformers' save_pretrained(safe_serialization=True))"
+        )
+    tokenizer_dir = tokenizer_path or path
+    if not any((tokenizer_dir / name).is_file() for name in _TOKENIZER_FILES):
+        raise ModelLoadError(
+            f"{tokenizer_dir} has no tokenizer ({', '.join(_TOKENIZER_FILES)}); save the "
+            f"tokenizer into the model folder or pass tokenizer=PATH"
+        )
+    return files
+
+
+@functools.cache
+def _file_sha256(path: Path, size: int, mtime_ns: int) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def weights_fingerprint(path: Path) -> str:
+    """sha256 over the names and contents of the folder's weight files.
+
+    Identifies the weights in lineage metadata and data versions; cached per process by
+    each file's size and modification time, so only the first call reads the files.
+    """
+    digest = hashlib.sha256()
+    for file in check_model_folder(path):
+        stat = file.stat()
+        digest.update(f"{file.name}:{_file_sha256(file, stat.st_size, stat.st_mtime_ns)}\n".encode())
+    return digest.hexdigest()

@@ -1,0 +1,128 @@
+"""`ModelConfig` from a model folder: what config.json, generation_config.json and a
+sentence-transformers folder decide, resolved against the engine settings."""
+
+import json
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from engine.config import DTYPES, EngineConfig, ModelConfig, PoolerConfig, resolve_device
+from engine.hardware import cpu_dtype, detect_cpu
+from engine.models import POOLING_ARCHITECTURES, language_model_config
+from engine.quantization import resolve_quantization
+
+# generation_config.json keys that vLLM takes as sampling defaults -> SamplingParams field.
+_GENERATION_DEFAULTS = {
+    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens",
+}
+
+# sentence-transformers' Pooling modes -> our pooling type: its `pooling_mode` (version 6), or
+# one flag set among the older `pooling_mode_*` flags.
+_SENTENCE_TRANSFORMERS_MODES = {"lasttoken": "LAST", "mean": "MEAN", "cls": "CLS"}
+_SENTENCE_TRANSFORMERS_FLAGS = {"pooling_mode_lasttoken": "lasttoken", "pooling_mode_mean_tokens": "mean",
+                                "pooling_mode_cls_token": "cls"}
+
+
+def resolve_model_config(path: Path, engine: EngineConfig, eos_token_id: int | None) -> ModelConfig:
+    """The model folder's facts resolved against the engine settings: its language model's
+    config, the compute dtype, the context length, the end-of-sequence ids and sampling
+    defaults of generation_config.json, the quantization method and a pooling model's pooler."""
+    hf_config = language_model_config(AutoConfig.from_pretrained(path))
+    if not getattr(hf_config, "architectures", None) and hf_config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        # As transformers' AutoModelForCausalLM (and vLLM) resolve a config.json without one.
+        hf_config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[hf_config.model_type]]
+    device = resolve_device(engine.device)
+    max_model_len = _max_model_len(hf_config, engine.max_model_len)
+    eos = {eos_token_id} if eos_token_id is not None else set()
+    defaults = {}
+    if (path / "generation_config.json").exists():
+        generation = json.loads((path / "generation_config.json").read_text())
+        ids = generation.get("eos_token_id")
+        eos |= set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
+        # Only what the file sets: transformers' own defaults (top_k=50) are not vLLM's.
+        defaults = {name: generation[key] for key, name in _GENERATION_DEFAULTS.items() if key in generation}
+    dtype = _resolve_dtype(engine.dtype, hf_config, device)
+    quantization = resolve_quantization(engine.quantization, hf_config, device,
+                                        auto_dtype=dtype if engine.dtype == "auto" else None,
+                                        batch_invariant=engine.batch_invariant)
+    pooler = resolve_pooler(path, hf_config, engine.runner, engine.pooling_type, POOLING_ARCHITECTURES)
+    return ModelConfig(path, hf_config, dtype, device, max_model_len, eos, defaults, quantization, pooler)
+
+
+def resolve_pooler(path: Path, hf_config: PretrainedConfig, runner: str, pooling_type: str | None,
+                   pooling_names: dict[str, tuple[type, str]]) -> PoolerConfig | None:
+    """The pooler of the model folder, or None for a generative model.
+
+    "auto" pools for a pooling architecture or a folder with sentence-transformers'
+    modules.json; "pooling" pools any supported decoder (a causal LM's head is then
+    unused, as for Qwen3-Embedding). The pooling type is `pooling_type` when set, else
+    the sentence-transformers Pooling module's, else LAST.
+
+    Raises:
+        ValueError: "generate" for a checkpoint that has no language-model head.
+    """
+    architectures = getattr(hf_config, "architectures", None) or []
+    pooling_arch = next((a for a in architectures if a in pooling_names), None)
+    sentence = _sentence_transformers_pooling(path)
+    if runner == "generate" and pooling_arch is not None:
+        raise ValueError(f"{path}: architecture {pooling_arch} has no language-model head to generate with: "
+                         "load it with runner='pooling' (or 'auto') and call embed, classify or score")
+    if runner == "generate" or (runner == "auto" and pooling_arch is None and sentence is None):
+        return None
+    task = pooling_names[pooling_arch][1] if pooling_arch is not None else "embed"
+    chosen = pooling_type or (sentence[0] if sentence else "LAST")
+    normalize = sentence[1] if sentence else task == "embed"
+    num_labels = getattr(hf_config, "num_labels", 0) if task == "classify" else 0
+    return PoolerConfig(task, chosen, normalize, num_labels)
+
+
+def _sentence_transformers_pooling(path: Path) -> tuple[str, bool] | None:
+    """(pooling type, normalize) from a sentence-transformers folder's modules.json and
+    its Pooling module's config.json, or None when the folder has none."""
+    modules_file = path / "modules.json"
+    if not modules_file.exists():
+        return None
+    modules = json.loads(modules_file.read_text())
+    pooling_type = "LAST"
+    for module in modules:
+        if module.get("type", "").endswith(".Pooling"):
+            settings = json.loads((path / module["path"] / "config.json").read_text())
+            modes = settings.get("pooling_mode")
+            modes = [modes] if isinstance(modes, str) else modes or [
+                mode for flag, mode in _SENTENCE_TRANSFORMERS_FLAGS.items() if settings.get(flag)]
+            if len(modes) != 1 or modes[0] not in _SENTENCE_TRANSFORMERS_MODES:
+                raise ValueError(f"{path}: the Pooling module pools by {modes or 'no mode'}; the engine pools by "
+                                 f"exactly one of {sorted(_SENTENCE_TRANSFORMERS_MODES)}")
+            pooling_type = _SENTENCE_TRANSFORMERS_MODES[modes[0]]
+    normalize = any(module.get("type", "").endswith(".Normalize") for module in modules)
+    return pooling_type, normalize
+
+
+def _resolve_dtype(dtype: str, hf_config: PretrainedConfig, device: torch.device) -> torch.dtype:
+    """The compute dtype: on a CPU by what it can do (see `cpu_dtype`); on a GPU the
+    requested one, or for "auto" the checkpoint's own where it is 16-bit and bfloat16
+    otherwise (as vLLM does for float32 checkpoints)."""
+    checkpoint = getattr(hf_config, "dtype", None) or torch.float32
+    if isinstance(checkpoint, str):
+        checkpoint = DTYPES.get(checkpoint, torch.float32)
+    requested = None if dtype == "auto" else DTYPES[dtype]
+    if device.type == "cpu":
+        return cpu_dtype(requested, checkpoint, detect_cpu())
+    if requested is None and checkpoint == torch.float32:
+        return torch.bfloat16
+    return requested or checkpoint
+
+
+def _max_model_len(hf_config: PretrainedConfig, requested: int | None) -> int:
+    limit = getattr(hf_config, "max_position_embeddings", None) or 2048
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise ValueError(
+            f"max_model_len={requested} exceeds the model's context of {limit} tokens "
+            f"(config.json max_position_embeddings); use at most {limit}"
+        )
+    return requested

@@ -1,0 +1,1 @@
+"""Sampling (vLLM's `v1/sample`): from a step's logits to its tokens and logprobs."""
