@@ -45,15 +45,22 @@ UI_HOST ?= 127.0.0.1
 ui: $(INSTANCE)
 	$(PY) -m example_pipelines.serve_ui --port $(UI_PORT) --host $(UI_HOST)
 
+# The suite on TEST_WORKERS pytest-xdist workers (each test on one of them), then the Triton compile
+# check, which compiles every kernel launch the workers ran under the interpreter (TRITON_LAUNCHES_DIR).
+TEST_WORKERS ?= 2
+LAUNCHES := $(CURDIR)/test-artifacts/triton-launches
+
 test: $(STAMP)
-	$(PY) -m pytest
+	rm -rf $(LAUNCHES)
+	TRITON_LAUNCHES_DIR=$(LAUNCHES) $(PY) -m pytest -n $(TEST_WORKERS) --ignore=tests/engine/test_triton_compile.py
+	TRITON_LAUNCHES_DIR=$(LAUNCHES) $(PY) -m pytest tests/engine/test_triton_compile.py
 
 test-quick: $(STAMP)
-	$(PY) -m pytest -m "not slow and not ui"
+	$(PY) -m pytest -n $(TEST_WORKERS) -m "not slow and not ui"
 
 # The tests whose path depends on the CPU (marked cpu_kinds), as each kind this CPU can stand in for.
 test-cpu-kinds: $(STAMP)
-	$(PY) -m tests.cpu_kinds
+	$(PY) -m tests.cpu_kinds -n $(TEST_WORKERS)
 
 # The browser test of the UI: Debian's chromium (installed here when this runs as root) driven by
 # Playwright's Python client against `dagster dev`. Screenshots land in test-artifacts/ui/.

@@ -6,12 +6,22 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
-from engine import LLM
-from engine.hardware import BATCH_INVARIANT_ONEDNN_ISA, ONEDNN_ISA_ENV, chosen_cpu_kind, detect_cpu, machine_cpu
-from tests.tiny_models import FAMILIES, build_tiny_model
-from tests.triton_launches import record_launches
+# Under pytest-xdist (`make test` runs two workers) the workers' OpenMP threads share the cores:
+# a waiting thread sleeps instead of spinning on a core another worker needs. Read once, when
+# PyTorch loads its OpenMP runtime, so set before torch is imported (here and in the processes
+# the tests start).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+
+from engine import LLM  # noqa: E402
+from engine.hardware import (  # noqa: E402
+    BATCH_INVARIANT_ONEDNN_ISA, ONEDNN_ISA_ENV, chosen_cpu_kind, detect_cpu, machine_cpu,
+)
+from tests.tiny_models import FAMILIES, build_tiny_model  # noqa: E402
+from tests.triton_launches import LAUNCHES_DIR_ENV, record_launches, save_launches  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Run as another kind of CPU (tests/cpu_kinds.py): PyTorch's kernels capped at its
@@ -40,6 +50,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def pytest_sessionfinish(session: pytest.Session) -> None:
     if path := os.environ.get("TRITON_LAUNCHES_OUT"):  # a session test_triton_compile.py started
         Path(path).write_text(json.dumps(sorted(TRITON_LAUNCHES)))
+    if os.environ.get(LAUNCHES_DIR_ENV):  # `make test`: each worker's, for the compile check after them
+        save_launches(TRITON_LAUNCHES)
 
 
 def pytest_report_header() -> str:

@@ -20,6 +20,9 @@ from pathlib import Path
 import torch
 
 TARGET_ARCH = 90
+# A folder where each test session (each pytest-xdist worker) leaves the launches it ran, for a
+# later session's compile check: `make test` runs the suite on several workers, then the check.
+LAUNCHES_DIR_ENV = "TRITON_LAUNCHES_DIR"
 POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.int8: "*i8",
                  torch.int16: "*i16", torch.int32: "*i32", torch.int64: "*i64", torch.uint8: "*u8",
                  torch.bool: "*i1", torch.float8_e4m3fn: "*fp8e4nv"}
@@ -66,6 +69,22 @@ def record_launches() -> set[str]:
 
     InterpretedFunction.run = recording_run
     return launches
+
+
+def save_launches(launches: set[str]) -> None:
+    """Leaves this session's launches in the folder `TRITON_LAUNCHES_DIR` names."""
+    folder = Path(os.environ[LAUNCHES_DIR_ENV])
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{os.environ.get('PYTEST_XDIST_WORKER', 'session')}-{os.getpid()}.json").write_text(
+        json.dumps(sorted(launches)))
+
+
+def saved_launches() -> set[str]:
+    """Every launch the sessions before this one left in the folder `TRITON_LAUNCHES_DIR`
+    names (none when it is not set)."""
+    folder = os.environ.get(LAUNCHES_DIR_ENV)
+    files = sorted(Path(folder).glob("*.json")) if folder else []
+    return {launch for file in files for launch in json.loads(file.read_text())}
 
 
 def compile_for_gpu(record: dict) -> None:

@@ -1,5 +1,6 @@
-"""The Triton kernels build for a GPU: every launch the interpreter ran in this session (or,
-run alone, in the kernel tests) compiled for sm_90 without a GPU (tests/triton_launches.py).
+"""The Triton kernels build for a GPU: every launch the interpreter ran in this session (after
+`make test`'s workers: in theirs, left in TRITON_LAUNCHES_DIR; run alone: in the kernel tests)
+compiled for sm_90 without a GPU (tests/triton_launches.py).
 The interpreter runs code the GPU compiler refuses; this is where such code shows."""
 
 import json
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from tests.conftest import TRITON_LAUNCHES
+from tests.triton_launches import saved_launches
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
@@ -23,8 +25,8 @@ KERNEL_TESTS = ["tests/engine/test_triton_kernels.py", "tests/engine/test_fused_
 
 def test_every_kernel_launched_under_the_interpreter_compiles_for_hopper(tmp_path):
     path = tmp_path / "launches.json"
-    if TRITON_LAUNCHES:
-        path.write_text(json.dumps(sorted(TRITON_LAUNCHES)))
+    if launches := TRITON_LAUNCHES | saved_launches():
+        path.write_text(json.dumps(sorted(launches)))
     else:  # run alone: the kernel tests launch them in a session of their own
         subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *KERNEL_TESTS],
                        env=os.environ | {"TRITON_LAUNCHES_OUT": str(path)}, check=True, capture_output=True)
