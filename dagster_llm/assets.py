@@ -234,7 +234,7 @@ class _GenerationStep(PartitionedStep):
         yield from self.outputs(results)
 
     def _inputs(self, frames: dict[str | None, pd.DataFrame], sampling: dict[str | None, SamplingConfig],
-                llm: engine.LLM) -> list[PartitionInput]:
+                llm: "engine.LLM") -> list[PartitionInput]:
         """Each partition's rows with its adapter, structured output and storage."""
         defaults, tokenizer = llm.get_default_sampling_params(), llm.get_tokenizer()
         parts = []

@@ -23,16 +23,17 @@ resource page and the Launchpad), so it is plain prose; the example lives here:
     )
 """
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import dagster as dg
-import torch
 from pydantic import Field, PrivateAttr, create_model
 
-from engine import LLM
 from dagster_llm.core.devices import GPULease, lease_gpus
 from dagster_llm.core.model_files import local_model_folder
 from engine.config import engine_settings
+
+if TYPE_CHECKING:
+    from engine import LLM
 
 
 def _engine_fields() -> dict[str, Any]:
@@ -68,16 +69,22 @@ class LLMResource(_EngineSettings):
                     "launched together use different GPUs; this is how long it waits for them before failing.",
     )
 
-    _llm: LLM | None = PrivateAttr(default=None)
+    _llm: "LLM | None" = PrivateAttr(default=None)
     _lease: GPULease | None = PrivateAttr(default=None)
     _run_id: str = PrivateAttr(default="")
 
     def setup_for_execution(self, context: dg.InitResourceContext) -> None:
         self._run_id = context.run.run_id if context.run else ""
 
-    def get_llm(self) -> LLM:
-        """The process's engine, loaded on first call (on its leased GPUs, on a GPU machine)."""
+    def get_llm(self) -> "LLM":
+        """The process's engine, loaded on first call (on its leased GPUs, on a GPU machine).
+        The engine (and torch) load here, not with the definitions: a process that never runs
+        a generation step does not import them."""
         if self._llm is None:
+            import torch
+
+            from engine import LLM
+
             settings = {name: getattr(self, name) for name in _engine_fields()}
             if self.device in ("auto", "cuda") and torch.cuda.is_available():
                 self._lease = lease_gpus(self.tensor_parallel_size * self.data_parallel_size,

@@ -18,7 +18,7 @@ _EXPORTS = {
     "CompletionOutput": "engine.outputs",
     "EmbeddingOutput": "engine.outputs",
     "EmbeddingRequestOutput": "engine.outputs",
-    "EngineStats": "engine.llm_engine",
+    "EngineStats": "engine.outputs",
     "Logprob": "engine.outputs",
     "LoRARequest": "engine.lora.request",
     "ModelLoadError": "engine.model_loader.folder",

@@ -4,14 +4,15 @@ other tier of the engine, so that every tier may read it."""
 
 from dataclasses import Field, dataclass, field, fields, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from transformers import PretrainedConfig
+if TYPE_CHECKING:
+    import torch
+    from transformers import PretrainedConfig
 
-from engine.hardware import default_num_threads
-from engine.kv_cache_dtype import KV_CACHE_DTYPES, resolve_kv_cache_dtype
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Loaded without torch (the Dagster side derives its resource's fields from these settings at
+# definitions load): what needs torch or the CPU is imported where a setting is checked or resolved.
+DTYPES = ("float32", "bfloat16", "float16")
 
 # Methods that quantize a 16- or 32-bit checkpoint at load -> what they need.
 AT_LOAD = {"int8": "a CPU with VNNI or AMX", "fp8": "a GPU with FP8 units (compute capability 8.9 or later)"}
@@ -124,6 +125,8 @@ class EngineConfig:
                                               "'cpu' (the compiled kernel) or 'torch'.")
 
     def __post_init__(self) -> None:
+        from engine.kv_cache_dtype import KV_CACHE_DTYPES
+
         problems = []
         if self.dtype not in ("auto", *DTYPES):
             problems.append(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {self.dtype!r}")
@@ -179,6 +182,8 @@ class EngineConfig:
     def default_threads_per_rank(self) -> int:
         """CPU threads of each rank when num_threads is not set: the process's threads
         (`default_num_threads`) shared among the ranks, at least one."""
+        from engine.hardware import default_num_threads
+
         return max(1, default_num_threads() // self.world_size)
 
     def resolve(self, model_config: "ModelConfig", attention_backend: str) -> "EngineConfig":
@@ -194,6 +199,8 @@ class EngineConfig:
                 prompt could never run); an attention backend that cannot run here, or
                 that cannot read the kv_cache_dtype; batch_invariant on a GPU.
         """
+        from engine.kv_cache_dtype import resolve_kv_cache_dtype
+
         device, max_model_len = model_config.device, model_config.max_model_len
         on_cpu = device.type == "cpu"
         if self.batch_invariant and not on_cpu:
@@ -250,9 +257,9 @@ class ModelConfig:
     """The model folder's facts resolved against the engine settings."""
 
     path: Path
-    hf_config: PretrainedConfig
-    dtype: torch.dtype
-    device: torch.device
+    hf_config: "PretrainedConfig"
+    dtype: "torch.dtype"
+    device: "torch.device"
     max_model_len: int
     eos_token_ids: set[int] = field(default_factory=set)
     sampling_defaults: dict = field(default_factory=dict)
@@ -263,13 +270,6 @@ class ModelConfig:
     def dtype_name(self) -> str:
         """The compute dtype as `LLM(dtype=...)` names it ("bfloat16")."""
         return str(self.dtype).removeprefix("torch.")
-
-def resolve_device(setting: str) -> torch.device:
-    """The device a `device` setting names: "auto" is a GPU when there is one, else the CPU."""
-    if setting == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(setting)
-
 
 def engine_settings() -> list[Field]:
     """The fields of `EngineConfig`, each with its type, default and `metadata["help"]`."""

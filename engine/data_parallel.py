@@ -22,8 +22,8 @@ from engine.config import EngineConfig
 from engine.distributed.plan import ReplicaPlan
 from engine.distributed.process import ChildProcess, WorkerError, receive_message, send_message, stop_all
 from engine.inputs import Request
-from engine.llm_engine import EngineStats, LLMEngine
-from engine.outputs import RequestOutput, UnfinishedOutput
+from engine.llm_engine import LLMEngine
+from engine.outputs import EngineStats, RequestOutput, UnfinishedOutput
 
 logger = logging.getLogger(__name__)
 

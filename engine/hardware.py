@@ -340,3 +340,10 @@ def cpu_dtype(requested: torch.dtype | None, checkpoint: torch.dtype, cpu: CpuIn
             cpu.describe(),
         )
     return requested
+
+
+def resolve_device(setting: str) -> torch.device:
+    """The device a `device` setting names: "auto" is a GPU when there is one, else the CPU."""
+    if setting == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(setting)

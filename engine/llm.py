@@ -12,20 +12,20 @@ import torch
 
 from engine.beam_search import BeamSearchOutput, BeamSearchParams
 from engine.chat_utils import chat_messages_problem, render_chat
-from engine.config import EngineConfig, PoolerConfig, engine_settings, resolve_device
+from engine.config import EngineConfig, PoolerConfig, engine_settings
 from engine.data_parallel import ReplicaPool, deal
 from engine.distributed.plan import plan_parallelism
-from engine.hardware import release_freed_memory
+from engine.hardware import release_freed_memory, resolve_device
 from engine.inputs import (
     LoRARequestArg, PriorityArg, Prompts, PromptType, Request, RequestChecker, SamplingParamsArg, UseTqdm,
     valid_requests,
 )
-from engine.llm_engine import EngineStats, LLMEngine
+from engine.llm_engine import LLMEngine
 from engine.lora.request import LoRARequest
 from engine.model_loader.folder import weights_fingerprint
 from engine.outputs import (
-    ClassificationRequestOutput, EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput,
-    UnfinishedOutput,
+    ClassificationRequestOutput, EmbeddingRequestOutput, EngineStats, RequestOutput, ScoringOutput,
+    ScoringRequestOutput, UnfinishedOutput,
 )
 from engine.pooling_params import PoolingParams
 from engine.progress_bar import ProgressBar

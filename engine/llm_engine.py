@@ -5,7 +5,7 @@ import itertools
 import logging
 import time
 import weakref
-from dataclasses import dataclass, fields, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -28,7 +28,7 @@ from engine.model_loader.folder import check_model_folder, resolve_model_path
 from engine.model_loader.model_config import resolve_model_config
 from engine.outputs import (
     ClassificationOutput, ClassificationRequestOutput, CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput,
-    Logprob, PoolingRequestOutput, RequestOutput, UnfinishedOutput,
+    EngineStats, Logprob, PoolingRequestOutput, RequestOutput, UnfinishedOutput,
 )
 from engine.pooling_params import PoolingParams
 from engine.sample.sampler import SampledToken
@@ -37,20 +37,6 @@ from engine.structured_output.manager import StructuredOutputManager
 from engine.worker.model_runner import LaunchedStep, ModelRunner
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineStats:
-    """Counters since the engine started: what was computed, and how often it had to redo work."""
-
-    num_steps: int = 0
-    num_prompt_tokens_computed: int = 0
-    num_generated_tokens: int = 0
-    num_cached_prompt_tokens: int = 0
-
-    def __add__(self, other: "EngineStats") -> "EngineStats":
-        """Both engines' counters summed (data-parallel replicas)."""
-        return EngineStats(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(EngineStats)))
 
 
 class LLMEngine:

@@ -1,6 +1,6 @@
 """What `LLM.generate` returns: vLLM's `RequestOutput` and `CompletionOutput`."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from engine.lora.request import LoRARequest
 
@@ -127,3 +127,17 @@ class ScoringRequestOutput:
 
 
 PoolingRequestOutput = EmbeddingRequestOutput | ClassificationRequestOutput
+
+
+@dataclass
+class EngineStats:
+    """Counters since the engine started: what was computed, and how often it had to redo work."""
+
+    num_steps: int = 0
+    num_prompt_tokens_computed: int = 0
+    num_generated_tokens: int = 0
+    num_cached_prompt_tokens: int = 0
+
+    def __add__(self, other: "EngineStats") -> "EngineStats":
+        """Both engines' counters summed (data-parallel replicas)."""
+        return EngineStats(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(EngineStats)))

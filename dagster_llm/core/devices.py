@@ -18,8 +18,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-import torch
-
 from dagster_llm.core.flock import holder_of, try_flock
 
 DEVICE_LOCK_DIR_ENV = "DAGSTER_LLM_DEVICE_LOCK_DIR"
@@ -71,6 +69,8 @@ def lease_gpus(count: int, timeout_s: float, holder: str = "") -> GPULease:
         ValueError: fewer GPUs are visible than `count`.
         TimeoutError: no `count` consecutive GPUs came free in time; names their holders.
     """
+    import torch  # here, not at import: the definitions of a code location load without torch
+
     names = physical_names(torch.cuda.device_count())
     if count > len(names):
         raise ValueError(f"the engine needs {count} GPU(s) but {len(names)} are visible; lower tensor_parallel_size "

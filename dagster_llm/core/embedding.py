@@ -11,14 +11,17 @@ import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
 from dagster_llm.core.checks import CheckOutcome
 from dagster_llm.core.generation import digest
 from dagster_llm.core.table_store import POSITION_COLUMN, PartitionFiles, with_data_version
-from engine import LLM, PoolingParams
+from engine import PoolingParams
+
+if TYPE_CHECKING:
+    from engine import LLM
 
 COLUMNS = {
     "id": "The row's id, from the upstream table (as text).",
@@ -124,7 +127,7 @@ class EmbeddingRun:
     """Embeds the rows of several partitions in one engine call, committing each partition
     when its rows are done. `check_alive` runs before every write and may raise to stop."""
 
-    def __init__(self, llm: LLM, options: EmbeddingOptions, log: Callable[[str], None],
+    def __init__(self, llm: "LLM", options: EmbeddingOptions, log: Callable[[str], None],
                  check_alive: Callable[[], None] = lambda: None) -> None:
         self.llm = llm
         self.options = options

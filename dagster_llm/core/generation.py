@@ -12,7 +12,7 @@ import json
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
@@ -22,7 +22,10 @@ from dagster_llm.core.sampling import used_values
 from dagster_llm.core.schema import records_table, result_record
 from dagster_llm.core.structured import OutputSpecError, StructuredOutput
 from dagster_llm.core.table_store import POSITION_COLUMN, PartitionFiles, with_data_version
-from engine import LLM, BeamSearchOutput, CompletionOutput, LoRARequest, RequestOutput
+from engine import BeamSearchOutput, CompletionOutput, LoRARequest, RequestOutput
+
+if TYPE_CHECKING:
+    from engine import LLM
 
 
 @dataclass(frozen=True)
@@ -99,7 +102,7 @@ class GenerationRun:
     written.
     """
 
-    def __init__(self, llm: LLM, lora_requests: Mapping[str, LoRARequest], options: RunOptions,
+    def __init__(self, llm: "LLM", lora_requests: Mapping[str, LoRARequest], options: RunOptions,
                  log: Callable[[str], None], check_alive: Callable[[], None] = lambda: None) -> None:
         self.llm = llm
         self.lora_requests = lora_requests

@@ -8,8 +8,8 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from engine.config import DTYPES, EngineConfig, ModelConfig, PoolerConfig, resolve_device
-from engine.hardware import cpu_dtype, detect_cpu
+from engine.config import DTYPES, EngineConfig, ModelConfig, PoolerConfig
+from engine.hardware import cpu_dtype, detect_cpu, resolve_device
 from engine.models import POOLING_ARCHITECTURES, language_model_config
 from engine.quantization import resolve_quantization
 
@@ -107,8 +107,8 @@ def _resolve_dtype(dtype: str, hf_config: PretrainedConfig, device: torch.device
     otherwise (as vLLM does for float32 checkpoints)."""
     checkpoint = getattr(hf_config, "dtype", None) or torch.float32
     if isinstance(checkpoint, str):
-        checkpoint = DTYPES.get(checkpoint, torch.float32)
-    requested = None if dtype == "auto" else DTYPES[dtype]
+        checkpoint = getattr(torch, checkpoint) if checkpoint in DTYPES else torch.float32
+    requested = None if dtype == "auto" else getattr(torch, dtype)
     if device.type == "cpu":
         return cpu_dtype(requested, checkpoint, detect_cpu())
     if requested is None and checkpoint == torch.float32:

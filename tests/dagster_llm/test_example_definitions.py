@@ -1,6 +1,8 @@
 """The example code location as the UI loads it: partitions, location name, component fields."""
 
 import csv
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -28,6 +30,20 @@ def test_daily_assets_have_one_partition_per_day_of_the_ticket_export(defs):
     assert {"raw_support_tickets", "support_prompts", "ticket_summaries", "ticket_triage"} <= set(daily)
     for name, partitions_def in daily.items():
         assert partitions_def.get_partition_keys() == export_days, name
+
+
+def test_the_definitions_load_without_torch_or_the_engine():
+    """A code server, the webserver and every step process load definitions.py: torch, transformers
+    and the engine load only in a process that builds an engine (`LLMResource.get_llm`)."""
+    code = ("import sys; sys.modules['torch'] = sys.modules['transformers'] = None; import definitions; "
+            "print(sorted(m for m in sys.modules if m.startswith('engine.') and m != 'engine.lazy_exports'))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    api_types = {"engine.beam_search", "engine.config", "engine.chat_utils", "engine.exceptions", "engine.lora",
+                 "engine.lora.request", "engine.model_loader", "engine.model_loader.embedded_model", "engine.outputs",
+                 "engine.pooling_params", "engine.sampling_params", "engine.sampling_rules",
+                 "engine.structured_output", "engine.structured_output.params"}
+    assert set(eval(out.stdout)) <= api_types  # a printed list of module names
 
 
 def test_workspace_location_name_is_the_projects():

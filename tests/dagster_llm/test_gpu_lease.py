@@ -15,7 +15,7 @@ import dagster as dg
 import pytest
 import torch
 
-import dagster_llm.resource as resource_module
+import engine
 from dagster_llm import LLMResource
 from dagster_llm.core.devices import DEVICE_LOCK_DIR_ENV, lease_gpus
 
@@ -39,7 +39,7 @@ def four_gpus(monkeypatch, tmp_path):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
-    monkeypatch.setattr(resource_module, "LLM", _FakeLLM)
+    monkeypatch.setattr(engine, "LLM", _FakeLLM)  # LLMResource imports it when it builds the engine
     return tmp_path / "locks"
 
 

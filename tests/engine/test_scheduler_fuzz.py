@@ -26,7 +26,8 @@ from engine.core.block_manager import BlockManager
 from engine.core.sched_output import ScheduledBatch
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import Sequence, SequenceStatus
-from engine.llm_engine import EngineStats, LLMEngine
+from engine.llm_engine import LLMEngine
+from engine.outputs import EngineStats
 from engine.worker.model_runner import StepOutput
 
 # Hundreds of generated workloads and a set of LLMs: outside the quick set (-m 'not slow').
