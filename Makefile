@@ -52,15 +52,15 @@ LAUNCHES := $(CURDIR)/test-artifacts/triton-launches
 
 test: $(STAMP)
 	rm -rf $(LAUNCHES)
-	TRITON_LAUNCHES_DIR=$(LAUNCHES) $(PY) -m pytest -n $(TEST_WORKERS) --ignore=tests/engine/test_triton_compile.py
+	TRITON_LAUNCHES_DIR=$(LAUNCHES) $(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal --ignore=tests/engine/test_triton_compile.py
 	TRITON_LAUNCHES_DIR=$(LAUNCHES) $(PY) -m pytest tests/engine/test_triton_compile.py
 
 test-quick: $(STAMP)
-	$(PY) -m pytest -n $(TEST_WORKERS) -m "not slow and not ui"
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal -m "not slow and not ui"
 
 # The tests whose path depends on the CPU (marked cpu_kinds), as each kind this CPU can stand in for.
 test-cpu-kinds: $(STAMP)
-	$(PY) -m tests.cpu_kinds -n $(TEST_WORKERS)
+	$(PY) -m tests.cpu_kinds -n $(TEST_WORKERS) --dist worksteal
 
 # The browser test of the UI: Debian's chromium (installed here when this runs as root) driven by
 # Playwright's Python client against `dagster dev`. Screenshots land in test-artifacts/ui/.

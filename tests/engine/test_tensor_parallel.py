@@ -28,14 +28,17 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from engine import LLM, LoRARequest, SamplingParams, model_loader
+from engine import LLM, LoRARequest, SamplingParams
 from engine.config import EngineConfig
 from engine.distributed.communicator import TensorParallelGroup
 import engine.distributed.plan as plan_module
 from engine.distributed.plan import check_tensor_parallel, plan_parallelism
 from engine.distributed.process import WorkerError
 from engine.layers.linear import Linear, ShardSlice
+from engine.model_loader import loader as model_loader
+from engine.model_loader.folder import check_model_folder
 from engine.model_loader.model_config import resolve_model_config
+from engine.model_loader.weights import CheckpointTensor
 from engine.outputs import RequestOutput
 from engine.structured_output.params import StructuredOutputsParams
 from tests.lora_adapters import build_lora_adapter
@@ -464,7 +467,7 @@ def test_rank_1_reads_only_its_slices_of_the_checkpoint(models: dict[str, Path],
     checkpoint; and the parameters hold the right slices (q's and the vocabulary's second
     halves of rows, o's and down's second halves of columns)."""
     folder = models["qwen2"]  # untied LM head, q/k/v biases
-    [weights_file] = model_loader.check_model_folder(folder)
+    [weights_file] = check_model_folder(folder)
     full = load_file(weights_file)
     read_bytes: dict[str, int] = {}
     real_open = model_loader.open_safetensors
@@ -472,7 +475,7 @@ def test_rank_1_reads_only_its_slices_of_the_checkpoint(models: dict[str, Path],
     class Recorded:
         """A checkpoint tensor whose reads are counted in `read_bytes`."""
 
-        def __init__(self, name: str, tensor: model_loader.CheckpointTensor) -> None:
+        def __init__(self, name: str, tensor: CheckpointTensor) -> None:
             self.name, self.tensor, self.shape = name, tensor, tensor.shape
 
         def read(self, piece: ShardSlice | None = None) -> torch.Tensor:
