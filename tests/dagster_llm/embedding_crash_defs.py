@@ -1,10 +1,7 @@
 """A code location for the embedding crash test: one partition of ROWS texts embedded
-one at a time on one thread, so that it takes long enough to be killed in the middle; with
-CRASH_TEST_ONE_AT_A_TIME=0 (the rerun that resumes it) as many at a time as fit, on every core.
+one at a time on one thread, so that it takes long enough to be killed in the middle.
 
 The tables' root comes from DAGSTER_LLM_OUTPUT_DIR."""
-
-import os
 
 import dagster as dg
 import pandas as pd
@@ -12,7 +9,6 @@ import pandas as pd
 from dagster_llm import LLMResource, ParquetIOManager, build_embedding_asset
 
 ROWS = 60
-ONE_AT_A_TIME = os.environ.get("CRASH_TEST_ONE_AT_A_TIME", "1") == "1"
 parts = dg.StaticPartitionsDefinition(["p1"])
 
 
@@ -32,8 +28,8 @@ crash_embeddings = build_embedding_asset("crash_embeddings", upstream=crash_text
 defs = dg.Definitions(
     assets=[crash_texts, crash_embeddings],
     resources={
-        "embedder": LLMResource(runner="pooling", dtype="float32", max_num_seqs=1 if ONE_AT_A_TIME else 16,
-                                num_threads=1 if ONE_AT_A_TIME else None, kv_cache_memory=64 << 20),
+        "embedder": LLMResource(runner="pooling", dtype="float32", max_num_seqs=1, num_threads=1,
+                                kv_cache_memory=64 << 20),
         "io_manager": ParquetIOManager(),
     },
 )
