@@ -1,6 +1,7 @@
 """Engine settings (`EngineConfig`), what the model folder decides (`ModelConfig`, resolved by
-`engine.model_loader.model_config`) and the names each setting allows. A leaf: it imports no
-other tier of the engine, so that every tier may read it."""
+`engine.model_loader.model_config`) and the names each setting allows. A leaf that every tier
+may read: at import it loads neither torch nor any other engine module; the CPU and KV-cache
+helpers it needs are imported where a setting is checked or resolved."""
 
 from dataclasses import Field, dataclass, field, fields, replace
 from pathlib import Path
@@ -217,7 +218,6 @@ class EngineConfig:
                 f"max_num_batched_tokens={step_tokens} is below max_model_len={max_model_len}: without chunked "
                 f"prefill a long prompt could never run. Raise it, lower max_model_len, or enable_chunked_prefill=True"
             )
-        backend = attention_backend
         return replace(
             self,
             dtype=model_config.dtype_name,
@@ -229,8 +229,8 @@ class EngineConfig:
             async_scheduling=device.type == "cuda" if self.async_scheduling is None else self.async_scheduling,
             max_cpu_loras=self.max_cpu_loras or self.max_loras,
             num_threads=self.num_threads or (self.default_threads_per_rank() if on_cpu else None),
-            attention_backend=backend,
-            kv_cache_dtype=resolve_kv_cache_dtype(self.kv_cache_dtype, model_config.dtype_name, backend),
+            attention_backend=attention_backend,
+            kv_cache_dtype=resolve_kv_cache_dtype(self.kv_cache_dtype, model_config.dtype_name, attention_backend),
         )
 
 
