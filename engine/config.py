@@ -265,6 +265,8 @@ class ModelConfig:
     sampling_defaults: dict = field(default_factory=dict)
     quantization: str | None = None
     pooler: PoolerConfig | None = None  # a pooling model's; None for a generative one
+    # A vision-language checkpoint's whole config (`hf_config` is then its text part); None for text models.
+    multimodal_config: "PretrainedConfig | None" = None
 
     @property
     def dtype_name(self) -> str:

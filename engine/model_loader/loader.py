@@ -39,7 +39,8 @@ def load_model(model_config: ModelConfig, group: TensorParallelGroup | None = No
         )
     files = check_model_folder(model_config.path)
     with torch.device("meta"):
-        model = model_class(hf_config, max_position=model_config.max_model_len, group=group)
+        model = model_class(model_config.multimodal_config or hf_config, max_position=model_config.max_model_len,
+                            group=group)
     if model_config.quantization is not None:
         apply_quantization(model, model_config.quantization, hf_config, model_config.device)
     model.materialize(model_config.device, model_config.dtype)

@@ -10,7 +10,8 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from engine.config import DTYPES, EngineConfig, ModelConfig, PoolerConfig
 from engine.hardware import cpu_dtype, detect_cpu, resolve_device
-from engine.models import POOLING_ARCHITECTURES, language_model_config
+from engine.model_loader.folder import ModelLoadError
+from engine.models import POOLING_ARCHITECTURES, language_model_config, multimodal_class_for
 from engine.quantization import resolve_quantization
 
 # generation_config.json keys that vLLM takes as sampling defaults -> SamplingParams field.
@@ -30,7 +31,12 @@ def resolve_model_config(path: Path, engine: EngineConfig, eos_token_id: int | N
     """The model folder's facts resolved against the engine settings: its language model's
     config, the compute dtype, the context length, the end-of-sequence ids and sampling
     defaults of generation_config.json, the quantization method and a pooling model's pooler."""
-    hf_config = language_model_config(AutoConfig.from_pretrained(path))
+    whole = AutoConfig.from_pretrained(path)
+    try:
+        hf_config = language_model_config(whole)
+    except ValueError as exc:
+        raise ModelLoadError(f"{path}: {exc}") from exc
+    multimodal = whole if multimodal_class_for(getattr(whole, "architectures", None) or []) else None
     if not getattr(hf_config, "architectures", None) and hf_config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         # As transformers' AutoModelForCausalLM (and vLLM) resolve a config.json without one.
         hf_config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[hf_config.model_type]]
@@ -49,7 +55,11 @@ def resolve_model_config(path: Path, engine: EngineConfig, eos_token_id: int | N
                                         auto_dtype=dtype if engine.dtype == "auto" else None,
                                         batch_invariant=engine.batch_invariant)
     pooler = resolve_pooler(path, hf_config, engine.runner, engine.pooling_type, POOLING_ARCHITECTURES)
-    return ModelConfig(path, hf_config, dtype, device, max_model_len, eos, defaults, quantization, pooler)
+    if multimodal is not None and pooler is not None:
+        raise ModelLoadError(f"{path}: {whole.architectures[0]} generates text from images; embedding or "
+                             "classifying with it is not supported: use runner='generate'")
+    return ModelConfig(path, hf_config, dtype, device, max_model_len, eos, defaults, quantization, pooler,
+                       multimodal)
 
 
 def resolve_pooler(path: Path, hf_config: PretrainedConfig, runner: str, pooling_type: str | None,

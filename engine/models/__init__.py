@@ -44,6 +44,8 @@ POOLING_ARCHITECTURES = pooling_architectures(MODEL_REGISTRY)
 def model_class_for(architectures: list[str], pooler: PoolerConfig | None) -> type[nn.Module] | None:
     """The class that runs a checkpoint of these architectures (None: unsupported): the
     family's causal LM, or with a `pooler` the family's pooling model."""
+    if (multimodal := multimodal_class_for(architectures)) is not None:
+        return multimodal if pooler is None else None
     for name in architectures:
         family = MODEL_REGISTRY.get(name) or POOLING_ARCHITECTURES.get(name, (None,))[0]
         if family is not None:
@@ -57,17 +59,36 @@ LANGUAGE_MODELS: dict[str, str] = {
     "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
 }
 
+# Vision-language checkpoints that run with their images: architecture -> the model class
+# (a `VisionLanguageModel`, built from the whole config).
+MULTIMODAL_MODELS: dict[str, type[nn.Module]] = {}
+
+
+def multimodal_class_for(architectures: list[str]) -> type[nn.Module] | None:
+    """The vision-language class of these architectures, or None for a text-only model."""
+    return next((MULTIMODAL_MODELS[a] for a in architectures if a in MULTIMODAL_MODELS), None)
+
 
 def language_model_config(hf_config: PretrainedConfig) -> PretrainedConfig:
-    """`hf_config` itself, or for a vision-language checkpoint of `LANGUAGE_MODELS` its
-    language model's config (its family's architecture, the checkpoint's dtype and tied
-    embeddings); the family's loader skips the vision tower's weights."""
+    """`hf_config` itself, or for a vision-language checkpoint its language model's config
+    (with the checkpoint's dtype and tied embeddings): for one of `LANGUAGE_MODELS` under its
+    text family's architecture (the family's loader skips the vision tower's weights), for
+    one of `MULTIMODAL_MODELS` under the checkpoint's own (the whole model runs).
+
+    Raises:
+        ValueError: a vision-language checkpoint of an architecture the engine does not run.
+    """
     architectures = getattr(hf_config, "architectures", None) or []
     family = next((LANGUAGE_MODELS[a] for a in architectures if a in LANGUAGE_MODELS), None)
-    if family is None:
+    multimodal = next((a for a in architectures if a in MULTIMODAL_MODELS), None)
+    if family is None and multimodal is None:
+        if getattr(hf_config, "vision_config", None) is not None:
+            raise ValueError(
+                f"architecture {architectures} is a vision-language model the engine does not run (supported: "
+                f"{sorted(MULTIMODAL_MODELS)}, and the language model alone of {sorted(LANGUAGE_MODELS)})")
         return hf_config
-    text = hf_config.text_config
-    text.architectures = [family]
+    text = hf_config.get_text_config()
+    text.architectures = [family or multimodal]
     text.dtype = getattr(text, "dtype", None) or getattr(hf_config, "dtype", None)
     text.tie_word_embeddings = getattr(hf_config, "tie_word_embeddings", text.tie_word_embeddings)
     return text

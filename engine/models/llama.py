@@ -214,12 +214,19 @@ class LlamaModel(nn.Module):
         self.norm = norm(config.hidden_size, config.rms_norm_eps)
         self.embed_scale = embed_scale
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kept_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """Final hidden states of every row, or of `kept_rows` (see `KeptRows`)."""
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings the first layer reads (scaled where the family scales them)."""
         hidden = self.embed_tokens(input_ids)
         if self.embed_scale is not None:  # a Python number: nothing for a CUDA graph to copy
             hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype).item()
+        return hidden
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kept_rows: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Final hidden states of every row, or of `kept_rows` (see `KeptRows`). With
+        `inputs_embeds` the first layer reads those rows instead of `input_ids`' embeddings
+        (a vision-language model's, with its images' encoder outputs placed in)."""
+        hidden = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
         residual = None
         last = len(self.layers) - 1
         for index, layer in enumerate(self.layers):
@@ -288,6 +295,10 @@ class LlamaForCausalLM(nn.Module):
         """Allocates (uninitialized) parameters and builds the rotary tables on `device`."""
         self.to_empty(device=device)
         self.to(dtype)
+        self.build_buffers(device)
+
+    def build_buffers(self, device: torch.device) -> None:
+        """Builds the rotary tables on `device` (after `to_empty`, which leaves them unset)."""
         for kind, rotary in self.rotary_embeddings.items():
             fresh = self._rotary(kind)
             rotary.cos, rotary.sin = fresh.cos.to(device), fresh.sin.to(device)

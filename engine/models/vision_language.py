@@ -1,0 +1,148 @@
+"""What the vision-language families share (vLLM's `SupportsMultiModal`): a decoder of one of
+the text families, a vision encoder whose outputs take the place of the image tokens'
+embeddings, and the checkpoint split between the two as it loads.
+
+A family subclasses `VisionLanguageModel`: it builds its vision encoder and projector in
+`__init__`, says what one image's encoder inputs become (`embed_multimodal`, [num_embeds,
+hidden] in the decoder's width), names its processor (`processor_class`) and maps the
+checkpoint's names (`language_model_prefixes`, `vision_weight_name`).
+"""
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from engine.attention.layer import AttentionMetadata
+from engine.layers.fused_moe import FusedMoE
+from engine.layers.linear import Linear, StoredTensor
+from engine.lora.slots import LoRATarget
+from engine.models.llama import check_shape
+from engine.multimodal.inputs import MultiModalEmbeds
+from engine.multimodal.processing import BaseMultiModalProcessor
+
+
+class VisionLanguageModel(nn.Module):
+    """A decoder (`language_model`, a causal LM of the text families) reading images through
+    a vision encoder. `forward` takes the step's encoder outputs (`MultiModalEmbeds`) and puts
+    them in the rows of the image tokens; everything else is the decoder's."""
+
+    processor_class: type[BaseMultiModalProcessor]
+    # Whether the decoder's rotary positions are [3, tokens] (Qwen2-VL's M-RoPE): the model
+    # runner then hands `forward` each token's three positions.
+    uses_mrope = False
+    # Checkpoint name prefix of the decoder -> the decoder's own ("model.", "lm_head."): the
+    # first pair is how transformers 5 saves the checkpoint, the others how older hub files do.
+    language_model_prefixes: tuple[tuple[str, str], ...] = (
+        ("model.language_model.", "model."), ("lm_head.", "lm_head."),
+        ("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+    )
+
+    def __init__(self, config: PretrainedConfig, language_model: nn.Module) -> None:
+        """`config` is the checkpoint's whole config; `language_model` the decoder built
+        from its text part (on the meta device, as the whole model is)."""
+        super().__init__()
+        self.config = config
+        self.language_model = language_model
+
+    @classmethod
+    def text_architecture(cls, config: PretrainedConfig) -> str:
+        """The architecture of the decoder's family ("LlamaForCausalLM") for the text config."""
+        raise NotImplementedError
+
+    def embed_multimodal(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One image's encoder output, [num_embeds, hidden], in the decoder's dtype, from
+        the encoder inputs its processor made (`ProcessedImage.data`)."""
+        raise NotImplementedError
+
+    def vision_weight_name(self, name: str) -> str | None:
+        """This model's parameter for a checkpoint tensor outside the decoder (None: a
+        tensor the engine does not use, skipped). By default the name less a leading "model."."""
+        return name.removeprefix("model.")
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kept_rows: torch.Tensor | None = None, mm_embeds: MultiModalEmbeds | None = None) -> torch.Tensor:
+        """The decoder's hidden states, image tokens reading their encoder rows."""
+        decoder = self.language_model.model
+        embeds = None
+        if mm_embeds is not None:
+            embeds = decoder.embed_input_ids(input_ids)
+            embeds[mm_embeds.rows] = mm_embeds.embeds.to(embeds.dtype)
+        return decoder(input_ids, positions, meta, kept_rows, inputs_embeds=embeds)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return self.language_model.compute_logits(hidden)
+
+    def materialize(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Allocates (uninitialized) parameters and builds the buffers `to_empty` leaves unset."""
+        self.to_empty(device=device)
+        self.to(dtype)
+        self.build_buffers(device)
+
+    def build_buffers(self, device: torch.device) -> None:
+        """The decoder's rotary tables; a family with buffers of its own extends this."""
+        self.language_model.build_buffers(device)
+
+    def prepack(self) -> None:
+        for module in self.modules():
+            if isinstance(module, (Linear, FusedMoE)):
+                module.prepack()
+
+    def lora_targets(self) -> dict[str, LoRATarget]:
+        """The decoder's adaptable projections, under the checkpoint's names for them (an
+        adapter trained on the whole model names "model.language_model.layers.0...")."""
+        theirs, ours = self.language_model_prefixes[0]
+        return {theirs + path.removeprefix(ours): target
+                for path, target in self.language_model.lora_targets().items()}
+
+    def load_weights(self, weights: Iterable[tuple[str, StoredTensor]]) -> None:
+        """The decoder's tensors go to the decoder (streamed); the others to the vision side.
+
+        Raises:
+            ValueError: a tensor of the wrong shape, or a parameter the checkpoint lacks.
+        """
+        vision: list[tuple[str, StoredTensor]] = []
+
+        def decoder_tensors() -> Iterable[tuple[str, StoredTensor]]:
+            for name, tensor in weights:
+                mapped = self._decoder_name(name)
+                if mapped is None:
+                    vision.append((name, tensor))
+                else:
+                    yield mapped, tensor
+
+        self.language_model.load_weights(decoder_tensors())
+        self.load_vision_weights(vision)
+
+    def load_vision_weights(self, weights: list[tuple[str, StoredTensor]]) -> None:
+        """Copies the encoder's and projector's tensors in, by `vision_weight_name`."""
+        params = {name: p for name, p in self.named_parameters() if not name.startswith("language_model.")}
+        loaded = set()
+        for name, tensor in weights:
+            target = self.vision_weight_name(name)
+            if target is None:
+                continue
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+            check_shape(name, tensor, list(params[target].shape))
+            params[target].data.copy_(tensor.read(None))
+            loaded.add(target)
+        absent = sorted(set(params) - loaded)
+        if absent:
+            raise ValueError(f"the checkpoint lacks {len(absent)} vision tensors, e.g. {absent[:3]}")
+
+    def _decoder_name(self, name: str) -> str | None:
+        for theirs, ours in self.language_model_prefixes:
+            if name.startswith(theirs):
+                return ours + name.removeprefix(theirs)
+        return None
+
+
+def vision_linear(in_features: int, out_features: int, bias: bool = True) -> Linear:
+    """A projection of a vision encoder or projector: prepacked like the decoder's, never
+    quantized (a checkpoint's quantization and int8 at load cover the decoder alone, as
+    vLLM's do for the towers it runs)."""
+    layer = Linear(in_features, out_features, bias=bias)
+    layer.quantizable = False
+    return layer

@@ -1,0 +1,4 @@
+"""Images in prompts (vLLM's `multi_modal_data`): decoding and hashing them (`image`), the
+per-image records a sequence carries through the engine (`inputs`), and turning a prompt with
+image placeholders into token ids and encoder inputs (`processing`, whose family-specific
+halves live beside each model family in `engine.models`)."""

@@ -1,0 +1,80 @@
+"""The records an image leaves in the engine once processed: where its tokens sit in the
+prompt and what the vision encoder reads (`MultiModalFeature`, vLLM's `MultiModalFeatureSpec`
+with its `PlaceholderRange`), and the encoder outputs a step hands the model (`MultiModalEmbeds`)."""
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class ProcessedImage:
+    """One image as its family's processor prepares it: the encoder's inputs (`data`, e.g.
+    pixel_values and a grid, batch dimension of one image), the token ids that stand for it
+    in the prompt (`replacement`, in place of its single placeholder token) and which of
+    those take an encoder output row (`is_embed`; None: all of them)."""
+
+    data: dict[str, torch.Tensor]
+    replacement: list[int]
+    is_embed: list[bool] | None = None
+
+    @property
+    def num_embeds(self) -> int:
+        """Rows the encoder yields for this image."""
+        return len(self.replacement) if self.is_embed is None else sum(self.is_embed)
+
+
+@dataclass(eq=False)
+class MultiModalFeature:
+    """An image of a prompt: its tokens are prompt positions [offset, offset + length),
+    `identifier` is its content hash (two prompts with the same image share its encoder
+    output and their prefix-cache blocks), `data` the encoder's inputs."""
+
+    identifier: str
+    offset: int
+    length: int
+    data: dict[str, torch.Tensor] = field(repr=False)
+    is_embed: list[bool] | None = field(default=None, repr=False)
+    modality: str = "image"
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+    @property
+    def num_embeds(self) -> int:
+        """Rows of the encoder's output: one per position that takes an embedding."""
+        return self.length if self.is_embed is None else sum(self.is_embed)
+
+    def embed_rows(self, start: int, end: int) -> tuple[list[int], int, int]:
+        """Of prompt positions [start, end): those that take an encoder row (relative to
+        `start`), and the first and one-past-last encoder row they take."""
+        lo, hi = max(start, self.offset), min(end, self.end)
+        if lo >= hi:
+            return [], 0, 0
+        if self.is_embed is None:
+            return list(range(lo - start, hi - start)), lo - self.offset, hi - self.offset
+        before = sum(self.is_embed[: lo - self.offset])
+        positions = [p - start for p in range(lo, hi) if self.is_embed[p - self.offset]]
+        return positions, before, before + len(positions)
+
+
+@dataclass
+class MultiModalEmbeds:
+    """Encoder outputs placed into a step: `rows` of the step's flat token rows take
+    `embeds` [len(rows), hidden] instead of their token embeddings."""
+
+    rows: torch.Tensor
+    embeds: torch.Tensor
+
+
+@dataclass
+class ProcessedPrompt:
+    """A prompt with its images: the token ids with every image's placeholder expanded, the
+    images in prompt order, and for a model with multimodal rotary positions (Qwen2-VL) the
+    prompt's [3, len] positions and the offset of the positions of generated tokens."""
+
+    prompt_token_ids: list[int]
+    features: list[MultiModalFeature]
+    rope_positions: torch.Tensor | None = None
+    rope_delta: int = 0

@@ -1,0 +1,104 @@
+"""A prompt with images to token ids and encoder inputs: the part every family shares (vLLM's
+`BaseMultiModalProcessor`). A family's processor (beside its model in `engine.models`) says
+what one image becomes (`process_image`); this class finds each image's placeholder token in
+the prompt, expands it into the image's tokens, and records where they sit.
+
+A prompt holds one placeholder token per image (the text a chat template writes for an image,
+or `image_placeholder` in a hand-written prompt), or the image's tokens already expanded (ids
+from an earlier processing): both are accepted, so that ids round-trip.
+"""
+
+from pathlib import Path
+
+import torch
+from PIL import Image
+from transformers import AutoImageProcessor, PretrainedConfig, PreTrainedTokenizerBase
+
+from engine.multimodal.image import image_hash
+from engine.multimodal.inputs import MultiModalFeature, ProcessedImage, ProcessedPrompt
+
+
+class MultiModalInputError(ValueError):
+    """A row's images do not fit its prompt; the message starts with the field it names."""
+
+
+class BaseMultiModalProcessor:
+    """Turns (prompt ids, images) into a `ProcessedPrompt` for one model folder.
+
+    Subclasses set `image_token_id` and `image_placeholder` and implement `process_image`;
+    a family with multimodal rotary positions overrides `rope_positions`.
+    """
+
+    image_token_id: int
+    image_placeholder: str  # what stands for one image in a prompt's text
+
+    def __init__(self, path: Path, hf_config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase) -> None:
+        """`hf_config` is the checkpoint's whole config (vision and text parts)."""
+        self.path = path
+        self.hf_config = hf_config
+        self.tokenizer = tokenizer
+        self.image_processor = AutoImageProcessor.from_pretrained(path, backend="pil")
+
+    def process_image(self, image: Image.Image) -> ProcessedImage:
+        """The encoder inputs and prompt tokens of one image."""
+        raise NotImplementedError
+
+    def rope_positions(self, token_ids: list[int],
+                       features: list[MultiModalFeature]) -> tuple[torch.Tensor, int] | None:
+        """[3, len(token_ids)] rotary positions of the prompt and the offset that generated
+        tokens' positions carry (position = index + offset), for families whose rotary
+        positions are not the token index; None for the others."""
+        return None
+
+    def apply(self, token_ids: list[int], images: list[Image.Image]) -> ProcessedPrompt:
+        """The prompt with each image's placeholder expanded and its features.
+
+        Raises:
+            MultiModalInputError: the prompt's placeholders and its images do not pair up.
+        """
+        runs = self._placeholder_runs(token_ids)
+        if len(runs) != len(images):
+            raise MultiModalInputError(self._count_problem(len(runs), len(images)))
+        ids: list[int] = []
+        features: list[MultiModalFeature] = []
+        last = 0
+        for (start, length), image in zip(runs, images):
+            processed = self.process_image(image)
+            expanded = processed.replacement
+            if length != 1 and token_ids[start : start + length] != expanded:
+                raise MultiModalInputError(
+                    f"prompt_token_ids: image {len(features)} has {length} placeholder tokens where its "
+                    f"processing gives {len(expanded)}: put one {self.image_placeholder!r} token per image")
+            ids += token_ids[last:start]
+            features.append(MultiModalFeature(image_hash(image), len(ids), len(expanded), processed.data,
+                                              processed.is_embed))
+            ids += expanded
+            last = start + length
+        ids += token_ids[last:]
+        prompt = ProcessedPrompt(ids, features)
+        if (rope := self.rope_positions(ids, features)) is not None:
+            prompt.rope_positions, prompt.rope_delta = rope
+        return prompt
+
+    def _placeholder_runs(self, token_ids: list[int]) -> list[tuple[int, int]]:
+        """(start, length) of each run of image tokens that stands for one image: a single
+        placeholder token, or an image's expanded tokens from an earlier processing."""
+        runs: list[tuple[int, int]] = []
+        i = 0
+        while i < len(token_ids):
+            if token_ids[i] != self.image_token_id:
+                i += 1
+                continue
+            start = i
+            while i < len(token_ids) and token_ids[i] == self.image_token_id:
+                i += 1
+            runs.append((start, i - start))
+        return runs
+
+    def _count_problem(self, placeholders: int, images: int) -> str:
+        if placeholders < images:
+            return (f"multi_modal_data: {images} image(s) but the prompt has {placeholders} image placeholder(s): "
+                    f"put {self.image_placeholder!r} in the prompt once per image (LLM.chat places them), "
+                    "or drop the extra images")
+        return (f"prompt: has {placeholders} image placeholder(s) {self.image_placeholder!r} but "
+                f"{images} image(s) were given: pass one image per placeholder in multi_modal_data['image']")
