@@ -4,9 +4,16 @@ model's chat template (what `LLM.chat` and the Dagster prompts share)."""
 from typing import Any
 
 
+# OpenAI's image content parts and the key of each one's image, as vLLM's chat accepts them
+# ("image" is transformers' own form): the value is a URL dict or string for "image_url"
+# (data: and file:// URIs, local paths), a PIL image for "image_pil", any of those for "image".
+IMAGE_PARTS = {"image_url": "image_url", "image_pil": "image_pil", "image": "image"}
+
+
 def chat_messages_problem(messages: object) -> str | None:
     """Why `messages` is not a conversation a chat template can render (a list of
-    {"role": str, "content": str or a list of text parts} with valid Unicode), or None."""
+    {"role": str, "content": str or a list of text and image parts} with valid Unicode),
+    or None. Images are decoded later, with the row's other checks."""
     if not isinstance(messages, list) or not messages:
         return f"messages: expected a non-empty list of {{'role', 'content'}} dicts, got {type(messages).__name__}"
     for i, message in enumerate(messages):
@@ -33,6 +40,28 @@ def text_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{**m, "content": _joined(m["content"])} if isinstance(m["content"], list) else m for m in messages]
 
 
+def chat_images(messages: list[dict[str, Any]]) -> list[Any]:
+    """The conversation's images in order, as given (a URL, path, bytes or PIL image)."""
+    images = []
+    for message in messages:
+        for part in message["content"] if isinstance(message["content"], list) else []:
+            if part["type"] in IMAGE_PARTS:
+                value = part[IMAGE_PARTS[part["type"]]]
+                images.append(value["url"] if isinstance(value, dict) else value)
+    return images
+
+
+def multimodal_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation as a vision-language chat template reads it: content lists of
+    {"type": "text", "text": ...} and {"type": "image"} parts (the template writes the
+    model's image placeholder for each)."""
+    def part(p: dict[str, Any]) -> dict[str, Any]:
+        return {"type": "image"} if p["type"] in IMAGE_PARTS else p
+
+    return [{**m, "content": [part(p) for p in m["content"]]} if isinstance(m["content"], list) else m
+            for m in messages]
+
+
 def render_chat(
     tokenizer,
     messages: list[dict[str, Any]],
@@ -44,16 +73,24 @@ def render_chat(
     chat_template_kwargs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One conversation as an engine prompt, {"prompt": text, "prompt_token_ids": ids},
-    rendered with the tokenizer's chat template (or `chat_template`) and vLLM's arguments.
+    rendered with the tokenizer's chat template (or `chat_template`) and vLLM's arguments;
+    with image parts the template writes each image's placeholder, and the prompt carries
+    the images as given ({"multi_modal_data": {"image": [...]}}, decoded when the row is
+    checked).
 
     The text is tokenized without adding special tokens, because the template already
     holds any BOS token: a second one would change the output. Assumes
     `chat_messages_problem(messages)` found nothing.
     """
-    text = tokenizer.apply_chat_template(text_messages(messages), tokenize=False, chat_template=chat_template,
+    images = chat_images(messages)
+    rendered = multimodal_messages(messages) if images else text_messages(messages)
+    text = tokenizer.apply_chat_template(rendered, tokenize=False, chat_template=chat_template,
                                          tools=tools, add_generation_prompt=add_generation_prompt,
                                          continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
-    return {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids}
+    prompt = {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids}
+    if images:
+        prompt["multi_modal_data"] = {"image": images}
+    return prompt
 
 
 def invalid_unicode_problem(prompt: object, field: str = "prompt") -> str | None:
@@ -72,12 +109,18 @@ def invalid_unicode_problem(prompt: object, field: str = "prompt") -> str | None
 
 def _text_parts_problem(parts: list, index: int) -> str | None:
     for j, part in enumerate(parts):
-        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            return (f"message {index}: content part {j} is {kind!r}, not a text part "
-                    "({'type': 'text', 'text': str}): only text can be rendered (no multimodal models here)")
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind in IMAGE_PARTS:
+            value = part.get(IMAGE_PARTS[kind])
+            if value is None or (isinstance(value, dict) and not isinstance(value.get("url"), str)):
+                return (f"message {index}: content part {j} ({kind!r}) has no image: give "
+                        f"{{'type': {kind!r}, {IMAGE_PARTS[kind]!r}: ...}}"
+                        + (" with {'url': 'data:...' or 'file://...'}" if kind == "image_url" else ""))
+        elif kind != "text" or not isinstance(part.get("text"), str):
+            return (f"message {index}: content part {j} is {kind!r}: content parts are text "
+                    "({'type': 'text', 'text': str}) or images ('image_url', 'image_pil')")
     return None
 
 
-def _joined(parts: list[dict[str, str]]) -> str:
-    return "\n".join(part["text"] for part in parts)
+def _joined(parts: list[dict[str, Any]]) -> str:
+    return "\n".join(part["text"] for part in parts if part["type"] == "text")

@@ -32,6 +32,9 @@ DEFAULT_KV_CACHE_MEMORY = 4 << 30
 # between operators); on a GPU a larger step keeps the device busy.
 DEFAULT_STEP_TOKENS = {"cpu": 1024, "cuda": 4096}
 
+# Images one prompt may hold when limit_mm_per_prompt does not say.
+DEFAULT_IMAGES_PER_PROMPT = 8
+
 def _setting(default: object, help: str) -> object:
     """A dataclass field whose `help` is its one description (the `LLM` docs and the
     Dagster resource's fields are derived from it)."""
@@ -120,6 +123,10 @@ class EngineConfig:
                                             "fastest bfloat16 kernels (the default there) pick their summation "
                                             "order by the batch's size; this keeps oneDNN off AMX in the "
                                             "process, at AVX512-BF16's speed. Not built on a GPU.")
+    limit_mm_per_prompt: dict[str, int] | None = _setting(None, "Most images one prompt may hold, as vLLM's "
+                                                                "{'image': n} (default "
+                                                                f"{DEFAULT_IMAGES_PER_PROMPT}); a vision-language "
+                                                                "model's rows with more are errors.")
     attention_backend: str = _setting("auto", "'auto' (Triton kernels on a GPU; on a CPU the compiled "
                                               "paged-attention kernel where it builds, else PyTorch's products), "
                                               "'triton' (a GPU, or Triton's interpreter under TRITON_INTERPRET=1), "
@@ -172,8 +179,17 @@ class EngineConfig:
             problems.append(f"batch_invariant must be True or False, got {self.batch_invariant!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             problems.append(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        limit = self.limit_mm_per_prompt
+        if limit is not None and (not isinstance(limit, dict) or set(limit) - {"image"}
+                                  or any(not isinstance(n, int) or n < 0 for n in limit.values())):
+            problems.append(f"limit_mm_per_prompt must be None or {{'image': n}} with n >= 0, got {limit!r}")
         if problems:
             raise ValueError("Invalid engine settings: " + "; ".join(problems))
+
+    @property
+    def max_images_per_prompt(self) -> int:
+        """The most images one prompt may hold (limit_mm_per_prompt's, else the default)."""
+        return (self.limit_mm_per_prompt or {}).get("image", DEFAULT_IMAGES_PER_PROMPT)
 
     @property
     def world_size(self) -> int:

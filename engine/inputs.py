@@ -10,6 +10,10 @@ from engine.beam_search import BeamSearchParams
 from engine.chat_utils import invalid_unicode_problem
 from engine.llm_engine import LLMEngine
 from engine.lora.request import LoRARequest
+from engine.models import MULTIMODAL_MODELS
+from engine.multimodal.image import ImageInputError, load_image
+from engine.multimodal.inputs import ProcessedPrompt
+from engine.multimodal.processing import MultiModalInputError
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams, logprobs_count
 
@@ -33,11 +37,12 @@ class Request:
     lora_request: LoRARequest | None
     beam_search: BeamSearchParams | None = None
     pooling: PoolingParams | None = None
+    multi_modal: ProcessedPrompt | None = None  # the prompt's images, processed (`prompt_token_ids` expanded)
 
     def submit(self, engine: LLMEngine, request_id: str) -> None:
         """Queues the request on `engine` under `request_id`."""
         engine.add_request(request_id, self.prompt, self.prompt_token_ids, self.sampling_params, self.priority,
-                           self.lora_request, self.beam_search, self.pooling)
+                           self.lora_request, self.beam_search, self.pooling, self.multi_modal)
 
 
 @dataclass(frozen=True)
@@ -140,11 +145,48 @@ class RequestChecker:
         if not isinstance(params, SamplingParams):
             params = SamplingParams()  # the prompt is still checked, against the defaults
         text, ids = self._tokenize(prompt)
-        if (problem := _prompt_problem(prompt, ids, self.max_len, self.vocab) or self._params_problem(ids, params, kind)):
+        images, problem = self._images(prompt, ids)
+        if images is not None:
+            ids = images.prompt_token_ids
+        if (problem := problem or _prompt_problem(prompt, ids, self.max_len, self.vocab, images)
+                or self._params_problem(ids, params, kind)):
             found.append(problem)
         if found:
             return RowCheck(None, "; ".join(found))
-        return RowCheck(Request(text, ids, params, priority, adapter), None)
+        return RowCheck(Request(text, ids, params, priority, adapter, multi_modal=images), None)
+
+    def _images(self, prompt: Any, ids: list[int] | None) -> tuple[ProcessedPrompt | None, str | None]:
+        """The prompt's images processed into its token ids (None: a prompt without images),
+        or the problem with them: images for a text-only model, more than
+        limit_mm_per_prompt, an image that does not decode, placeholders and images that
+        do not pair up."""
+        data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        processor = self.engine.mm_processor
+        if ids is None or (data is None and (processor is None or processor.image_token_id not in ids)):
+            return None, None
+        if processor is None:
+            return None, ("multi_modal_data: the model reads text only: drop the images, or load a vision-language "
+                          f"model ({', '.join(sorted(MULTIMODAL_MODELS))})")
+        if data is None:
+            data = {"image": []}
+        if not isinstance(data, dict) or set(data) != {"image"}:
+            keys = sorted(data) if isinstance(data, dict) else type(data).__name__
+            return None, f"multi_modal_data: expected {{'image': an image or a list of images}}, got {keys}"
+        images = data["image"] if isinstance(data["image"], (list, tuple)) else [data["image"]]
+        limit = self.engine.config.max_images_per_prompt
+        if len(images) > limit:
+            return None, (f"multi_modal_data: holds {len(images)} images, but limit_mm_per_prompt allows {limit}: "
+                          "use fewer images, or raise LLM(limit_mm_per_prompt={'image': n})")
+        loaded = []
+        for i, image in enumerate(images):
+            try:
+                loaded.append(load_image(image))
+            except ImageInputError as exc:
+                return None, f"multi_modal_data['image'][{i}]: {exc}"
+        try:
+            return processor.apply(ids, loaded), None
+        except MultiModalInputError as exc:
+            return None, str(exc)
 
     def _argument_problems(self, params: Any, adapter: Any, priority: Any) -> list[str]:
         """The row's adapter, sampling params and priority that cannot be used as given."""
@@ -223,13 +265,19 @@ class RequestChecker:
         return text, self.engine.tokenizer(text).input_ids if text else []
 
 
-def _prompt_problem(prompt: Any, ids: list[int] | None, max_len: int, vocab: int) -> str | None:
+def _prompt_problem(prompt: Any, ids: list[int] | None, max_len: int, vocab: int,
+                    images: ProcessedPrompt | None = None) -> str | None:
     """What is wrong with the prompt itself (its form, length or token ids), or None."""
     if ids is None:
         return ("prompt: expected a str, {'prompt': str} or {'prompt_token_ids': [int, ...]}, "
                 f"got {type(prompt).__name__}")
     if not ids:
         return "prompt: is empty: drop the row or give it text"
+    if images is not None and len(ids) >= max_len:
+        image_tokens = sum(f.length for f in images.features)
+        return (f"multi_modal_data: the prompt's {len(images.features)} image(s) take {image_tokens} tokens and its "
+                f"text {len(ids) - image_tokens}, {len(ids)} in all, but max_model_len is {max_len}: use fewer or "
+                "smaller images, shorten the text, or raise max_model_len")
     if len(ids) >= max_len:
         return (f"prompt: has {len(ids)} tokens, but max_model_len is {max_len}: shorten it "
                 f"to at most {max_len - 1} tokens, or raise max_model_len")

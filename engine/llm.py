@@ -172,7 +172,9 @@ class LLM:
 
         A message's content is a string or OpenAI's list of text parts
         ([{"type": "text", "text": ...}], joined by newlines as vLLM does for templates
-        that render strings). `continue_final_message` renders the last message open, for
+        that render strings) and, for a vision-language model, image parts
+        ({"type": "image_url", "image_url": {"url": "data:..." or "file://..."}},
+        {"type": "image_pil", "image_pil": image}), whose placeholders the model's template writes. `continue_final_message` renders the last message open, for
         the model to carry on (it needs add_generation_prompt=False); `tools` and
         `chat_template_kwargs` go to the template. See `render_chat`.
 
@@ -200,7 +202,10 @@ class LLM:
                  lora_request: LoRARequestArg = None, priority: PriorityArg = None) -> list[RequestOutput]:
         """Completes every prompt and returns one `RequestOutput` per prompt, in input order.
 
-        A prompt is a string, {"prompt": str} or {"prompt_token_ids": [int, ...]}.
+        A prompt is a string, {"prompt": str} or {"prompt_token_ids": [int, ...]}; for a
+        vision-language model a dict may add {"multi_modal_data": {"image": image or [images]}}
+        (PIL images, encoded bytes, local paths, file:// or data: URIs), each image standing
+        for one `image_placeholder` in the prompt.
         `sampling_params`, `lora_request` and `priority` are one value for all prompts or
         one per prompt; a None adapter runs the base model. Requests with different
         adapters run in the same steps. A priority orders requests (lower first) under
@@ -299,6 +304,13 @@ class LLM:
         problems as one line, or None when it is fine (see `validate`)."""
         rows = RequestChecker(self.llm_engine).check_pooling(prompts, None, lora_request)
         return [row.problem for row in rows]
+
+    @property
+    def image_placeholder(self) -> str | None:
+        """The text that stands for one image in a prompt of this model ("<image>"); None
+        for a model that reads text only."""
+        processor = self.llm_engine.mm_processor
+        return processor.image_placeholder if processor is not None else None
 
     @property
     def max_num_seqs(self) -> int:

@@ -13,9 +13,10 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from engine.attention.selector import resolve_backend_name
 from engine.beam_search import BeamSearchOutput, BeamSearchParams
-from engine.config import EngineConfig
+from engine.config import EngineConfig, ModelConfig
 from engine.core.beam_group import BeamGroup
 from engine.core.block_manager import BlockManager
+from engine.core.encoder_cache_manager import EncoderCacheManager
 from engine.core.sched_output import ScheduledBatch
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import Sequence, SequenceStatus
@@ -26,6 +27,9 @@ from engine.lora.manager import LoRAManager
 from engine.lora.request import LoRARequest
 from engine.model_loader.folder import check_model_folder, resolve_model_path
 from engine.model_loader.model_config import resolve_model_config
+from engine.models import multimodal_class_for
+from engine.multimodal.inputs import ProcessedPrompt
+from engine.multimodal.processing import BaseMultiModalProcessor
 from engine.outputs import (
     ClassificationOutput, ClassificationRequestOutput, CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput,
     EngineStats, Logprob, PoolingRequestOutput, RequestOutput, UnfinishedOutput,
@@ -58,6 +62,9 @@ class LLMEngine:
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(tokenizer_path)
         model_config = resolve_model_config(path, config, self.tokenizer.eos_token_id)
         check_tensor_parallel(model_config.hf_config, config.tensor_parallel_size)
+        if model_config.multimodal_config is not None and config.tensor_parallel_size > 1:
+            raise ValueError(f"{path}: a vision-language model runs on one rank here (its vision encoder is not "
+                             "split): use tensor_parallel_size=1, and data_parallel_size for more devices")
         if replica is None:
             replica = plan_parallelism(config.tensor_parallel_size, config.data_parallel_size,
                                        model_config.device).replicas[0]
@@ -71,7 +78,11 @@ class LLMEngine:
         self.block_manager = BlockManager(
             self.model_runner.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching
         )
-        self.scheduler = Scheduler(config, self.block_manager)
+        self.mm_processor = _multimodal_processor(model_config, self.tokenizer)
+        # An image's output must fit the cache alone; a prompt, images included, fits max_model_len.
+        encoder_cache = (EncoderCacheManager(max(config.max_num_batched_tokens, config.max_model_len))
+                         if self.mm_processor is not None else None)
+        self.scheduler = Scheduler(config, self.block_manager, encoder_cache)
         self.stats = EngineStats()
         self._seq_ids = itertools.count()
         self._token_texts: dict[tuple[bool, bool], dict[int, str]] = {}  # by detokenizer settings
@@ -111,13 +122,14 @@ class LLMEngine:
         lora_request: LoRARequest | None = None,
         beam_search: BeamSearchParams | None = None,
         pooling: PoolingParams | None = None,
+        multi_modal: ProcessedPrompt | None = None,
     ) -> Sequence:
         """Queues a validated request (its first completion; the others fork from it).
         With `beam_search` it is a beam search (`sampling_params` is then
         `beam_search.sampling_params()`), whose first beam this sequence is; with
         `pooling`, a prompt to embed or classify, which is only prefilled."""
         seq = self._new_sequence(request_id, prompt, prompt_token_ids, sampling_params, priority, index=0,
-                                 lora_request=lora_request)
+                                 lora_request=lora_request, multi_modal=multi_modal)
         if pooling is not None:
             seq.pooling = pooling
             seq.max_num_tokens = seq.num_prompt_tokens
@@ -132,7 +144,7 @@ class LLMEngine:
 
     def _new_sequence(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                       params: SamplingParams, priority: int, index: int,
-                      lora_request: LoRARequest | None) -> Sequence:
+                      lora_request: LoRARequest | None, multi_modal: ProcessedPrompt | None = None) -> Sequence:
         seq = Sequence(
             seq_id=next(self._seq_ids),
             request_id=request_id,
@@ -145,6 +157,7 @@ class LLMEngine:
             priority=priority,
             index=index,
             lora_request=lora_request,
+            multi_modal=multi_modal,
         )
         seq.max_num_tokens = seq.num_prompt_tokens + params.max_output_tokens(seq.num_prompt_tokens,
                                                                                self.model_config.max_model_len)
@@ -201,6 +214,7 @@ class LLMEngine:
         """Forks the completions whose prompt this step finishes, queues the forward pass
         and counts its tokens as computed."""
         self.stats.num_cached_prompt_tokens += batch.cached_prompt_tokens
+        self.stats.num_images_encoded += len(batch.encoder_inputs)
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             start = seq.num_computed_tokens
             if start < seq.num_prompt_tokens:
@@ -250,7 +264,8 @@ class LLMEngine:
         forks = []
         for index in range(1, parent.num_pending_children + 1):
             child = self._new_sequence(parent.request_id, parent.prompt, parent.token_ids[: parent.num_prompt_tokens],
-                                       parent.sampling_params, parent.priority, index, parent.lora_request)
+                                       parent.sampling_params, parent.priority, index, parent.lora_request,
+                                       parent.multi_modal)
             child.bad_words_ids = parent.bad_words_ids
             child.processes_logits = parent.processes_logits
             child.num_computed_tokens = parent.num_computed_tokens
@@ -296,7 +311,7 @@ class LLMEngine:
         """A new beam with the parent's tokens, sharing its blocks when it runs (a parent
         preempted meanwhile recomputes, and so does its fork)."""
         child = self._new_sequence(parent.request_id, parent.prompt, parent.token_ids[: parent.num_prompt_tokens],
-                                   parent.sampling_params, parent.priority, 0, parent.lora_request)
+                                   parent.sampling_params, parent.priority, 0, parent.lora_request, parent.multi_modal)
         child.token_ids = list(parent.token_ids)
         child.logprobs = list(parent.logprobs)
         child.beam = parent.beam
@@ -419,6 +434,15 @@ class LLMEngine:
     def release(self) -> None:
         self.abort_all()
         self.model_runner.release()
+
+
+def _multimodal_processor(model_config: ModelConfig,
+                          tokenizer: PreTrainedTokenizerBase) -> BaseMultiModalProcessor | None:
+    """The processor of a vision-language model's prompts with images; None for a text model."""
+    whole = model_config.multimodal_config
+    if whole is None:
+        return None
+    return multimodal_class_for(whole.architectures).processor_class(model_config.path, whole, tokenizer)
 
 
 def _free_dropped_engine(attributes: dict) -> None:

@@ -137,6 +137,7 @@ class EngineStats:
     num_prompt_tokens_computed: int = 0
     num_generated_tokens: int = 0
     num_cached_prompt_tokens: int = 0
+    num_images_encoded: int = 0  # vision-encoder runs, one per image (its output is then cached)
 
     def __add__(self, other: "EngineStats") -> "EngineStats":
         """Both engines' counters summed (data-parallel replicas)."""

@@ -4,7 +4,7 @@ from collections import OrderedDict
 
 from engine.core.sequence import Sequence
 
-BlockKey = tuple[int | None, tuple[int, ...]]
+BlockKey = tuple[int | None, tuple[int | str, ...]]  # (parent key's hash, token ids and image hashes)
 
 
 class Block:
@@ -28,6 +28,9 @@ class BlockManager:
     different adapters never share cached keys and values. A freed block keeps
     its key and waits in the free queue, reusable until it is handed out again, least
     recently freed first; blocks that hold nothing reusable are handed out before those.
+    A block holding image tokens adds the images' content hashes to its token ids: every
+    image has the same placeholder ids, so two prompts share such a block only when their
+    images are the same.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
@@ -54,7 +57,9 @@ class BlockManager:
         while len(seq.block_keys) <= index:
             i = len(seq.block_keys)
             parent = hash(seq.block_keys[i - 1]) if i else seq.lora_int_id
-            seq.block_keys.append((parent, tuple(seq.token_ids[i * size : (i + 1) * size])))
+            tokens = tuple(seq.token_ids[i * size : (i + 1) * size])
+            images = tuple(f.identifier for f in seq.mm_features if f.offset < (i + 1) * size and f.end > i * size)
+            seq.block_keys.append((parent, tokens + images))
         return seq.block_keys[index]
 
     def find_cached_blocks(self, seq: Sequence) -> list[int]:

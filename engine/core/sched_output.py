@@ -4,6 +4,7 @@
 from dataclasses import dataclass, field
 
 from engine.core.sequence import Sequence
+from engine.multimodal.inputs import MultiModalFeature
 
 
 @dataclass
@@ -23,6 +24,10 @@ class ScheduledBatch:
     # Sequences that left the running set since the previous step (finished, preempted or
     # aborted): the model runner frees their rows of the persistent batch.
     released: list[Sequence] = field(default_factory=list)
+    # Images whose encoder output the step computes first (each once), and the identifiers of
+    # outputs the encoder cache evicted (`engine.core.encoder_cache_manager`).
+    encoder_inputs: list[MultiModalFeature] = field(default_factory=list)
+    freed_encoder_outputs: list[str] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

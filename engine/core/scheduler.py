@@ -6,8 +6,10 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.core.block_manager import BlockManager
+from engine.core.encoder_cache_manager import EncoderCacheManager
 from engine.core.sched_output import ScheduledBatch
 from engine.core.sequence import Sequence, SequenceStatus
+from engine.multimodal.inputs import MultiModalFeature
 
 
 class Scheduler:
@@ -22,13 +24,20 @@ class Scheduler:
     the sequence may generate. "fcfs" ranks sequences by arrival, "priority" by (priority, arrival):
     lower values first. A waiting request whose LoRA adapter would exceed `max_loras`
     distinct adapters in the step is passed over, and requests behind it may run.
+
+    A prompt's images are encoded in the first step that schedules any of their tokens
+    (`encoder_cache`): a step encodes images of at most max_num_batched_tokens output rows
+    (one image at least), and a chunk stops before an image whose output can be neither
+    had nor computed in the step.
     """
 
-    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager,
+                 encoder_cache: EncoderCacheManager | None = None) -> None:
         """`config` is resolved (`EngineConfig.resolve`): the scheduler reads max_num_seqs,
         max_num_batched_tokens, enable_chunked_prefill, scheduling_policy and max_loras."""
         self.config = config
         self.block_manager = block_manager
+        self.encoder_cache = encoder_cache
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.released: list[Sequence] = []
@@ -52,7 +61,7 @@ class Scheduler:
             RuntimeError: nothing could be placed although requests wait (the KV cache is
                 too small for the next one).
         """
-        plan = _StepPlan(self.config.max_num_batched_tokens)
+        plan = _StepPlan(self.config.max_num_batched_tokens, self.config.max_num_batched_tokens)
         self._schedule_running(plan)
         if not plan.preempted:
             self._schedule_waiting(plan)
@@ -64,8 +73,10 @@ class Scheduler:
             )
         copies, self.block_manager.pending_copies = self.block_manager.pending_copies, []
         released, self.released = self.released, []
+        freed = self.encoder_cache.take_freed() if self.encoder_cache is not None else []
         return ScheduledBatch(list(plan.scheduled), list(plan.scheduled.values()), block_copies=copies,
-                              cached_prompt_tokens=plan.cached_prompt_tokens, released=released)
+                              cached_prompt_tokens=plan.cached_prompt_tokens, released=released,
+                              encoder_inputs=plan.encoder_inputs, freed_encoder_outputs=freed)
 
     def _schedule_running(self, plan: "_StepPlan") -> None:
         """Gives each running sequence its next tokens, in rank order, preempting the
@@ -82,7 +93,11 @@ class Scheduler:
             if seq.num_pending_tokens and num_tokens >= seq.max_num_tokens:
                 i += 1  # its pending token is its last: it finishes when that token is read back
                 continue
-            num_new = min(num_tokens - seq.num_computed_tokens, plan.budget)
+            num_new, images = self._encoder_work(seq, seq.num_computed_tokens,
+                                                 min(num_tokens - seq.num_computed_tokens, plan.budget), plan)
+            if num_new == 0:
+                i += 1  # its next tokens are an image the step cannot encode
+                continue
             while not self.block_manager.allocate(seq, num_new):
                 victim = max(self.running, key=self._rank)
                 self._preempt(victim)
@@ -93,6 +108,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
+                self._take_encoder_outputs(seq, seq.num_computed_tokens, num_new, images, plan)
                 plan.add(seq, num_new)
                 i += 1
 
@@ -114,19 +130,60 @@ class Scheduler:
                 index += 1
                 continue
             cached = [] if seq.computes_whole_prompt else self.block_manager.find_cached_blocks(seq)
-            num_new = seq.num_tokens - len(cached) * self.block_manager.block_size
+            start = len(cached) * self.block_manager.block_size
+            num_new = seq.num_tokens - start
             if num_new > plan.budget:
                 if not self.config.enable_chunked_prefill:
                     break
                 num_new = plan.budget
+            wanted = num_new
+            num_new, images = self._encoder_work(seq, start, num_new, plan)
+            if num_new == 0 or (num_new < wanted and not self.config.enable_chunked_prefill):
+                break
             if not self.block_manager.allocate(seq, num_new, cached):
                 break
+            self._take_encoder_outputs(seq, start, num_new, images, plan)
             self.waiting.pop(index)
             if seq.lora_int_id is not None:
                 adapters.add(seq.lora_int_id)
             self._admit(seq, len(cached) * self.block_manager.block_size, plan)
             num_seqs += _rows_reserved(seq, counted)
             plan.add(seq, num_new)
+
+    def _encoder_work(self, seq: Sequence, start: int, num_new: int,
+                      plan: "_StepPlan") -> tuple[int, list[MultiModalFeature]]:
+        """How many of `num_new` tokens from `start` the step can compute given their
+        images, and the images it must encode for them: the chunk stops before the first
+        image that is not held and does not fit the step's encoder budget (the first image
+        of a step always does) or the cache."""
+        if not seq.mm_features:
+            return num_new, []
+        cache, todo, budget = self.encoder_cache, [], plan.encoder_budget
+        for feature in seq.mm_features:
+            if feature.end <= start or feature.offset >= start + num_new:
+                continue
+            if cache.has(feature) or any(f.identifier == feature.identifier for f in todo):
+                continue
+            first = not plan.encoder_inputs and not todo
+            rows = feature.num_embeds
+            if (rows > budget and not first) or not cache.can_hold(sum(f.num_embeds for f in todo) + rows):
+                return max(0, feature.offset - start), todo
+            todo.append(feature)
+            budget -= rows
+        return num_new, todo
+
+    def _take_encoder_outputs(self, seq: Sequence, start: int, num_new: int, todo: list[MultiModalFeature],
+                              plan: "_StepPlan") -> None:
+        """Records that the scheduled chunk reads its images' outputs, computing `todo` in the step."""
+        for feature in seq.mm_features:
+            if feature.end <= start or feature.offset >= start + num_new:
+                continue
+            if feature in todo and not self.encoder_cache.has(feature):
+                self.encoder_cache.allocate(seq, feature)
+                plan.encoder_inputs.append(feature)
+                plan.encoder_budget -= feature.num_embeds
+            else:
+                self.encoder_cache.use(seq, feature)
 
     def _admit(self, seq: Sequence, num_cached: int, plan: "_StepPlan") -> None:
         """Moves a waiting sequence whose blocks were allocated into the running set; its
@@ -143,11 +200,17 @@ class Scheduler:
         self.running.remove(seq)
         self.released.append(seq)
         self.block_manager.free(seq)
+        self._release_images(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.metrics.num_preemptions += 1
         self.num_preemptions += 1
         self.add(seq)
+
+    def _release_images(self, seq: Sequence) -> None:
+        """A sequence that left the running set needs none of its images' outputs any more."""
+        if seq.mm_features:
+            self.encoder_cache.release(seq)
 
     def update_computed(self, batch: ScheduledBatch) -> None:
         """Records that the step computed its tokens' keys and values."""
@@ -155,6 +218,8 @@ class Scheduler:
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += num_new
             register(seq)
+            if seq.mm_features:
+                self.encoder_cache.release_computed(seq)
 
     def add_running(self, seq: Sequence) -> None:
         """Adds a forked sequence that already holds its (shared) blocks."""
@@ -174,6 +239,7 @@ class Scheduler:
             self.running.remove(seq)
             self.released.append(seq)
             self.block_manager.free(seq)
+            self._release_images(seq)
         else:
             self.waiting.remove(seq)
 
@@ -191,6 +257,7 @@ class Scheduler:
         sequences end finished (finish_reason "abort"), the waiting ones included."""
         for seq in self.running:
             self.block_manager.free(seq)
+            self._release_images(seq)
         self.released += self.running
         for seq in (*self.waiting, *self.running):
             _mark_aborted(seq)
@@ -219,11 +286,14 @@ def _mark_aborted(seq: Sequence) -> None:
 
 @dataclass
 class _StepPlan:
-    """The step being filled: tokens per scheduled sequence, the token budget left,
-    whether a sequence was preempted, and the prefix-cache hits of first admissions."""
+    """The step being filled: tokens per scheduled sequence, the token budget left, the
+    encoder budget left (output rows) and the images to encode, whether a sequence was
+    preempted, and the prefix-cache hits of first admissions."""
 
     budget: int
+    encoder_budget: int
     scheduled: dict[Sequence, int] = field(default_factory=dict)
+    encoder_inputs: list[MultiModalFeature] = field(default_factory=list)
     preempted: bool = False
     cached_prompt_tokens: int = 0
 

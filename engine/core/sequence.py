@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from engine.beam_search import BeamSearchOutput, BeamSearchParams
+    from engine.multimodal.inputs import MultiModalFeature, ProcessedPrompt
     from engine.pooling_params import PoolingParams
     from engine.sample.sampler import SampledToken
     from engine.structured_output.backend_types import StructuredOutputGrammar
@@ -61,6 +62,7 @@ class Sequence:
         priority: int = 0,
         index: int = 0,
         lora_request: LoRARequest | None = None,
+        multi_modal: "ProcessedPrompt | None" = None,
     ) -> None:
         self.seq_id = seq_id
         self.request_id = request_id
@@ -71,6 +73,10 @@ class Sequence:
         self.detokenizer = detokenizer
         self.priority = priority
         self.lora_request = lora_request
+        # The prompt's images (by position) and, for M-RoPE models, its [3, prompt] rotary
+        # positions and the offset of the generated tokens' positions.
+        self.multi_modal = multi_modal
+        self.mm_features: list["MultiModalFeature"] = multi_modal.features if multi_modal is not None else []
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         # Tokens sampled on the device but not yet read back (asynchronous scheduling: at

@@ -8,6 +8,7 @@ or `image_placeholder` in a hand-written prompt), or the image's tokens already 
 from an earlier processing): both are accepted, so that ids round-trip.
 """
 
+import json
 from pathlib import Path
 
 import torch
@@ -33,11 +34,15 @@ class BaseMultiModalProcessor:
     image_placeholder: str  # what stands for one image in a prompt's text
 
     def __init__(self, path: Path, hf_config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase) -> None:
-        """`hf_config` is the checkpoint's whole config (vision and text parts)."""
+        """`hf_config` is the checkpoint's whole config (vision and text parts). The
+        tokenizer takes the processor's chat template (chat_template.json) where it has none."""
         self.path = path
         self.hf_config = hf_config
         self.tokenizer = tokenizer
         self.image_processor = AutoImageProcessor.from_pretrained(path, backend="pil")
+        template = path / "chat_template.json"
+        if tokenizer.chat_template is None and template.exists():  # the processor's, in its older file
+            tokenizer.chat_template = json.loads(template.read_text())["chat_template"]
 
     def process_image(self, image: Image.Image) -> ProcessedImage:
         """The encoder inputs and prompt tokens of one image."""

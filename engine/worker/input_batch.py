@@ -20,6 +20,7 @@ from engine.attention.layer import AttentionMetadata
 from engine.core.sched_output import ScheduledBatch
 from engine.core.sequence import Sequence
 from engine.lora.slots import LoRARange
+from engine.multimodal.inputs import MultiModalFeature
 
 
 @dataclass
@@ -41,6 +42,17 @@ class PoolRows:
     first_position: int
     count: int
     last: bool
+
+
+@dataclass
+class ImageRows:
+    """The rows of a step that read an image's encoder output: step `rows` take output
+    rows [first, last) of `feature`."""
+
+    feature: MultiModalFeature
+    rows: list[int]
+    first: int
+    last: int
 
 
 @dataclass(frozen=True)
@@ -93,6 +105,9 @@ class StepInputs:
     # Rows whose input id is a token still being sampled, and the batch slots it lands in.
     pending_rows: torch.Tensor | None = None
     pending_slots: torch.Tensor | None = None
+    image_rows: list[ImageRows] = field(default_factory=list)
+    # [3, num_tokens] rotary positions of an M-RoPE model (None: `positions`).
+    rope_positions: torch.Tensor | None = None
 
 
 
@@ -109,9 +124,12 @@ def upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tens
 class InputBatch:
     """Rows of up to `max_num_seqs` running sequences, and the step inputs built from them."""
 
-    def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int, device: torch.device) -> None:
+    def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int, device: torch.device,
+                 uses_mrope: bool = False) -> None:
+        """`uses_mrope`: the model's rotary positions are [3, tokens] (see `_rope_positions`)."""
         self.block_size = block_size
         self.device = device
+        self.uses_mrope = uses_mrope
         max_blocks = -(-max_model_len // block_size)
         self.block_tables = torch.zeros(max_num_seqs, max_blocks, dtype=torch.int32, device=device)
         self.last_token_ids = torch.zeros(max_num_seqs, dtype=torch.long, device=device)
@@ -205,6 +223,11 @@ class InputBatch:
                           for seq, start, n, end in zip(seqs, starts, nums, ends) if seq.pooling is not None]
         if lora_slots:
             step.lora_ranges = _lora_ranges(seqs, ends, nums, lora_slots)
+        step.image_rows = [ImageRows(feature, [end - n + r for r in rows], first, last)
+                           for seq, start, n, end in zip(seqs, starts, nums, ends) for feature in seq.mm_features
+                           for rows, first, last in [feature.embed_rows(start, start + n)] if rows]
+        if self.uses_mrope:
+            step.rope_positions = _rope_positions(seqs, starts, nums).to(device, non_blocking=True)
         return step
 
     @staticmethod
@@ -220,6 +243,23 @@ class InputBatch:
             row_of = dict(zip(step.sample_seqs, step.sample_rows))
             step.sample_seqs += [child for child, _ in forks]
             step.sample_rows += [row_of[parent] for _, parent in forks]
+
+
+def _rope_positions(seqs: list[Sequence], starts: list[int], nums: list[int]) -> torch.Tensor:
+    """[3, tokens] M-RoPE positions of the step's rows: a prompt's own (its images' grid
+    positions, `ProcessedPrompt.rope_positions`), and past them, or for a prompt without
+    images, the token's index plus the prompt's offset in all three rows."""
+    pieces = []
+    for seq, start, n in zip(seqs, starts, nums):
+        prompt, end = seq.multi_modal, start + n
+        table = prompt.rope_positions if prompt is not None else None
+        if table is not None and start < table.shape[1]:
+            pieces.append(table[:, start : min(end, table.shape[1])])
+            start = min(end, table.shape[1])
+        if start < end:
+            delta = prompt.rope_delta if prompt is not None else 0
+            pieces.append((torch.arange(start, end) + delta).expand(3, -1))
+    return torch.cat(pieces, dim=1)
 
 
 def _lora_ranges(seqs: list[Sequence], ends: list[int], nums: list[int],

@@ -14,9 +14,10 @@ from engine.core.sequence import Sequence
 from engine.distributed.plan import ReplicaPlan
 from engine.layers.pooler import Pooler
 from engine.lora.manager import LoRAManager
+from engine.multimodal.inputs import MultiModalEmbeds, MultiModalFeature
 from engine.sample.sampler import SampledToken, Sampler, SamplerOutput, token_logprobs
 from engine.worker.device_queue import Pending, launch
-from engine.worker.input_batch import InputBatch, KeptRows, PromptRows, StepInputs, upload
+from engine.worker.input_batch import ImageRows, InputBatch, KeptRows, PromptRows, StepInputs, upload
 from engine.worker.kv_cache import KVCache
 from engine.worker.sampling_metadata import SamplingMetadataBuilder
 from engine.worker.worker import ModelInputs
@@ -86,7 +87,10 @@ class ModelRunner:
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
         self.sampling_metadata = SamplingMetadataBuilder(model_config.hf_config.vocab_size,
                                                          model_config.eos_token_ids, self.device)
-        self.input_batch = InputBatch(config.max_num_seqs, model_config.max_model_len, self.block_size, self.device)
+        self.input_batch = InputBatch(config.max_num_seqs, model_config.max_model_len, self.block_size, self.device,
+                                      uses_mrope=getattr(self.model, "uses_mrope", False))
+        # Encoder outputs [rows, hidden] by image identifier, as the scheduler's encoder cache holds them.
+        self.encoder_outputs: dict[str, torch.Tensor] = {}
         self.pooler = (Pooler(model_config.pooler, getattr(self.model, "score", None))
                        if model_config.pooler is not None else None)
 
@@ -111,6 +115,7 @@ class ModelRunner:
     def release(self) -> None:
         """Drops the model and the KV cache so that their memory can be returned, and
         stops the other ranks."""
+        self.encoder_outputs.clear()
         self.workers.release()
 
     # -- one step ------------------------------------------------------------------------
@@ -120,16 +125,38 @@ class ModelRunner:
         """Queues the step's forward pass. Rows of the sequences that left the running set
         are freed first."""
         self.input_batch.release(batch.released)
+        for identifier in batch.freed_encoder_outputs:
+            del self.encoder_outputs[identifier]
         lora_slots = self._activate_adapters(batch.seqs)
         inputs = self.input_batch.prepare(batch, lora_slots)
         inputs.kept = self._kept_rows(inputs)
 
         def forward() -> torch.Tensor:
             self.input_batch.fill_pending(inputs)
-            return self.workers.execute_model(ModelInputs(inputs.input_ids, inputs.attention, batch.block_copies,
-                                                          inputs.lora_ranges, inputs.kept.index))
+            self._encode(batch.encoder_inputs)
+            return self.workers.execute_model(ModelInputs(
+                inputs.input_ids, inputs.attention, batch.block_copies, inputs.lora_ranges, inputs.kept.index,
+                self._multimodal_embeds(inputs.image_rows), inputs.rope_positions))
 
         return LaunchedStep(inputs, launch(forward, self.device))
+
+    def _encode(self, features: list[MultiModalFeature]) -> None:
+        """Runs the vision encoder on each image the step encodes (once each: the scheduler
+        schedules an image only when its output is not held), its floating-point inputs in
+        the model's dtype."""
+        dtype = self.model_config.dtype
+        for feature in features:
+            data = {name: value.to(self.device, dtype if value.is_floating_point() else value.dtype)
+                    for name, value in feature.data.items()}
+            self.encoder_outputs[feature.identifier] = self.model.embed_multimodal(data)
+
+    def _multimodal_embeds(self, image_rows: list[ImageRows]) -> MultiModalEmbeds | None:
+        """The encoder output rows the step's image tokens read, with their step rows."""
+        if not image_rows:
+            return None
+        rows = [row for part in image_rows for row in part.rows]
+        embeds = [self.encoder_outputs[part.feature.identifier][part.first : part.last] for part in image_rows]
+        return MultiModalEmbeds(upload(rows, torch.long, self.device), torch.cat(embeds))
 
     def release_rows(self, seqs: list[Sequence]) -> None:
         """Frees the persistent-batch rows of sequences that left the running set."""

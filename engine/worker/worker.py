@@ -25,6 +25,7 @@ from engine.lora.manager import LoRAManager
 from engine.lora.request import LoRARequest
 from engine.lora.slots import LoRARange
 from engine.model_loader.loader import load_model
+from engine.multimodal.inputs import MultiModalEmbeds
 from engine.worker.calibration import calibration_prompts, layers_wanting_ranges, record_input_ranges
 from engine.worker.kv_cache import KVCache, plan_num_blocks
 
@@ -45,6 +46,8 @@ class ModelInputs:
     block_copies: list[tuple[int, int]]
     lora_ranges: list[LoRARange]
     kept_rows: torch.Tensor | None = None  # the rows whose final hidden states are read (None: all)
+    mm_embeds: MultiModalEmbeds | None = None  # encoder outputs taking the place of image tokens' embeddings
+    rope_positions: torch.Tensor | None = None  # [3, tokens] positions of an M-RoPE model
 
 
 
@@ -131,6 +134,9 @@ class Worker:
         config = self.config
         if config.attention_backend != "triton" or self.device.type != "cuda" or config.enforce_eager:
             return None
+        if getattr(self.model, "uses_mrope", False):
+            logger.info("CUDA graphs are off: the model's rotary positions are per image grid (M-RoPE)")
+            return None
         if config.enable_lora or self.group.size > 1:
             logger.info("CUDA graphs are off with %s", "enable_lora (adapter slots change between steps)"
                         if config.enable_lora else "tensor_parallel_size > 1")
@@ -156,7 +162,9 @@ class Worker:
             self.hidden = graphs.run(inputs.input_ids, inputs.attention)
         else:
             self.kv_cache.backend.prepare(inputs.attention)
-            self.hidden = self.model(inputs.input_ids, inputs.attention.positions, inputs.attention, inputs.kept_rows)
+            positions = inputs.attention.positions if inputs.rope_positions is None else inputs.rope_positions
+            images = {} if inputs.mm_embeds is None else {"mm_embeds": inputs.mm_embeds}
+            self.hidden = self.model(inputs.input_ids, positions, inputs.attention, inputs.kept_rows, **images)
         return self.hidden
 
     @torch.inference_mode()

@@ -30,7 +30,7 @@ TIERS: list[list[str]] = [
     ["engine.core"],  # the scheduler side: bookkeeping only
     ["engine.model_loader"],  # model folder -> built, loaded, routed model
     ["engine.models"],  # model families
-    ["engine.lora", "engine.quantization"],
+    ["engine.lora", "engine.multimodal", "engine.quantization"],  # adapters, images in prompts, quantized products
     ["engine.attention", "engine.layers", "engine.sample"],
     ["engine.structured_output"],
     ["engine.kernels", "engine.distributed"],  # compiled and Triton kernels; process plumbing

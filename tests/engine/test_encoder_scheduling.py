@@ -1,0 +1,119 @@
+"""The scheduler's side of images, with stand-in prompts: each image encoded once while the
+cache holds it, the step's encoder budget, chunks that stop before an image the step cannot
+encode, preemption that does not re-encode, prefix-cache keys by image content."""
+
+from engine.config import EngineConfig
+from engine.core.block_manager import BlockManager
+from engine.core.encoder_cache_manager import EncoderCacheManager
+from engine.core.scheduler import Scheduler
+from engine.core.sequence import Sequence
+from engine.multimodal.inputs import MultiModalFeature, ProcessedPrompt
+from engine.sampling_params import SamplingParams
+
+IMAGE_TOKEN = 999
+
+
+def make_scheduler(budget: int = 32, cache_rows: int = 64, num_blocks: int = 64, chunked: bool = True) -> Scheduler:
+    config = EngineConfig(max_num_seqs=8, max_num_batched_tokens=budget, enable_chunked_prefill=chunked)
+    return Scheduler(config, BlockManager(num_blocks, 4, True), EncoderCacheManager(cache_rows))
+
+
+def image_seq(seq_id: int, layout: list[int | str], max_tokens: int = 2) -> Sequence:
+    """A prompt of text tokens (ints: that many) and images ("name:rows")."""
+    tokens, features = [], []
+    for piece in layout:
+        if isinstance(piece, int):
+            tokens += [seq_id * 100 + len(tokens) + i for i in range(piece)]
+        else:
+            name, rows = piece.split(":")
+            features.append(MultiModalFeature(name, len(tokens), int(rows), {}))
+            tokens += [IMAGE_TOKEN] * int(rows)
+    return Sequence(seq_id, str(seq_id), None, tokens, SamplingParams(max_tokens=max_tokens), None,
+                    multi_modal=ProcessedPrompt(tokens, features))
+
+
+def step(sched: Scheduler) -> tuple[list[tuple[int, int]], list[str]]:
+    """One step: (seq id, tokens) scheduled and the images encoded; a sequence whose tokens
+    are all computed gets a token, and finishes at max_tokens."""
+    batch = sched.schedule()
+    ready = [s for s, n in zip(batch.seqs, batch.num_new_tokens) if s.num_computed_tokens + n == s.num_tokens]
+    sched.update_computed(batch)
+    for seq in ready:
+        seq.token_ids.append(7)
+        if seq.num_output_tokens >= seq.sampling_params.max_tokens:
+            sched.finish(seq)
+    return [(s.seq_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)], [f.identifier for f in batch.encoder_inputs]
+
+
+def run(sched: Scheduler) -> list[str]:
+    encoded = []
+    while sched.has_unfinished():
+        encoded += step(sched)[1]
+    return encoded
+
+
+def test_each_image_is_encoded_once_across_chunks_and_prompts():
+    sched = make_scheduler(budget=8)
+    first, second = image_seq(1, [3, "cat:10", 5]), image_seq(2, [2, "cat:10", 1])
+    sched.add(first)
+    sched.add(second)
+    scheduled, encoded = step(sched)
+    assert encoded == ["cat"] and scheduled == [(1, 8)]  # the chunk ends inside the image's tokens
+    assert run(sched) == []  # the rest of the image and the other prompt read the cached output
+
+
+def test_a_chunk_stops_before_an_image_the_step_cannot_encode():
+    sched = make_scheduler(budget=32, cache_rows=20)
+    sched.add(image_seq(1, [2, "a:12", 2, "b:12", 2]))
+    assert step(sched) == ([(1, 16)], ["a"])  # b's output does not fit the cache beside a's, still in use
+    assert step(sched) == ([(1, 14)], ["b"])
+
+
+def test_encoder_budget_counts_rows_and_admits_one_image_at_least():
+    sched = make_scheduler(budget=16, cache_rows=64)
+    sched.add(image_seq(1, [1, "big:20", 1]))
+    scheduled, encoded = step(sched)
+    assert encoded == ["big"] and scheduled == [(1, 16)]  # one image over the budget still runs alone
+    sched = make_scheduler(budget=16, cache_rows=64)
+    sched.add(image_seq(1, ["x:10", 1]))
+    sched.add(image_seq(2, ["y:10", 1]))
+    scheduled, encoded = step(sched)
+    assert encoded == ["x"] and scheduled == [(1, 11)]  # y's 10 rows would pass the budget of 16
+
+
+def test_preemption_and_recompute_reuse_the_cached_output():
+    sched = make_scheduler(budget=32)
+    seq = image_seq(1, [2, "img:8", 2], max_tokens=4)
+    sched.add(seq)
+    assert step(sched)[1] == ["img"]
+    sched._preempt(seq)
+    assert run(sched) == []
+
+
+def test_an_evicted_output_is_encoded_again_and_freed_for_the_runner():
+    sched = make_scheduler(budget=32, cache_rows=10)
+    sched.add(image_seq(1, ["a:8", 1]))
+    assert run(sched) == ["a"]
+    sched.add(image_seq(2, ["b:8", 1]))
+    batch = sched.schedule()
+    assert [f.identifier for f in batch.encoder_inputs] == ["b"] and batch.freed_encoder_outputs == ["a"]
+
+
+def test_an_output_in_use_is_never_evicted():
+    sched = make_scheduler(budget=8, cache_rows=12)
+    sched.add(image_seq(1, ["a:10", 1]))
+    sched.add(image_seq(2, ["b:10", 1]))
+    assert step(sched) == ([(1, 8)], ["a"])
+    scheduled, encoded = step(sched)
+    assert encoded == [] and (2, 8) not in scheduled  # b waits until a's tokens are all computed
+    assert run(sched) == ["b"]
+
+
+def test_prefix_cache_blocks_are_keyed_by_image_content():
+    sched = make_scheduler(budget=64)
+    sched.add(image_seq(1, [4, "red:8", 5]))
+    run(sched)
+    same, other = image_seq(1, [4, "red:8", 5]), image_seq(1, [4, "blue:8", 5])  # the same token ids
+    same.seq_id, other.seq_id = 2, 3
+    assert len(sched.block_manager.find_cached_blocks(same)) == 4  # text block, two image blocks, the next
+    assert len(sched.block_manager.find_cached_blocks(other)) == 1  # the text block only
