@@ -1,6 +1,6 @@
 """Rotary position embeddings: the "default", "linear", "llama3" and "longrope" (Phi-3)
-frequencies, partial rotation (`partial_rotary_factor`) and per-layer-type parameters
-(Gemma 3's local and global layers)."""
+frequencies, partial rotation (`partial_rotary_factor`), per-layer-type parameters
+(Gemma 3's local and global layers) and Qwen2-VL's multimodal positions (`MRotaryEmbedding`)."""
 
 import math
 from collections.abc import Callable
@@ -66,6 +66,24 @@ def _longrope(exponents: torch.Tensor, base: float, rope: dict, max_position: in
     return 1.0 / (torch.tensor(ext, dtype=torch.float32) * base**exponents), attention_factor
 
 
+def _cos_sin_tables(rotary_dim: int, max_position: int, rope: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The [max_position, rotary_dim] cos and signed sin tables (-sin on the first half), the
+    frequencies repeated for both halves of the rotated features."""
+    inv_freq, attention_factor = _inverse_frequencies(rotary_dim, rope, max_position)
+    freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+    cos, sin = freqs.cos() * attention_factor, freqs.sin() * attention_factor
+    return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    """x [tokens, heads, head_dim] turned by cos and signed sin [tokens, 1, rotary_dim]; the
+    features past `rotary_dim` pass through."""
+    if rotary_dim < x.shape[-1]:
+        rotated, passed = x.split([rotary_dim, x.shape[-1] - rotary_dim], dim=-1)
+        return torch.cat((rotated * cos + rotated.roll(rotary_dim // 2, dims=-1) * sin, passed), dim=-1)
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
+
+
 class RotaryEmbedding(nn.Module):
     """Rotates queries and keys by their positions, from a cos/sin table built once.
 
@@ -81,11 +99,9 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, rope_parameters: dict) -> None:
         super().__init__()
         self.rotary_dim = int(head_dim * rope_parameters.get("partial_rotary_factor", 1.0))
-        inv_freq, attention_factor = _inverse_frequencies(self.rotary_dim, rope_parameters, max_position)
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
-        cos, sin = freqs.cos() * attention_factor, freqs.sin() * attention_factor
-        self.register_buffer("cos", torch.cat((cos, cos), dim=-1), persistent=False)
-        self.register_buffer("sin", torch.cat((-sin, sin), dim=-1), persistent=False)
+        cos, sin = _cos_sin_tables(self.rotary_dim, max_position, rope_parameters)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Rotates `x` [tokens, heads, head_dim]; pass queries and keys together."""
@@ -96,7 +112,43 @@ class RotaryEmbedding(nn.Module):
     def torch_forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         cos = self.cos[positions].unsqueeze(1).to(x.dtype)
         sin = self.sin[positions].unsqueeze(1).to(x.dtype)
-        if self.rotary_dim < x.shape[-1]:
-            rotated, passed = x.split([self.rotary_dim, x.shape[-1] - self.rotary_dim], dim=-1)
-            return torch.cat((rotated * cos + rotated.roll(self.rotary_dim // 2, dims=-1) * sin, passed), dim=-1)
-        return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
+        return _rotate(x, cos, sin, self.rotary_dim)
+
+
+class MRotaryEmbedding(nn.Module):
+    """Qwen2-VL's multimodal rotary positions (M-RoPE): each token has a temporal, a height
+    and a width position (positions [3, tokens]), and the rotary frequencies are cut into
+    three runs (`mrope_section`, in frequencies, summing to rotary_dim / 2) that turn by
+    the temporal, height and width position respectively. A text token's three positions
+    are equal, which is plain RoPE; 1-D positions are taken as such.
+
+    Deliberately not a `RotaryEmbedding`: the fused kernels that `kernel_routing` sets on
+    those take one position per token, so this rotation always runs in PyTorch.
+    """
+
+    def __init__(self, head_dim: int, max_position: int, rope_parameters: dict) -> None:
+        super().__init__()
+        self.rotary_dim = int(head_dim * rope_parameters.get("partial_rotary_factor", 1.0))
+        sections = rope_parameters.get("mrope_section")
+        if not sections or len(sections) != 3 or sum(sections) != self.rotary_dim // 2:
+            raise ValueError(f"rope_parameters' mrope_section {sections} must be three sizes summing to "
+                             f"{self.rotary_dim // 2} (half the rotary dimension): fix config.json's "
+                             "rope_scaling / rope_parameters")
+        self.sections = list(sections) * 2  # the tables hold the frequencies twice, once per half
+        cos, sin = _cos_sin_tables(self.rotary_dim, max_position, rope_parameters)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Rotates `x` [tokens, heads, head_dim] by positions [3, tokens] (or [tokens])."""
+        if positions.dim() == 1:
+            positions = positions.expand(3, -1)
+        cos = self._by_section(self.cos[positions]).unsqueeze(1).to(x.dtype)
+        sin = self._by_section(self.sin[positions]).unsqueeze(1).to(x.dtype)
+        return _rotate(x, cos, sin, self.rotary_dim)
+
+    def _by_section(self, table: torch.Tensor) -> torch.Tensor:
+        """[tokens, rotary_dim] from [3, tokens, rotary_dim]: each section's columns from
+        the row of its position (temporal, height, width, then again for the second half)."""
+        parts = table.split(self.sections, dim=-1)
+        return torch.cat([part[i % 3] for i, part in enumerate(parts)], dim=-1)

@@ -5,11 +5,14 @@ from transformers import PretrainedConfig
 
 from engine.config import PoolerConfig
 from engine.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from engine.models.idefics3 import Idefics3ForConditionalGeneration, SmolVLMForConditionalGeneration
 from engine.models.llama import LlamaForCausalLM
+from engine.models.llava import LlavaForConditionalGeneration, LlavaNextForConditionalGeneration
 from engine.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from engine.models.phi3 import Phi3ForCausalLM
 from engine.models.pooling import pooling_model_class
 from engine.models.qwen2 import Qwen2ForCausalLM
+from engine.models.qwen2_vl import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
 from engine.models.qwen3 import Qwen3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
@@ -61,7 +64,14 @@ LANGUAGE_MODELS: dict[str, str] = {
 
 # Vision-language checkpoints that run with their images: architecture -> the model class
 # (a `VisionLanguageModel`, built from the whole config).
-MULTIMODAL_MODELS: dict[str, type[nn.Module]] = {}
+MULTIMODAL_MODELS: dict[str, type[nn.Module]] = {
+    "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
+    "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
+    "Idefics3ForConditionalGeneration": Idefics3ForConditionalGeneration,
+    "SmolVLMForConditionalGeneration": SmolVLMForConditionalGeneration,
+    "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
+    "LlavaNextForConditionalGeneration": LlavaNextForConditionalGeneration,
+}
 
 
 def multimodal_class_for(architectures: list[str]) -> type[nn.Module] | None:
@@ -90,5 +100,6 @@ def language_model_config(hf_config: PretrainedConfig) -> PretrainedConfig:
     text = hf_config.get_text_config()
     text.architectures = [family or multimodal]
     text.dtype = getattr(text, "dtype", None) or getattr(hf_config, "dtype", None)
-    text.tie_word_embeddings = getattr(hf_config, "tie_word_embeddings", text.tie_word_embeddings)
+    text.tie_word_embeddings = getattr(hf_config, "tie_word_embeddings",
+                                       getattr(text, "tie_word_embeddings", False))  # Qwen2-VL's text config has none
     return text

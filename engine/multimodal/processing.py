@@ -61,24 +61,26 @@ class BaseMultiModalProcessor:
         Raises:
             MultiModalInputError: the prompt's placeholders and its images do not pair up.
         """
-        runs = self._placeholder_runs(token_ids)
-        if len(runs) != len(images):
-            raise MultiModalInputError(self._count_problem(len(runs), len(images)))
         ids: list[int] = []
         features: list[MultiModalFeature] = []
         last = 0
-        for (start, length), image in zip(runs, images):
-            processed = self.process_image(image)
-            expanded = processed.replacement
-            if length != 1 and token_ids[start : start + length] != expanded:
-                raise MultiModalInputError(
-                    f"prompt_token_ids: image {len(features)} has {length} placeholder tokens where its "
-                    f"processing gives {len(expanded)}: put one {self.image_placeholder!r} token per image")
+        for start, length in self._placeholder_runs(token_ids):
             ids += token_ids[last:start]
-            features.append(MultiModalFeature(image_hash(image), len(ids), len(expanded), processed.data,
-                                              processed.is_embed))
-            ids += expanded
-            last = start + length
+            position, end = start, start + length
+            while position < end:  # adjacent placeholders, or an image expanded by an earlier processing
+                if len(features) == len(images):
+                    raise MultiModalInputError(self._count_problem(len(features) + 1, len(images)))
+                image = images[len(features)]
+                processed = self.process_image(image)
+                expanded = processed.replacement
+                taken = len(expanded) if token_ids[position : position + len(expanded)] == expanded else 1
+                features.append(MultiModalFeature(image_hash(image), len(ids), len(expanded), processed.data,
+                                                  processed.is_embed))
+                ids += expanded
+                position += taken
+            last = end
+        if len(features) < len(images):
+            raise MultiModalInputError(self._count_problem(len(features), len(images)))
         ids += token_ids[last:]
         prompt = ProcessedPrompt(ids, features)
         if (rope := self.rope_positions(ids, features)) is not None:
@@ -86,8 +88,8 @@ class BaseMultiModalProcessor:
         return prompt
 
     def _placeholder_runs(self, token_ids: list[int]) -> list[tuple[int, int]]:
-        """(start, length) of each run of image tokens that stands for one image: a single
-        placeholder token, or an image's expanded tokens from an earlier processing."""
+        """(start, length) of each run of image tokens: single placeholders side by side,
+        or images' tokens expanded by an earlier processing."""
         runs: list[tuple[int, int]] = []
         i = 0
         while i < len(token_ids):
@@ -101,9 +103,10 @@ class BaseMultiModalProcessor:
         return runs
 
     def _count_problem(self, placeholders: int, images: int) -> str:
+        """`placeholders` counts those read: one more than the images where they ran out."""
         if placeholders < images:
             return (f"multi_modal_data: {images} image(s) but the prompt has {placeholders} image placeholder(s): "
                     f"put {self.image_placeholder!r} in the prompt once per image (LLM.chat places them), "
                     "or drop the extra images")
-        return (f"prompt: has {placeholders} image placeholder(s) {self.image_placeholder!r} but "
-                f"{images} image(s) were given: pass one image per placeholder in multi_modal_data['image']")
+        return (f"prompt: has more image placeholders {self.image_placeholder!r} than the {images} image(s) "
+                "given: pass one image per placeholder in multi_modal_data['image']")
