@@ -43,7 +43,8 @@ def build_generation_asset(name: str, upstream: str | dg.AssetKey | dg.AssetsDef
     `{partition_key: table}` dict for a range) with an id column and a prompt column:
     text, or chat messages ([{"role", "content"}, ...]) rendered with the model's chat
     template (`chat=True` also wraps plain text as one user message). Optional columns
-    named like `SamplingConfig` fields override the partition's sampling for their row.
+    named like `SamplingConfig` fields override the partition's sampling for their row;
+    `image_column` names a column of each row's images for a vision-language model.
 
     The generation table goes through the IO manager (`ParquetIOManager`: one Parquet file
     per partition), so downstream assets take it as an input. With that IO manager, rows
@@ -51,11 +52,12 @@ def build_generation_asset(name: str, upstream: str | dg.AssetKey | dg.AssetsDef
     materialization, checks) as soon as its rows are done, and a rerun after a crash
     generates only the rows that are missing (`resumed_rows` in the metadata). A
     partition's data version digests its rows (id, prompt, the sampling used, adapter and
-    its fingerprint), the model weights and the code version.
+    its fingerprint, the sha256 of each image), the model weights and the code version.
 
     A row that cannot run (null or bad prompt, bad override, unknown or broken adapter,
-    repeated id, too long) gets its `error` and the others run. The asset carries four
-    checks per partition (error rows, empty generations, truncation rate, unique ids; a
+    unreadable image, repeated id, too long) gets its `error` and the others run. The
+    asset carries four checks per partition (error rows, empty generations, truncation
+    rate, unique ids; a
     fifth, `parse_rate`, with a structured output: one typed column per top-level field of
     `output_schema`, or a `choice` column), claims a slot of `pool`, and holds a lock per
     partition so that two runs never write one partition at once.
@@ -161,7 +163,7 @@ def generation_asset(spec: GenerationSpec, partitions_def: dg.PartitionsDefiniti
             key=key, code_version=d.code_version, group_name=spec.group_name,
             description=spec.description or f"LLM completions of {spec.upstream}.{spec.prompt_column}",
             kinds={"parquet"}, is_required=False, io_manager_key=spec.io_manager_key,
-            metadata={"dagster/column_schema": column_schema(output.default)},
+            metadata={"dagster/column_schema": column_schema(output.default, spec.image_column is not None)},
         )},
         ins={"prompts": dg.AssetIn(key=spec.upstream_key)},
         check_specs=_check_specs(key, partitions_def, d.structured),
@@ -243,9 +245,9 @@ class _GenerationStep(PartitionedStep):
                 settings = PartitionSettings(key, sampling[key], self.d.adapter.for_partition(key),
                                              self.d.output.for_partition(key), defaults, self.d.beam.for_partition(key))
                 self.settings[key] = settings
-                rows = read_rows(frames[key], settings, self.spec, tokenizer)
+                rows = read_rows(frames[key], settings, self.spec, tokenizer, llm.image_placeholder)
                 store = self.store.partition(self.spec.asset_key.path, key) if self.store else None
-                parts.append(PartitionInput(key, rows, store, settings.output))
+                parts.append(PartitionInput(key, rows, store, settings.output, self.spec.image_column is not None))
         except PromptTableError as exc:
             raise dg.Failure(f"{self.spec.name}: {exc}; nothing was run") from None
         return parts

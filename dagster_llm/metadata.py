@@ -31,29 +31,33 @@ class PartitionFacts:
     upstream_data_version: str | None
 
 
-def column_schema(output: StructuredOutput | None) -> dg.TableSchema:
-    """The generation table's columns (with a structured output's typed columns) and their descriptions."""
+def column_schema(output: StructuredOutput | None, images: bool = False) -> dg.TableSchema:
+    """The generation table's columns (with a structured output's typed columns, and the
+    image digests where the prompts have images) and their descriptions."""
     descriptions = column_descriptions(output)
     return dg.TableSchema(columns=[
-        dg.TableColumn(f.name, str(f.type), description=descriptions[f.name]) for f in generation_schema(output)
+        dg.TableColumn(f.name, str(f.type), description=descriptions[f.name])
+        for f in generation_schema(output, images)
     ])
 
 
 def table_metadata(table: pa.Table, spec: GenerationSpec, output: StructuredOutput | None) -> dict[str, object]:
     """Row count, column schema, column lineage (every generated column comes from the
-    prompt) and the preview."""
-    def from_column(column: str) -> list[dg.TableColumnDep]:
-        return [dg.TableColumnDep(asset_key=spec.upstream_key, column_name=column)]
+    prompt, and from the images where there are some) and the preview."""
+    def from_columns(*columns: str) -> list[dg.TableColumnDep]:
+        return [dg.TableColumnDep(asset_key=spec.upstream_key, column_name=column) for column in columns]
 
+    generated = [spec.prompt_column, *([spec.image_column] if spec.image_column is not None else [])]
     lineage = dg.TableColumnLineage(deps_by_column={
-        "generated_text": from_column(spec.prompt_column),
-        "prompt": from_column(spec.prompt_column),
-        "id": from_column(spec.id_column),
-        **{column.name: from_column(spec.prompt_column) for column in output_columns(output)},
+        "generated_text": from_columns(*generated),
+        "prompt": from_columns(spec.prompt_column),
+        "id": from_columns(spec.id_column),
+        **({"image_digests": from_columns(spec.image_column)} if spec.image_column is not None else {}),
+        **{column.name: from_columns(*generated) for column in output_columns(output)},
     })
     return {
         "dagster/row_count": table.num_rows,
-        "dagster/column_schema": column_schema(output),
+        "dagster/column_schema": column_schema(output, spec.image_column is not None),
         "dagster/column_lineage": lineage,
         "preview": dg.MetadataValue.md(preview_markdown(table)),
     }

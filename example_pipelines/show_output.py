@@ -3,6 +3,7 @@ completions, or the typed columns of a structured output (and any errors).
 
     python -m example_pipelines.show_output ticket_summaries 2024-06-01
     python -m example_pipelines.show_output ticket_triage 2024-06-01
+    python -m example_pipelines.show_output product_attributes    # an unpartitioned asset
 """
 
 import argparse
@@ -11,19 +12,21 @@ import dagster as dg
 import pandas as pd
 
 from dagster_llm import ParquetIOManager
-from dagster_llm.core.schema import GENERATION_SCHEMA
+from dagster_llm.core.schema import generation_schema
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("asset")
-    parser.add_argument("partition")
+    parser.add_argument("partition", nargs="?", help="the partition key; none for an unpartitioned asset")
     parser.add_argument("--rows", type=int, default=5)
     args = parser.parse_args()
     files = ParquetIOManager().table_store().partition(dg.AssetKey(args.asset).path, args.partition)
     table = files.read().to_pandas()
-    print(f"\n{args.asset} [{args.partition}]: {len(table)} rows in {files.location}\n")
-    typed = [c for c in table.columns if c not in GENERATION_SCHEMA.names]  # a structured output's columns
+    where = f" [{args.partition}]" if args.partition is not None else ""
+    print(f"\n{args.asset}{where}: {len(table)} rows in {files.location}\n")
+    own = generation_schema(None, images=True).names
+    typed = [c for c in table.columns if c not in own]  # a structured output's columns
     shown = ["id", *typed] if typed else ["id", "generated_text", "finish_reason"]
     preview = table[shown + (["error"] if table["error"].notna().any() else [])].head(args.rows).astype(object)
     for column in preview.columns[1:]:

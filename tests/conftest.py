@@ -16,6 +16,12 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 import torch  # noqa: E402
 
+# Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors. It is chosen
+# when a kernel (triton.language's own included) is defined, so it must be set before
+# anything imports Triton: the engine, or transformers' processing modules through torch._dynamo.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from engine import LLM  # noqa: E402
 from engine.hardware import (  # noqa: E402
     BATCH_INVARIANT_ONEDNN_ISA, ONEDNN_ISA_ENV, chosen_cpu_kind, detect_cpu, machine_cpu,
@@ -34,10 +40,6 @@ if _kind := chosen_cpu_kind():
 # in the `amx` run of tests/cpu_kinds.py, whose batch-invariance tests check each mode.
 elif machine_cpu().amx:
     os.environ.setdefault(ONEDNN_ISA_ENV, BATCH_INVARIANT_ONEDNN_ISA)
-# Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors. It is chosen
-# when a kernel is defined, so it must be set before any engine module imports Triton.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 # The launches the interpreter runs, compiled for a GPU by the session's last test.
 TRITON_LAUNCHES = record_launches() if os.environ.get("TRITON_INTERPRET") == "1" else set()
 

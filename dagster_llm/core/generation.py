@@ -43,12 +43,14 @@ class RunOptions:
 @dataclass(frozen=True)
 class PartitionInput:
     """One partition to generate: its prompt rows, its storage (None: nothing is saved until
-    the caller stores the table) and what its completions must be (None: free text)."""
+    the caller stores the table), what its completions must be (None: free text) and whether
+    its prompt table has an image column (its table then records each row's image digests)."""
 
     key: str | None
     rows: list[PromptRow]
     files: PartitionFiles | None = None
     output: StructuredOutput | None = None
+    images: bool = False
 
 
 @dataclass
@@ -84,6 +86,7 @@ class _Partition:
     rows: list[PromptRow]
     files: PartitionFiles | None
     output: StructuredOutput | None
+    images: bool
     data_version: str = ""
     records: dict[int, dict[str, Any]] = field(default_factory=dict)
     resumed_rows: int = 0
@@ -120,7 +123,7 @@ class GenerationRun:
                 structured output.
         """
         started = time.monotonic()
-        parts = [_Partition(p.key, p.rows, p.files, p.output) for p in partitions]
+        parts = [_Partition(p.key, p.rows, p.files, p.output, p.images) for p in partitions]
         self._check_outputs(parts)
         self._check_rows([row for part in parts for row in part.rows])
         model = self.llm.model_fingerprint
@@ -178,9 +181,10 @@ class GenerationRun:
         return self.lora_requests[row.adapter] if row.adapter is not None else None
 
     def _data_version(self, part: _Partition, model_fingerprint: str) -> str:
-        """Digest of everything the partition's table depends on."""
+        """Digest of everything the partition's table depends on; images by their contents'
+        digests, so that new bytes under the same path are a new version."""
         rows = [(r.id, r.prompt_text, used_values(r.params), r.adapter, self.fingerprints.get(r.adapter), r.error,
-                 r.beam.model_dump() if r.beam is not None else None)
+                 r.beam.model_dump() if r.beam is not None else None, r.image_digests)
                 for r in part.rows]
         output = part.output.describe() if part.output is not None else None
         return digest({"code_version": self.options.code_version, "model": model_fingerprint, "rows": rows,
@@ -231,7 +235,7 @@ class GenerationRun:
         for index, output in finished:
             row = rows[index]
             if isinstance(output, BeamSearchOutput):
-                output = _best_beam(output, len(row.prompt["prompt_token_ids"]))
+                output = _best_beam(output)
             part = by_key[row.partition]
             part.records[row.position] = result_record(row, output, self.options.model_id)
             part.unsaved.append(row.position)
@@ -256,7 +260,7 @@ class GenerationRun:
         self.check_alive()
         positions = sorted(part.unsaved)
         table = records_table([part.records[p] for p in positions], part.output,
-                              {POSITION_COLUMN: pa.array(positions, pa.int32())})
+                              {POSITION_COLUMN: pa.array(positions, pa.int32())}, part.images)
         part.files.append_shard(part.data_version, table)
         part.unsaved.clear()
         part.last_shard = time.monotonic()
@@ -266,7 +270,7 @@ class GenerationRun:
         self.check_alive()
         records = [part.records.get(row.position) or result_record(row, None, self.options.model_id)
                    for row in part.rows]
-        table = with_data_version(records_table(records, part.output), part.data_version)
+        table = with_data_version(records_table(records, part.output, images=part.images), part.data_version)
         if part.files is not None:
             part.files.commit(table, part.data_version)
         return PartitionResult(part.key, table, part.data_version, self._stats(part, records, started))
@@ -293,9 +297,11 @@ def digest(value: object) -> str:
 
 
 
-def _best_beam(output: BeamSearchOutput, prompt_tokens: int) -> RequestOutput:
-    """A beam search's best beam as the completion of a RequestOutput."""
+def _best_beam(output: BeamSearchOutput) -> RequestOutput:
+    """A beam search's best beam as the completion of a RequestOutput. Its tokens are the
+    prompt as the engine ran it (each image's placeholder expanded) and one per logprobs entry."""
     best = output.sequences[0]
+    prompt_tokens = len(best.tokens) - len(best.logprobs)
     completion = CompletionOutput(index=0, text=best.text, token_ids=best.tokens[prompt_tokens:],
                                   cumulative_logprob=best.cum_logprob, finish_reason=best.finish_reason,
                                   lora_request=best.lora_request)

@@ -1,5 +1,5 @@
-"""Prompt tables in: column checks, per-row overrides, chat rendering and every row's
-problem found before the model runs. Rows in, `PromptRow`s out."""
+"""Prompt tables in: column checks, per-row overrides, images, chat rendering and every
+row's problem found before the model runs. Rows in, `PromptRow`s out."""
 
 import json
 from dataclasses import dataclass, field
@@ -9,10 +9,11 @@ import pandas as pd
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from dagster_llm.core.images import RowImages, read_images
 from dagster_llm.core.sampling import SAMPLING_FIELD_NAMES, BeamSearchConfig, SamplingConfig
 from dagster_llm.core.structured import StructuredOutput
 from engine import SamplingParams
-from engine.chat_utils import chat_messages_problem, invalid_unicode_problem, render_chat
+from engine.chat_utils import chat_images, chat_messages_problem, invalid_unicode_problem, render_chat
 
 
 class PromptTableError(ValueError):
@@ -33,6 +34,11 @@ class PromptTableRules(BaseModel):
                                           "to its folder).")
     adapter_column: str = Field(default="adapter", description="Optional prompt-table column naming a row's "
                                                                "adapter; empty or null cells keep the partition's.")
+    image_column: str | None = Field(
+        default=None, description="Optional prompt-table column of each row's image or list of images (encoded "
+                                  "bytes, a local path, a file://, data: or object-store URI) for a vision-language "
+                                  "model; with chat the images open the last user message, else the prompt text "
+                                  "holds the model's image placeholder once per image.")
     duplicate_ids: Literal["error", "keep"] = Field(
         default="error", description="'error' (a repeated id is an error row and fails the unique_ids check) or "
                                      "'keep' (every copy is generated).")
@@ -59,6 +65,7 @@ class PromptRow:
     error: str | None = None
     output: StructuredOutput | None = None
     beam: BeamSearchConfig | None = None
+    image_digests: list[str] | None = None  # sha256 of each image's bytes; None: no image column, or unread
 
     def fail(self, problem: str) -> None:
         """Records a problem; the first one found is the row's error."""
@@ -75,10 +82,11 @@ def to_dataframe(value: object, upstream: str, where: str) -> pd.DataFrame:
 
 
 def check_columns(frame: pd.DataFrame, spec: PromptTableRules, where: str) -> None:
-    missing = [c for c in (spec.id_column, spec.prompt_column) if c not in frame.columns]
+    arguments = {"id_column": spec.id_column, "prompt_column": spec.prompt_column, "image_column": spec.image_column}
+    missing = [(argument, c) for argument, c in arguments.items() if c is not None and c not in frame.columns]
     if missing:
-        argument = "id_column" if missing[0] == spec.id_column else "prompt_column"
-        raise PromptTableError(f"the prompt table {where} has no column {missing[0]!r} (it has "
+        argument, column = missing[0]
+        raise PromptTableError(f"the prompt table {where} has no column {column!r} (it has "
                                f"{list(frame.columns)}). Rename the column upstream or pass {argument}= "
                                "to the generation asset.")
 
@@ -101,8 +109,10 @@ class PartitionSettings:
 
 
 def read_rows(frame: pd.DataFrame, partition: PartitionSettings, spec: PromptTableRules,
-              tokenizer: Any) -> list[PromptRow]:
-    """The partition's rows, rendered to token ids; a row that cannot run gets its error.
+              tokenizer: Any, image_placeholder: str | None = None) -> list[PromptRow]:
+    """The partition's rows, rendered to token ids, with their images read (`image_column`);
+    a row that cannot run gets its error. `image_placeholder` is the text that stands for
+    one image in the model's prompts (None: a text-only model).
 
     Raises:
         PromptTableError: the partition's own sampling clashes with the model's defaults.
@@ -114,6 +124,7 @@ def read_rows(frame: pd.DataFrame, partition: PartitionSettings, spec: PromptTab
         raise PromptTableError(f"the sampling{where}: {exc}") from None
     overrides = [c for c in SAMPLING_FIELD_NAMES if c in frame.columns]
     first_position: dict[str, int] = {}
+    images = read_images(frame[spec.image_column].tolist()) if spec.image_column is not None else None
     rows = []
     for position, record in enumerate(frame.to_dict("records")):
         raw_id = record[spec.id_column]
@@ -123,7 +134,8 @@ def read_rows(frame: pd.DataFrame, partition: PartitionSettings, spec: PromptTab
         _check_id(row, first_position, spec)
         _apply_adapter(row, record, spec)
         _apply_overrides(row, {c: _plain(record[c]) for c in overrides if not _missing(record[c])}, partition)
-        _render(row, record[spec.prompt_column], spec, tokenizer)
+        row_images = _attach_images(row, images[position], spec, image_placeholder) if images else None
+        _render(row, record[spec.prompt_column], spec, tokenizer, image_placeholder, row_images)
         rows.append(row)
     return rows
 
@@ -159,13 +171,40 @@ def _apply_adapter(row: PromptRow, record: dict, spec: PromptTableRules) -> None
                  "declare it in adapters= or fix the row")
 
 
-def _render(row: PromptRow, value: object, spec: PromptTableRules, tokenizer: Any) -> None:
-    """Sets the row's prompt text (as stored) and the engine prompt (token ids)."""
+def _attach_images(row: PromptRow, images: RowImages, spec: PromptTableRules,
+                   image_placeholder: str | None) -> list[bytes]:
+    """Records the row's image digests; the images its prompt carries (none where it fails)."""
+    column = spec.image_column
+    if images.problem is not None:
+        which = f"row {row.id!r}" if row.id is not None else f"the row at position {row.position}"
+        row.fail(f"{column}: {which}: {images.problem}")
+        return []
+    row.image_digests = images.digests
+    if images.data and image_placeholder is None:
+        row.fail(f"{column}: the model reads text only, so it cannot take the row's {len(images.data)} image(s): "
+                 "point the resource's model_id at a vision-language model, or leave image_column unset")
+    return images.data
+
+
+def _render(row: PromptRow, value: object, spec: PromptTableRules, tokenizer: Any,
+            image_placeholder: str | None, images: list[bytes] | None) -> None:
+    """Sets the row's prompt text (as stored) and the engine prompt (token ids and images)."""
     value = _plain(value)
+    messages = _read_prompt(row, value, spec)
+    if row.error is not None:
+        return
+    if messages is None:
+        _text_prompt(row, value, spec, tokenizer, image_placeholder, images or [])
+    else:
+        _chat_prompt(row, messages, spec, tokenizer, image_placeholder, images or [])
+
+
+def _read_prompt(row: PromptRow, value: object, spec: PromptTableRules) -> list[dict[str, Any]] | None:
+    """Sets the row's prompt text as stored; the chat messages to render (None: plain text)."""
     column = spec.prompt_column
     if _missing(value):
         row.fail(f"{column}: is null: fill in the prompt or drop the row")
-        return
+        return None
     messages = None
     if isinstance(value, list):
         row.prompt_text = json.dumps(value, ensure_ascii=False, default=str)
@@ -185,15 +224,45 @@ def _render(row: PromptRow, value: object, spec: PromptTableRules, tokenizer: An
         row.fail(f"{column}: expected text or chat messages, got {type(value).__name__}: fix the column upstream")
     # Parquet holds UTF-8 only: a lone surrogate is stored as '?' (the row's error says where).
     row.prompt_text = row.prompt_text.encode("utf-8", "replace").decode("utf-8")
-    if row.error is not None:
+    return messages
+
+
+def _text_prompt(row: PromptRow, text: str, spec: PromptTableRules, tokenizer: Any,
+                 image_placeholder: str | None, images: list[bytes]) -> None:
+    """A plain-text prompt, whose text places each image by the model's placeholder."""
+    if spec.image_column is not None and image_placeholder is not None:
+        found = text.count(image_placeholder)
+        if found != len(images):
+            row.fail(f"{spec.prompt_column}: holds {found} {image_placeholder!r} placeholder(s) for the row's "
+                     f"{len(images)} image(s) in {spec.image_column!r}: write {image_placeholder!r} once where each "
+                     "image goes, or set chat=True for the model's chat template to place them")
+            return
+    row.prompt = {"prompt": text, "prompt_token_ids": tokenizer(text).input_ids}
+    if images:
+        row.prompt["multi_modal_data"] = {"image": images}
+
+
+def _chat_prompt(row: PromptRow, messages: list[dict[str, Any]], spec: PromptTableRules, tokenizer: Any,
+                 image_placeholder: str | None, images: list[bytes]) -> None:
+    """A conversation rendered with the model's chat template; the row's images open its
+    last user message."""
+    if image_placeholder is None and chat_images(messages):
+        row.fail(f"{spec.prompt_column}: the conversation holds image parts, but the model reads text only: point "
+                 "the resource's model_id at a vision-language model, or drop the image parts")
         return
-    if messages is None:
-        row.prompt = {"prompt": value, "prompt_token_ids": tokenizer(value).input_ids}
-        return
+    if images:
+        last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
+        if last_user is None:
+            row.fail(f"{spec.image_column}: the conversation has no user message for the row's images: add one")
+            return
+        content = messages[last_user]["content"]
+        text_parts = content if isinstance(content, list) else [{"type": "text", "text": content}]
+        messages[last_user] = {**messages[last_user],
+                               "content": [*({"type": "image", "image": data} for data in images), *text_parts]}
     try:
         row.prompt = render_chat(tokenizer, messages)
     except Exception as exc:  # a template may raise anything for messages it does not accept
-        row.fail(f"{column}: the model's chat template rejected the messages ({exc})")
+        row.fail(f"{spec.prompt_column}: the model's chat template rejected the messages ({exc})")
 
 
 def _missing(value: object) -> bool:

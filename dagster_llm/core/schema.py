@@ -1,6 +1,6 @@
 """The generation table: its columns (sampling columns from `SAMPLING_FIELDS`, typed
-output columns from a `StructuredOutput`), their descriptions, and the table built from
-finished rows."""
+output columns from a `StructuredOutput`, the image digests of a table with images), their
+descriptions, and the table built from finished rows."""
 
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -28,9 +28,13 @@ _RESULT_COLUMNS: tuple[tuple[str, pa.DataType, str], ...] = (
 )
 _ERROR_COLUMN = ("error", pa.string(), "Why the row was not generated, or why its structured output did not "
                                        "parse; null otherwise.")
+# Only in the table of an asset with an image_column, after the error.
+_IMAGE_DIGESTS_COLUMN = ("image_digests", pa.list_(pa.string()),
+                         "sha256 (hex) of each of the row's images as read from the image column, in order; null "
+                         "when they could not be read.")
 
 COLUMN_DESCRIPTIONS: dict[str, str] = {
-    **{name: text for name, _, text in (*_RESULT_COLUMNS, _ERROR_COLUMN)},
+    **{name: text for name, _, text in (*_RESULT_COLUMNS, _ERROR_COLUMN, _IMAGE_DIGESTS_COLUMN)},
     **{f.name: f"Sampling setting used. {f.description}" for f in SAMPLING_FIELDS},
 }
 GENERATION_SCHEMA = pa.schema(
@@ -42,21 +46,24 @@ GENERATION_SCHEMA = pa.schema(
 
 def output_columns_problem(output: StructuredOutput) -> str | None:
     """Why `output`'s columns cannot join the generation table (a name it already has), or None."""
-    taken = set(GENERATION_SCHEMA.names) | {POSITION_COLUMN}
-    clashes = [column.name for column in output.columns if column.name in taken]
+    names = generation_schema(None, images=True).names
+    clashes = [column.name for column in output.columns if column.name in {*names, POSITION_COLUMN}]
     if not clashes:
         return None
     return (f"output field(s) {clashes} would replace the generation table's column(s) of the same name; rename "
-            f"them in the schema (the table's columns: {', '.join(GENERATION_SCHEMA.names)})")
+            f"them in the schema (the table's columns: {', '.join(names)})")
 
 
 def output_columns(output: StructuredOutput | None) -> tuple[OutputColumn, ...]:
     return output.columns if output is not None else ()
 
 
-def generation_schema(output: StructuredOutput | None) -> pa.Schema:
-    """The generation table's schema; a structured output's columns come after `error`."""
+def generation_schema(output: StructuredOutput | None, images: bool = False) -> pa.Schema:
+    """The generation table's schema; after `error`, the image digests where the prompts
+    have images, then a structured output's columns."""
     schema = GENERATION_SCHEMA
+    if images:
+        schema = schema.append(pa.field(_IMAGE_DIGESTS_COLUMN[0], _IMAGE_DIGESTS_COLUMN[1]))
     for column in output_columns(output):
         schema = schema.append(pa.field(column.name, column.arrow_type))
     return schema
@@ -82,6 +89,7 @@ def result_record(row: PromptRow, output: RequestOutput | None, model_id: str) -
         "beam_width": row.beam.beam_width if row.beam is not None else None,
         **used_values(row.params),
         "error": row.error,
+        "image_digests": row.image_digests,  # dropped by a table without images
     }
     if row.output is not None:
         parsed = row.output.parse(record["generated_text"], record["finish_reason"], row.params.max_tokens)
@@ -91,9 +99,10 @@ def result_record(row: PromptRow, output: RequestOutput | None, model_id: str) -
 
 
 def records_table(records: Sequence[Mapping[str, Any]], output: StructuredOutput | None = None,
-                  extra: Mapping[str, pa.Array] | None = None) -> pa.Table:
-    """The generation table of `records` (plus `extra` columns, such as shard positions)."""
-    table = pa.Table.from_pylist(list(records), schema=generation_schema(output))
+                  extra: Mapping[str, pa.Array] | None = None, images: bool = False) -> pa.Table:
+    """The generation table of `records` (plus `extra` columns, such as shard positions;
+    `images`: with the image digests column)."""
+    table = pa.Table.from_pylist(list(records), schema=generation_schema(output, images))
     for name, values in (extra or {}).items():
         table = table.append_column(name, values)
     return table

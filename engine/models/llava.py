@@ -22,7 +22,6 @@ import torch.nn.functional as F
 from PIL import Image
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
-from transformers.image_processing_utils import select_best_resolution
 
 from engine.distributed.communicator import TensorParallelGroup
 from engine.layers.linear import StoredTensor
@@ -230,6 +229,8 @@ class AnyresGrid:
 def anyres_grid(config: PretrainedConfig, height: int, width: int) -> AnyresGrid:
     """The grid of an image of `height` x `width` pixels, as transformers' LlavaNextModel
     unpads it (and LlavaNextProcessor counts it: the same rounding)."""
+    from transformers.image_processing_utils import select_best_resolution  # heavy: see BaseMultiModalProcessor
+
     crop = config.vision_config.image_size
     side = crop // config.vision_config.patch_size
     best_height, best_width = select_best_resolution((height, width), config.image_grid_pinpoints)

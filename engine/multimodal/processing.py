@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 from PIL import Image
-from transformers import AutoImageProcessor, PretrainedConfig, PreTrainedTokenizerBase
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from engine.multimodal.image import image_hash
 from engine.multimodal.inputs import MultiModalFeature, ProcessedImage, ProcessedPrompt
@@ -39,6 +39,10 @@ class BaseMultiModalProcessor:
         self.path = path
         self.hf_config = hf_config
         self.tokenizer = tokenizer
+        # Imported here: transformers' processing modules pull in torch._dynamo (and Triton)
+        # and would load with every `import engine`.
+        from transformers import AutoImageProcessor
+
         self.image_processor = AutoImageProcessor.from_pretrained(path, backend="pil")
         template = path / "chat_template.json"
         if tokenizer.chat_template is None and template.exists():  # the processor's, in its older file

@@ -40,7 +40,8 @@ def test_the_definitions_load_without_torch_or_the_engine():
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     api_types = {"engine.beam_search", "engine.config", "engine.chat_utils", "engine.exceptions", "engine.lora",
-                 "engine.lora.request", "engine.model_loader", "engine.model_loader.embedded_model", "engine.outputs",
+                 "engine.lora.request", "engine.model_loader", "engine.model_loader.embedded_model",
+                 "engine.multimodal", "engine.multimodal.image", "engine.outputs",
                  "engine.pooling_params", "engine.sampling_params", "engine.sampling_rules",
                  "engine.structured_output", "engine.structured_output.params"}
     assert set(eval(out.stdout)) <= api_types  # a printed list of module names

@@ -20,8 +20,8 @@ SCHEMA = {"type": "object", "properties": {"topic": {"type": "string"}}, "requir
 # A value other than the default for every option: a new option must be added here.
 OTHER_VALUES = {
     "name": "other", "upstream": "raw/other", "prompt_column": "text", "id_column": "key", "chat": True,
-    "adapters": {"x": "/adapters/x"}, "adapter_column": "lora", "duplicate_ids": "keep",
-    "max_error_rate": 0.1, "max_empty_rate": 0.2, "max_truncation_rate": 0.3, "min_parse_rate": 0.4,
+    "adapters": {"x": "/adapters/x"}, "adapter_column": "lora", "image_column": "photo",
+    "duplicate_ids": "keep", "max_error_rate": 0.1, "max_empty_rate": 0.2, "max_truncation_rate": 0.3, "min_parse_rate": 0.4,
     "sampling": SamplingConfig(temperature=0.5), "sampling_by_partition": {"a": SamplingConfig(max_tokens=3)},
     "adapter": "x", "adapter_by_partition": {"a": "x"}, "output_schema": SCHEMA, "choices": ["yes", "no"],
     "output_schema_by_partition": {"a": SCHEMA}, "choices_by_partition": {"b": ["p"]}, "code_version": "2",

@@ -15,6 +15,8 @@ import pytest
 from PIL import Image
 
 from engine import LLM, SamplingParams
+from engine.sampling_params import StructuredOutputsParams
+from engine.kernels import triton as triton_kernels
 from engine.multimodal.image import image_hash
 from tests.tiny_models import build_tokenizer
 from tests.vision_models.idefics3 import build_tiny_idefics3
@@ -180,10 +182,56 @@ def test_seeded_and_structured_rows_with_images(vision_models):
         batch = llm.generate(["text first", image_prompt(llm, " go", picture(4)), image_prompt(llm, " x", picture(9))],
                              [GREEDY, seeded, GREEDY], use_tqdm=False)
         assert batch[1].outputs[0].token_ids == alone.outputs[0].token_ids
-        from engine.sampling_params import StructuredOutputsParams
+        choices = ["a red one", "a blue one", "nothing"]
+        params = SamplingParams(temperature=0, max_tokens=20, structured_outputs=StructuredOutputsParams(choice=choices))
+        outputs = llm.generate([image_prompt(llm, " which?", picture(4)), "which?"], params, use_tqdm=False)
+        assert all(o.outputs[0].text in choices for o in outputs)
 
-        schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
-        params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema))
-        out = llm.generate([image_prompt(llm, " json", picture(4))], params, use_tqdm=False)[0].outputs[0]
-        if out.finish_reason == "stop":
-            assert isinstance(json.loads(out.text)["a"], int)
+
+def test_lora_on_the_decoder_matches_peft(vision_models, tmp_path):
+    """A PEFT adapter on the decoder's attention of a whole LLaVA model (as one is trained on
+    it), in a step with a base-model row."""
+    import math
+
+    import torch
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    from engine import LoRARequest
+
+    folder = vision_models["llava"]
+    model = transformers.LlavaForConditionalGeneration.from_pretrained(folder, dtype=torch.float32)
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                  target_modules=r".*language_model.*\.(q_proj|v_proj)"))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if ".lora_" in name:  # PEFT's lora_B starts at zero: an adapter that changes nothing
+                param.copy_(torch.randn(param.shape, generator=generator) / math.sqrt(param.shape[1]))
+    peft_model.save_pretrained(tmp_path / "adapter")
+    image, prompt = picture(3), "USER: <image>\nwhat? ASSISTANT:"
+    inputs = transformers.AutoProcessor.from_pretrained(folder)(images=image, text=prompt, return_tensors="pt")
+    with torch.no_grad():
+        expected = peft_model.eval().generate(**inputs, do_sample=False, max_new_tokens=6)
+    expected = expected[0, inputs["input_ids"].shape[1]:].tolist()
+    with LLM(str(folder), dtype="float32", quantization=None, enable_lora=True, max_lora_rank=4) as llm:
+        row = {"prompt": prompt, "multi_modal_data": {"image": image}}
+        outputs = llm.generate([row, row], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                               lora_request=[LoRARequest("decoder", 1, str(tmp_path / "adapter")), None],
+                               use_tqdm=False)
+        assert list(outputs[0].outputs[0].token_ids) == expected
+        assert outputs[1].outputs[0].token_ids != outputs[0].outputs[0].token_ids
+
+
+@pytest.mark.skipif(not triton_kernels.installed(), reason="triton is not installed")
+@pytest.mark.parametrize("family", ["llava", "qwen2_vl"])
+def test_triton_backend_runs_the_decoder_of_a_vision_model(vision_models, family):
+    """The decoder's Triton kernels (under the interpreter without a GPU) with images in
+    the prompt: a plain rotary (LLaVA) and M-RoPE (Qwen2-VL)."""
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    results = []
+    for backend in ("cpu", "triton"):
+        with LLM(str(vision_models[family]), dtype="float32", quantization=None, attention_backend=backend) as llm:
+            prompts = [image_prompt(llm, " what?", picture(6)), "text"]
+            results.append([list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)])
+    assert results[0] == results[1]
