@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.vision_models.llava import build_tiny_llava
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 WEBSERVER = Path(sys.executable).parent / "dagster-webserver"
 MODEL = "smollm2-135m-instruct"
@@ -135,13 +137,16 @@ def stop(process: subprocess.Popen[bytes]) -> None:
         pass
 
 
-@pytest.fixture
-def webserver(tmp_path: Path) -> Iterator[Webserver]:
-    """A dagster-webserver on a free port, serving definitions.py from the repository root."""
+@pytest.fixture(scope="module")
+def webserver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Webserver]:
+    """A dagster-webserver on a free port, serving definitions.py from the repository root,
+    the catalog example's vision model a tiny random LLaVA."""
+    tmp_path = tmp_path_factory.mktemp("webserver")
     home = tmp_path / "home"
     home.mkdir()
     (home / "dagster.yaml").write_text(DAGSTER_YAML)
-    env = {**os.environ, "DAGSTER_HOME": str(home), "DAGSTER_LLM_OUTPUT_DIR": str(tmp_path / "output")}
+    env = {**os.environ, "DAGSTER_HOME": str(home), "DAGSTER_LLM_OUTPUT_DIR": str(tmp_path / "output"),
+           "DAGSTER_LLM_VISION_MODEL": str(build_tiny_llava(tmp_path / "llava")), "DAGSTER_LLM_DTYPE": "float32"}
     port = free_port()
     server = Webserver(url=f"http://127.0.0.1:{port}", log=tmp_path / "webserver.log")
     with server.log.open("wb") as log:
@@ -252,3 +257,27 @@ def test_launch_partition_run_and_read_metadata(webserver: Webserver) -> None:
     path = str(metadata["path"])
     assert path.endswith("prompt_set_answers/creative.parquet")
     assert Path(path).is_file()
+
+
+@pytest.mark.slow
+def test_launch_the_catalog_example_with_a_vision_model(webserver: Webserver) -> None:
+    """The product-photos pipeline launched as the UI's Materialize does: its photos go to the
+    vision model, and the materialization records a row per photo with its typed columns."""
+    location = wait_for_location(webserver)
+    [repository] = webserver.graphql(REPOSITORIES)["repositoriesOrError"]["nodes"]
+    launch = webserver.graphql(LAUNCH_RUN, {"executionParams": {
+        "selector": {"repositoryLocationName": location, "repositoryName": repository["name"],
+                     "jobName": "__ASSET_JOB",
+                     "assetSelection": [{"path": ["product_photos"]}, {"path": ["product_attributes"]}]},
+        "runConfigData": {},
+    }})["launchRun"]
+    assert launch["__typename"] == "LaunchRunSuccess", launch
+    run_id = launch["run"]["runId"]
+    status = wait_for_run(webserver, run_id)
+    assert status == "SUCCESS", f"run {run_id} ended {status}:\n{run_errors(webserver, run_id)}"
+    asset = webserver.graphql(MATERIALIZATIONS, {"assetKey": {"path": ["product_attributes"]},
+                                                 "partitions": None})["assetOrError"]
+    [materialization] = asset["assetMaterializations"]
+    metadata = metadata_values(materialization["metadataEntries"])
+    assert metadata["dagster/row_count"] == 6
+    assert Path(str(metadata["path"])).is_file()
