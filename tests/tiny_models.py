@@ -72,6 +72,16 @@ def _new_family_config(family: str, common: dict, tie: bool | None) -> "transfor
     raise ValueError(family)
 
 
+def save_random(model: "transformers.PreTrainedModel", folder: Path) -> None:
+    """Saves `model` into `folder` with its matrices drawn larger than the default init
+    (normal, std 0.15), so that greedy tokens are far from ties."""
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() > 1:
+                param.normal_(0.0, 0.15)
+    model.save_pretrained(folder, safe_serialization=True)
+
+
 def build_tiny_model(folder: Path, family: str, seed: int = 0, tie: bool | None = None, **overrides: object) -> Path:
     """A random model of `family` with real config, safetensors weights and tokenizer;
     `overrides` replace config fields shared by every family (`num_key_value_heads=1`)."""
@@ -98,10 +108,6 @@ def build_tiny_model(folder: Path, family: str, seed: int = 0, tie: bool | None 
         config = _new_family_config(family, common, tie)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # larger weights than the default init, so that logits are far from ties
-        for param in model.parameters():
-            if param.dim() > 1:
-                param.normal_(0.0, 0.15)
-    model.save_pretrained(folder, safe_serialization=True)
+    save_random(model, folder)
     build_tokenizer(folder)
     return folder

@@ -23,7 +23,7 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 from engine.distributed.communicator import TensorParallelGroup
 from engine.layers.linear import ShardSlice, StoredTensor
 from engine.models.llama import LlamaForCausalLM
-from engine.models.vision_language import VisionLanguageModel, vision_linear
+from engine.models.vision_language import VisionAttention, VisionLanguageModel, vision_linear
 from engine.multimodal.inputs import ProcessedImage
 from engine.multimodal.processing import BaseMultiModalProcessor
 
@@ -140,29 +140,6 @@ class VisionEmbeddings(nn.Module):
         return torch.where(patch_mask, ids, 0).reshape(-1)
 
 
-class VisionAttention(nn.Module):
-    """Bidirectional multi-head attention within each sub-image, over its real patches."""
-
-    def __init__(self, config: PretrainedConfig) -> None:
-        super().__init__()
-        hidden = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.q_proj = vision_linear(hidden, hidden)
-        self.k_proj = vision_linear(hidden, hidden)
-        self.v_proj = vision_linear(hidden, hidden)
-        self.out_proj = vision_linear(hidden, hidden)
-
-    def forward(self, hidden: torch.Tensor, images: int, key_mask: torch.Tensor | None) -> torch.Tensor:
-        """hidden [images * patches, hidden]; key_mask [images, patches] (None: all real)."""
-        def heads(x: torch.Tensor) -> torch.Tensor:
-            return x.view(images, -1, self.num_heads, x.shape[-1] // self.num_heads).transpose(1, 2)
-
-        mask = None if key_mask is None else key_mask[:, None, None, :]
-        out = F.scaled_dot_product_attention(heads(self.q_proj(hidden)), heads(self.k_proj(hidden)),
-                                             heads(self.v_proj(hidden)), attn_mask=mask)
-        return self.out_proj(out.transpose(1, 2).reshape(hidden.shape))
-
-
 class VisionMLP(nn.Module):
     """Two projections around a GELU."""
 
@@ -185,12 +162,13 @@ class VisionEncoderLayer(nn.Module):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.layer_norm1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.self_attn = VisionAttention(config)
+        self.self_attn = VisionAttention(config.hidden_size, config.num_attention_heads)
         self.layer_norm2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.mlp = VisionMLP(config)
 
     def forward(self, hidden: torch.Tensor, images: int, key_mask: torch.Tensor | None) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.layer_norm1(hidden), images, key_mask)
+        normed = self.layer_norm1(hidden).view(images, -1, hidden.shape[-1])
+        hidden = hidden + self.self_attn(normed, key_mask).view(hidden.shape)
         return hidden + self.mlp(self.layer_norm2(hidden))
 
 

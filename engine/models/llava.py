@@ -27,7 +27,7 @@ from engine.distributed.communicator import TensorParallelGroup
 from engine.layers.linear import StoredTensor
 from engine.models.llama import LlamaForCausalLM
 from engine.models.qwen2 import Qwen2ForCausalLM
-from engine.models.vision_language import VisionLanguageModel, vision_linear
+from engine.models.vision_language import VisionAttention, VisionLanguageModel, vision_linear
 from engine.multimodal.inputs import ProcessedImage
 from engine.multimodal.processing import BaseMultiModalProcessor
 
@@ -107,28 +107,6 @@ class ClipVisionEmbeddings(nn.Module):
         return torch.cat([cls, embeds], dim=1) + self.position_embedding.weight
 
 
-class ClipAttention(nn.Module):
-    """Multi-head self-attention over each image's tokens (no mask, no cache)."""
-
-    def __init__(self, config: PretrainedConfig) -> None:
-        super().__init__()
-        hidden = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.q_proj = vision_linear(hidden, hidden)
-        self.k_proj = vision_linear(hidden, hidden)
-        self.v_proj = vision_linear(hidden, hidden)
-        self.out_proj = vision_linear(hidden, hidden)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [images, tokens, width] -> the same shape."""
-        images, tokens, width = hidden.shape
-        rows = hidden.reshape(images * tokens, width)
-        q, k, v = (proj(rows).view(images, tokens, self.num_heads, -1).transpose(1, 2)
-                   for proj in (self.q_proj, self.k_proj, self.v_proj))
-        out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(images * tokens, width)
-        return self.out_proj(out).view(images, tokens, width)
-
-
 class ClipMLP(nn.Module):
     """Two projections with the tower's activation between them."""
 
@@ -148,7 +126,7 @@ class ClipEncoderLayer(nn.Module):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.layer_norm1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.self_attn = ClipAttention(config)
+        self.self_attn = VisionAttention(config.hidden_size, config.num_attention_heads)
         self.layer_norm2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.mlp = ClipMLP(config)
 

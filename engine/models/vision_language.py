@@ -11,6 +11,7 @@ checkpoint's names (`language_model_prefixes`, `vision_weight_name`).
 from collections.abc import Iterable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
@@ -146,3 +147,27 @@ def vision_linear(in_features: int, out_features: int, bias: bool = True) -> Lin
     layer = Linear(in_features, out_features, bias=bias)
     layer.quantizable = False
     return layer
+
+
+class VisionAttention(nn.Module):
+    """Bidirectional multi-head self-attention within each image of a ViT tower (CLIP's,
+    SigLIP's: q_proj, k_proj, v_proj, out_proj), with no cache."""
+
+    def __init__(self, hidden: int, num_heads: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.q_proj = vision_linear(hidden, hidden)
+        self.k_proj = vision_linear(hidden, hidden)
+        self.v_proj = vision_linear(hidden, hidden)
+        self.out_proj = vision_linear(hidden, hidden)
+
+    def forward(self, hidden: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [images, tokens, width] -> the same shape; `key_mask` [images, tokens] marks
+        the tokens attended to (None: all; padding of a sub-image is not)."""
+        images, tokens, width = hidden.shape
+        rows = hidden.reshape(images * tokens, width)
+        q, k, v = (proj(rows).view(images, tokens, self.num_heads, -1).transpose(1, 2)
+                   for proj in (self.q_proj, self.k_proj, self.v_proj))
+        mask = None if key_mask is None else key_mask[:, None, None, :]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(images * tokens, width)
+        return self.out_proj(out).view(images, tokens, width)

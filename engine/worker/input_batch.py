@@ -223,12 +223,17 @@ class InputBatch:
                           for seq, start, n, end in zip(seqs, starts, nums, ends) if seq.pooling is not None]
         if lora_slots:
             step.lora_ranges = _lora_ranges(seqs, ends, nums, lora_slots)
+        self._image_inputs(step, seqs, starts, nums, ends)
+        return step
+
+    def _image_inputs(self, step: StepInputs, seqs: list[Sequence], starts: list[int], nums: list[int],
+                      ends: list[int]) -> None:
+        """The step's rows that read encoder outputs, and an M-RoPE model's positions."""
         step.image_rows = [ImageRows(feature, [end - n + r for r in rows], first, last)
                            for seq, start, n, end in zip(seqs, starts, nums, ends) for feature in seq.mm_features
                            for rows, first, last in [feature.embed_rows(start, start + n)] if rows]
         if self.uses_mrope:
-            step.rope_positions = _rope_positions(seqs, starts, nums).to(device, non_blocking=True)
-        return step
+            step.rope_positions = _rope_positions(seqs, starts, nums).to(self.device, non_blocking=True)
 
     @staticmethod
     def _sample_rows(step: StepInputs, seqs: list[Sequence], starts: list[int], nums: list[int],

@@ -13,7 +13,7 @@ from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3I
 from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil
 from transformers.models.smolvlm.processing_smolvlm import DEFAULT_CHAT_TEMPLATE as SMOLVLM_CHAT_TEMPLATE
 
-from tests.tiny_models import build_tokenizer
+from tests.tiny_models import build_tokenizer, save_random
 
 # Idefics3's template (the hub's, with the tokenizer's own BOS for "<|begin_of_text|>").
 IDEFICS3_CHAT_TEMPLATE = (
@@ -85,9 +85,5 @@ def build_tiny_idefics3(folder: Path, smolvlm: bool = False, seed: int = 0) -> P
     torch.manual_seed(seed)
     family = transformers.SmolVLMForConditionalGeneration if smolvlm else transformers.Idefics3ForConditionalGeneration
     model = family(config).to(torch.float32)
-    with torch.no_grad():  # larger weights than the default init, so that logits are far from ties
-        for param in model.parameters():
-            if param.dim() > 1:
-                param.normal_(0.0, 0.15)
-    model.save_pretrained(folder, safe_serialization=True)
+    save_random(model, folder)
     return folder

@@ -8,7 +8,7 @@ import torch
 import transformers
 from transformers import AutoTokenizer
 
-from tests.tiny_models import build_tokenizer
+from tests.tiny_models import build_tokenizer, save_random
 
 IMAGE_TOKEN = "<image>"
 # Crops of the vision tower's size: one per crop, the best pinpoint taken for each image.
@@ -53,11 +53,7 @@ def build_tiny_llava(folder: Path, next_: bool = False, seed: int = 0, **overrid
         image_processor = transformers.CLIPImageProcessorPil(**sizes)
     torch.manual_seed(seed)
     model = model_class(config).to(torch.float32)
-    with torch.no_grad():  # larger weights than the default init, so that greedy tokens are far from ties
-        for param in model.parameters():
-            if param.dim() > 1:
-                param.normal_(0.0, 0.15)
-    model.save_pretrained(folder, safe_serialization=True)
+    save_random(model, folder)
     processor = processor_class(image_processor=image_processor, tokenizer=tokenizer, patch_size=vision.patch_size,
                                 vision_feature_select_strategy=config.vision_feature_select_strategy,
                                 num_additional_image_tokens=1, chat_template=CHAT_TEMPLATE)

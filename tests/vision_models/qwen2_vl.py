@@ -7,7 +7,7 @@ import torch
 import transformers
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from tests.tiny_models import build_tokenizer
+from tests.tiny_models import build_tokenizer, save_random
 
 SPECIAL_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|im_start|>", "<|im_end|>", "<|video_pad|>"]
 PATCH_SIZE = 7
@@ -67,11 +67,7 @@ def build_tiny_qwen2_vl(folder: Path, version: str = "2", seed: int = 0) -> Path
                    else transformers.Qwen2_5_VLForConditionalGeneration)
     torch.manual_seed(seed)
     model = model_class(config).to(torch.float32)
-    with torch.no_grad():  # larger weights than the default init, so that logits are far from ties
-        for param in model.parameters():
-            if param.dim() > 1:
-                param.normal_(0.0, 0.15)
-    model.save_pretrained(folder, safe_serialization=True)
+    save_random(model, folder)
     Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, patch_size=PATCH_SIZE,
                              temporal_patch_size=2, merge_size=MERGE_SIZE).save_pretrained(folder)
     return folder
