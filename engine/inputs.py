@@ -11,7 +11,7 @@ from engine.chat_utils import invalid_unicode_problem
 from engine.llm_engine import LLMEngine
 from engine.lora.request import LoRARequest
 from engine.models import MULTIMODAL_MODELS
-from engine.multimodal.image import ImageInputError, load_image
+from engine.multimodal.image import ImageInputError, read_image
 from engine.multimodal.inputs import ProcessedPrompt
 from engine.multimodal.processing import MultiModalInputError
 from engine.pooling_params import PoolingParams
@@ -180,7 +180,7 @@ class RequestChecker:
         loaded = []
         for i, image in enumerate(images):
             try:
-                loaded.append(load_image(image))
+                loaded.append(read_image(image))
             except ImageInputError as exc:
                 return None, f"multi_modal_data['image'][{i}]: {exc}"
         try:

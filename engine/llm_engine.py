@@ -211,10 +211,13 @@ class LLMEngine:
         return list({seq.group[0] for seq in self.step() if seq.request_finished})
 
     def _launch_forward(self, batch: ScheduledBatch) -> LaunchedStep:
-        """Forks the completions whose prompt this step finishes, queues the forward pass
-        and counts its tokens as computed."""
+        """Makes the encoder inputs of the images the step encodes, forks the completions
+        whose prompt this step finishes, queues the forward pass and counts its tokens as
+        computed."""
         self.stats.num_cached_prompt_tokens += batch.cached_prompt_tokens
         self.stats.num_images_encoded += len(batch.encoder_inputs)
+        for feature in batch.encoder_inputs:
+            feature.data = self.mm_processor.encoder_inputs(feature)
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             start = seq.num_computed_tokens
             if start < seq.num_prompt_tokens:

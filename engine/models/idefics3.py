@@ -24,7 +24,7 @@ from engine.distributed.communicator import TensorParallelGroup
 from engine.layers.linear import ShardSlice, StoredTensor
 from engine.models.llama import LlamaForCausalLM
 from engine.models.vision_language import VisionAttention, VisionLanguageModel, vision_linear
-from engine.multimodal.inputs import ProcessedImage
+from engine.multimodal.inputs import ImageTokens, ProcessedImage
 from engine.multimodal.processing import BaseMultiModalProcessor
 
 # config.json's vision hidden_act -> F.gelu's `approximate`.
@@ -33,7 +33,7 @@ _PATCH_KERNEL = "vision_model.embeddings.patch_embedding.weight"
 
 
 @dataclass(frozen=True)
-class ImageTokens:
+class SpecialTokens:
     """The special tokens that frame an image's runs of image tokens in the prompt."""
 
     fake: str = "<fake_token_around_image>"
@@ -50,11 +50,11 @@ class Idefics3Processor(BaseMultiModalProcessor):
     prompt gives one "<image>" token per image.
     """
 
-    image_placeholder = ImageTokens.image
+    image_placeholder = SpecialTokens.image
 
     def __init__(self, path: Path, hf_config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase) -> None:
         super().__init__(path, hf_config, tokenizer)
-        self.tokens = self.image_tokens()
+        self.tokens = self.special_tokens()
         self.image_placeholder = self.tokens.image
         self.image_token_id = hf_config.image_token_id
         if tokenizer.convert_tokens_to_ids(self.tokens.image) != self.image_token_id:
@@ -64,9 +64,9 @@ class Idefics3Processor(BaseMultiModalProcessor):
         side = self.image_processor.max_image_size["longest_edge"] // hf_config.vision_config.patch_size
         self.image_seq_len = side * side // hf_config.scale_factor**2  # the encoder rows of one sub-image
 
-    def image_tokens(self) -> ImageTokens:
+    def special_tokens(self) -> SpecialTokens:
         """The image's special tokens as this family's processor names them."""
-        return ImageTokens()
+        return SpecialTokens()
 
     def process_image(self, image: Image.Image) -> ProcessedImage:
         """The sub-images' pixels [n, 3, side, side] and which pixels are image (not padding),
@@ -81,7 +81,7 @@ class Idefics3Processor(BaseMultiModalProcessor):
                              f"tokens but its text holds {sum(is_embed)} {self.tokens.image!r} tokens: the "
                              "tokenizer splits the image tokens (add them as special tokens)")
         data = {"pixel_values": pixels, "pixel_attention_mask": out["pixel_attention_mask"][0].bool()}
-        return ProcessedImage(data, ids, is_embed)
+        return ProcessedImage(data, ImageTokens(ids, is_embed))
 
     def image_text(self, rows: int, cols: int) -> str:
         """The text transformers' processor puts for an image cut into rows x cols (0 x 0:
@@ -99,11 +99,11 @@ class Idefics3Processor(BaseMultiModalProcessor):
 class SmolVLMProcessor(Idefics3Processor):
     """Idefics3's expansion with the special tokens SmolVLM's tokenizer names."""
 
-    def image_tokens(self) -> ImageTokens:
-        default = ImageTokens()
-        return ImageTokens(getattr(self.tokenizer, "fake_image_token", None) or default.fake,
-                           getattr(self.tokenizer, "image_token", None) or default.image,
-                           getattr(self.tokenizer, "global_image_token", None) or default.global_image)
+    def special_tokens(self) -> SpecialTokens:
+        default = SpecialTokens()
+        return SpecialTokens(getattr(self.tokenizer, "fake_image_token", None) or default.fake,
+                             getattr(self.tokenizer, "image_token", None) or default.image,
+                             getattr(self.tokenizer, "global_image_token", None) or default.global_image)
 
 
 class VisionEmbeddings(nn.Module):

@@ -28,7 +28,7 @@ from engine.layers.linear import StoredTensor
 from engine.models.llama import LlamaForCausalLM
 from engine.models.qwen2 import Qwen2ForCausalLM
 from engine.models.vision_language import VisionAttention, VisionLanguageModel, vision_linear
-from engine.multimodal.inputs import ProcessedImage
+from engine.multimodal.inputs import ImageTokens, ProcessedImage
 from engine.multimodal.processing import BaseMultiModalProcessor
 
 # Activations a CLIP tower (`hidden_act`) or a projector (`projector_hidden_act`) may name,
@@ -242,9 +242,19 @@ class LlavaMultiModalProcessor(BaseMultiModalProcessor):
 
     def process_image(self, image: Image.Image) -> ProcessedImage:
         pixel_values = self.image_processor(images=[image], return_tensors="pt")["pixel_values"]
-        height, width = pixel_values.shape[-2:]
+        return ProcessedImage({"pixel_values": pixel_values}, self._tokens(*pixel_values.shape[-2:]))
+
+    def image_tokens(self, image: Image.Image) -> ImageTokens:
+        """The crop's tokens, known from the image processor's crop size where it crops."""
+        processor = self.image_processor
+        if not getattr(processor, "do_center_crop", False):
+            return super().image_tokens(image)
+        return self._tokens(processor.crop_size["height"], processor.crop_size["width"])
+
+    def _tokens(self, height: int, width: int) -> ImageTokens:
+        """One "<image>" per patch of a crop of height x width pixels (and the CLS row's where kept)."""
         count = (height // self.patch_size) * (width // self.patch_size) + int(self.keep_cls)
-        return ProcessedImage({"pixel_values": pixel_values}, [self.image_token_id] * count)
+        return ImageTokens([self.image_token_id] * count)
 
 
 class LlavaNextMultiModalProcessor(LlavaMultiModalProcessor):
@@ -254,12 +264,15 @@ class LlavaNextMultiModalProcessor(LlavaMultiModalProcessor):
 
     def process_image(self, image: Image.Image) -> ProcessedImage:
         data = self.image_processor(images=[image], return_tensors="pt")
-        height, width = data["image_sizes"][0].tolist()
-        grid = anyres_grid(self.hf_config, height, width)
-        side = self.hf_config.vision_config.image_size // self.patch_size
-        count = side * side + grid.rows * (grid.cols + 1)
         return ProcessedImage({"pixel_values": data["pixel_values"], "image_sizes": data["image_sizes"]},
-                              [self.image_token_id] * count)
+                              self.image_tokens(image))
+
+    def image_tokens(self, image: Image.Image) -> ImageTokens:
+        """The whole's patches, then the grid's kept rows with their newlines: from the
+        image's size (transformers' image_sizes)."""
+        grid = anyres_grid(self.hf_config, image.height, image.width)
+        side = self.hf_config.vision_config.image_size // self.patch_size
+        return ImageTokens([self.image_token_id] * (side * side + grid.rows * (grid.cols + 1)))
 
 
 class LlavaProjector(nn.Module):

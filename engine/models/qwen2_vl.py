@@ -35,7 +35,7 @@ from engine.layers.rotary import MRotaryEmbedding, rope_parameters
 from engine.models.llama import head_dim_of
 from engine.models.qwen2 import Qwen2ForCausalLM
 from engine.models.vision_language import VisionLanguageModel, vision_linear
-from engine.multimodal.inputs import MultiModalFeature, ProcessedImage
+from engine.multimodal.inputs import ImageTokens, MultiModalFeature, ProcessedImage
 from engine.multimodal.processing import BaseMultiModalProcessor
 
 
@@ -75,9 +75,26 @@ class Qwen2VLProcessor(BaseMultiModalProcessor):
         and one image token per merged row."""
         out = self.image_processor(images=image, return_tensors="pt")
         grid = out["image_grid_thw"]
-        rows = int(grid.prod()) // self.merge_size**2
         return ProcessedImage({"pixel_values": out["pixel_values"], "image_grid_thw": grid},
-                              [self.image_token_id] * rows)
+                              self._tokens(tuple(int(x) for x in grid.view(3))))
+
+    def image_tokens(self, image: Image.Image) -> ImageTokens:
+        """The tokens of the grid the image processor resizes the image to (transformers'
+        `smart_resize`: sides multiples of patch x merge, pixels within min and max)."""
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+        processor = self.image_processor
+        if not processor.do_resize:
+            return super().image_tokens(image)
+        patch = processor.patch_size
+        height, width = smart_resize(image.height, image.width, factor=patch * processor.merge_size,
+                                     min_pixels=processor.size["shortest_edge"],
+                                     max_pixels=processor.size["longest_edge"])
+        return self._tokens((1, height // patch, width // patch))
+
+    def _tokens(self, grid: tuple[int, int, int]) -> ImageTokens:
+        """One image token per merged patch of a (temporal, height, width) patch grid."""
+        return ImageTokens([self.image_token_id] * (math.prod(grid) // self.merge_size**2), grid=grid)
 
     def rope_positions(self, token_ids: list[int], features: list[MultiModalFeature]) -> tuple[torch.Tensor, int]:
         """[3, len(token_ids)] positions and the offset of generated tokens' (max + 1 - length)."""
@@ -87,7 +104,7 @@ class Qwen2VLProcessor(BaseMultiModalProcessor):
         for feature in features:
             pieces.append(torch.arange(feature.offset - done).expand(3, -1) + start)
             start += feature.offset - done
-            t, h, w = (int(x) for x in feature.data["image_grid_thw"].view(3))
+            t, h, w = feature.grid
             grid = torch.meshgrid(torch.arange(t), torch.arange(h // self.merge_size),
                                   torch.arange(w // self.merge_size), indexing="ij")
             pieces.append(torch.stack(grid).reshape(3, -1) + start)

@@ -6,6 +6,7 @@ import base64
 import binascii
 import hashlib
 import io
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
@@ -45,6 +46,27 @@ def load_image(value: ImageLike) -> Image.Image:
     if min(image.size) < 1:
         raise ImageInputError(f"the image is empty ({image.size[0]}x{image.size[1]}): drop the row or fix the image")
     return image
+
+
+@dataclass(frozen=True)
+class PromptImage:
+    """A prompt's image: decoded (to check and hash it, and to count its tokens), and what it
+    was read from, kept compact until its encoder inputs are made (PIL images as given,
+    everything else as its encoded bytes: a path is read once, when the row is checked)."""
+
+    image: Image.Image
+    source: Image.Image | bytes
+
+
+def read_image(value: ImageLike) -> PromptImage:
+    """The image `value` names, decoded, with its compact source.
+
+    Raises:
+        ImageInputError: as `load_image`.
+    """
+    source = value if isinstance(value, Image.Image) else bytes(value) if isinstance(value, (bytes, bytearray)) \
+        else _read_location(str(value)) if isinstance(value, (str, Path)) else value
+    return PromptImage(load_image(source), source)
 
 
 def image_hash(image: Image.Image) -> str:

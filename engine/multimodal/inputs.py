@@ -5,18 +5,19 @@ with its `PlaceholderRange`), and the encoder outputs a step hands the model (`M
 from dataclasses import dataclass, field
 
 import torch
+from PIL import Image
 
 
 @dataclass
-class ProcessedImage:
-    """One image as its family's processor prepares it: the encoder's inputs (`data`, e.g.
-    pixel_values and a grid, batch dimension of one image), the token ids that stand for it
-    in the prompt (`replacement`, in place of its single placeholder token) and which of
-    those take an encoder output row (`is_embed`; None: all of them)."""
+class ImageTokens:
+    """The token ids that stand for one image in the prompt (`replacement`, in place of its
+    single placeholder token), which of them take an encoder output row (`is_embed`; None:
+    all of them), and for a family with multimodal rotary positions the image's patch grid
+    (temporal, height, width)."""
 
-    data: dict[str, torch.Tensor]
     replacement: list[int]
     is_embed: list[bool] | None = None
+    grid: tuple[int, int, int] | None = None
 
     @property
     def num_embeds(self) -> int:
@@ -24,17 +25,30 @@ class ProcessedImage:
         return len(self.replacement) if self.is_embed is None else sum(self.is_embed)
 
 
+@dataclass
+class ProcessedImage:
+    """One image as its family's processor prepares it: the encoder's inputs (`data`, e.g.
+    pixel_values, batch dimension of one image) and its tokens."""
+
+    data: dict[str, torch.Tensor]
+    tokens: ImageTokens
+
+
 @dataclass(eq=False)
 class MultiModalFeature:
     """An image of a prompt: its tokens are prompt positions [offset, offset + length),
     `identifier` is its content hash (two prompts with the same image share its encoder
-    output and their prefix-cache blocks), `data` the encoder's inputs."""
+    output and their prefix-cache blocks). The encoder's inputs (`data`) are made from
+    `source` when the image is encoded and dropped once it is: a queue of prompts holds its
+    images compressed, not as pixels."""
 
     identifier: str
     offset: int
     length: int
-    data: dict[str, torch.Tensor] = field(repr=False)
+    source: Image.Image | bytes = field(repr=False)
     is_embed: list[bool] | None = field(default=None, repr=False)
+    grid: tuple[int, int, int] | None = None
+    data: dict[str, torch.Tensor] | None = field(default=None, repr=False)
     modality: str = "image"
 
     @property

@@ -15,8 +15,8 @@ import torch
 from PIL import Image
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-from engine.multimodal.image import image_hash
-from engine.multimodal.inputs import MultiModalFeature, ProcessedImage, ProcessedPrompt
+from engine.multimodal.image import PromptImage, image_hash, load_image
+from engine.multimodal.inputs import ImageTokens, MultiModalFeature, ProcessedImage, ProcessedPrompt
 
 
 class MultiModalInputError(ValueError):
@@ -26,8 +26,9 @@ class MultiModalInputError(ValueError):
 class BaseMultiModalProcessor:
     """Turns (prompt ids, images) into a `ProcessedPrompt` for one model folder.
 
-    Subclasses set `image_token_id` and `image_placeholder` and implement `process_image`;
-    a family with multimodal rotary positions overrides `rope_positions`.
+    Subclasses set `image_token_id` and `image_placeholder` and implement `process_image`
+    (and `image_tokens` where the tokens follow from the image's size); a family with
+    multimodal rotary positions overrides `rope_positions`.
     """
 
     image_token_id: int
@@ -52,6 +53,16 @@ class BaseMultiModalProcessor:
         """The encoder inputs and prompt tokens of one image."""
         raise NotImplementedError
 
+    def image_tokens(self, image: Image.Image) -> ImageTokens:
+        """The prompt tokens of one image; by default from a whole processing, which a family
+        whose count follows from the image's size alone overrides (then an image is
+        processed once, when it is encoded)."""
+        return self.process_image(image).tokens
+
+    def encoder_inputs(self, feature: MultiModalFeature) -> dict[str, torch.Tensor]:
+        """The encoder's inputs for an image of a prompt, made from its source."""
+        return self.process_image(load_image(feature.source)).data
+
     def rope_positions(self, token_ids: list[int],
                        features: list[MultiModalFeature]) -> tuple[torch.Tensor, int] | None:
         """[3, len(token_ids)] rotary positions of the prompt and the offset that generated
@@ -59,7 +70,7 @@ class BaseMultiModalProcessor:
         positions are not the token index; None for the others."""
         return None
 
-    def apply(self, token_ids: list[int], images: list[Image.Image]) -> ProcessedPrompt:
+    def apply(self, token_ids: list[int], images: list[PromptImage]) -> ProcessedPrompt:
         """The prompt with each image's placeholder expanded and its features.
 
         Raises:
@@ -75,11 +86,11 @@ class BaseMultiModalProcessor:
                 if len(features) == len(images):
                     raise MultiModalInputError(self._count_problem(len(features) + 1, len(images)))
                 image = images[len(features)]
-                processed = self.process_image(image)
-                expanded = processed.replacement
+                tokens = self.image_tokens(image.image)
+                expanded = tokens.replacement
                 taken = len(expanded) if token_ids[position : position + len(expanded)] == expanded else 1
-                features.append(MultiModalFeature(image_hash(image), len(ids), len(expanded), processed.data,
-                                                  processed.is_embed))
+                features.append(MultiModalFeature(image_hash(image.image), len(ids), len(expanded), image.source,
+                                                  tokens.is_embed, tokens.grid))
                 ids += expanded
                 position += taken
             last = end

@@ -143,11 +143,12 @@ class ModelRunner:
     def _encode(self, features: list[MultiModalFeature]) -> None:
         """Runs the vision encoder on each image the step encodes (once each: the scheduler
         schedules an image only when its output is not held), its floating-point inputs in
-        the model's dtype."""
+        the model's dtype; the inputs are dropped once encoded."""
         dtype = self.model_config.dtype
         for feature in features:
             data = {name: value.to(self.device, dtype if value.is_floating_point() else value.dtype)
                     for name, value in feature.data.items()}
+            feature.data = None
             self.encoder_outputs[feature.identifier] = self.model.embed_multimodal(data)
 
     def _multimodal_embeds(self, image_rows: list[ImageRows]) -> MultiModalEmbeds | None:

@@ -235,3 +235,20 @@ def test_triton_backend_runs_the_decoder_of_a_vision_model(vision_models, family
             prompts = [image_prompt(llm, " what?", picture(6)), "text"]
             results.append([list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)])
     assert results[0] == results[1]
+
+
+def test_queued_prompts_hold_their_images_compressed_until_encoded(vision_models, tmp_path):
+    """A checked request keeps each image as given (a PIL image) or as its encoded bytes (a
+    path is read once), never as pixels; the encoder's inputs exist only while it runs."""
+    from engine.inputs import RequestChecker, valid_requests
+
+    path = tmp_path / "photo.png"
+    path.write_bytes(png_bytes(picture(8)))
+    with LLM(str(vision_models["qwen2_vl"]), dtype="float32", quantization=None) as llm:
+        rows = [image_prompt(llm, " a", picture(1)), image_prompt(llm, " b", str(path))]
+        requests = valid_requests(RequestChecker(llm.llm_engine).check(rows, GREEDY, None, None))
+        features = [f for request in requests for f in request.multi_modal.features]
+        assert [type(f.source) for f in features] == [Image.Image, bytes] and features[1].source == path.read_bytes()
+        assert all(f.data is None for f in features)
+        outputs = llm.generate(rows, GREEDY, use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in outputs)

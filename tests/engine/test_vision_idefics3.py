@@ -17,6 +17,7 @@ from engine.config import EngineConfig
 from engine.model_loader.loader import load_model
 from engine.model_loader.model_config import resolve_model_config
 from engine.models.idefics3 import Idefics3ForConditionalGeneration, Idefics3Processor
+from engine.multimodal.image import read_image
 from tests.vision_models.idefics3 import build_tiny_idefics3
 
 FAMILIES = ["idefics3", "smolvlm"]
@@ -86,7 +87,7 @@ def test_image_features_match_transformers(engine_model, hf_model, splitting):
             sub_images.add(len(processed.data["pixel_values"]))
             with torch.no_grad():
                 ours = model.embed_multimodal(processed.data)
-            assert ours.shape == (processed.num_embeds, model.config.get_text_config().hidden_size)
+            assert ours.shape == (processed.tokens.num_embeds, model.config.get_text_config().hidden_size)
             torch.testing.assert_close(ours, hf_features(hf_model, processed.data), atol=1e-4, rtol=1e-4)
     finally:
         processor.image_processor.do_image_splitting = True
@@ -143,7 +144,7 @@ def test_expansion_matches_transformers(family, engine_model, splitting):
     processor.image_processor.do_image_splitting = splitting
     try:
         for images in ([IMAGES[0], IMAGES[1]], [IMAGES[3], IMAGES[2]]):
-            ours = processor.apply(processor.tokenizer(prompt)["input_ids"], images)
+            ours = processor.apply(processor.tokenizer(prompt)["input_ids"], [read_image(image) for image in images])
             assert ours.prompt_token_ids == transformers_prompt_ids(name, folder, prompt, images, splitting)
             for feature in ours.features:
                 ids = ours.prompt_token_ids[feature.offset : feature.end]

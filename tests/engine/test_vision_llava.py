@@ -79,7 +79,7 @@ def test_image_embeddings_match_transformers(folders, variant):
         with torch.no_grad():
             ours = model.embed_multimodal(processed.data)
             theirs = torch.cat(hf_model.model.get_image_features(**kwargs).pooler_output)
-        assert ours.shape == theirs.shape == (len(processed.replacement), 64), size
+        assert ours.shape == theirs.shape == (len(processed.tokens.replacement), 64), size
         torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5, msg=f"{variant} {size}")
 
 
@@ -98,7 +98,8 @@ def test_image_token_counts_match_transformers_processor(folders, variant):
     sizes = SIZES + [(1, 200), (200, 1), (333, 77), (31, 64), (64, 31), (96, 33), (48, 48), (1, 1)]
     for seed, size in enumerate(sizes):
         image = make_image(*size, seed)
-        replacement = ours.process_image(image).replacement
+        replacement = ours.image_tokens(image).replacement  # from the size alone
+        assert replacement == ours.process_image(image).tokens.replacement
         ids = hf_processor(images=[image], text="a <image> b", return_tensors="pt")["input_ids"][0].tolist()
         assert set(replacement) == {config.image_token_index}
         assert len(replacement) == ids.count(config.image_token_index), size

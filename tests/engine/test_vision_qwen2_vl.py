@@ -20,6 +20,7 @@ from engine.layers.rotary import MRotaryEmbedding, rope_parameters
 from engine.model_loader.loader import load_model
 from engine.model_loader.model_config import resolve_model_config
 from engine.models.qwen2_vl import Qwen2VLProcessor
+from engine.multimodal.image import read_image
 from tests.vision_models.qwen2_vl import build_tiny_qwen2_vl
 
 REFERENCE_CLASSES = {"2": transformers.Qwen2VLForConditionalGeneration,
@@ -98,7 +99,7 @@ def test_vision_encoder_matches_transformers(folder, reference):
                                                 torch.cat([p.data["image_grid_thw"] for p in processed])).pooler_output
         for image, theirs in zip(processed, expected, strict=True):
             ours = model.embed_multimodal(image.data)
-            assert ours.shape == (len(image.replacement), 64)
+            assert ours.shape == (len(image.tokens.replacement), 64)
             torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
     assert len({tuple(p.data["image_grid_thw"][0].tolist()) for p in processed}) == 4
 
@@ -109,7 +110,10 @@ def test_rope_positions_match_get_rope_index(folder, reference, count):
     parts = [{"type": "text", "text": "Compare"}, *[{"type": "image"}] * count, {"type": "text", "text": "now."}]
     text = chat_text(folder, parts)
     processor = engine_processor(folder)
-    prompt = processor.apply(processor.tokenizer(text, add_special_tokens=False).input_ids, pictures)
+    prompt = processor.apply(processor.tokenizer(text, add_special_tokens=False).input_ids,
+                             [read_image(picture) for picture in pictures])
+    for picture in pictures:  # the grid from the size alone is the image processor's
+        assert processor.image_tokens(picture) == processor.process_image(picture).tokens
     inputs = reference_inputs(folder, text, pictures)
     assert prompt.prompt_token_ids == inputs["input_ids"][0].tolist()
     if count == 0:  # transformers counts a text prompt's positions up itself
