@@ -10,6 +10,7 @@ prompt with the same image, then does not run the encoder again.
 """
 
 from collections import OrderedDict
+from collections.abc import Iterator
 
 from engine.core.sequence import Sequence
 from engine.multimodal.inputs import MultiModalFeature
@@ -24,6 +25,9 @@ class EncoderCacheManager:
         self.users: dict[str, set[int]] = {}  # identifier -> ids of the sequences that still need it
         self.unused: OrderedDict[str, None] = OrderedDict()  # held, needed by none: evictable, oldest first
         self.freed: list[str] = []  # evicted since the last step was scheduled: the runner drops them
+        # Allocated in the step being scheduled: computed by it, so never evicted before it runs
+        # (a sequence preempted in the same step leaves its new outputs unused).
+        self.scheduled: set[str] = set()
 
     @property
     def num_free_rows(self) -> int:
@@ -33,18 +37,21 @@ class EncoderCacheManager:
         """Whether the image's output is held (or scheduled to be computed this step)."""
         return feature.identifier in self.rows
 
-    def can_hold(self, rows: int) -> bool:
-        """Whether outputs of `rows` rows in all fit once the unused outputs are evicted."""
-        return rows <= self.num_free_rows + sum(self.rows[i] for i in self.unused)
+    def can_hold(self, rows: int, keep: set[str]) -> bool:
+        """Whether outputs of `rows` rows in all fit once the unused outputs other than
+        `keep` (those the asking sequence is about to use) are evicted."""
+        return rows <= self.num_free_rows + sum(self.rows[i] for i in self._evictable() if i not in keep)
 
     def allocate(self, seq: Sequence, feature: MultiModalFeature) -> None:
         """Makes room for the image's output (it is computed this step) and marks `seq` as
         needing it. Assumes `can_hold` for its rows."""
+        evictable = self._evictable()
         while self.num_free_rows < feature.num_embeds:
-            evicted, _ = self.unused.popitem(last=False)
-            del self.rows[evicted], self.users[evicted]
+            evicted = next(evictable)
+            del self.unused[evicted], self.rows[evicted], self.users[evicted]
             self.freed.append(evicted)
         self.rows[feature.identifier] = feature.num_embeds
+        self.scheduled.add(feature.identifier)
         self.users[feature.identifier] = set()
         self.use(seq, feature)
 
@@ -65,8 +72,14 @@ class EncoderCacheManager:
             self._release(seq, feature)
 
     def take_freed(self) -> list[str]:
+        """The outputs evicted while the step was scheduled; the step is then complete."""
         freed, self.freed = self.freed, []
+        self.scheduled.clear()
         return freed
+
+    def _evictable(self) -> Iterator[str]:
+        """The unused outputs that may go, oldest first."""
+        return (i for i in list(self.unused) if i not in self.scheduled)
 
     def _release(self, seq: Sequence, feature: MultiModalFeature) -> None:
         users = self.users.get(feature.identifier)

@@ -155,18 +155,20 @@ class Scheduler:
         """How many of `num_new` tokens from `start` the step can compute given their
         images, and the images it must encode for them: the chunk stops before the first
         image that is not held and does not fit the step's encoder budget (the first image
-        of a step always does) or the cache."""
-        if not seq.mm_features:
+        of a step always does) or the cache (without evicting the held images it reads)."""
+        images = _images_in(seq, start, num_new)
+        if not images:
             return num_new, []
-        cache, todo, budget = self.encoder_cache, [], plan.encoder_budget
-        for feature in seq.mm_features:
-            if feature.end <= start or feature.offset >= start + num_new:
-                continue
-            if cache.has(feature) or any(f.identifier == feature.identifier for f in todo):
+        cache = self.encoder_cache
+        held = {f.identifier for f in images if cache.has(f)}
+        todo: list[MultiModalFeature] = []
+        budget = plan.encoder_budget
+        for feature in images:
+            if feature.identifier in held or any(f.identifier == feature.identifier for f in todo):
                 continue
             first = not plan.encoder_inputs and not todo
             rows = feature.num_embeds
-            if (rows > budget and not first) or not cache.can_hold(sum(f.num_embeds for f in todo) + rows):
+            if (rows > budget and not first) or not cache.can_hold(sum(f.num_embeds for f in todo) + rows, held):
                 return max(0, feature.offset - start), todo
             todo.append(feature)
             budget -= rows
@@ -174,16 +176,19 @@ class Scheduler:
 
     def _take_encoder_outputs(self, seq: Sequence, start: int, num_new: int, todo: list[MultiModalFeature],
                               plan: "_StepPlan") -> None:
-        """Records that the scheduled chunk reads its images' outputs, computing `todo` in the step."""
-        for feature in seq.mm_features:
-            if feature.end <= start or feature.offset >= start + num_new:
+        """Records that the scheduled chunk reads its images' outputs (the held ones first,
+        so that making room for the others cannot evict them), computing `todo` in the step."""
+        cache = self.encoder_cache
+        for feature in _images_in(seq, start, num_new):
+            if cache.has(feature):
+                cache.use(seq, feature)
+        for feature in todo:
+            if cache.has(feature):  # the same image twice in the prompt
+                cache.use(seq, feature)
                 continue
-            if feature in todo and not self.encoder_cache.has(feature):
-                self.encoder_cache.allocate(seq, feature)
-                plan.encoder_inputs.append(feature)
-                plan.encoder_budget -= feature.num_embeds
-            else:
-                self.encoder_cache.use(seq, feature)
+            cache.allocate(seq, feature)
+            plan.encoder_inputs.append(feature)
+            plan.encoder_budget -= feature.num_embeds
 
     def _admit(self, seq: Sequence, num_cached: int, plan: "_StepPlan") -> None:
         """Moves a waiting sequence whose blocks were allocated into the running set; its
@@ -275,6 +280,11 @@ def _rows_reserved(seq: Sequence, counted: set) -> int:
         return 0
     counted.add(seq.beam)
     return seq.beam.params.beam_width
+
+
+def _images_in(seq: Sequence, start: int, num_new: int) -> list[MultiModalFeature]:
+    """The images of `seq` with tokens among positions [start, start + num_new)."""
+    return [f for f in seq.mm_features if f.offset < start + num_new and f.end > start]
 
 
 def _mark_aborted(seq: Sequence) -> None:

@@ -2,6 +2,10 @@
 cache holds it, the step's encoder budget, chunks that stop before an image the step cannot
 encode, preemption that does not re-encode, prefix-cache keys by image content."""
 
+import random
+
+import pytest
+
 from engine.config import EngineConfig
 from engine.core.block_manager import BlockManager
 from engine.core.encoder_cache_manager import EncoderCacheManager
@@ -117,3 +121,55 @@ def test_prefix_cache_blocks_are_keyed_by_image_content():
     same.seq_id, other.seq_id = 2, 3
     assert len(sched.block_manager.find_cached_blocks(same)) == 4  # text block, two image blocks, the next
     assert len(sched.block_manager.find_cached_blocks(other)) == 1  # the text block only
+
+
+def test_an_output_computed_by_the_step_is_not_evicted_by_it():
+    """A sequence preempted while the step is scheduled leaves the image it was to encode
+    unused; a later image of the same step must not evict it before the step computes it."""
+    cache = EncoderCacheManager(10)
+    first, second = image_seq(1, ["a:8", 1]), image_seq(2, ["b:8", 1])
+    cache.allocate(first, first.mm_features[0])
+    cache.release(first)
+    assert not cache.can_hold(8, set())
+    assert cache.take_freed() == []
+    assert cache.can_hold(8, set())  # the step ran: a's output may go now
+    cache.allocate(second, second.mm_features[0])
+    assert cache.take_freed() == ["a"]
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_random_workloads_keep_the_runners_outputs_consistent(seed):
+    """Random prompts sharing images, small budgets and caches, preemptions: the scheduler
+    never schedules a token of an image whose output the runner lacks, never encodes an
+    image the runner holds, and frees only what the runner holds."""
+    rng = random.Random(seed)
+    sched = make_scheduler(budget=rng.choice([8, 16, 40]), cache_rows=rng.choice([24, 40, 80]),
+                           num_blocks=rng.choice([24, 32, 64]))
+    for seq_id in range(10):
+        layout: list[int | str] = []
+        for _ in range(rng.randint(1, 3)):
+            image = rng.randint(0, 4)  # five images, of 4 to 12 rows, shared between prompts
+            layout += [rng.randint(1, 6), f"img{image}:{4 + 2 * image}"]
+        sched.add(image_seq(seq_id, [*layout, 2], max_tokens=rng.randint(1, 4)))
+    held: set[str] = set()
+    for _ in range(2000):
+        if not sched.has_unfinished():
+            return
+        if rng.random() < 0.1 and sched.running:
+            sched._preempt(rng.choice(sched.running))
+        batch = sched.schedule()
+        for identifier in batch.freed_encoder_outputs:
+            held.remove(identifier)
+        for feature in batch.encoder_inputs:
+            assert feature.identifier not in held
+            held.add(feature.identifier)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            start = seq.num_computed_tokens
+            assert all(f.identifier in held for f in seq.mm_features if f.offset < start + n and f.end > start)
+        ready = [s for s, n in zip(batch.seqs, batch.num_new_tokens) if s.num_computed_tokens + n == s.num_tokens]
+        sched.update_computed(batch)
+        for seq in ready:
+            seq.token_ids.append(7)
+            if seq.num_output_tokens >= seq.sampling_params.max_tokens:
+                sched.finish(seq)
+    raise AssertionError("the requests did not finish")
