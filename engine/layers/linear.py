@@ -172,13 +172,16 @@ class Linear(nn.Linear):
     With LoRA enabled, `lora` holds this projection's adapter slots and adds each
     adapter's delta to the rows of the requests that use it. With a `quant_method`
     (`engine.quantization`) the weight is quantized at `prepack` and the method computes
-    the product; `quantizable` False keeps a projection in the model's dtype.
+    the product; `quantizable` False keeps a projection in the model's dtype, and
+    `stored_quantized` False says that a quantized checkpoint stores this weight in the dtype
+    (a vision tower's), so that only a method at load (int8, FP8) quantizes it.
     """
 
     packed_weight: torch.Tensor | None = None
     lora: LoRADeltas | None = None
     quant_method: "LinearMethod | None" = None
     quantizable = True
+    stored_quantized = True
     # Rows of each checkpoint tensor stacked here (q/k/v, gate/up; one when not fused).
     shard_sizes: list[int] | None = None
     # For each of them, the slice of the checkpoint tensor this rank holds (None: all).

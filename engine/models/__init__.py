@@ -102,4 +102,6 @@ def language_model_config(hf_config: PretrainedConfig) -> PretrainedConfig:
     text.dtype = getattr(text, "dtype", None) or getattr(hf_config, "dtype", None)
     text.tie_word_embeddings = getattr(hf_config, "tie_word_embeddings",
                                        getattr(text, "tie_word_embeddings", False))  # Qwen2-VL's text config has none
+    if getattr(hf_config, "quantization_config", None) is not None:  # the engine reads it from the text part
+        text.quantization_config = hf_config.quantization_config
     return text

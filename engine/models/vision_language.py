@@ -57,6 +57,11 @@ class VisionLanguageModel(nn.Module):
         the encoder inputs its processor made (`ProcessedImage.data`)."""
         raise NotImplementedError
 
+    def embed_images(self, inputs: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """Each image's encoder output (`embed_multimodal`), for the images a step encodes; a
+        family whose images stack into one batch overrides this to run them together."""
+        return [self.embed_multimodal(data) for data in inputs]
+
     def vision_weight_name(self, name: str) -> str | None:
         """This model's parameter for a checkpoint tensor outside the decoder (None: a
         tensor the engine does not use, skipped). By default the name less a leading "model."."""
@@ -141,11 +146,12 @@ class VisionLanguageModel(nn.Module):
 
 
 def vision_linear(in_features: int, out_features: int, bias: bool = True) -> Linear:
-    """A projection of a vision encoder or projector: prepacked like the decoder's, never
-    quantized (a checkpoint's quantization and int8 at load cover the decoder alone, as
-    vLLM's do for the towers it runs)."""
+    """A projection of a vision encoder or projector: prepacked like the decoder's, and
+    quantized by a method at load (int8 on a CPU, calibrated on drawn pictures; FP8 on a GPU)
+    as vLLM's online quantization does the towers, but never read as quantized from a
+    checkpoint (quantized vision-language checkpoints store their towers in the dtype)."""
     layer = Linear(in_features, out_features, bias=bias)
-    layer.quantizable = False
+    layer.stored_quantized = False
     return layer
 
 

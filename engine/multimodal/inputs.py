@@ -92,3 +92,9 @@ class ProcessedPrompt:
     features: list[MultiModalFeature]
     rope_positions: torch.Tensor | None = None
     rope_delta: int = 0
+
+
+def encoder_inputs_on(data: dict[str, torch.Tensor], device: torch.device,
+                      dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """An image's encoder inputs on `device`, the floating-point ones (pixels) in the model's dtype."""
+    return {name: value.to(device, dtype if value.is_floating_point() else value.dtype) for name, value in data.items()}

@@ -139,17 +139,20 @@ def _describe(device: torch.device) -> str:
 
 def apply_quantization(model: nn.Module, method: str, hf_config: PretrainedConfig, device: torch.device) -> None:
     """Gives every quantizable projection and experts layer of `model` its `method`'s
-    product for this device, before the weights are loaded. Where the device has no
+    product for this device, before the weights are loaded (of a quantized checkpoint, the
+    projections it stores quantized). Where the device has no
     product for a checkpoint's format the weights are dequantized to the model's dtype
     as they load, and a warning says why."""
     from engine.layers.fused_moe import FusedMoE
     from engine.layers.linear import Linear
 
-    linear, experts, reason = _methods(method, checkpoint_format(hf_config), device)
+    stored = checkpoint_format(hf_config)
+    linear, experts, reason = _methods(method, stored, device)
     if reason:
         logger.warning("%s weights are dequantized to the model's dtype as they load: %s", method, reason)
     for module in model.modules():
-        if isinstance(module, Linear) and module.quantizable and linear is not None:
+        if (isinstance(module, Linear) and module.quantizable and linear is not None
+                and (module.stored_quantized or stored is None)):
             module.quant_method = linear
             linear.create_weights(module)
         elif isinstance(module, FusedMoE) and experts is not None:

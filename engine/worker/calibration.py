@@ -6,14 +6,17 @@ reads when it quantizes the weight (`engine.quantization.int8`).
 Why at load: a 16-bit checkpoint carries no activation statistics, and activations, unlike
 weights, have outlier channels that per-row int8 scales cannot absorb. The text mixes
 prose, code, a ticket, figures, another language and chat turns, so that the channels
-that are wide on any of them are seen; it is not the benchmark's prompts.
+that are wide on any of them are seen; it is not the benchmark's prompts. A vision-language
+model's encoder reads a few drawn pictures (`calibration_images`) the same way.
 """
 
 import itertools
 import logging
 import time
 
+import numpy as np
 import torch
+from PIL import Image, ImageDraw
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
@@ -61,10 +64,33 @@ def calibration_prompts(tokenizer: PreTrainedTokenizerBase, max_len: int) -> lis
     return prompts
 
 
-def record_input_ranges(model: nn.Module, kv_cache: KVCache, prompts: list[list[int]]) -> None:
-    """Runs `prompts` as one prefill step on scratch blocks of `kv_cache` (freed after), every
-    quantized layer (projections and experts) multiplying by its loaded weights, not yet
-    quantized, and sets `input_range` [in] float32 on each layer of `layers_wanting_ranges`."""
+def calibration_images() -> list[Image.Image]:
+    """Pictures for a vision encoder's calibration, drawn here (none is downloaded): a scene
+    of colour gradients and shapes, a page of dark text lines on white, a noisy texture; in
+    three sizes and aspect ratios. A ViT's outlier channels are mostly the same for any input,
+    so these find them; they are not the images a pipeline will read."""
+    rng = np.random.default_rng(0)
+    scene = Image.fromarray(np.uint8(np.linspace(0, 255, 640)[None, :, None] * [[[0.9, 0.5, 0.2]]]
+                                     + np.linspace(0, 255, 480)[:, None, None] * [[[0.1, 0.4, 0.8]]]) // 2)
+    draw = ImageDraw.Draw(scene)
+    for _ in range(12):
+        x, y = rng.integers(0, 600), rng.integers(0, 440)
+        draw.ellipse([x, y, x + rng.integers(20, 160), y + rng.integers(20, 160)], fill=tuple(rng.integers(0, 255, 3)))
+    page = Image.new("RGB", (420, 600), "white")
+    draw = ImageDraw.Draw(page)
+    for line in range(28):
+        draw.text((24, 20 + 20 * line), " ".join(CALIBRATION_TEXTS[line % len(CALIBRATION_TEXTS)].split()[:9]),
+                  fill=(20, 20, 30))
+    texture = Image.fromarray(rng.integers(0, 255, (300, 720, 3), dtype=np.uint8))
+    return [scene, page, texture]
+
+
+def record_input_ranges(model: nn.Module, kv_cache: KVCache, prompts: list[list[int]],
+                        images: list[dict[str, torch.Tensor]] | None = None) -> None:
+    """Runs `prompts` as one prefill step on scratch blocks of `kv_cache` (freed after), and a
+    vision-language model's encoder over `images` (its encoder inputs), every quantized layer
+    (projections and experts) multiplying by its loaded weights, not yet quantized, and sets
+    `input_range` [in] float32 on each layer of `layers_wanting_ranges`."""
     layers = layers_wanting_ranges(model)
     methods = {m: m.quant_method for m in model.modules() if getattr(m, "quant_method", None) is not None}
     started = time.perf_counter()
@@ -87,6 +113,8 @@ def record_input_ranges(model: nn.Module, kv_cache: KVCache, prompts: list[list[
             kv_cache.backend.prepare(meta)
             ids = torch.tensor(list(itertools.chain(*prompts)), dtype=torch.long, device=kv_cache.device)
             model(ids, meta.positions, meta)
+            for data in images or []:
+                model.embed_multimodal(data)
     finally:
         for hook in hooks:
             hook.remove()
@@ -95,5 +123,5 @@ def record_input_ranges(model: nn.Module, kv_cache: KVCache, prompts: list[list[
         kv_cache.free()
     for layer, peak in ranges.items():
         layer.input_range = peak.clone()
-    logger.info("int8 smoothing: input ranges of %d projections measured on %d calibration tokens in %.2f s",
-                len(ranges), sum(lengths), time.perf_counter() - started)
+    logger.info("int8 smoothing: input ranges of %d projections measured on %d calibration tokens and %d images "
+                "in %.2f s", len(ranges), sum(lengths), len(images or []), time.perf_counter() - started)

@@ -14,7 +14,7 @@ from engine.core.sequence import Sequence
 from engine.distributed.plan import ReplicaPlan
 from engine.layers.pooler import Pooler
 from engine.lora.manager import LoRAManager
-from engine.multimodal.inputs import MultiModalEmbeds, MultiModalFeature
+from engine.multimodal.inputs import MultiModalEmbeds, MultiModalFeature, encoder_inputs_on
 from engine.sample.sampler import SampledToken, Sampler, SamplerOutput, token_logprobs
 from engine.worker.device_queue import Pending, launch
 from engine.worker.input_batch import ImageRows, InputBatch, KeptRows, PromptRows, StepInputs, upload
@@ -143,13 +143,14 @@ class ModelRunner:
     def _encode(self, features: list[MultiModalFeature]) -> None:
         """Runs the vision encoder on each image the step encodes (once each: the scheduler
         schedules an image only when its output is not held), its floating-point inputs in
-        the model's dtype; the inputs are dropped once encoded."""
-        dtype = self.model_config.dtype
-        for feature in features:
-            data = {name: value.to(self.device, dtype if value.is_floating_point() else value.dtype)
-                    for name, value in feature.data.items()}
+        the model's dtype, together where the family batches them; the inputs are dropped
+        once encoded."""
+        if not features:
+            return
+        inputs = [encoder_inputs_on(feature.data, self.device, self.model_config.dtype) for feature in features]
+        for feature, output in zip(features, self.model.embed_images(inputs)):
             feature.data = None
-            self.encoder_outputs[feature.identifier] = self.model.embed_multimodal(data)
+            self.encoder_outputs[feature.identifier] = output
 
     def _multimodal_embeds(self, image_rows: list[ImageRows]) -> MultiModalEmbeds | None:
         """The encoder output rows the step's image tokens read, with their step rows."""

@@ -25,11 +25,16 @@ from engine.lora.manager import LoRAManager
 from engine.lora.request import LoRARequest
 from engine.lora.slots import LoRARange
 from engine.model_loader.loader import load_model
-from engine.multimodal.inputs import MultiModalEmbeds
-from engine.worker.calibration import calibration_prompts, layers_wanting_ranges, record_input_ranges
+from engine.models import multimodal_class_for
+from engine.multimodal.inputs import MultiModalEmbeds, encoder_inputs_on
+from engine.worker.calibration import (
+    calibration_images, calibration_prompts, layers_wanting_ranges, record_input_ranges,
+)
 from engine.worker.kv_cache import KVCache, plan_num_blocks
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from engine.worker.cuda_graphs import CUDAGraphRunner
 
 logger = logging.getLogger(__name__)
@@ -86,7 +91,18 @@ class Worker:
                                                   else self.model_config.path)
         scratch = KVCache(model, config.attention_backend, config.block_size,
                           cache_torch_dtype(config.kv_cache_dtype), self.device)
-        record_input_ranges(model, scratch, calibration_prompts(tokenizer, self.model_config.max_model_len))
+        record_input_ranges(model, scratch, calibration_prompts(tokenizer, self.model_config.max_model_len),
+                            self._calibration_images(tokenizer))
+
+    def _calibration_images(self, tokenizer: "PreTrainedTokenizerBase") -> list[dict[str, torch.Tensor]]:
+        """A vision-language model's encoder inputs of the calibration pictures (none for a text model)."""
+        whole = self.model_config.multimodal_config
+        if whole is None:
+            return []
+        processor = multimodal_class_for(whole.architectures).processor_class(self.model_config.path, whole,
+                                                                             tokenizer)
+        return [encoder_inputs_on(processor.process_image(image).data, self.device, self.model_config.dtype)
+                for image in calibration_images()]
 
     def _set_up_device(self) -> int:
         """Sets the CPU threads (and batch-invariant products where asked) and logs the

@@ -252,3 +252,21 @@ def test_queued_prompts_hold_their_images_compressed_until_encoded(vision_models
         assert all(f.data is None for f in features)
         outputs = llm.generate(rows, GREEDY, use_tqdm=False)
         assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in outputs)
+
+
+@pytest.mark.parametrize("family", ["llava", "llava_next"])
+def test_images_encoded_together_equal_each_alone(vision_models, family):
+    """A step's images through the tower as one batch (LLaVA's equal crops) or one by one
+    (NeXT's grids): the same rows as each image alone."""
+    import torch
+
+    with LLM(str(vision_models[family]), dtype="float32", quantization=None) as llm:
+        engine = llm.llm_engine
+        model, processor = engine.model_runner.model, engine.mm_processor
+        inputs = [processor.process_image(picture(seed, size)).data
+                  for seed, size in enumerate([(48, 40), (64, 32), (30, 50)])]
+        with torch.inference_mode():
+            together = model.embed_images(inputs)
+            alone = [model.embed_multimodal(data) for data in inputs]
+        for a, b in zip(together, alone):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
