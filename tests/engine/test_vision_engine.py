@@ -16,6 +16,7 @@ from PIL import Image
 
 from engine import LLM, SamplingParams
 from engine.sampling_params import StructuredOutputsParams
+from engine.hardware import detect_cpu
 from engine.kernels import triton as triton_kernels
 from engine.multimodal.image import image_hash
 from tests.tiny_models import build_tokenizer
@@ -270,3 +271,24 @@ def test_images_encoded_together_equal_each_alone(vision_models, family):
             alone = [model.embed_multimodal(data) for data in inputs]
         for a, b in zip(together, alone):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(not detect_cpu().int8_vnni, reason="int8 products need VNNI or AMX")
+def test_int8_at_load_quantizes_the_tower_calibrated_on_drawn_pictures(vision_models):
+    """int8 covers the vision tower and projector as the decoder, each projection smoothed by
+    the input ranges the calibration pictures reached; its image rows stay close to float32's."""
+    import torch
+
+    from engine.quantization.int8 import Int8LinearMethod
+
+    folder, image = vision_models["qwen2_vl"], picture(3)
+    rows = {}
+    for quantization in (None, "int8"):
+        with LLM(str(folder), dtype="float32", quantization=quantization) as llm:
+            model, processor = llm.llm_engine.model_runner.model, llm.llm_engine.mm_processor
+            with torch.inference_mode():
+                rows[quantization] = model.embed_multimodal(processor.process_image(image).data)
+            tower = [m for name, m in model.named_modules() if name.startswith("visual.") and hasattr(m, "prepack")]
+    assert tower and all(isinstance(m.quant_method, Int8LinearMethod) and m.smoothing is not None for m in tower)
+    cosine = torch.nn.functional.cosine_similarity(rows[None], rows["int8"], dim=-1)
+    assert cosine.min() > 0.98, cosine.min()
