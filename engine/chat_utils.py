@@ -33,6 +33,16 @@ def chat_messages_problem(messages: object) -> str | None:
     return None
 
 
+def text_only_problem(messages: list[dict[str, Any]]) -> str | None:
+    """Why a text-only model cannot take the conversation (it holds an image part), or None."""
+    for i, message in enumerate(messages):
+        for j, part in enumerate(message["content"] if isinstance(message["content"], list) else []):
+            if part["type"] in IMAGE_PARTS:
+                return (f"message {i}: content part {j} is an image ({part['type']!r}), but the model reads text "
+                        "only: drop the image, or load a vision-language model")
+    return None
+
+
 def text_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The conversation with every content as a string (text parts joined by newlines),
     for templates that render strings; other keys are kept. Assumes `chat_messages_problem`

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from engine.beam_search import BeamSearchOutput, BeamSearchParams
-from engine.chat_utils import chat_messages_problem, render_chat
+from engine.chat_utils import chat_messages_problem, render_chat, text_only_problem
 from engine.config import EngineConfig, PoolerConfig, engine_settings
 from engine.data_parallel import ReplicaPool, deal
 from engine.distributed.plan import plan_parallelism
@@ -185,8 +185,10 @@ class LLM:
             raise ValueError("chat: add_generation_prompt and continue_final_message cannot both be True: "
                              "set add_generation_prompt=False to continue the final message")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        text_only = self.image_placeholder is None
         problems = [f"conversation {i}, {problem}" for i, conversation in enumerate(conversations)
-                    if (problem := chat_messages_problem(conversation)) is not None]
+                    if (problem := chat_messages_problem(conversation)
+                        or (text_only_problem(conversation) if text_only else None)) is not None]
         if problems:
             raise ValueError(f"{len(problems)} invalid conversation(s); nothing was run:\n  " + "\n  ".join(problems))
         tokenizer = self.llm_engine.tokenizer

@@ -64,8 +64,11 @@ def read_image(value: ImageLike) -> PromptImage:
     Raises:
         ImageInputError: as `load_image`.
     """
-    source = value if isinstance(value, Image.Image) else bytes(value) if isinstance(value, (bytes, bytearray)) \
-        else _read_location(str(value)) if isinstance(value, (str, Path)) else value
+    source = value
+    if isinstance(value, (bytes, bytearray)):
+        source = bytes(value)
+    elif isinstance(value, (str, Path)):
+        source = _read_location(str(value))
     return PromptImage(load_image(source), source)
 
 

@@ -276,7 +276,8 @@ def test_chat_takes_openai_text_parts(llm):
     assert chat_prompt(llm, parts) == chat_prompt(llm, [{"role": "user", "content": "Hello\nthere"}]) == \
         "<user>Hello\nthere</s><assistant>"
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]}]
-    with pytest.raises(ValueError, match="conversation 0, message 0: content part 0 is 'image_url', not a text part"):
+    with pytest.raises(ValueError, match=r"conversation 0, message 0: content part 0 is an image \('image_url'\), "
+                                         "but the model reads text only"):
         llm.chat(image, use_tqdm=False, chat_template=TEMPLATE)
 
 
