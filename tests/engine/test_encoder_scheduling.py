@@ -9,6 +9,7 @@ import pytest
 from engine.config import EngineConfig
 from engine.core.block_manager import BlockManager
 from engine.core.encoder_cache_manager import EncoderCacheManager
+from engine.core.sched_output import ScheduledBatch
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import Sequence
 from engine.multimodal.inputs import MultiModalFeature, ProcessedPrompt
@@ -36,16 +37,20 @@ def image_seq(seq_id: int, layout: list[int | str], max_tokens: int = 2) -> Sequ
                     multi_modal=ProcessedPrompt(tokens, features))
 
 
-def step(sched: Scheduler) -> tuple[list[tuple[int, int]], list[str]]:
-    """One step: (seq id, tokens) scheduled and the images encoded; a sequence whose tokens
-    are all computed gets a token, and finishes at max_tokens."""
-    batch = sched.schedule()
+def complete(sched: Scheduler, batch: ScheduledBatch) -> None:
+    """The step ran: a sequence whose tokens are all computed gets a token, and finishes at max_tokens."""
     ready = [s for s, n in zip(batch.seqs, batch.num_new_tokens) if s.num_computed_tokens + n == s.num_tokens]
     sched.update_computed(batch)
     for seq in ready:
         seq.token_ids.append(7)
         if seq.num_output_tokens >= seq.sampling_params.max_tokens:
             sched.finish(seq)
+
+
+def step(sched: Scheduler) -> tuple[list[tuple[int, int]], list[str]]:
+    """One step run: (seq id, tokens) scheduled and the images encoded."""
+    batch = sched.schedule()
+    complete(sched, batch)
     return [(s.seq_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)], [f.identifier for f in batch.encoder_inputs]
 
 
@@ -166,10 +171,5 @@ def test_random_workloads_keep_the_runners_outputs_consistent(seed):
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             start = seq.num_computed_tokens
             assert all(f.identifier in held for f in seq.mm_features if f.offset < start + n and f.end > start)
-        ready = [s for s, n in zip(batch.seqs, batch.num_new_tokens) if s.num_computed_tokens + n == s.num_tokens]
-        sched.update_computed(batch)
-        for seq in ready:
-            seq.token_ids.append(7)
-            if seq.num_output_tokens >= seq.sampling_params.max_tokens:
-                sched.finish(seq)
+        complete(sched, batch)
     raise AssertionError("the requests did not finish")
