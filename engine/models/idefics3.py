@@ -15,7 +15,6 @@ from math import prod
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from PIL import Image
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -23,12 +22,10 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 from engine.distributed.communicator import TensorParallelGroup
 from engine.layers.linear import ShardSlice, StoredTensor
 from engine.models.llama import LlamaForCausalLM
-from engine.models.vision_language import VisionAttention, VisionLanguageModel, vision_linear
+from engine.models.vision_language import VisionEncoderLayer, VisionLanguageModel, vision_linear
 from engine.multimodal.inputs import ImageTokens, ProcessedImage
 from engine.multimodal.processing import BaseMultiModalProcessor
 
-# config.json's vision hidden_act -> F.gelu's `approximate`.
-_GELU_APPROXIMATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}
 _PATCH_KERNEL = "vision_model.embeddings.patch_embedding.weight"
 
 
@@ -140,38 +137,6 @@ class VisionEmbeddings(nn.Module):
         return torch.where(patch_mask, ids, 0).reshape(-1)
 
 
-class VisionMLP(nn.Module):
-    """Two projections around a GELU."""
-
-    def __init__(self, config: PretrainedConfig) -> None:
-        super().__init__()
-        if config.hidden_act not in _GELU_APPROXIMATIONS:
-            raise ValueError(f"vision_config.hidden_act {config.hidden_act!r} is not supported "
-                             f"(supported: {sorted(_GELU_APPROXIMATIONS)})")
-        self.approximate = _GELU_APPROXIMATIONS[config.hidden_act]
-        self.fc1 = vision_linear(config.hidden_size, config.intermediate_size)
-        self.fc2 = vision_linear(config.intermediate_size, config.hidden_size)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(hidden), approximate=self.approximate))
-
-
-class VisionEncoderLayer(nn.Module):
-    """Pre-norm attention and MLP, each added to the residual."""
-
-    def __init__(self, config: PretrainedConfig) -> None:
-        super().__init__()
-        self.layer_norm1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.self_attn = VisionAttention(config.hidden_size, config.num_attention_heads)
-        self.layer_norm2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.mlp = VisionMLP(config)
-
-    def forward(self, hidden: torch.Tensor, images: int, key_mask: torch.Tensor | None) -> torch.Tensor:
-        normed = self.layer_norm1(hidden).view(images, -1, hidden.shape[-1])
-        hidden = hidden + self.self_attn(normed, key_mask).view(hidden.shape)
-        return hidden + self.mlp(self.layer_norm2(hidden))
-
-
 class VisionEncoder(nn.Module):
     """The encoder layers, in order."""
 
@@ -179,9 +144,9 @@ class VisionEncoder(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList(VisionEncoderLayer(config) for _ in range(config.num_hidden_layers))
 
-    def forward(self, hidden: torch.Tensor, images: int, key_mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
         for layer in self.layers:
-            hidden = layer(hidden, images, key_mask)
+            hidden = layer(hidden, key_mask)
         return hidden
 
 
@@ -200,7 +165,8 @@ class VisionTransformer(nn.Module):
         hidden = self.embeddings(pixels, patch_mask)
         images = len(pixels)
         key_mask = None if bool(patch_mask.all()) else patch_mask.reshape(images, -1)
-        return self.post_layernorm(self.encoder(hidden, images, key_mask))
+        hidden = self.encoder(hidden.view(images, -1, hidden.shape[-1]), key_mask)
+        return self.post_layernorm(hidden.reshape(-1, hidden.shape[-1]))
 
 
 class ModalityProjection(nn.Module):

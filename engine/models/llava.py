@@ -12,13 +12,10 @@ an image's tokens depends on its size.
 
 import math
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from PIL import Image
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -27,20 +24,14 @@ from engine.distributed.communicator import TensorParallelGroup
 from engine.layers.linear import StoredTensor
 from engine.models.llama import LlamaForCausalLM
 from engine.models.qwen2 import Qwen2ForCausalLM
-from engine.models.vision_language import VisionAttention, VisionLanguageModel, vision_linear
+from engine.models.vision_language import (
+    VisionEncoderLayer, VisionLanguageModel, vision_activation, vision_linear,
+)
 from engine.multimodal.inputs import ImageTokens, ProcessedImage
 from engine.multimodal.processing import BaseMultiModalProcessor
 
 # Activations a CLIP tower (`hidden_act`) or a projector (`projector_hidden_act`) may name,
 # as transformers' ACT2FN computes them.
-_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "gelu": F.gelu,
-    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
-    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
-    "gelu_new": partial(F.gelu, approximate="tanh"),
-    "silu": F.silu,
-}
-
 # The decoders a LLaVA checkpoint's text_config may hold: model_type -> architecture -> family.
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 _DECODERS: dict[str, type[LlamaForCausalLM]] = {
@@ -48,17 +39,6 @@ _DECODERS: dict[str, type[LlamaForCausalLM]] = {
 }
 
 _CLIP_LAYER = re.compile(r"encoder\.layers\.(\d+)\.(.+)")
-
-
-def activation(name: str, field: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The activation config.json's `field` names.
-
-    Raises:
-        ValueError: one the engine does not compute.
-    """
-    if name not in _ACTIVATIONS:
-        raise ValueError(f"config.json {field} {name!r} is not supported (supported: {', '.join(_ACTIVATIONS)})")
-    return _ACTIVATIONS[name]
 
 
 def feature_layers(config: PretrainedConfig) -> list[int]:
@@ -107,36 +87,6 @@ class ClipVisionEmbeddings(nn.Module):
         return torch.cat([cls, embeds], dim=1) + self.position_embedding.weight
 
 
-class ClipMLP(nn.Module):
-    """Two projections with the tower's activation between them."""
-
-    def __init__(self, config: PretrainedConfig) -> None:
-        super().__init__()
-        self.fc1 = vision_linear(config.hidden_size, config.intermediate_size)
-        self.act = activation(config.hidden_act, "vision_config.hidden_act")
-        self.fc2 = vision_linear(config.intermediate_size, config.hidden_size)
-
-    def forward(self, rows: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(rows)))
-
-
-class ClipEncoderLayer(nn.Module):
-    """Pre-norm attention and MLP, each added to the residual stream."""
-
-    def __init__(self, config: PretrainedConfig) -> None:
-        super().__init__()
-        self.layer_norm1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.self_attn = VisionAttention(config.hidden_size, config.num_attention_heads)
-        self.layer_norm2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.mlp = ClipMLP(config)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.layer_norm1(hidden))
-        images, tokens, width = hidden.shape
-        rows = self.layer_norm2(hidden).reshape(images * tokens, width)
-        return hidden + self.mlp(rows).view(images, tokens, width)
-
-
 class ClipVisionTower(nn.Module):
     """CLIP's vision transformer (transformers' `CLIPVisionModel`) up to the deepest hidden
     state a LLaVA reads: the layers past it and the post-layernorm are never built."""
@@ -148,7 +98,7 @@ class ClipVisionTower(nn.Module):
                              "runs here with a CLIP vision tower ('clip_vision_model')")
         self.embeddings = ClipVisionEmbeddings(config)
         self.pre_layrnorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.layers = nn.ModuleList(ClipEncoderLayer(config) for _ in range(num_layers))
+        self.layers = nn.ModuleList(VisionEncoderLayer(config) for _ in range(num_layers))
 
     def forward(self, pixel_values: torch.Tensor, states: list[int]) -> torch.Tensor:
         """The hidden states `states` (counts of layers run) concatenated on the last
@@ -283,7 +233,7 @@ class LlavaProjector(nn.Module):
         text_width = config.get_text_config().hidden_size
         bias = getattr(config, "multimodal_projector_bias", True)
         self.linear_1 = vision_linear(vision_width, text_width, bias=bias)
-        self.act = activation(config.projector_hidden_act, "projector_hidden_act")
+        self.act = vision_activation(config.projector_hidden_act, "projector_hidden_act")
         self.linear_2 = vision_linear(text_width, text_width, bias=bias)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:

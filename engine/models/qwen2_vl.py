@@ -34,28 +34,9 @@ from engine.layers.linear import ShardSlice, StoredTensor
 from engine.layers.rotary import MRotaryEmbedding, rope_parameters
 from engine.models.llama import head_dim_of
 from engine.models.qwen2 import Qwen2ForCausalLM
-from engine.models.vision_language import VisionLanguageModel, vision_linear
+from engine.models.vision_language import VisionLanguageModel, VisionMLP, vision_activation, vision_linear
 from engine.multimodal.inputs import ImageTokens, MultiModalFeature, ProcessedImage
 from engine.multimodal.processing import BaseMultiModalProcessor
-
-
-def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.sigmoid(1.702 * x)
-
-
-# The vision config's hidden_act -> the activation.
-_ACTIVATIONS = {
-    "quick_gelu": _quick_gelu,
-    "silu": F.silu,
-    "gelu": F.gelu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-}
-
-
-def _activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    if name not in _ACTIVATIONS:
-        raise ValueError(f"vision_config.hidden_act {name!r} is not supported (supported: {', '.join(_ACTIVATIONS)})")
-    return _ACTIVATIONS[name]
 
 
 class Qwen2VLProcessor(BaseMultiModalProcessor):
@@ -187,20 +168,6 @@ def _attend_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: 
     return out.transpose(1, 2)[valid]
 
 
-class VisionMLP(nn.Module):
-    """Qwen2-VL's encoder MLP: fc2(act(fc1(x)))."""
-
-    def __init__(self, config: PretrainedConfig, dim: int) -> None:
-        super().__init__()
-        hidden = int(dim * config.mlp_ratio)
-        self.fc1 = vision_linear(dim, hidden)
-        self.fc2 = vision_linear(hidden, dim)
-        self.act = _activation(config.hidden_act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
-
-
 class GatedVisionMLP(nn.Module):
     """Qwen2.5-VL's encoder MLP: down(act(gate(x)) * up(x)), with biases."""
 
@@ -209,7 +176,7 @@ class GatedVisionMLP(nn.Module):
         self.gate_proj = vision_linear(dim, config.intermediate_size)
         self.up_proj = vision_linear(dim, config.intermediate_size)
         self.down_proj = vision_linear(config.intermediate_size, dim)
-        self.act = _activation(config.hidden_act)
+        self.act = vision_activation(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
@@ -288,7 +255,7 @@ class Qwen2VisionTransformer(nn.Module):
 
     @classmethod
     def mlp(cls, config: PretrainedConfig, dim: int) -> nn.Module:
-        return VisionMLP(config, dim)
+        return VisionMLP(dim, int(dim * config.mlp_ratio), config.hidden_act)
 
     def inverse_frequencies(self) -> torch.Tensor:
         """The 2-D rotary embedding's frequencies: head_dim / 4 of them, for the height and

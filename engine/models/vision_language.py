@@ -8,7 +8,8 @@ hidden] in the decoder's width), names its processor (`processor_class`) and map
 checkpoint's names (`language_model_prefixes`, `vision_weight_name`).
 """
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -177,3 +178,60 @@ class VisionAttention(nn.Module):
         mask = None if key_mask is None else key_mask[:, None, None, :]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(images * tokens, width)
         return self.out_proj(out).view(images, tokens, width)
+
+
+def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(1.702 * x)
+
+
+# config.json's activation names (hidden_act of a vision config, projector_hidden_act) -> the function.
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu": F.gelu,
+    "quick_gelu": _quick_gelu,
+    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
+    "gelu_new": partial(F.gelu, approximate="tanh"),
+    "silu": F.silu,
+}
+
+
+def vision_activation(name: str, field: str = "vision_config.hidden_act") -> Callable[[torch.Tensor], torch.Tensor]:
+    """The activation config.json's `field` names.
+
+    Raises:
+        ValueError: one the engine does not compute.
+    """
+    if name not in _ACTIVATIONS:
+        raise ValueError(f"config.json {field} {name!r} is not supported (supported: {', '.join(_ACTIVATIONS)})")
+    return _ACTIVATIONS[name]
+
+
+class VisionMLP(nn.Module):
+    """A vision encoder's MLP: fc2(act(fc1(x))) (CLIP's, SigLIP's, Qwen2-VL's)."""
+
+    def __init__(self, width: int, hidden: int, act: str) -> None:
+        super().__init__()
+        self.fc1 = vision_linear(width, hidden)
+        self.act = vision_activation(act)
+        self.fc2 = vision_linear(hidden, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class VisionEncoderLayer(nn.Module):
+    """A ViT encoder layer (CLIP's, SigLIP's): pre-norm attention and MLP, each added to the
+    residual stream, over hidden [images, tokens, width]."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.layer_norm1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.self_attn = VisionAttention(config.hidden_size, config.num_attention_heads)
+        self.layer_norm2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.mlp = VisionMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+
+    def forward(self, hidden: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """`key_mask` [images, tokens]: the tokens attended to (None: all)."""
+        hidden = hidden + self.self_attn(self.layer_norm1(hidden), key_mask)
+        images, tokens, width = hidden.shape
+        rows = self.layer_norm2(hidden).reshape(images * tokens, width)
+        return hidden + self.mlp(rows).view(images, tokens, width)
