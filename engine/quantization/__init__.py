@@ -171,4 +171,4 @@ def _methods(method: str, stored: CheckpointFormat | None, device: torch.device)
         return None, None, "block-wise FP8 products are not built yet; the dtype's run instead"
     if not fp8_products_available(device):
         return None, None, f"FP8 products need {AT_LOAD['fp8']}, and this is {_describe(device)}"
-    return Fp8LinearMethod(), None, None
+    return Fp8LinearMethod(device), None, None

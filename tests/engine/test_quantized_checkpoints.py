@@ -78,7 +78,7 @@ def test_gpu_products_on_the_cpu(quantized, monkeypatch):
     fmt, folder, reference, plain = quantized
     if fmt == "fp8-block":
         pytest.skip("block-wise FP8 is dequantized on a GPU too")
-    gpu_method = Fp8LinearMethod() if fmt.startswith("fp8") else Int4LinearMethod(CPU)
+    gpu_method = Fp8LinearMethod(CPU) if fmt.startswith("fp8") else Int4LinearMethod(CPU)
     monkeypatch.setattr(quantization, "_methods", lambda *_: (gpu_method, None, None))
     if fmt.startswith("fp8"):
         emulate_fp8(reference)
@@ -102,7 +102,7 @@ def test_lora_on_quantized_layers(quantized, llama_with_biases, monkeypatch, tmp
         pytest.skip("one 4-bit format and one FP8 format")
     adapter = build_lora_adapter(llama_with_biases, tmp_path / "adapter", rank=8, alpha=16,
                                  target_modules=PROJECTIONS, seed=3)
-    gpu_method = Fp8LinearMethod() if fmt.startswith("fp8") else Int4LinearMethod(CPU)
+    gpu_method = Fp8LinearMethod(CPU) if fmt.startswith("fp8") else Int4LinearMethod(CPU)
     monkeypatch.setattr(quantization, "_methods", lambda *_: (gpu_method, None, None))
     reference = copy.deepcopy(reference)
     if fmt.startswith("fp8"):

@@ -60,15 +60,13 @@ def tolerance(dtype: torch.dtype) -> dict:
     return {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-3, "rtol": 1e-2}
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("k,n,group_size", [(64, 32, 32), (256, 48, 64), (256, 48, 32)])
-@pytest.mark.parametrize("m", [1, 5, 40, 70])
-def test_matmul_matches_the_dequantized_product(m, k, n, group_size, dtype):
+def check_product(m, k, n, group_size, dtype, chunks=None):
+    """The kernel's product against x @ the dequantized weight, in float32."""
     module = w4a16()
     q, scales, zeros = quantized_case(k, n, group_size, dtype, seed=m + k + n)
     qweight, scales, zeros = (t.to(DEVICE) for t in (module.pack_w4(q), scales, zeros))
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype).to(DEVICE)
-    out = module.w4a16_matmul(x, qweight, scales, zeros, group_size)
+    out = module.w4a16_matmul(x, qweight, scales, zeros, group_size, chunks)
     assert out.dtype == dtype and out.shape == (m, n)
     expected = x.float() @ module.dequantize_w4(qweight, scales, zeros, group_size)
     torch.testing.assert_close(out.float(), expected, **tolerance(dtype))
@@ -78,17 +76,76 @@ def test_matmul_matches_the_dequantized_product(m, k, n, group_size, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_a_row_does_not_depend_on_the_rest_of_the_batch(dtype):
-    """Block sizes follow M, but a row's result is the same bits alone or in a batch of up to
-    64 rows (the K step, which orders the sum, changes only above that)."""
+@pytest.mark.parametrize("k,n,group_size", [(64, 32, 32), (256, 48, 64), (256, 48, 32)])
+@pytest.mark.parametrize("m", [1, 5, 40, 70])
+def test_matmul_matches_the_dequantized_product(m, k, n, group_size, dtype):
+    check_product(m, k, n, group_size, dtype)
+
+
+class SumLaunches:
+    """Stands in for the kernel that adds the chunks' sums, counting its launches."""
+
+    def __init__(self, kernel):
+        self.kernel, self.count = kernel, 0
+
+    def __getitem__(self, grid):
+        self.count += 1
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("chunks", [2, 3, 8])
+@pytest.mark.parametrize("m", [1, 16, 40, 70])
+def test_a_sum_cut_into_chunks_matches_the_dequantized_product(m, chunks, dtype, monkeypatch):
+    """K = 256 in 8 groups of 32, cut into 2, 3 (3, 3 and 2 groups) or 8 chunks: at decode
+    sizes a program per chunk and a launch adding their sums, above them one program in turn."""
     module = w4a16()
-    k, n, group_size = 256, 48, 128
+    launches = SumLaunches(module._sum_chunks_kernel)
+    monkeypatch.setattr(module, "_sum_chunks_kernel", launches)
+    check_product(m, 256, 48, 32, dtype, chunks)
+    assert launches.count == (m <= module.DECODE_ROWS)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("group_size,chunks", [(128, None), (32, None), (32, 3)])
+def test_a_row_does_not_depend_on_the_rest_of_the_batch(group_size, chunks, dtype):
+    """Block sizes follow M, but a row's result is the same bits alone or in a batch of up to
+    64 rows (the K step and the chunks, which order the sum, change only above that), whether
+    its chunks are summed by a program each (up to 16 rows) or by one program in turn."""
+    module = w4a16()
+    k, n = 256, 48
+    if (group_size, chunks) == (32, None):  # a shape the choice splits
+        assert module.split_chunks(n, k, group_size, DEVICE) == 2
     q, scales, zeros = quantized_case(k, n, group_size, dtype)
     qweight, scales, zeros = (t.to(DEVICE) for t in (module.pack_w4(q), scales, zeros))
     x = torch.randn(64, k, generator=torch.Generator().manual_seed(2)).to(dtype).to(DEVICE)
-    batch = module.w4a16_matmul(x, qweight, scales, zeros, group_size)
-    for rows in (1, 5, 40):
-        assert torch.equal(module.w4a16_matmul(x[:rows], qweight, scales, zeros, group_size), batch[:rows])
+    batch = module.w4a16_matmul(x, qweight, scales, zeros, group_size, chunks)
+    for rows in (1, 5, 16, 40):
+        assert torch.equal(module.w4a16_matmul(x[:rows], qweight, scales, zeros, group_size, chunks), batch[:rows])
+
+
+DECODE_SHAPES = {  # (K, N) of each projection at decode, q/k/v and gate/up fused
+    "8B q/k/v": (4096, 6144), "8B o": (4096, 4096), "8B gate/up": (4096, 28672), "8B up alone": (4096, 14336),
+    "8B down": (14336, 4096), "1B q/k/v": (2048, 3072), "1B o": (2048, 2048), "1B gate/up": (2048, 16384),
+    "1B down": (8192, 2048),
+}
+
+
+@pytest.mark.parametrize("shape", DECODE_SHAPES)
+def test_decode_shapes_get_enough_programs(shape):
+    """Llama-3.1-8B's and Llama-3.2-1B's projections at decode, in groups of 128, as on an
+    H100's 132 multiprocessors (what the interpreter takes): chunks of whole groups, enough
+    for four programs per multiprocessor unless a chunk would fall under four K steps."""
+    module = w4a16()
+    k, n = DECODE_SHAPES[shape]
+    group_size, multiprocessors = 128, 132
+    chunks = module.split_chunks(n, k, group_size, torch.device("cpu"))
+    chunk_groups = -(-(k // group_size) // chunks)
+    assert -(-(k // group_size) // chunk_groups) == chunks  # no chunk left empty
+    programs = -(-n // module.DECODE_BLOCK_N) * chunks
+    assert chunk_groups >= module.MIN_CHUNK_STEPS
+    assert programs >= module.PROGRAMS_PER_MULTIPROCESSOR * multiprocessors \
+        or k // group_size // (2 * chunks) < module.MIN_CHUNK_STEPS
 
 
 def test_bad_shapes_are_refused():
@@ -102,3 +159,5 @@ def test_bad_shapes_are_refused():
         module.w4a16_matmul(x, qweight, scales.half(), zeros, 32)
     with pytest.raises(ValueError):
         module.w4a16_matmul(torch.randn(2, 72), qweight, scales, zeros, 32)
+    with pytest.raises(ValueError):
+        module.w4a16_matmul(x, qweight, scales, zeros, 32, chunks=3)  # two groups
