@@ -5,9 +5,10 @@ The model is a 1-layer llama with hidden size 64 and a 512-token vocabulary (bui
 random weights), so that a step's compute is small and the engine's own work shows: 256
 sequences of 16 prompt tokens x 128 new tokens, greedy, EOS ignored, on the CPU. A decode
 step's wall time is taken inside `LLMEngine.step` (the median over the steps where all 256
-sequences decode); the bare compute is the same step's forward pass, logits and argmax
-with its inputs ready, timed alone. Host milliseconds per step = step - bare compute. The
-two modes run in one process, alternating, best round of each.
+sequences decode); the compute is the time spent inside those same steps' device work
+(forward pass, logits, sampling: on a CPU it runs as it is called).
+Host milliseconds per step = step - compute. The two modes run in one process,
+alternating, best round of each.
 
     .venv/bin/python benchmarks/host_overhead.py
     .venv/bin/python benchmarks/host_overhead.py --rounds 5 --seqs 128
@@ -28,7 +29,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.hardware import detect_cpu  # noqa: E402
-from engine.worker.input_batch import StepInputs  # noqa: E402
 
 PROMPT_TOKENS = 16
 VOCAB = 512
@@ -61,6 +61,8 @@ def build_model(folder: Path) -> Path:
 
 @dataclass
 class Round:
+    """Medians over a generation's full decode steps: the step, and the device work inside it."""
+
     step_ms: float
     compute_ms: float
     tokens: list[list[int]]
@@ -70,49 +72,72 @@ class Round:
         return self.step_ms - self.compute_ms
 
 
+class StepTimer:
+    """Times each `LLMEngine.step` and, inside it, the device work: the forward pass
+    (`Worker.execute_model`), the logits (`Worker.logits`) and the sampling
+    (`Sampler.sample`). On a CPU that work runs as it is called, so the time inside those
+    calls is the step's compute, measured in the step it belongs to: host = step - compute
+    cannot come out negative, as a compute time taken apart from the steps (at another
+    moment, on a machine whose load changed) could."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.engine = llm.llm_engine
+        runner = self.engine.model_runner
+        self.targets = [(self.engine, "step", self._step), (runner.workers.local, "execute_model", self._compute),
+                        (runner.workers.local, "logits", self._compute), (runner.sampler, "sample", self._compute),
+                        (runner, "launch_forward", self._launch)]
+        self.steps: list[tuple[float, float, bool]] = []  # (step s, compute s, launched a full decode step)
+        self._compute_s = 0.0
+        self._full_decode = False
+        self.num_seqs = 0
+
+    def _step(self, step):
+        def timed():
+            self._compute_s, self._full_decode = 0.0, False
+            start = time.perf_counter()
+            finished = step()
+            self.steps.append((time.perf_counter() - start, self._compute_s, self._full_decode))
+            return finished
+        return timed
+
+    def _compute(self, work):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            result = work(*args, **kwargs)
+            self._compute_s += time.perf_counter() - start
+            return result
+        return timed
+
+    def _launch(self, launch_forward):
+        def recorded(batch):
+            launched = launch_forward(batch)
+            inputs = launched.inputs
+            self._full_decode = inputs.attention.is_decode and inputs.num_tokens == self.num_seqs
+            return launched
+        return recorded
+
+    def __enter__(self) -> "StepTimer":
+        for owner, name, wrap in self.targets:
+            setattr(owner, name, wrap(getattr(owner, name)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for owner, name, _ in self.targets:
+            delattr(owner, name)
+
+
 def measure(llm: LLM, prompts: list[dict], params: SamplingParams, num_seqs: int) -> Round:
-    """One generation: the median decode step, and the bare compute of one such step."""
-    engine = llm.llm_engine
-    runner = engine.model_runner
-    step_times: list[float] = []
-    decode_inputs: list[StepInputs] = []
-    step, launch = engine.step, runner.launch_forward
-
-    def timed_step():
-        start = time.perf_counter()
-        finished = step()
-        step_times.append(time.perf_counter() - start)
-        return finished
-
-    def recorded_launch(batch):
-        launched = launch(batch)
-        decode_inputs.append(launched.inputs)
-        return launched
-
-    engine.step, runner.launch_forward = timed_step, recorded_launch
-    try:
+    """One generation: the median full decode step (the steps that launch all `num_seqs`
+    sequences' decode, less the first and last two) and the median compute inside them."""
+    with StepTimer(llm) as timer:
+        timer.num_seqs = num_seqs
         outputs = llm.generate(prompts, params, use_tqdm=False)
-    finally:
-        del engine.step, runner.launch_forward
-    full = [i for i, inputs in enumerate(decode_inputs) if inputs.attention.is_decode and inputs.num_tokens == num_seqs]
-    # The steps whose launched batch is a full decode step (async: the step that launches it).
-    steps = [step_times[i] for i in full[2:-2]]
-    return Round(statistics.median(steps) * 1e3, bare_compute(runner, decode_inputs[full[len(full) // 2]]),
-                 [o.outputs[0].token_ids for o in outputs])
-
-
-@torch.inference_mode()
-def bare_compute(runner, inputs: StepInputs, repeats: int = 50) -> float:
-    """Milliseconds of one decode step's forward pass, logits and argmax, inputs ready."""
-    rows = torch.tensor(inputs.sample_rows)
-    runner.kv_cache.backend.prepare(inputs.attention)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        hidden = runner.model(inputs.input_ids, inputs.positions, inputs.attention)
-        runner.model.compute_logits(hidden[rows]).argmax(dim=-1).tolist()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    full = [(step, compute) for step, compute, full in timer.steps if full][2:-2]
+    step_ms = statistics.median(step for step, _ in full) * 1e3
+    compute_ms = statistics.median(compute for _, compute in full) * 1e3
+    if compute_ms > step_ms:
+        sys.exit(f"the compute measured ({compute_ms:.2f} ms) exceeds the step ({step_ms:.2f} ms): not reported")
+    return Round(step_ms, compute_ms, [o.outputs[0].token_ids for o in outputs])
 
 
 def main() -> None:

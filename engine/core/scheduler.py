@@ -86,18 +86,20 @@ class Scheduler:
             seq = self.running[i]
             # A beam's next token is its group's choice, made once every beam's candidates
             # are read back: its pending token is not its next input.
-            num_tokens = seq.num_tokens + (seq.num_pending_tokens if seq.beam is None else 0)
-            if num_tokens == seq.num_computed_tokens:
+            num_tokens = len(seq.token_ids) + (seq.num_pending_tokens if seq.beam is None else 0)
+            start = seq.num_computed_tokens
+            if num_tokens == start:
                 i += 1  # a beam awaiting its group's choice, or a pooled prompt awaiting its vector
                 continue
             if seq.num_pending_tokens and num_tokens >= seq.max_num_tokens:
                 i += 1  # its pending token is its last: it finishes when that token is read back
                 continue
-            num_new, images = self._encoder_work(seq, seq.num_computed_tokens,
-                                                 min(num_tokens - seq.num_computed_tokens, plan.budget), plan)
-            if num_new == 0:
-                i += 1  # its next tokens are an image the step cannot encode
-                continue
+            num_new, images = min(num_tokens - start, plan.budget), []
+            if seq.mm_features:
+                num_new, images = self._encoder_work(seq, start, num_new, plan)
+                if num_new == 0:
+                    i += 1  # its next tokens are an image the step cannot encode
+                    continue
             while not self.block_manager.allocate(seq, num_new):
                 victim = max(self.running, key=self._rank)
                 self._preempt(victim)
@@ -108,13 +110,16 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                self._take_encoder_outputs(seq, seq.num_computed_tokens, num_new, images, plan)
+                if seq.mm_features:
+                    self._take_encoder_outputs(seq, start, num_new, images, plan)
                 plan.add(seq, num_new)
                 i += 1
 
     def _schedule_waiting(self, plan: "_StepPlan") -> None:
         """Admits waiting sequences in rank order while the budget, max_num_seqs, max_loras
         and the free blocks allow, reusing cached prefix blocks."""
+        if not self.waiting:
+            return
         adapters = {s.lora_int_id for s in self.running} - {None}
         counted: set = set()  # beam groups whose rows are counted
         num_seqs = sum(_rows_reserved(s, counted) for s in self.running)
@@ -219,10 +224,11 @@ class Scheduler:
 
     def update_computed(self, batch: ScheduledBatch) -> None:
         """Records that the step computed its tokens' keys and values."""
-        register = self.block_manager.register_full_blocks
+        register, size = self.block_manager.register_full_blocks, self.block_manager.block_size
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += num_new
-            register(seq)
+            if seq.num_computed_tokens // size > seq.num_registered_blocks:  # a block filled up
+                register(seq)
             if seq.mm_features:
                 self.encoder_cache.release_computed(seq)
 

@@ -10,7 +10,7 @@ from torch import nn
 
 from engine.config import EngineConfig, ModelConfig
 from engine.core.sched_output import ScheduledBatch
-from engine.core.sequence import Sequence
+from engine.core.sequence import Sequence, SequenceStatus
 from engine.distributed.plan import ReplicaPlan
 from engine.layers.pooler import Pooler
 from engine.lora.manager import LoRAManager
@@ -173,14 +173,14 @@ class ModelRunner:
         step's inputs; their host copy is queued behind them."""
         inputs = step.inputs
         seqs, rows = inputs.sample_seqs, inputs.sample_rows
-        if any(seq.is_finished for seq in seqs):
+        if any(seq.status is SequenceStatus.FINISHED for seq in seqs):
             live = [i for i, seq in enumerate(seqs) if not seq.is_finished]
             seqs, rows = [seqs[i] for i in live], [rows[i] for i in live]
         meta = self.sampling_metadata.build(seqs) if seqs else None
         # One pass through the language-model head: the sampling rows, then each
         # sequence's prompt rows that need logprobs.
-        logit_rows = [inputs.kept.position(row) for row in
-                      rows + [row for p in inputs.prompt_rows for row in range(p.first_row, p.first_row + p.count)]]
+        logit_rows = inputs.kept.positions(
+            rows + [row for p in inputs.prompt_rows for row in range(p.first_row, p.first_row + p.count)])
         rows_t = upload(logit_rows, torch.long, self.device)
         slots_t = upload([seq.batch_slot for seq in seqs], torch.long, self.device)
         for seq in seqs:
@@ -228,8 +228,8 @@ class ModelRunner:
     def _kept_rows(self, inputs: StepInputs) -> KeptRows:
         """The rows whose final hidden states the step reads; all of them where adapters
         run (their deltas are laid out over every row of the step)."""
-        if inputs.lora_ranges:
-            return KeptRows()
+        if inputs.lora_ranges or (len(inputs.sample_rows) == inputs.num_tokens and not inputs.pool_rows):
+            return KeptRows()  # with adapters, or when every row samples (a decode step)
         wanted = list(inputs.sample_rows)
         for p in inputs.prompt_rows:
             wanted += range(p.first_row, p.first_row + p.count)
