@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run ui instance prepare test test-quick test-cpu-kinds test-ui chromium bench bench-openvino clean
+.PHONY: run ui instance prepare test test-quick test-cpu-kinds test-ui chromium bench bench-openvino gpu-check clean
 
 # Runs and their history persist here, so that `make ui` shows what `make run` did.
 export DAGSTER_HOME := $(CURDIR)/.dagster_home
@@ -122,6 +122,13 @@ $(OV_STAMP): Makefile
 bench-openvino: $(STAMP) $(OV_STAMP)
 	$(PY) benchmarks/openvino_export.py --optimum-cli $(OV_VENV)/bin/optimum-cli
 	$(PY) benchmarks/throughput.py --openvino-python $(OV_VENV)/bin/python $(BENCH_ARGS)
+
+# The one-shot GPU check (docs/gpu.md), e.g. `make gpu-check GPU_CHECK_ARGS=--dry-run`. No venv stamp:
+# the GPU machine has no network and runs it with its own python3 where there is no .venv.
+GPU_CHECK_ARGS ?=
+
+gpu-check:
+	PYTHONPATH=. $(if $(wildcard $(PY)),$(PY),$(PYTHON)) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV)
