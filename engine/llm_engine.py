@@ -8,7 +8,6 @@ import weakref
 from dataclasses import replace
 from pathlib import Path
 
-import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from engine.attention.selector import resolve_backend_name
@@ -20,7 +19,7 @@ from engine.core.encoder_cache_manager import EncoderCacheManager
 from engine.core.sched_output import ScheduledBatch
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import Sequence, SequenceStatus
-from engine.detokenizer import IncrementalDetokenizer
+from engine.detokenizer import IncrementalDetokenizer, finish_texts
 from engine.distributed.plan import ReplicaPlan, check_tensor_parallel, plan_parallelism
 from engine.hardware import release_freed_memory
 from engine.lora.manager import LoRAManager
@@ -161,12 +160,13 @@ class LLMEngine:
         )
         seq.max_num_tokens = seq.num_prompt_tokens + params.max_output_tokens(seq.num_prompt_tokens,
                                                                                self.model_config.max_model_len)
+        eos = frozenset() if params.ignore_eos else self.model_config.eos_token_ids
+        seq.stop_token_ids = frozenset(params.stop_token_ids).union(eos)
         if params.structured_outputs is not None:
             seq.grammar = self.structured_output.grammar(params.structured_outputs)
         if params.seed is not None:
-            # Completion i of a seeded request has a generator of its own, derived from the seed.
-            seed = params.seed if index == 0 else hash((params.seed, index)) & (2**63 - 1)
-            seq.generator = torch.Generator(self.model_config.device).manual_seed(seed)
+            # Completion i of a seeded request draws from a seed of its own, derived from the request's.
+            seq.seed = params.seed if index == 0 else hash((params.seed, index)) & (2**63 - 1)
         return seq
 
     def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
@@ -218,10 +218,12 @@ class LLMEngine:
         self.stats.num_images_encoded += len(batch.encoder_inputs)
         for feature in batch.encoder_inputs:
             feature.data = self.mm_processor.encoder_inputs(feature)
-        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+        # A parent forks its completions in the step that computes its prompt's last token.
+        prefilling = [(seq, num_new) for seq, num_new in zip(batch.seqs, batch.num_new_tokens)
+                      if seq.num_computed_tokens < seq.num_prompt_tokens]
+        for seq, num_new in prefilling:
             start = seq.num_computed_tokens
-            if start < seq.num_prompt_tokens:
-                self.stats.num_prompt_tokens_computed += min(start + num_new, seq.num_prompt_tokens) - start
+            self.stats.num_prompt_tokens_computed += min(start + num_new, seq.num_prompt_tokens) - start
             if seq.num_pending_children and start + num_new == seq.num_tokens:
                 batch.forks += self._fork(seq)
         launched = self.model_runner.launch_forward(batch)
@@ -246,20 +248,25 @@ class LLMEngine:
                 seq.metrics.finished_time = time.monotonic()
                 self.scheduler.finish(seq)
                 finished.append(seq)
-        logprobs = output.logprobs
-        for i, (seq, token) in enumerate(zip(output.seqs, output.token_ids)):
-            if seq.is_finished:
+        logprobs = output.logprobs or itertools.repeat(None)
+        appended = 0
+        for seq, token, sampled in zip(output.seqs, output.token_ids, logprobs):
+            if seq.status is SequenceStatus.FINISHED:
                 continue
             if seq.beam is not None:
                 seq.num_pending_tokens = 0
-                if seq.beam.report(seq, logprobs[i]):
+                if seq.beam.report(seq, sampled):
                     finished += self._advance_beams(seq.beam)
                 continue
-            self._append_token(seq, token, logprobs[i] if logprobs is not None else None)
+            self._append_token(seq, token, sampled)
+            appended += 1
             if seq.finish_reason is not None:
                 seq.metrics.finished_time = time.monotonic()
                 self.scheduler.finish(seq)
                 finished.append(seq)
+        self.stats.num_generated_tokens += appended
+        finish_texts([(s.detokenizer, s.output_token_ids) for s in finished
+                      if s.beam is None and s.pooling is None and s.sampling_params.detokenize])
         return finished
 
     def _fork(self, parent: Sequence) -> list[tuple[Sequence, Sequence]]:
@@ -342,27 +349,28 @@ class LLMEngine:
 
     def _append_token(self, seq: Sequence, token: int, sampled: SampledToken | None) -> None:
         """Adds a sampled token (with its logprobs when the request asked) and decides
-        whether the sequence is done, and why."""
+        whether the sequence is done, and why. Only a request with stop strings reads its
+        text as it grows; the others' is decoded when they finish (`finish_texts`)."""
         seq.token_ids.append(token)
         seq.num_pending_tokens = 0
-        self.stats.num_generated_tokens += 1
         if seq.metrics.first_token_time is None:
             seq.metrics.first_token_time = time.monotonic()
         params = seq.sampling_params
         if seq.logprobs is not None:
             seq.logprobs.append(self._logprob_dict(sampled, params.detokenize))
             seq.cumulative_logprob += sampled.logprob
-        delta = seq.detokenizer.add_token(token) if params.detokenize else ""
+        delta = seq.detokenizer.add_token(token) if params.stop else ""
         if seq.grammar is not None and self._grammar_ends(seq, token):
             return
-        if len(seq.token_ids) - seq.num_prompt_tokens >= params.min_tokens:
-            if not params.ignore_eos and token in self.model_config.eos_token_ids:
+        num_tokens = len(seq.token_ids)
+        if num_tokens - seq.num_prompt_tokens >= params.min_tokens:
+            if token in seq.stop_token_ids:
                 seq.finish_reason = "stop"
-            elif token in params.stop_token_ids:
-                seq.finish_reason, seq.stop_reason = "stop", token
-            elif params.stop and (stop := _find_stop(seq.detokenizer, delta, params)):
+                if params.ignore_eos or token not in self.model_config.eos_token_ids:
+                    seq.stop_reason = token
+            elif delta and (stop := _find_stop(seq.detokenizer, delta, params)):
                 seq.finish_reason, seq.stop_reason = "stop", stop
-        if seq.finish_reason is None and len(seq.token_ids) >= seq.max_num_tokens:
+        if seq.finish_reason is None and num_tokens >= seq.max_num_tokens:
             seq.finish_reason = "length"
 
     @staticmethod
@@ -409,6 +417,8 @@ class LLMEngine:
 
     def request_output(self, seq: Sequence) -> RequestOutput:
         """The request's output: one CompletionOutput per completion, by index."""
+        if seq.sampling_params.detokenize:
+            finish_texts([(s.detokenizer, s.output_token_ids) for s in seq.group])
         completions = [
             CompletionOutput(
                 index=s.index,

@@ -80,19 +80,21 @@ class Scheduler:
 
     def _schedule_running(self, plan: "_StepPlan") -> None:
         """Gives each running sequence its next tokens, in rank order, preempting the
-        least important ones when blocks run out."""
+        least important ones when blocks run out. (The loop runs over hundreds of
+        sequences every step: what it reads repeatedly is held in locals.)"""
+        running, allocate, scheduled = self.running, self.block_manager.allocate, plan.scheduled
         i = 0
-        while i < len(self.running) and plan.budget > 0:
-            seq = self.running[i]
+        while i < len(running) and plan.budget > 0:
+            seq = running[i]
             # A beam's next token is its group's choice, made once every beam's candidates
             # are read back: its pending token is not its next input.
-            num_tokens = len(seq.token_ids) + (seq.num_pending_tokens if seq.beam is None else 0)
+            pending = seq.num_pending_tokens
+            num_tokens = len(seq.token_ids) + (pending if seq.beam is None else 0)
             start = seq.num_computed_tokens
-            if num_tokens == start:
-                i += 1  # a beam awaiting its group's choice, or a pooled prompt awaiting its vector
-                continue
-            if seq.num_pending_tokens and num_tokens >= seq.max_num_tokens:
-                i += 1  # its pending token is its last: it finishes when that token is read back
+            # Nothing to compute: a beam awaiting its group's choice, a pooled prompt awaiting
+            # its vector, or a pending token that is its last (it finishes when read back).
+            if num_tokens == start or (pending and num_tokens >= seq.max_num_tokens):
+                i += 1
                 continue
             num_new, images = min(num_tokens - start, plan.budget), []
             if seq.mm_features:
@@ -100,20 +102,32 @@ class Scheduler:
                 if num_new == 0:
                     i += 1  # its next tokens are an image the step cannot encode
                     continue
-            while not self.block_manager.allocate(seq, num_new):
-                victim = max(self.running, key=self._rank)
-                self._preempt(victim)
-                plan.preempted = True
-                if victim in plan.scheduled:
-                    plan.budget += plan.scheduled.pop(victim)
-                    i -= 1
-                if victim is seq:
-                    break
-            else:
+            if allocate(seq, num_new):
                 if seq.mm_features:
                     self._take_encoder_outputs(seq, start, num_new, images, plan)
-                plan.add(seq, num_new)
+                scheduled[seq] = num_new
+                plan.budget -= num_new
                 i += 1
+            else:
+                i = self._preempt_for(seq, num_new, images, i, plan)
+
+    def _preempt_for(self, seq: Sequence, num_new: int, images: list[MultiModalFeature], i: int,
+                     plan: "_StepPlan") -> int:
+        """Preempts the least important running sequences until `seq` (running[i]) gets its
+        blocks, or is preempted itself; returns the index of the next sequence to schedule."""
+        while not self.block_manager.allocate(seq, num_new):
+            victim = max(self.running, key=self._rank)
+            self._preempt(victim)
+            plan.preempted = True
+            if victim in plan.scheduled:
+                plan.budget += plan.scheduled.pop(victim)
+                i -= 1
+            if victim is seq:
+                return i
+        if seq.mm_features:
+            self._take_encoder_outputs(seq, seq.num_computed_tokens, num_new, images, plan)
+        plan.add(seq, num_new)
+        return i + 1
 
     def _schedule_waiting(self, plan: "_StepPlan") -> None:
         """Admits waiting sequences in rank order while the budget, max_num_seqs, max_loras

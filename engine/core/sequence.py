@@ -83,8 +83,11 @@ class Sequence:
         # most one). The scheduler counts them as present; the model runner takes them
         # from the device as input ids.
         self.num_pending_tokens = 0
-        # Prompt plus the most tokens it may generate; the engine sets it.
+        # Prompt plus the most tokens it may generate, and the tokens that end it once it has
+        # min_tokens (the model's EOS ids unless ignore_eos, and stop_token_ids); the engine
+        # sets them.
         self.max_num_tokens = 0
+        self.stop_token_ids: frozenset[int] = frozenset()
         self.num_cached_tokens = 0
         self.block_table: list[int] = []
         self.num_registered_blocks = 0
@@ -97,8 +100,9 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.metrics = RequestMetrics(arrival_time=time.monotonic())
-        # The request's own random generator when it has a seed, set by the engine.
-        self.generator: torch.Generator | None = None
+        # The seed of the completion's draws when its request has one, set by the engine
+        # (`engine.sample.sampler.seeded_uniform`).
+        self.seed: int | None = None
         # n > 1: completion `index` of its request; the parent (index 0) forks the other
         # n - 1 once its prompt is computed. `group` is shared by all of them.
         self.index = index

@@ -1,6 +1,14 @@
-"""Batched sampling: one pass over the step's logits, each row with its own settings."""
+"""Batched sampling: one pass over the step's logits, each row with its own settings.
 
-from dataclasses import dataclass
+Everything that decides the shape of the work (which rows are greedy, seeded, narrowed by
+top-k or top-p, the largest top_k) is known on the host when the step's `SamplingMetadata`
+is built, so sampling reads nothing back from the device: on a GPU it is queued behind the
+forward pass while the host goes on (asynchronous scheduling). Only the top-k/top-p head
+differs by device, behind `TopKTopP` (see `top_k_top_p_for`).
+"""
+
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -10,37 +18,71 @@ from engine.structured_output.manager import GrammarBitmask
 
 @dataclass
 class Penalties:
-    """Token history of the penalized rows: ids padded with `vocab` (out of range)."""
+    """Token history of the penalized rows, on the device: `token_ids[i]` is row `rows[i]`'s
+    prompt then its output, padded with its own first token; positions from
+    `prompt_lens[i]` to `lengths[i]` are its output (what frequency and presence count)."""
 
     rows: torch.Tensor
-    prompt_ids: torch.Tensor
-    output_ids: torch.Tensor
+    token_ids: torch.Tensor
+    prompt_lens: torch.Tensor
+    lengths: torch.Tensor
     presence: torch.Tensor
     frequency: torch.Tensor
     repetition: torch.Tensor
 
 
 @dataclass
-class SamplingMetadata:
-    """Per-row sampling settings of one step, as tensors on the logits' device.
+class TokenPairs:
+    """(row, token id) pairs on the device, with a value each where the pairs carry one."""
 
-    The per-row draw settings are None when every row is greedy. `generators[i]` is row
-    i's own seeded generator, or None to draw from the engine's. `banned` and `allowed`
-    list (row, token ids) pairs; `bias` is (rows, ids, values). `grammar` holds the
-    structured-output rows' allowed tokens.
+    rows: torch.Tensor
+    ids: torch.Tensor
+    values: torch.Tensor | None = None
+
+
+@dataclass
+class DrawRows:
+    """Sampled rows that draw alike, with their settings on the device: either all narrowed
+    (a top-k below the vocabulary or a top-p below 1) or none.
+
+    `seeded` holds a seeded row's uniform number (`seeded_uniform`) and -1 elsewhere, or is
+    None when no row is seeded; `all_seeded` says no row draws from the engine's generator.
+    `min_ps` is None when no row has min-p. Narrowed rows have `top_ks` (0: off) and
+    `top_ps`, and `max_top_k`, their largest top_k when every one has a top-k (else None:
+    some row's nucleus may reach anywhere in the vocabulary).
+    """
+
+    rows: torch.Tensor
+    temperatures: torch.Tensor
+    seeded: torch.Tensor | None = None
+    all_seeded: bool = False
+    min_ps: torch.Tensor | None = None
+    top_ks: torch.Tensor | None = None
+    top_ps: torch.Tensor | None = None
+    max_top_k: int | None = None
+
+    @property
+    def narrowed(self) -> bool:
+        return self.top_ks is not None
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-row sampling settings of one step, as tensors on the logits' device, grouped on
+    the host (`engine/worker/sampling_metadata.py` builds them).
+
+    Without `all_greedy`, `greedy_rows` (None: none) take the argmax and each of `draws`
+    draws its rows. `banned` and `allowed` are (row, token) pairs; `bias` adds its values
+    at its pairs. `grammar` holds the structured-output rows' allowed tokens.
     """
 
     all_greedy: bool
-    temperatures: torch.Tensor | None = None
-    top_ps: torch.Tensor | None = None
-    top_ks: torch.Tensor | None = None
-    min_ps: torch.Tensor | None = None
-    generators: list[torch.Generator | None] | None = None
-    any_min_p: bool = False
+    greedy_rows: torch.Tensor | None = None
+    draws: list[DrawRows] = field(default_factory=list)
     penalties: Penalties | None = None
-    banned: list[tuple[int, list[int]]] | None = None
-    allowed: list[tuple[int, list[int]]] | None = None
-    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    banned: TokenPairs | None = None
+    allowed: TokenPairs | None = None
+    bias: TokenPairs | None = None
     num_logprobs: list[int | None] | None = None
     grammar: GrammarBitmask | None = None
 
@@ -60,18 +102,106 @@ class SampledToken:
     top_logprobs: list[float] | None = None
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(z: int) -> int:
+    """SplitMix64's finalizer: a bijection of 64-bit integers that scatters every input bit."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def seeded_uniform(seed: int, index: int) -> float:
+    """The uniform number in [0, 1) that a request seeded with `seed` draws its token
+    number `index` (0 for the first generated token) with: SplitMix64's output number
+    `index` from a state made of the mixed seed, keeping 24 bits (as torch.rand in float32).
+
+    A function of the seed and the token's index alone, computed on the host: the draw
+    does not depend on the batch, on the device, or on how many draws came before it
+    (a step's token discarded, a preemption), and needs no per-row generator on the device.
+    """
+    state = (_mix64(seed & _MASK64) + (index + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    return (_mix64(state) >> 40) / (1 << 24)
+
+
+class TopKTopP(Protocol):
+    """How the narrowed rows draw: from softmax over each row's top-k set and, within it,
+    its top-p nucleus (top_k 0 and top_p 1 are off), with the tokens tied with the last
+    kept one kept too, as vLLM does for top-k. Both kinds keep the same set of tokens for
+    the same logits (`kept`); a row's kept set is found from its sorted values, prefix sums
+    along them and a per-row softmax (`_nucleus_cut`), never from a sum across the row."""
+
+    def kept(self, logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
+             max_top_k: int | None) -> torch.Tensor:
+        """[rows, vocab] True where a row keeps the token."""
+
+    def draw(self, logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, max_top_k: int | None,
+             uniform: torch.Tensor) -> torch.Tensor:
+        """A token per row by inverse CDF in token id order over the kept tokens."""
+
+
+class GrowingWindow:
+    """Sorts only each row's head, in a window grown until it holds every row's cut: its
+    sizes are read back from the device, which costs nothing where the device computes as
+    the work is launched (a CPU), and every row's result is the same bits whatever else is
+    in the batch."""
+
+    def kept(self, logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
+             max_top_k: int | None) -> torch.Tensor:
+        head = top_k_top_p_head(logits, top_ks, top_ps)
+        return torch.zeros_like(logits, dtype=torch.bool).scatter_(1, head.ids, head.keep)
+
+    def draw(self, logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, max_top_k: int | None,
+             uniform: torch.Tensor) -> torch.Tensor:
+        return top_k_top_p_head(logits, top_ks, top_ps).draw(uniform)
+
+
+class FixedWindow:
+    """Reads nothing back: the window is fixed on the host, the largest top_k when every
+    row has a top-k, else the whole row (a full sort, as vLLM's sampler does: a top-p
+    nucleus can reach anywhere, and a fixed number of bisection steps over the threshold
+    would sum the mass in another order than the sorted prefix sums, so its kept set could
+    differ at the boundary). The cut found in the window then masks the whole row, which
+    keeps every tie of it, and the draw is the whole-vocabulary one."""
+
+    def kept(self, logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
+             max_top_k: int | None) -> torch.Tensor:
+        vocab = logits.shape[1]
+        window = vocab if max_top_k is None else min(max_top_k, vocab)
+        if window < vocab:  # every row has a top-k: the totals are their top-k sets'
+            values, totals = logits.topk(window, dim=-1).values, torch.ones(len(logits), device=logits.device)
+        else:
+            values, totals = logits.sort(dim=-1, descending=True).values, _row_totals(logits.softmax(dim=-1))
+        return logits >= _nucleus_cut(values, top_ks, top_ps, totals, vocab)
+
+    def draw(self, logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, max_top_k: int | None,
+             uniform: torch.Tensor) -> torch.Tensor:
+        kept = self.kept(logits, top_ks, top_ps, max_top_k)
+        return _inverse_cdf(logits.masked_fill(~kept, float("-inf")), uniform)
+
+
+def top_k_top_p_for(device: torch.device) -> TopKTopP:
+    """The top-k/top-p head for `device`: a CPU computes as the work is launched, so
+    reading sizes back costs it nothing (`GrowingWindow`, which sorts the least); any other
+    device queues the work, and a read-back would stall the host (`FixedWindow`)."""
+    return GrowingWindow() if device.type == "cpu" else FixedWindow()
+
+
 class Sampler:
     """Processors, penalties, temperature, min-p, top-k and top-p for a whole batch.
 
     Log-probabilities are those of the model's raw logits, as vLLM reports them (with
     the tokens a structured output's grammar forbids at -inf, as in vLLM). A
-    token is drawn by inverse CDF from one uniform number; seeded rows take it from
-    their own generator, advanced once per generated token, so their choices do not
-    depend on the rest of the batch.
+    token is drawn by inverse CDF from one uniform number; a seeded row's is
+    `seeded_uniform(seed, index of the token)`, so its choices do not depend on the rest of
+    the batch; the others' come from the engine's generator.
     """
 
-    def __init__(self, generator: torch.Generator) -> None:
+    def __init__(self, generator: torch.Generator, top_k_top_p: TopKTopP | None = None) -> None:
+        """`top_k_top_p`: by default the one for the generator's device."""
         self.generator = generator
+        self.top_k_top_p = top_k_top_p or top_k_top_p_for(generator.device)
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> list[SampledToken]:
         """One token per row from logits [rows, vocab], read back to the host."""
@@ -79,7 +209,7 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> "SamplerOutput":
         """One token per row from logits [rows, vocab] in the model's dtype, left on the
-        logits' device (so that a GPU step needs no host round trip)."""
+        logits' device; nothing is read back (so that a GPU step needs no host round trip)."""
         raw = logits.float()
         if meta.grammar is not None:
             raw = raw.clone() if raw is logits else raw
@@ -90,27 +220,23 @@ class Sampler:
             # Logprobs are of the raw logits, and the caller's tensor stays as it was: work
             # in place only on the float32 copy that the upcast made.
             processed = self.process(raw.clone() if wants_logprobs or raw is logits else raw, meta)
-        if meta.all_greedy:
-            tokens = processed.argmax(dim=-1)
-        else:
-            tokens = self._sample(processed, meta)
+        tokens = processed.argmax(dim=-1) if meta.all_greedy else self._sample(processed, meta)
         return SamplerOutput(tokens, token_logprobs(raw, tokens, meta.num_logprobs) if wants_logprobs else None)
 
     @staticmethod
     def process(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """Logits processors and penalties, in vLLM's order, in place on float32 logits."""
-        device = logits.device
-        if meta.allowed:
-            rows = torch.tensor([row for row, _ in meta.allowed], device=device)
-            keep = torch.zeros(len(meta.allowed), logits.shape[1], dtype=torch.bool, device=device)
-            keep[_flat_rows(meta.allowed, device), _flat_ids(meta.allowed, device)] = True
-            logits[rows] = logits[rows].masked_fill(~keep, float("-inf"))
-        if meta.banned:
-            rows = torch.tensor([row for row, ids in meta.banned for _ in ids], device=device)
-            logits[rows, _flat_ids(meta.banned, device)] = float("-inf")
+        if meta.allowed is not None:
+            # A row's allowed values are kept aside while the whole row goes to -inf (a
+            # row with several allowed ids is filled several times, alike).
+            pairs = meta.allowed
+            kept = logits[pairs.rows, pairs.ids]
+            logits.index_fill_(0, pairs.rows, float("-inf"))
+            logits[pairs.rows, pairs.ids] = kept
+        if meta.banned is not None:
+            logits[meta.banned.rows, meta.banned.ids] = float("-inf")
         if meta.bias is not None:
-            rows, ids, values = meta.bias
-            logits.index_put_((rows, ids), values, accumulate=True)
+            logits.index_put_((meta.bias.rows, meta.bias.ids), meta.bias.values, accumulate=True)
         if meta.penalties is not None:
             apply_penalties(logits, meta.penalties)
         return logits
@@ -118,43 +244,33 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """A token per row: the argmax for greedy rows, else a draw by inverse CDF.
 
-        Each sampled row takes one uniform number per token: from its own generator when
-        seeded, else from the engine's. Temperature and min-p shape the row first; rows
-        with top-k or top-p then draw inside their sorted head, the others over the whole
-        vocabulary. Every step of the draw depends on the row alone, bit for bit.
+        Each sampled row takes one uniform number per token. Temperature and min-p shape
+        the row first; narrowed rows then draw inside their top-k set and top-p nucleus,
+        the others over the whole vocabulary. Every step of the draw depends on the row
+        alone, bit for bit, on a CPU.
         """
         tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
-        greedy = meta.temperatures == 0
-        if greedy.any():
-            tokens[greedy] = logits[greedy].argmax(dim=-1)
-        sampled = (~greedy).nonzero().squeeze(1)
-        if not len(sampled):
-            return tokens
-        uniform = self._uniforms([meta.generators[i] for i in sampled.tolist()], logits.device)
-        top_ks, top_ps = meta.top_ks[sampled], meta.top_ps[sampled]
-        narrowed = ((top_ks > 0) & (top_ks < logits.shape[1])) | (top_ps < 1)
-        for group in (narrowed, ~narrowed):
-            if not group.any():
-                continue
-            rows = sampled[group]
-            scaled = logits[rows].div_(meta.temperatures[rows].unsqueeze(1))
-            if meta.any_min_p:
-                _apply_min_p(scaled, meta.min_ps[rows])
-            if group is narrowed:
-                tokens[rows] = top_k_top_p_head(scaled, top_ks[group], top_ps[group]).draw(uniform[group])
+        if meta.greedy_rows is not None:
+            tokens.index_copy_(0, meta.greedy_rows, logits.index_select(0, meta.greedy_rows).argmax(dim=-1))
+        for group in meta.draws:
+            scaled = logits.index_select(0, group.rows).div_(group.temperatures.unsqueeze(1))
+            if group.min_ps is not None:
+                _apply_min_p(scaled, group.min_ps)
+            uniform = self._uniforms(group, logits.device)
+            if group.narrowed:
+                drawn = self.top_k_top_p.draw(scaled, group.top_ks, group.top_ps, group.max_top_k, uniform)
             else:
-                tokens[rows] = _inverse_cdf(scaled, uniform[group])
+                drawn = _inverse_cdf(scaled, uniform)
+            tokens.index_copy_(0, group.rows, drawn)
         return tokens
 
-    def _uniforms(self, generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
-        uniform = torch.empty(len(generators), device=device)
-        shared = [i for i, g in enumerate(generators) if g is None]
-        if shared:
-            uniform[shared] = torch.rand(len(shared), generator=self.generator, device=device)
-        for i, gen in enumerate(generators):
-            if gen is not None:
-                uniform[i] = torch.rand((), generator=gen, device=device)
-        return uniform
+    def _uniforms(self, group: DrawRows, device: torch.device) -> torch.Tensor:
+        """The group's uniform numbers: the seeded rows' own, the others' from the engine's
+        generator (one draw for the group)."""
+        if group.all_seeded:
+            return group.seeded
+        shared = torch.rand(len(group.rows), generator=self.generator, device=device)
+        return shared if group.seeded is None else torch.where(group.seeded >= 0, group.seeded, shared)
 
 
 @dataclass
@@ -221,44 +337,33 @@ def apply_penalties(logits: torch.Tensor, p: Penalties) -> None:
     """vLLM's penalties on rows `p.rows`: repetition over prompt and output tokens,
     frequency and presence over output tokens only.
 
-    Only the (row, token) pairs that occur are touched: a few hundred per row, instead
-    of passes over the whole vocabulary.
+    Only the (row, token) pairs that occur are touched: a few hundred per row, instead of
+    passes over the whole vocabulary. Each row's ids are sorted, so that the occurrences of
+    a token sit together: its output count is a difference of prefix sums, and every
+    occurrence writes the same new value (the padding repeats a token of the row).
     """
-    vocab = logits.shape[1]
-    width = vocab + 1  # the padding id is `vocab`
-    local = torch.arange(len(p.rows), device=logits.device).unsqueeze(1)
-    prompt_keys = (local * width + p.prompt_ids).flatten()
-    output_keys = (local * width + p.output_ids).flatten()
-    keys = torch.cat([prompt_keys, output_keys]).unique()
-    keys = keys[keys % width != vocab]
-    counts = torch.zeros(len(keys), device=logits.device)
-    output_keys = output_keys[output_keys % width != vocab]
-    counts.index_add_(0, torch.searchsorted(keys, output_keys), torch.ones(len(output_keys), device=logits.device))
-    which, token = keys // width, keys % width
-    row = p.rows[which]
-    values = logits[row, token]
-    repetition = p.repetition[which]
+    positions = torch.arange(p.token_ids.shape[1], device=logits.device)
+    generated = (positions >= p.prompt_lens.unsqueeze(1)) & (positions < p.lengths.unsqueeze(1))
+    ids, order = p.token_ids.sort(dim=1)
+    generated = generated.gather(1, order).long()
+    through = generated.cumsum(dim=1)
+    first = torch.searchsorted(ids, ids)
+    last = torch.searchsorted(ids, ids, right=True) - 1
+    counts = (through.gather(1, last) - (through - generated).gather(1, first)).float()
+    rows = p.rows.unsqueeze(1).expand_as(ids)
+    values = logits[rows, ids]
+    repetition = p.repetition.unsqueeze(1)
     values = torch.where(values > 0, values / repetition, values * repetition)
-    values = values - p.frequency[which] * counts - p.presence[which] * (counts > 0)
-    logits[row, token] = values
+    values = values - p.frequency.unsqueeze(1) * counts - p.presence.unsqueeze(1) * (counts > 0)
+    logits[rows, ids] = values
 
 
 def _apply_min_p(logits: torch.Tensor, min_ps: torch.Tensor) -> None:
-    """Sets to -inf, in place, tokens less likely than min_p times the row's most likely."""
-    rows = (min_ps > 0).nonzero().squeeze(1)
-    if len(rows):
-        probs = logits[rows].softmax(dim=-1)
-        floor = min_ps[rows].unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
-        logits[rows] = logits[rows].masked_fill(probs < floor, float("-inf"))
-
-
-def _flat_rows(pairs: list[tuple[int, list[int]]], device: torch.device) -> torch.Tensor:
-    """For (row, ids) pairs: the pair's position once per id."""
-    return torch.tensor([k for k, (_, ids) in enumerate(pairs) for _ in ids], device=device)
-
-
-def _flat_ids(pairs: list[tuple[int, list[int]]], device: torch.device) -> torch.Tensor:
-    return torch.tensor([i for _, ids in pairs for i in ids], device=device)
+    """Sets to -inf, in place, tokens less likely than min_p times the row's most likely
+    (a row with min_p 0 keeps every token)."""
+    probs = logits.softmax(dim=-1)
+    floor = min_ps.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+    logits.masked_fill_(probs < floor, float("-inf"))
 
 
 # The whole-vocabulary draw first picks a block of this many tokens, then a token in it.
@@ -322,28 +427,21 @@ class SortedHead:
 
 def top_k_top_p_head(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> SortedHead:
     """Each row's sorted head with its top-k set and, within it, its top-p nucleus marked
-    (top_k 0 and top_p 1 are off). A token stays in the nucleus while the tokens more
-    likely than it hold less than top_p of the (top-k) probability mass. Tokens tied with
-    the last one kept are kept too, as vLLM does for top-k.
+    (see `TopKTopP`), for `GrowingWindow`.
 
-    Each row's kept set is the same whatever else is in the batch: it comes from that row's
-    sorted values (which do not depend on how far the window reaches), prefix sums (which
-    run sequentially along a row) and softmax (computed per row), never from sums over a
-    row, which PyTorch splits differently depending on the batch's shape. Only the head is
-    sorted, in a window that grows until it holds every row's cut.
+    Each row's kept set is the same whatever else is in the batch: the row's sorted values
+    do not depend on how far the window reaches, nor do its prefix sums, which run along
+    the row (`_nucleus_cut`). Only the head is sorted, in a window that grows until it
+    holds every row's cut.
     """
     vocab = logits.shape[1]
-    top_ks = torch.where(top_ks > 0, top_ks.clamp(max=vocab), vocab)
-    has_top_k = top_ks < vocab
-    use_top_p = top_ps < 1
-    # Total weight exp(logit - max) of each row's distribution: its whole row (softmax's
-    # largest probability is exactly one over it) or, below, its top-k set.
+    has_top_k = (top_ks > 0) & (top_ks < vocab)
+    whole = (top_ps < 1) & ~has_top_k
     totals = torch.ones(len(logits), device=logits.device)
-    whole = use_top_p & ~has_top_k
     window = max(16, int(top_ks[has_top_k].max()) + 1 if has_top_k.any() else 0)
     if whole.any():
         probs = logits[whole].softmax(dim=-1)
-        totals[whole] = probs.max(dim=-1).values.reciprocal()
+        totals[whole] = _row_totals(probs)
         # Tokens above probability tau form a prefix of the sorted row; once they hold
         # top_p of the mass, the nucleus lies within them: a first guess at the window.
         for tau in (1e-3, 1e-5):
@@ -354,15 +452,36 @@ def top_k_top_p_head(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.T
     while True:
         window = min(window, vocab)
         values, ids = logits.topk(window, dim=-1)
-        weights = (values - values[:, :1]).exp()
-        mass = weights.cumsum(dim=-1)
-        k_last = (top_ks.clamp(max=window) - 1).unsqueeze(1)
-        totals = torch.where(has_top_k, mass.gather(1, k_last).squeeze(1), totals)
-        ranks = torch.arange(window, device=logits.device)
-        in_nucleus = (mass - weights) < (top_ps * totals).unsqueeze(1)
-        prefix = (ranks < top_ks.unsqueeze(1)) & (~use_top_p.unsqueeze(1) | in_nucleus)
-        cut = values.gather(1, (prefix.sum(dim=-1, keepdim=True) - 1))
-        keep = values >= cut
+        keep = values >= _nucleus_cut(values, top_ks, top_ps, totals, vocab)
         if window == vocab or bool((~keep[:, -1]).all()):
             return SortedHead(values, ids, keep)
         window *= 4
+
+
+def _row_totals(probs: torch.Tensor) -> torch.Tensor:
+    """Each row's total weight exp(logit - max) from its softmax, whose largest probability
+    is exactly one over it."""
+    return probs.max(dim=-1).values.reciprocal()
+
+
+def _nucleus_cut(values: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, totals: torch.Tensor,
+                 vocab: int) -> torch.Tensor:
+    """Each row's cut [rows, 1]: the smallest value it keeps, from `values`, the head of
+    the row sorted in descending order and reaching past its top-k set and its nucleus.
+
+    A token stays in the nucleus while the tokens more likely than it hold less than top_p
+    of the probability mass: of the top-k set where the row has a top-k, else `totals`
+    (`_row_totals`). The masses are prefix sums along the sorted row, so a row's cut does
+    not depend on the window's width nor on the other rows (sums across a row would: PyTorch
+    splits them differently depending on the batch's shape).
+    """
+    window = values.shape[1]
+    top_ks = torch.where(top_ks > 0, top_ks.clamp(max=vocab), vocab)
+    weights = (values - values[:, :1]).exp()
+    mass = weights.cumsum(dim=-1)
+    k_last = (top_ks.clamp(max=window) - 1).unsqueeze(1)
+    totals = torch.where(top_ks < vocab, mass.gather(1, k_last).squeeze(1), totals)
+    ranks = torch.arange(window, device=values.device)
+    in_nucleus = (mass - weights) < (top_ps * totals).unsqueeze(1)
+    prefix = (ranks < top_ks.unsqueeze(1)) & ((top_ps >= 1).unsqueeze(1) | in_nucleus)
+    return values.gather(1, prefix.sum(dim=-1, keepdim=True) - 1)

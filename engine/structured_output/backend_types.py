@@ -41,5 +41,6 @@ class StructuredOutputBackend(Protocol):
     def fill_bitmask(self, grammars: list[StructuredOutputGrammar], bitmask: torch.Tensor, rows: list[int]) -> None:
         """Fills `bitmask` at `rows` with what each grammar allows next."""
 
-    def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-        """Sets the logits the bitmask forbids to -inf, in place."""
+    def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | torch.Tensor) -> None:
+        """Sets the logits the bitmask forbids to -inf at `rows` (a list on a CPU, a tensor on
+        the logits' device elsewhere), in place, without reading the device back."""

@@ -75,10 +75,11 @@ class XgrammarBackend:
         self.batch_matcher.batch_fill_next_token_bitmask([g.matcher for g in grammars], bitmask, indices=rows)
 
     @staticmethod
-    def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-        """Sets to -inf, in place, the logits of tokens that `bitmask` forbids in `rows`."""
-        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
-                                        vocab_size=logits.shape[1], indices=rows)
+    def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | torch.Tensor) -> None:
+        """Sets to -inf, in place, the logits of tokens that `bitmask` (on the logits'
+        device) forbids in `rows`: xgrammar's CPU kernel takes a list, its GPU one a tensor
+        on the device (from a list it would copy one there, waiting for the device)."""
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1], indices=rows)
 
 
 def choice_grammar(choices: list[str]) -> str:

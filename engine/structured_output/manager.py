@@ -15,11 +15,13 @@ from engine.structured_output.params import StructuredOutputsParams
 @dataclass
 class GrammarBitmask:
     """The step's constraints: `bitmask` [sampled rows, ceil(vocab / 32)] (int32, on the
-    host), filled only at `rows`, the rows whose completion has a grammar."""
+    logits' device), filled only at `rows`, the rows whose completion has a grammar, as
+    the device's kernel takes them: a host list on a CPU, a tensor on the device elsewhere
+    (a list would be copied there when the mask is applied, waiting for the device)."""
 
     backend: StructuredOutputBackend
     bitmask: torch.Tensor
-    rows: list[int]
+    rows: list[int] | torch.Tensor
 
     def apply(self, logits: torch.Tensor) -> None:
         """Sets the forbidden tokens' logits to -inf, in place."""
@@ -60,13 +62,18 @@ class StructuredOutputManager:
         return self.backend.matcher(params)
 
 
-def grammar_bitmask(grammars: list[StructuredOutputGrammar | None]) -> GrammarBitmask | None:
+def grammar_bitmask(grammars: list[StructuredOutputGrammar | None],
+                    device: torch.device = torch.device("cpu")) -> GrammarBitmask | None:
     """The bitmask of a step whose sampled rows have these grammars (None: unconstrained),
-    or None when no row is constrained."""
+    on `device`, or None when no row is constrained. Filled on the host; to a GPU it goes
+    through pinned memory without waiting for the work queued there."""
     rows = [row for row, grammar in enumerate(grammars) if grammar is not None]
     if not rows:
         return None
     backend = grammars[rows[0]].backend
     bitmask = backend.allocate_bitmask(len(grammars))
     backend.fill_bitmask([grammars[row] for row in rows], bitmask, rows)
-    return GrammarBitmask(backend, bitmask, rows)
+    if device.type == "cpu":
+        return GrammarBitmask(backend, bitmask, rows)
+    indices = torch.tensor(rows, dtype=torch.int32).pin_memory().to(device, non_blocking=True)
+    return GrammarBitmask(backend, bitmask.pin_memory().to(device, non_blocking=True), indices)

@@ -1,10 +1,14 @@
 """Unit tests of the batched sampler (`engine/sample/sampler.py`) against independent references.
 
-No model is loaded: every test builds `SamplingMetadata` by hand from per-row `SamplingParams`
-and checks the sampler against transformers' logits warpers, float64 re-computations of vLLM's
-penalty formulas, float64 log-softmax, or a chi-square goodness-of-fit test.
+No model is loaded: every test builds `SamplingMetadata` with the engine's builder from
+sequences made here, and checks the sampler against transformers' logits warpers, float64
+re-computations of vLLM's penalty formulas, float64 log-softmax, or a chi-square
+goodness-of-fit test. The top-k/top-p tests run both kinds of head (`GrowingWindow`, a CPU's,
+and `FixedWindow`, the sync-free one); test_sampler_sync.py checks that sampling reads
+nothing back from the device.
 """
 
+import dataclasses
 
 import numpy as np
 import pytest
@@ -12,83 +16,71 @@ import torch
 from transformers import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 import engine.sample.sampler as sampler_module
+from engine.core.sequence import Sequence
+from engine.llm_engine import _processes_logits
 from engine.sample.sampler import (
-    Penalties,
+    FixedWindow,
+    GrowingWindow,
     Sampler,
     SamplingMetadata,
+    TokenPairs,
+    TopKTopP,
     apply_penalties,
+    seeded_uniform,
     top_k_top_p_head,
 )
 from engine.sampling_params import SamplingParams
+from engine.worker.sampling_metadata import SamplingMetadataBuilder
 
 # --------------------------------------------------------------------------- helpers
 
 
-def filter_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+TOP_K_TOP_P_KINDS = pytest.mark.parametrize("kind", [GrowingWindow(), FixedWindow()], ids=["growing", "fixed"])
+
+
+def filter_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
+                       kind: TopKTopP = GrowingWindow()) -> torch.Tensor:
     """The sampler's top-k/top-p filter as full-vocabulary logits (-inf outside the kept
     set); rows with neither filter are not routed to it, so they stay as they are."""
     out = logits.clone()
     routed = (top_ks > 0) | (top_ps < 1)
     if routed.any():
-        head = top_k_top_p_head(logits[routed], top_ks[routed], top_ps[routed])
-        kept = head.values.masked_fill(~head.keep, float("-inf"))
-        out[routed] = torch.full_like(logits[routed], float("-inf")).scatter(1, head.ids, kept)
+        ks = top_ks[routed]
+        max_top_k = int(ks.max()) if bool((ks > 0).all()) else None  # as the metadata's builder sets it
+        kept = kind.kept(logits[routed], ks, top_ps[routed], max_top_k)
+        out[routed] = logits[routed].masked_fill(~kept, float("-inf"))
     return out
+
+
+def make_sequence(row: int, params: SamplingParams, prompt: list[int], output: list[int],
+                  bad_words: list[list[int]] | None = None) -> Sequence:
+    """A sequence as the engine makes it: with its request's seed and its logits'
+    processors flagged."""
+    seq = Sequence(row, str(row), None, prompt, params, None)
+    seq.token_ids += output
+    seq.seed = params.seed
+    seq.bad_words_ids = bad_words or []
+    seq.processes_logits = _processes_logits(seq)
+    return seq
 
 
 def build_meta(
     params: list[SamplingParams],
     *,
     vocab: int,
-    generators: list[torch.Generator | None] | None = None,
     banned: dict[int, list[int]] | None = None,
     history: dict[int, tuple[list[int], list[int]]] | None = None,
 ) -> SamplingMetadata:
-    """Per-row settings -> SamplingMetadata, as the engine would build them.
+    """Per-row settings -> SamplingMetadata, through the engine's builder.
 
-    `history[row] = (prompt_ids, output_ids)` for the rows that need penalties; the id
-    lists are padded with `vocab` (out of range), like the engine does.
+    `history[row] = (prompt_ids, output_ids)` (none by default); a seeded row draws its
+    token number len(output_ids). `banned[row]` are tokens the row may not take (as
+    one-token bad words).
     """
-    n = len(params)
-    allowed = [(i, list(p.allowed_token_ids)) for i, p in enumerate(params) if p.allowed_token_ids]
-    bias_rows, bias_ids, bias_values = [], [], []
-    for i, p in enumerate(params):
-        for token, value in (p.logit_bias or {}).items():
-            bias_rows.append(i)
-            bias_ids.append(token)
-            bias_values.append(value)
-    penalized = [i for i, p in enumerate(params) if p.needs_penalties]
-    penalties = None
-    if penalized:
-        history = history or {}
-
-        def padded(lists: list[list[int]]) -> torch.Tensor:
-            width = max(1, max(len(x) for x in lists))
-            return torch.tensor([x + [vocab] * (width - len(x)) for x in lists], dtype=torch.long)
-
-        penalties = Penalties(
-            rows=torch.tensor(penalized),
-            prompt_ids=padded([history.get(i, ([], []))[0] for i in penalized]),
-            output_ids=padded([history.get(i, ([], []))[1] for i in penalized]),
-            presence=torch.tensor([params[i].presence_penalty for i in penalized], dtype=torch.float32),
-            frequency=torch.tensor([params[i].frequency_penalty for i in penalized], dtype=torch.float32),
-            repetition=torch.tensor([params[i].repetition_penalty for i in penalized], dtype=torch.float32),
-        )
-    return SamplingMetadata(
-        temperatures=torch.tensor([p.temperature for p in params], dtype=torch.float32),
-        top_ps=torch.tensor([p.top_p for p in params], dtype=torch.float32),
-        top_ks=torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.long),
-        min_ps=torch.tensor([p.min_p for p in params], dtype=torch.float32),
-        generators=list(generators) if generators is not None else [None] * n,
-        all_greedy=all(p.temperature == 0 for p in params),
-        any_min_p=any(p.min_p > 0 for p in params),
-        penalties=penalties,
-        banned=[(row, ids) for row, ids in (banned or {}).items()] or None,
-        allowed=allowed or None,
-        bias=(torch.tensor(bias_rows), torch.tensor(bias_ids), torch.tensor(bias_values, dtype=torch.float32))
-        if bias_rows else None,
-        num_logprobs=[p.logprobs for p in params],
-    )
+    history, banned = history or {}, banned or {}
+    seqs = [make_sequence(row, p, *history.get(row, ([], [])), [[t] for t in banned.get(row, [])])
+            for row, p in enumerate(params)]
+    return SamplingMetadataBuilder(vocab, set(), torch.device("cpu")).build(seqs)
 
 
 def random_logits(rows: int, vocab: int, seed: int, scale: float = 1.0, distinct: bool = True) -> torch.Tensor:
@@ -151,8 +143,9 @@ TOP_K_TOP_P_ROWS = [  # (top_k, top_p); 0 / 1.0 = off
 ]
 
 
+@TOP_K_TOP_P_KINDS
 @pytest.mark.parametrize("scale", [1.0, 4.0], ids=["scale1", "scale4"])
-def test_top_k_top_p_masks_match_transformers(scale):
+def test_top_k_top_p_masks_match_transformers(scale, kind):
     vocab = 500
     logits = random_logits(len(TOP_K_TOP_P_ROWS), vocab, seed=0, scale=scale)
     top_ks = torch.tensor([k for k, _ in TOP_K_TOP_P_ROWS])
@@ -161,7 +154,7 @@ def test_top_k_top_p_masks_match_transformers(scale):
         if p < 1:  # the random draw must not sit on a float32 rounding boundary
             assert top_p_margin(logits[i], k, p) > 1e-5, f"row {i} too close to the top-p boundary"
 
-    out = filter_top_k_top_p(logits.clone(), top_ks, top_ps)
+    out = filter_top_k_top_p(logits.clone(), top_ks, top_ps, kind)
 
     mismatches = []
     for i, (k, p) in enumerate(TOP_K_TOP_P_ROWS):
@@ -180,36 +173,38 @@ def test_top_k_top_p_masks_match_transformers(scale):
     assert torch.isinf(out[2]).sum() == vocab - 5 and torch.isinf(out[1]).sum() == vocab - 1
 
 
-def test_top_k_only_and_top_p_only_match_transformers():
+@TOP_K_TOP_P_KINDS
+def test_top_k_only_and_top_p_only_match_transformers(kind):
     vocab = 500
     logits = random_logits(6, vocab, seed=1, scale=2.0)
     ks = [0, 1, 3, 100, 500, 7]
-    out = filter_top_k_top_p(logits.clone(), torch.tensor(ks), torch.ones(6))
+    out = filter_top_k_top_p(logits.clone(), torch.tensor(ks), torch.ones(6), kind)
     for i, k in enumerate(ks):
         assert torch.equal(torch.isinf(out[i]), torch.isinf(hf_top_k_top_p(logits[i], k, 1.0))), f"row {i} k={k}"
     ps = [0.1, 0.5, 0.75, 0.9, 0.99, 0.6]
     for i, p in enumerate(ps):
         assert top_p_margin(logits[i], 0, p) > 1e-5
-    out = filter_top_k_top_p(logits.clone(), torch.zeros(6, dtype=torch.long), torch.tensor(ps))
+    out = filter_top_k_top_p(logits.clone(), torch.zeros(6, dtype=torch.long), torch.tensor(ps), kind)
     for i, p in enumerate(ps):
         ref = hf_top_k_top_p(logits[i], 0, p)
         assert torch.equal(torch.isinf(out[i]), torch.isinf(ref)), f"row {i} top_p={p}"
     assert (~torch.isinf(out[0])).sum() < (~torch.isinf(out[4])).sum()
 
 
-def test_top_p_off_row_is_not_filtered_by_other_rows_top_p():
+@TOP_K_TOP_P_KINDS
+def test_top_p_off_row_is_not_filtered_by_other_rows_top_p(kind):
     """A row with top_p = 1 (off) must keep its whole vocabulary whether or not another
     row of the batch uses top-p (vLLM / transformers never drop a token at top_p = 1)."""
     vocab = 32000
     logits = random_logits(2, vocab, seed=2, scale=3.0, distinct=False)
     top_ks = torch.zeros(2, dtype=torch.long)
     # alone: top_p = 1 filters nothing
-    alone = filter_top_k_top_p(logits[1:].clone(), top_ks[1:], torch.ones(1))
+    alone = filter_top_k_top_p(logits[1:].clone(), top_ks[1:], torch.ones(1), kind)
     assert torch.equal(alone[0], logits[1])
     hf = TopPLogitsWarper(top_p=1.0)(None, logits[1:].clone())
     assert not torch.isinf(hf).any()
     # next to a top_p=0.5 row: that row is filtered, this one still is not
-    batch = filter_top_k_top_p(logits.clone(), top_ks, torch.tensor([0.5, 1.0]))
+    batch = filter_top_k_top_p(logits.clone(), top_ks, torch.tensor([0.5, 1.0]), kind)
     assert torch.isinf(batch[0]).any()
     dropped = torch.isinf(batch[1])
     mass = logits[1].double().softmax(-1)[dropped].sum().item()
@@ -235,10 +230,9 @@ def test_min_p_mask_matches_transformers_on_temperature_scaled_logits(monkeypatc
         (1.2, 0.0),
     ]
     logits = random_logits(len(rows), vocab, seed=3, scale=2.0)
-    params = [SamplingParams(temperature=t, min_p=m) for t, m in rows]
-    meta = build_meta(params, vocab=vocab)
     # top_k = vocab - 1 routes every row through the filter, whose input we observe.
-    meta.top_ks = torch.full_like(meta.top_ks, vocab - 1)
+    params = [SamplingParams(temperature=t, min_p=m, top_k=vocab - 1) for t, m in rows]
+    meta = build_meta(params, vocab=vocab)
 
     seen = []
 
@@ -316,7 +310,7 @@ def test_apply_penalties_matches_vllm_formulas():
     meta = build_meta(PENALTY_PARAMS, vocab=PENALTY_VOCAB, history=PENALTY_HISTORY)
     p = meta.penalties
     assert p.rows.tolist() == [0, 2, 3, 4]
-    assert (p.prompt_ids == PENALTY_VOCAB).any() and (p.output_ids == PENALTY_VOCAB).any()  # padding present
+    assert (p.lengths < p.token_ids.shape[1]).any()  # padding present
 
     out = logits.clone()
     assert apply_penalties(out, p) is None  # in place
@@ -388,7 +382,7 @@ def test_logit_bias_accumulates_repeated_entries():
     """Two bias entries for the same (row, token) add up (index_put_ with accumulate)."""
     logits = random_logits(2, 10, seed=6)
     meta = build_meta([SamplingParams(), SamplingParams()], vocab=10)
-    meta.bias = (torch.tensor([1, 1, 0]), torch.tensor([4, 4, 4]), torch.tensor([1.5, 2.0, -3.0]))
+    meta.bias = TokenPairs(torch.tensor([1, 1, 0]), torch.tensor([4, 4, 4]), torch.tensor([1.5, 2.0, -3.0]))
     out = Sampler.process(logits.clone(), meta)
     assert out[1, 4].item() == pytest.approx(logits[1, 4].item() + 3.5, abs=1e-6)
     assert out[0, 4].item() == pytest.approx(logits[0, 4].item() - 3.0, abs=1e-6)
@@ -515,10 +509,13 @@ def stat_logits() -> torch.Tensor:
     return random_logits(1, STAT_VOCAB, seed=11, scale=1.0)[0]
 
 
-def draw(row: torch.Tensor, params: SamplingParams, seed: int) -> np.ndarray:
+def draw(row: torch.Tensor, params: SamplingParams | list[SamplingParams], seed: int,
+         kind: TopKTopP = GrowingWindow()) -> np.ndarray:
+    """Counts of each token in STAT_N draws from `row` (with these settings for every row,
+    or one each)."""
     logits = row.unsqueeze(0).expand(STAT_N, -1).contiguous()
-    meta = build_meta([params] * STAT_N, vocab=STAT_VOCAB)
-    tokens = [t.token_id for t in Sampler(torch.Generator().manual_seed(seed))(logits, meta)]
+    meta = build_meta(params if isinstance(params, list) else [params] * STAT_N, vocab=STAT_VOCAB)
+    tokens = [t.token_id for t in Sampler(torch.Generator().manual_seed(seed), kind)(logits, meta)]
     return np.bincount(tokens, minlength=STAT_VOCAB)
 
 
@@ -554,7 +551,8 @@ def test_whole_vocabulary_draw_spans_blocks():
     assert chi2_statistic(counts, expected) < CHI2_CRITICAL_DF19
 
 
-def test_top_p_samples_stay_in_the_nucleus():
+@TOP_K_TOP_P_KINDS
+def test_top_p_samples_stay_in_the_nucleus(kind):
     row = stat_logits()
     probs = (row.double() / STAT_T).softmax(-1)
     top_p = 0.8
@@ -567,7 +565,7 @@ def test_top_p_samples_stay_in_the_nucleus():
     outside[nucleus.numpy()] = False
     assert 2 <= len(nucleus) < STAT_VOCAB - 2
 
-    counts = draw(row, SamplingParams(temperature=STAT_T, top_p=top_p), seed=99)
+    counts = draw(row, SamplingParams(temperature=STAT_T, top_p=top_p), seed=99, kind=kind)
     assert counts[outside].sum() == 0, f"tokens outside the nucleus drawn: {np.nonzero(counts * outside)}"
     renorm = probs[nucleus] / probs[nucleus].sum()
     assert STAT_N * renorm.min().item() >= 5
@@ -575,38 +573,143 @@ def test_top_p_samples_stay_in_the_nucleus():
     assert stat < chi2_critical(len(nucleus) - 1)
 
 
-# --------------------------------------------------------------------------- 7. per-request generators
+def test_seeded_draws_follow_softmax_over_temperature():
+    """Rows with seeds 0, 1, 2, ... (each at its first token) draw like the engine's
+    generator does: the frequencies follow softmax(logits / T)."""
+    row = stat_logits()
+    probs = (row.double() / STAT_T).softmax(-1).numpy()
+    counts = draw(row, [SamplingParams(temperature=STAT_T, seed=i) for i in range(STAT_N)], seed=0)
+    assert counts.sum() == STAT_N
+    assert chi2_statistic(counts, probs) < CHI2_CRITICAL_DF19
 
 
-def seeded_sequence(position: int, others: list[tuple[SamplingParams, int | None]], seed: int,
-                    engine_seed: int, steps: int = 30) -> list[int]:
-    """Tokens drawn for the seeded row at `position` among `others` (params, own seed or None)."""
+# --------------------------------------------------------------------------- 7. top-k/top-p kinds
+
+
+@pytest.mark.parametrize("scale", [0.5, 3.0, 12.0], ids=["flat", "peaked", "spiky"])
+def test_both_top_k_top_p_kinds_keep_the_same_tokens(scale):
+    """`FixedWindow` (sync-free, for a GPU) keeps exactly the tokens `GrowingWindow` (a
+    CPU's) keeps, ties with the cut included: in batches where every row has a top-k (a
+    window of the largest) and where some row has top-p alone (the whole row sorted)."""
+    vocab = 5000
+    logits = torch.randn(12, vocab, generator=torch.Generator().manual_seed(30)) * scale
+    logits[::2] = (logits[::2] * 2).round() / 2  # many ties
+    with_top_p_alone = ([0, 5, 50, 0, 2000, 0, 1, 40, 0, 300, 0, vocab],
+                        [0.9, 1.0, 0.95, 0.5, 1.0, 0.999, 1.0, 0.3, 0.99, 0.8, 0.7, 0.6])
+    all_top_k = ([3, 5, 50, 700, 2000, 17, 1, 40, 9, 300, 64, 100],
+                 [0.9, 1.0, 0.95, 0.5, 1.0, 0.999, 1.0, 0.3, 0.99, 0.8, 0.7, 1.0])
+    for ks, ps in (with_top_p_alone, all_top_k):
+        top_ks, top_ps = torch.tensor(ks), torch.tensor(ps)
+        max_top_k = max(ks) if all(ks) else None
+        growing = GrowingWindow().kept(logits, top_ks, top_ps, max_top_k)
+        fixed = FixedWindow().kept(logits, top_ks, top_ps, max_top_k)
+        assert torch.equal(fixed, growing)
+        kept = growing.sum(dim=-1)
+        assert (kept < vocab).all() and (kept > 0).all()
+        for i, k in enumerate(ks):
+            if 0 < k < vocab:
+                assert kept[i] >= k or ps[i] < 1  # ties with the k-th keep more than k
+
+
+@TOP_K_TOP_P_KINDS
+def test_narrowed_rows_draw_only_kept_tokens(kind):
+    logits = random_logits(6, 3000, seed=31, scale=3.0, distinct=False)
+    params = [SamplingParams(top_k=5), SamplingParams(top_p=0.6), SamplingParams(top_k=300, top_p=0.9),
+              SamplingParams(top_k=1, temperature=1.0), SamplingParams(top_p=0.99, temperature=1.5),
+              SamplingParams(top_k=40, min_p=0.2)]
+    meta = build_meta(params, vocab=3000)
+    group = meta.draws[0]
+    assert group.rows.tolist() == [0, 1, 2, 4, 5] and meta.greedy_rows.tolist() == [3]
+    sampler = Sampler(torch.Generator().manual_seed(0), kind)
+    scaled = logits[group.rows] / group.temperatures.unsqueeze(1)
+    kept = kind.kept(scaled, group.top_ks, group.top_ps, group.max_top_k)
+    for _ in range(20):
+        tokens = torch.tensor([t.token_id for t in sampler(logits, meta)])
+        assert kept.gather(1, tokens[group.rows].unsqueeze(1)).all()
+        assert tokens[3] == logits[3].argmax()
+
+
+# --------------------------------------------------------------------------- 8. seeded rows
+
+
+def seeded_tokens(position: int, others: list[SamplingParams], target: SamplingParams, engine_seed: int,
+                  kind: TopKTopP = GrowingWindow(), steps: int = 30) -> list[int]:
+    """Tokens drawn step after step for the row with settings `target` at `position` among
+    `others`; each row's output grows by its token every step, as in the engine."""
     vocab = 50
-    target = random_logits(1, vocab, seed=12)[0]
-    rows = list(others)
-    rows.insert(position, (SamplingParams(temperature=1.0, seed=seed), seed))
-    gens = [torch.Generator().manual_seed(s) if s is not None else None for _, s in rows]
-    other_logits = random_logits(max(len(rows), 2), vocab, seed=13)
-    logits = torch.stack([target if i == position else other_logits[i] for i in range(len(rows))])
-    meta = build_meta([p for p, _ in rows], vocab=vocab, generators=gens)
-    sampler = Sampler(torch.Generator().manual_seed(engine_seed))
-    return [sampler(logits, meta)[position].token_id for _ in range(steps)]
+    params = list(others)
+    params.insert(position, target)
+    own = random_logits(1, vocab, seed=12)[0]
+    other_logits = random_logits(max(len(params), 2), vocab, seed=13)
+    logits = torch.stack([own if i == position else other_logits[i] for i in range(len(params))])
+    seqs = [make_sequence(row, p, [1, 2, 3], []) for row, p in enumerate(params)]
+    sampler = Sampler(torch.Generator().manual_seed(engine_seed), kind)
+    drawn = []
+    for _ in range(steps):
+        tokens = [t.token_id for t in sampler(logits, SamplingMetadataBuilder(vocab, set(), CPU).build(seqs))]
+        for seq, token in zip(seqs, tokens):
+            seq.token_ids.append(token)
+        drawn.append(tokens[position])
+    return drawn
 
 
-def test_seeded_row_is_independent_of_the_batch():
-    alone = seeded_sequence(0, [], seed=7, engine_seed=0)
-    batch_a = seeded_sequence(2, [(SamplingParams(temperature=1.0), None),
-                                  (SamplingParams(temperature=0.9, seed=99), 99),
-                                  (SamplingParams(temperature=1.3, top_k=5), None)], seed=7, engine_seed=1)
-    batch_b = seeded_sequence(0, [(SamplingParams(temperature=0), None),
-                                  (SamplingParams(temperature=1.0, min_p=0.1), None)], seed=7, engine_seed=2)
-    batch_c = seeded_sequence(1, [(SamplingParams(temperature=1.0, seed=7), 7)], seed=7, engine_seed=3)
+CPU = torch.device("cpu")
+
+
+@TOP_K_TOP_P_KINDS
+@pytest.mark.parametrize("target", [SamplingParams(temperature=1.0, seed=7),
+                                    SamplingParams(temperature=1.2, top_k=20, top_p=0.9, seed=7)],
+                         ids=["whole_vocabulary", "narrowed"])
+def test_seeded_row_is_independent_of_the_batch(target, kind):
+    alone = seeded_tokens(0, [], target, engine_seed=0, kind=kind)
+    batch_a = seeded_tokens(2, [SamplingParams(temperature=1.0), SamplingParams(temperature=0.9, seed=99),
+                                SamplingParams(temperature=1.3, top_k=5)], target, engine_seed=1, kind=kind)
+    batch_b = seeded_tokens(0, [SamplingParams(temperature=0), SamplingParams(temperature=1.0, min_p=0.1)],
+                            target, engine_seed=2, kind=kind)
+    batch_c = seeded_tokens(1, [SamplingParams(temperature=1.0, seed=7)], target, engine_seed=3, kind=kind)
     assert len(set(alone)) > 5  # a real random sequence, not a constant
     assert batch_a == alone
     assert batch_b == alone
     assert batch_c == alone
-    assert seeded_sequence(0, [], seed=8, engine_seed=0) != alone
-    assert seeded_sequence(1, [(SamplingParams(temperature=1.0), None)], seed=8, engine_seed=4) != alone
+    other_seed = dataclasses.replace(target, seed=8)
+    assert seeded_tokens(0, [], other_seed, engine_seed=0, kind=kind) != alone
+    assert seeded_tokens(1, [SamplingParams(temperature=1.0)], other_seed, engine_seed=4, kind=kind) != alone
+
+
+def test_a_seeded_row_draws_by_its_seed_and_the_count_of_its_tokens():
+    """Token number i of a row seeded with s draws with seeded_uniform(s, i), whatever its
+    tokens are and whatever came before (so a preempted row, recomputed, draws on)."""
+    params = SamplingParams(temperature=1.0, seed=5)
+    seqs = [make_sequence(0, params, [1, 2], []), make_sequence(1, params, [9], [4, 4, 4]),
+            make_sequence(2, SamplingParams(temperature=1.0), [1], [3]),
+            make_sequence(3, SamplingParams(temperature=1.0, seed=6), [7, 7, 7, 7], [1, 2, 3])]
+    [group] = SamplingMetadataBuilder(50, set(), CPU).build(seqs).draws
+    assert group.seeded.tolist() == pytest.approx([seeded_uniform(5, 0), seeded_uniform(5, 3), -1.0,
+                                                   seeded_uniform(6, 3)], abs=0)
+    assert not group.all_seeded
+    [group] = SamplingMetadataBuilder(50, set(), CPU).build([seqs[0], seqs[3]]).draws
+    assert group.all_seeded
+    [group] = SamplingMetadataBuilder(50, set(), CPU).build([seqs[2]]).draws
+    assert group.seeded is None
+
+
+def test_seeded_uniform_numbers_are_uniform_and_distinct():
+    """24-bit numbers in [0, 1), a function of (seed, index) only, spread evenly over 20 bins
+    along consecutive indices and along consecutive seeds (users seed 0, 1, 2, ...); big,
+    negative and derived seeds work."""
+    assert seeded_uniform(3, 10) == seeded_uniform(3, 10)
+    along_index = np.array([seeded_uniform(42, i) for i in range(STAT_N)])
+    along_seed = np.array([seeded_uniform(s, 0) for s in range(STAT_N)])
+    for numbers in (along_index, along_seed):
+        assert numbers.min() >= 0 and numbers.max() < 1
+        assert np.all(numbers * 2**24 == np.floor(numbers * 2**24))
+        assert len(set(numbers.tolist())) > STAT_N * 0.99
+        counts = np.bincount((numbers * 20).astype(int), minlength=20)
+        assert chi2_statistic(counts, np.full(20, 1 / 20)) < CHI2_CRITICAL_DF19
+    assert abs(np.corrcoef(along_index[:-1], along_index[1:])[0, 1]) < 0.03
+    for seed in (2**64 - 1, -(2**63), 2**70 + 3, hash((5, 2)) & (2**63 - 1)):
+        assert 0 <= seeded_uniform(seed, 1) < 1
+    assert seeded_uniform(1, 0) != seeded_uniform(2, 0) and seeded_uniform(1, 0) != seeded_uniform(1, 1)
 
 
 def test_unseeded_rows_follow_the_engine_generator():
