@@ -67,6 +67,9 @@ class _FakeTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return " ".join(map(str, ids))
 
+    def decode_batch(self, sequences: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
+        return [self.decode(ids) for ids in sequences]
+
 
 class FakeModelRunner:
     """Stands in for `ModelRunner`: checks each step against the scheduler's limits,
