@@ -141,16 +141,33 @@ def shot(page, name: str) -> None:
     page.screenshot(path=str(ARTIFACTS / f"{name}.png"))
 
 
+def choose_partition(page, dialog, partition: str) -> None:
+    """Types a partition into the Launchpad's selector until its tag shows. The selector takes Enter
+    only once its list of partitions has loaded, which a loaded machine can delay past the typing."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    chosen = dialog.get_by_text(f"partition: {partition}")
+    for attempt in range(3):
+        box = dialog.get_by_placeholder("Partition")
+        box.click()
+        box.fill(partition)
+        page.get_by_text(partition, exact=True).last.wait_for()  # the list offers it
+        page.keyboard.press("Enter")
+        try:
+            chosen.wait_for(timeout=15_000)
+            return
+        except PlaywrightTimeout:
+            shot(page, f"partition-not-chosen-{attempt}")
+    chosen.wait_for()
+
+
 def open_launchpad(page, ui: DagsterUI, partition: str, temperature: float) -> None:
     """The asset page's Materialize menu -> Open launchpad, a partition and a typed override."""
     page.goto(f"{ui.url}/assets/ticket_summaries", wait_until="networkidle")
     page.locator("button:right-of(:text('Materialize…'))").first.click()
     page.get_by_text("Open launchpad").click()
     dialog = page.get_by_role("dialog")
-    dialog.get_by_placeholder("Partition").click()
-    page.keyboard.type(partition)
-    page.keyboard.press("Enter")
-    dialog.get_by_text(f"partition: {partition}").wait_for()
+    choose_partition(page, dialog, partition)
     page.locator(".CodeMirror").first.click()
     page.keyboard.press("Control+A")
     page.keyboard.insert_text(OVERRIDE.format(temperature=temperature))
