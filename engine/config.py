@@ -127,6 +127,19 @@ class EngineConfig:
                                                                 "{'image': n} (default "
                                                                 f"{DEFAULT_IMAGES_PER_PROMPT}); a vision-language "
                                                                 "model's rows with more are errors.")
+    reasoning_parser: str | None = _setting("auto", "How to find the reasoning section of a reasoning model's "
+                                                    "completions (vLLM's reasoning_parser): 'qwen3', 'deepseek_r1' or "
+                                                    "'mistral'; None: no parsing; 'auto': the one the tokenizer "
+                                                    "implies (its <think> and </think> tokens and a chat template "
+                                                    "that closes the section), else none. The reasoning goes to "
+                                                    "CompletionOutput.reasoning, the answer to text, and a structured "
+                                                    "output's grammar starts after the reasoning.")
+    tool_call_parser: str | None = _setting("auto", "How to find tool calls in completions (vLLM's "
+                                                    "tool_call_parser): 'hermes', 'llama3_json', 'mistral', "
+                                                    "'pythonic', ...; None: no parsing; 'auto': the one the "
+                                                    "tokenizer's call markers imply (<tool_call>: hermes, "
+                                                    "[TOOL_CALLS]: mistral, <|python_tag|>: llama3_json), else none. "
+                                                    "Calls go to CompletionOutput.tool_calls.")
     attention_backend: str = _setting("auto", "'auto' (Triton kernels on a GPU; on a CPU the compiled "
                                               "paged-attention kernel where it builds, else PyTorch's products), "
                                               "'triton' (a GPU, or Triton's interpreter under TRITON_INTERPRET=1), "
@@ -183,8 +196,20 @@ class EngineConfig:
         if limit is not None and (not isinstance(limit, dict) or set(limit) - {"image"}
                                   or any(not isinstance(n, int) or n < 0 for n in limit.values())):
             problems.append(f"limit_mm_per_prompt must be None or {{'image': n}} with n >= 0, got {limit!r}")
+        problems += self._parser_problems()
         if problems:
             raise ValueError("Invalid engine settings: " + "; ".join(problems))
+
+    def _parser_problems(self) -> list[str]:
+        from engine.reasoning import REASONING_FORMATS
+        from engine.tool_parsers import TOOL_CALL_PARSERS
+
+        problems = []
+        for name, known in (("reasoning_parser", REASONING_FORMATS), ("tool_call_parser", TOOL_CALL_PARSERS)):
+            value = getattr(self, name)
+            if value not in (None, "auto", *known):
+                problems.append(f"{name} must be 'auto', None or one of {sorted(known)}, got {value!r}")
+        return problems
 
     @property
     def max_images_per_prompt(self) -> int:

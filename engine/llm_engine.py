@@ -34,9 +34,11 @@ from engine.outputs import (
     EngineStats, Logprob, PoolingRequestOutput, RequestOutput, UnfinishedOutput,
 )
 from engine.pooling_params import PoolingParams
+from engine.reasoning import Phase, ReasoningParser, detect_reasoning_parser, reasoning_parser
 from engine.sample.sampler import SampledToken
 from engine.sampling_params import SamplingParams
 from engine.structured_output.manager import StructuredOutputManager
+from engine.tool_parsers import ToolParser, detect_tool_parser, tool_parser
 from engine.worker.model_runner import LaunchedStep, ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -73,6 +75,8 @@ class LLMEngine:
         self.config = config
         self.structured_output = StructuredOutputManager(
             self.tokenizer, model_config.hf_config.vocab_size, sorted(model_config.eos_token_ids))
+        self.reasoning_parser = _reasoning_parser(config.reasoning_parser, self.tokenizer)
+        self.tool_parser = _tool_parser(config.tool_call_parser, self.tokenizer)
         self.model_runner = ModelRunner(config, model_config, replica)
         self.block_manager = BlockManager(
             self.model_runner.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching
@@ -129,6 +133,8 @@ class LLMEngine:
         `pooling`, a prompt to embed or classify, which is only prefilled."""
         seq = self._new_sequence(request_id, prompt, prompt_token_ids, sampling_params, priority, index=0,
                                  lora_request=lora_request, multi_modal=multi_modal)
+        if pooling is not None or beam_search is not None:
+            seq.reasoning = None
         if pooling is not None:
             seq.pooling = pooling
             seq.max_num_tokens = seq.num_prompt_tokens
@@ -164,6 +170,9 @@ class LLMEngine:
         seq.stop_token_ids = frozenset(params.stop_token_ids).union(eos)
         if params.structured_outputs is not None:
             seq.grammar = self.structured_output.grammar(params.structured_outputs)
+        if self.reasoning_parser is not None:
+            seq.reasoning = self.reasoning_parser.tracker(prompt_token_ids)
+            seq.grammar = seq.reasoning.first_grammar(seq.grammar)
         if params.seed is not None:
             # Completion i of a seeded request draws from a seed of its own, derived from the request's.
             seq.seed = params.seed if index == 0 else hash((params.seed, index)) & (2**63 - 1)
@@ -349,8 +358,10 @@ class LLMEngine:
 
     def _append_token(self, seq: Sequence, token: int, sampled: SampledToken | None) -> None:
         """Adds a sampled token (with its logprobs when the request asked) and decides
-        whether the sequence is done, and why. Only a request with stop strings reads its
-        text as it grows; the others' is decoded when they finish (`finish_texts`)."""
+        whether the sequence is done, and why. Only a request with stop strings (or whose
+        reasoning markers are found by text) reads its text as it grows; the others' is
+        decoded when they finish (`finish_texts`). A token of the reasoning section is not
+        the grammar's."""
         seq.token_ids.append(token)
         seq.num_pending_tokens = 0
         if seq.metrics.first_token_time is None:
@@ -359,8 +370,13 @@ class LLMEngine:
         if seq.logprobs is not None:
             seq.logprobs.append(self._logprob_dict(sampled, params.detokenize))
             seq.cumulative_logprob += sampled.logprob
-        delta = seq.detokenizer.add_token(token) if params.stop else ""
-        if seq.grammar is not None and self._grammar_ends(seq, token):
+        reasoning = seq.reasoning
+        delta = seq.detokenizer.add_token(token) if params.stop or (reasoning and reasoning.needs_text) else ""
+        reasons = False
+        if reasoning is not None and reasoning.phase is not Phase.ANSWER:
+            reasons = reasoning.advance(token, seq.num_output_tokens, seq.detokenizer.text)
+            seq.grammar = reasoning.next_grammar(seq.grammar)
+        if seq.grammar is not None and not reasons and self._grammar_ends(seq, token):
             return
         num_tokens = len(seq.token_ids)
         if num_tokens - seq.num_prompt_tokens >= params.min_tokens:
@@ -368,7 +384,7 @@ class LLMEngine:
                 seq.finish_reason = "stop"
                 if params.ignore_eos or token not in self.model_config.eos_token_ids:
                     seq.stop_reason = token
-            elif delta and (stop := _find_stop(seq.detokenizer, delta, params)):
+            elif params.stop and (stop := _find_stop(seq.detokenizer, delta, params)):
                 seq.finish_reason, seq.stop_reason = "stop", stop
         if seq.finish_reason is None and num_tokens >= seq.max_num_tokens:
             seq.finish_reason = "length"
@@ -419,19 +435,7 @@ class LLMEngine:
         """The request's output: one CompletionOutput per completion, by index."""
         if seq.sampling_params.detokenize:
             finish_texts([(s.detokenizer, s.output_token_ids) for s in seq.group])
-        completions = [
-            CompletionOutput(
-                index=s.index,
-                text=s.detokenizer.text,
-                token_ids=s.output_token_ids,
-                cumulative_logprob=s.cumulative_logprob,
-                logprobs=s.logprobs,
-                finish_reason=s.finish_reason,
-                stop_reason=s.stop_reason,
-                lora_request=s.lora_request,
-            )
-            for s in sorted(seq.group, key=lambda s: s.index)
-        ]
+        completions = [self._completion_output(s) for s in sorted(seq.group, key=lambda s: s.index)]
         return RequestOutput(
             request_id=seq.request_id,
             prompt=seq.prompt,
@@ -443,6 +447,27 @@ class LLMEngine:
             metrics=seq.metrics,
             lora_request=seq.lora_request,
         )
+
+    def _completion_output(self, seq: Sequence) -> CompletionOutput:
+        """One completion, its reasoning and tool calls apart from its text where the
+        engine parses them."""
+        output = CompletionOutput(index=seq.index, text=seq.detokenizer.text, token_ids=seq.output_token_ids,
+                                  cumulative_logprob=seq.cumulative_logprob, logprobs=seq.logprobs,
+                                  finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+                                  lora_request=seq.lora_request)
+        if not seq.sampling_params.detokenize:
+            return output
+        answer_ids = output.token_ids
+        if seq.reasoning is not None:
+            split = self.reasoning_parser.split(seq.reasoning, output.text, output.token_ids,
+                                                seq.sampling_params.skip_special_tokens)
+            output.text, output.reasoning = split.text, split.reasoning
+            output.num_reasoning_tokens, output.reasoning_ended = split.num_reasoning_tokens, split.ended
+            answer_ids = output.token_ids[split.num_reasoning_tokens:]
+        if self.tool_parser is not None and output.reasoning_ended is not False:
+            parsed = self.tool_parser.parse(output.text, answer_ids)
+            output.text, output.tool_calls, output.tool_call_error = parsed.content, parsed.tool_calls, parsed.error
+        return output
 
     def release(self) -> None:
         self.abort_all()
@@ -472,6 +497,30 @@ def _free_dropped_engine(attributes: dict) -> None:
     attributes.clear()
     gc.collect()  # parts held in reference cycles (a no-op when this runs inside a collection)
     release_freed_memory()
+
+
+def _reasoning_parser(name: str | None, tokenizer: PreTrainedTokenizerBase) -> ReasoningParser | None:
+    """The `reasoning_parser` setting's parser; with 'auto', the one the tokenizer implies
+    (logged), or none."""
+    if name == "auto":
+        found = detect_reasoning_parser(tokenizer)
+        if found is None:
+            return None
+        name, why = found
+        logger.info("reasoning_parser=%r: %s (reasoning_parser=None turns it off)", name, why)
+    return reasoning_parser(name, tokenizer) if name is not None else None
+
+
+def _tool_parser(name: str | None, tokenizer: PreTrainedTokenizerBase) -> ToolParser | None:
+    """The `tool_call_parser` setting's parser; with 'auto', the one the tokenizer's call
+    markers imply (logged), or none."""
+    if name == "auto":
+        name = detect_tool_parser(tokenizer)
+        if name is None:
+            return None
+        logger.info("tool_call_parser=%r: implied by the tokenizer's tool-call tokens (tool_call_parser=None turns "
+                    "it off)", name)
+    return tool_parser(name, tokenizer) if name is not None else None
 
 
 def _processes_logits(seq: Sequence) -> bool:

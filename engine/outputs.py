@@ -16,6 +16,24 @@ class Logprob:
 
 
 @dataclass
+class FunctionCall:
+    """The function a tool call names and its arguments, a JSON object's text (OpenAI's shape)."""
+
+    name: str
+    arguments: str
+
+
+@dataclass
+class ToolCall:
+    """One call of a tool in a completion, as OpenAI's `tool_calls` entries:
+    {"id": "call_...", "type": "function", "function": {"name": ..., "arguments": "{...}"}}."""
+
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
+@dataclass
 class CompletionOutput:
     """One completion of a prompt.
 
@@ -23,6 +41,15 @@ class CompletionOutput:
     (`max_tokens` or the model's context reached); `stop_reason` names the stop string
     or stop token id that fired, and is None for EOS and for "length". `lora_request` is
     the adapter it ran with (None: the base model).
+
+    With a reasoning parser (the engine's `reasoning_parser`), `reasoning` holds the
+    model's reasoning section (vLLM's `reasoning_content`; None: the completion has none)
+    and `text` the answer after it; `num_reasoning_tokens` counts the reasoning's tokens,
+    its markers included, and `reasoning_ended` says whether the section was closed (False:
+    the completion stopped while reasoning, and `text` is empty). With a tool-call parser
+    (`tool_call_parser`), the calls found in the answer are in `tool_calls` (None: none)
+    and `text` keeps what the model wrote besides them; a call that does not parse leaves
+    the text as it was and says why in `tool_call_error`.
     """
 
     index: int
@@ -33,6 +60,11 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     lora_request: LoRARequest | None = None
+    reasoning: str | None = None
+    num_reasoning_tokens: int = 0
+    reasoning_ended: bool | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_error: str | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from engine.beam_search import BeamSearchOutput, BeamSearchParams
     from engine.multimodal.inputs import MultiModalFeature, ProcessedPrompt
     from engine.pooling_params import PoolingParams
+    from engine.reasoning import ReasoningTracker
     from engine.sample.sampler import SampledToken
     from engine.structured_output.backend_types import StructuredOutputGrammar
 
@@ -123,6 +124,8 @@ class Sequence:
         self.processes_logits = False
         # Where the completion stands in its structured-output grammar, set by the engine.
         self.grammar: "StructuredOutputGrammar | None" = None
+        # Where it stands in its reasoning section, with a reasoning parser (set by the engine).
+        self.reasoning: "ReasoningTracker | None" = None
         self.logprobs: list[dict] | None = [] if sampling_params.logprobs is not None else None
         self.cumulative_logprob: float | None = 0.0 if sampling_params.logprobs is not None else None
         self.prompt_logprobs: list[dict | None] | None = (

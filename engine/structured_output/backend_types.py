@@ -17,6 +17,9 @@ class StructuredOutputGrammar(Protocol):
     """One completion's matcher: the tokens its constraint still allows."""
 
     backend: "StructuredOutputBackend"
+    # A token allowed besides the grammar's (None: none): a reasoning model's opening
+    # marker while its first token decides whether it reasons before the answer.
+    also_allowed: int | None
 
     def accept(self, token_id: int) -> bool:
         """Advances past a sampled token; False when the constraint forbids it."""

@@ -94,6 +94,7 @@ class Grammar:
     def __init__(self, backend: XgrammarBackend, matcher: xgr.GrammarMatcher) -> None:
         self.backend = backend
         self.matcher = matcher
+        self.also_allowed: int | None = None
 
     def accept(self, token_id: int) -> bool:
         """Advances past a sampled token; False when the grammar does not allow it."""

@@ -73,7 +73,17 @@ def grammar_bitmask(grammars: list[StructuredOutputGrammar | None],
     backend = grammars[rows[0]].backend
     bitmask = backend.allocate_bitmask(len(grammars))
     backend.fill_bitmask([grammars[row] for row in rows], bitmask, rows)
+    for row in rows:
+        if (token := grammars[row].also_allowed) is not None:
+            _allow(bitmask, row, token)
     if device.type == "cpu":
         return GrammarBitmask(backend, bitmask, rows)
     indices = torch.tensor(rows, dtype=torch.int32).pin_memory().to(device, non_blocking=True)
     return GrammarBitmask(backend, bitmask.pin_memory().to(device, non_blocking=True), indices)
+
+
+def _allow(bitmask: torch.Tensor, row: int, token: int) -> None:
+    """Sets the token's bit in an int32 bitmask row (bit 31 is the sign bit)."""
+    word, bit = divmod(token, 32)
+    value = (int(bitmask[row, word]) & 0xFFFFFFFF) | (1 << bit)
+    bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value

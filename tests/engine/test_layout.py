@@ -22,6 +22,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 TIERS: list[list[str]] = [
     ["engine"],  # the package: lazy public names
+    ["engine.run_batch"],  # python -m engine.run_batch: OpenAI batch files from the command line
+    ["engine.openai_batch"],  # OpenAI batch lines and bodies <-> engine inputs and outputs; runs on LLM
     ["engine.llm"],  # LLM, the offline entry point
     ["engine.data_parallel"],  # replicas as whole engines
     ["engine.inputs"],  # prompts -> requests
@@ -35,7 +37,8 @@ TIERS: list[list[str]] = [
     ["engine.structured_output"],
     ["engine.kernels", "engine.distributed"],  # compiled and Triton kernels; process plumbing
     ["engine.config"],  # settings: a leaf above the API types
-    ["engine.chat_utils", "engine.detokenizer", "engine.progress_bar"],
+    ["engine.chat_utils", "engine.detokenizer", "engine.progress_bar", "engine.reasoning",
+     "engine.tool_parsers"],
     ["engine.beam_search"],  # API types, from here down
     ["engine.pooling_params", "engine.sampling_params"],
     ["engine.outputs", "engine.sampling_rules", "engine.structured_output.params"],

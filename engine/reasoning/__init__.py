@@ -1,0 +1,58 @@
+"""Reasoning parsers by name (vLLM's `--reasoning-parser`), and the one a model folder's
+tokenizer implies."""
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+from engine.reasoning.parser import Phase, ReasoningFormat, ReasoningParser, ReasoningSplit, ReasoningTracker
+
+# The one declaration of the formats, by the names vLLM gives them.
+REASONING_FORMATS: dict[str, ReasoningFormat] = {
+    fmt.name: fmt for fmt in (
+        ReasoningFormat("qwen3", "<think>", "</think>"),
+        ReasoningFormat("deepseek_r1", "<think>", "</think>", opens_itself=True),
+        ReasoningFormat("mistral", "[THINK]", "[/THINK]"),
+    )
+}
+
+__all__ = ["Phase", "REASONING_FORMATS", "ReasoningFormat", "ReasoningParser", "ReasoningSplit", "ReasoningTracker",
+           "detect_reasoning_parser", "reasoning_parser"]
+
+
+def reasoning_parser(name: str, tokenizer: "PreTrainedTokenizerBase") -> ReasoningParser:
+    """The named parser on this tokenizer.
+
+    Raises:
+        ValueError: an unknown name (the message lists the known ones).
+    """
+    if name not in REASONING_FORMATS:
+        raise ValueError(f"reasoning_parser={name!r} is not one of {sorted(REASONING_FORMATS)} (or None: no parsing)")
+    return ReasoningParser(REASONING_FORMATS[name], tokenizer)
+
+
+def detect_reasoning_parser(tokenizer: "PreTrainedTokenizerBase") -> tuple[str, str] | None:
+    """The parser a tokenizer implies and why, or None: a format whose two markers are
+    tokens of the vocabulary and appear in the chat template. Of the `<think>` formats,
+    deepseek_r1 when the template opens the section itself in the generation prompt
+    (the model may then close it without ever opening it), else qwen3."""
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+    vocab = tokenizer.get_vocab()
+    for fmt in REASONING_FORMATS.values():
+        if fmt.opens_itself or fmt.start not in vocab or fmt.end not in vocab or fmt.end not in template:
+            continue
+        why = f"the tokenizer has {fmt.start} and {fmt.end} tokens and its chat template closes {fmt.end}"
+        if fmt.start == "<think>" and _template_opens_section(tokenizer, fmt.start):
+            return "deepseek_r1", why + ", and it opens the section in the generation prompt"
+        return fmt.name, why
+    return None
+
+
+def _template_opens_section(tokenizer: "PreTrainedTokenizerBase", start: str) -> bool:
+    try:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False,
+                                               add_generation_prompt=True)
+    except Exception:  # a template that needs more than a plain user message says nothing here
+        return False
+    return isinstance(prompt, str) and prompt.rstrip().endswith(start)

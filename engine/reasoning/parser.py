@@ -1,0 +1,200 @@
+"""Reasoning sections (vLLM's reasoning parsers): where a completion's thinking ends and
+its answer starts, found as tokens arrive, and the two texts apart when it finishes.
+
+A reasoning model writes its thinking between two markers (`<think>` ... `</think>` for
+Qwen3 and DeepSeek-R1). The model's template may open the section in the prompt (R1's
+and Qwen3's thinking templates end the generation prompt with `<think>`, or close it at
+once when thinking is off), or leave the model to open it. Each completion's
+`ReasoningTracker` follows it through three phases:
+
+- `UNDECIDED`: the prompt neither opened nor closed a section and the model may open one:
+  its first token decides (the opening marker, or the answer's first token);
+- `REASONING`: until the closing marker; a structured output's grammar waits meanwhile,
+  so a JSON schema constrains the answer only and leaves the thinking free;
+- `ANSWER`: the grammar, if any, applies from here.
+
+Markers that are single tokens (every reasoning model met so far) are matched by id;
+others by their text, detokenized as the tokens arrive.
+"""
+
+import enum
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+# Prompt tokens read to find whether the template opened or closed a section at its end.
+_PROMPT_TAIL_TOKENS = 16
+
+
+class Phase(enum.Enum):
+    UNDECIDED = "undecided"
+    REASONING = "reasoning"
+    ANSWER = "answer"
+
+
+@dataclass(frozen=True)
+class ReasoningFormat:
+    """A family's markers. `opens_itself`: the model reasons from its first token even
+    when nothing opened a section (DeepSeek-R1's distills often skip `<think>`), so a
+    completion that never closes one is all reasoning."""
+
+    name: str
+    start: str
+    end: str
+    opens_itself: bool = False
+
+
+@dataclass(frozen=True)
+class ReasoningSplit:
+    """A finished completion's reasoning (None: it had no section) and answer text, the
+    reasoning's tokens (markers included), and whether the section was closed (None:
+    no section)."""
+
+    reasoning: str | None
+    text: str
+    num_reasoning_tokens: int
+    ended: bool | None
+
+
+class ReasoningParser:
+    """One format on one tokenizer: the markers' ids (or texts), a prompt's opening phase,
+    and the split of a finished completion."""
+
+    def __init__(self, fmt: ReasoningFormat, tokenizer: "PreTrainedTokenizerBase") -> None:
+        self.format = fmt
+        self.tokenizer = tokenizer
+        self.start_id = _single_token_id(tokenizer, fmt.start)
+        self.end_id = _single_token_id(tokenizer, fmt.end)
+
+    @property
+    def name(self) -> str:
+        return self.format.name
+
+    @property
+    def matches_text(self) -> bool:
+        """Whether the closing marker is found in the detokenized text (it is not one
+        token), which then has to be grown token by token."""
+        return self.end_id is None
+
+    def initial_phase(self, prompt_token_ids: list[int]) -> Phase:
+        """The phase a completion of this prompt starts in: reasoning when the prompt ends
+        with an opening marker, the answer when it ends with a closing one (a template with
+        thinking switched off), else what the format says of a model left to open one."""
+        tail = self.tokenizer.decode(prompt_token_ids[-_PROMPT_TAIL_TOKENS:], skip_special_tokens=False).rstrip()
+        if tail.endswith(self.format.start):
+            return Phase.REASONING
+        if tail.endswith(self.format.end):
+            return Phase.ANSWER
+        return Phase.REASONING if self.format.opens_itself else Phase.UNDECIDED
+
+    def tracker(self, prompt_token_ids: list[int]) -> "ReasoningTracker":
+        return ReasoningTracker(self, self.initial_phase(prompt_token_ids))
+
+    def split(self, tracker: "ReasoningTracker", text: str, output_token_ids: list[int],
+              skip_special_tokens: bool = True) -> ReasoningSplit:
+        """The completion's reasoning and answer, given its final text (stop strings
+        already cut) and tokens. By id, the answer is what the text holds after the
+        decode of the tokens up to the closing marker (where that decode does not start
+        the text, a tokenizer joining pieces across the boundary, the answer's own tokens
+        decoded); by text, what follows the marker."""
+        if not tracker.had_section:
+            return ReasoningSplit(None, text, 0, None)
+        if self.matches_text:
+            body = text.lstrip().removeprefix(self.format.start) if tracker.opened_by_model else text
+            reasoning, marker, answer = body.partition(self.format.end)
+            ended = bool(marker)
+        else:
+            first = 1 if tracker.opened_by_model else 0
+            ended = tracker.end_index is not None
+            end = tracker.end_index if ended else len(output_token_ids)
+            reasoning = self._decode(output_token_ids[first : end - 1 if ended else end], skip_special_tokens)
+            answer = ""
+            if ended:
+                head = self._decode(output_token_ids[:end], skip_special_tokens)
+                answer = (text[len(head):] if text.startswith(head)
+                          else self._decode(output_token_ids[end:], skip_special_tokens))
+        num_tokens = tracker.end_index if tracker.end_index is not None else len(output_token_ids)
+        return ReasoningSplit(reasoning.strip(), answer.lstrip(), num_tokens, ended)
+
+    def _decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+class ReasoningTracker:
+    """Where one completion stands: its phase, the grammar held back while it reasons, and
+    how many output tokens end with the closing marker once it is found."""
+
+    def __init__(self, parser: ReasoningParser, phase: Phase) -> None:
+        self.parser = parser
+        self.phase = phase
+        self.had_section = phase is Phase.REASONING
+        self.opened_by_model = False
+        self.end_index: int | None = None
+        self._held_grammar: Any = None  # a StructuredOutputGrammar
+        self._searched = 0
+
+    @property
+    def needs_text(self) -> bool:
+        """Whether the completion's text must grow token by token to find the markers."""
+        return self.phase is not Phase.ANSWER and self.parser.matches_text
+
+    def first_grammar(self, grammar: Any) -> Any:
+        """Takes a new completion's grammar (None: unconstrained); returns the one that
+        applies to its first token: none while it reasons; while its first token decides,
+        the grammar with the opening marker also allowed (by id; by text the grammar waits
+        for the decision); the grammar itself in the answer."""
+        if grammar is None or self.phase is Phase.ANSWER:
+            return grammar
+        if self.phase is Phase.UNDECIDED and self.parser.start_id is not None:
+            grammar.also_allowed = self.parser.start_id
+            return grammar
+        self._held_grammar = grammar
+        return None
+
+    def advance(self, token_id: int, num_output_tokens: int, text: str) -> bool:
+        """Follows the completion past its newest token (its `num_output_tokens`-th;
+        `text` is its text so far when `needs_text`). Returns True when the token belongs
+        to the reasoning, its markers included, so that a grammar must not see it."""
+        if self.phase is Phase.ANSWER:
+            return False
+        if self.phase is Phase.UNDECIDED:
+            start = self.parser.format.start
+            if self.parser.start_id is not None:
+                opened = token_id == self.parser.start_id
+            else:  # the first token's text starts the marker (or holds it whole)
+                head = text.lstrip()
+                opened = bool(head) and (head.startswith(start) or start.startswith(head))
+            self.phase = Phase.REASONING if opened else Phase.ANSWER
+            self.had_section = self.opened_by_model = opened
+            return opened
+        if self.parser.end_id is not None:
+            ended = token_id == self.parser.end_id
+        else:
+            end = self.parser.format.end
+            ended = text.find(end, max(0, self._searched - len(end) + 1)) >= 0
+            self._searched = len(text)
+        if ended:
+            self.phase = Phase.ANSWER
+            self.end_index = num_output_tokens
+        return True
+
+    def next_grammar(self, grammar: Any) -> Any:
+        """The grammar for the tokens after the newest, given the one applied to it: held
+        back while the completion reasons, released once it answers."""
+        if grammar is not None:
+            grammar.also_allowed = None
+            if self.phase is Phase.REASONING:
+                self._held_grammar = grammar
+                return None
+            return grammar
+        if self.phase is Phase.ANSWER:
+            grammar, self._held_grammar = self._held_grammar, None
+        return grammar
+
+
+def _single_token_id(tokenizer: "PreTrainedTokenizerBase", marker: str) -> int | None:
+    """The marker's id when the vocabulary holds it as one token."""
+    ids = tokenizer(marker, add_special_tokens=False).input_ids
+    return ids[0] if len(ids) == 1 else None

@@ -1,0 +1,256 @@
+"""Reasoning sections: the phase a prompt starts in, the closing marker found as tokens
+arrive (by id, or by text across tokens), the split of a finished completion, the parser a
+tokenizer implies, and on tiny Qwen3- and DeepSeek-R1-style models with their own chat
+templates: a JSON schema that holds on the answer while the reasoning stays free text."""
+
+import json
+import logging
+
+import jsonschema
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from engine import LLM, SamplingParams, StructuredOutputsParams
+from engine.detokenizer import IncrementalDetokenizer
+from engine.reasoning import Phase, ReasoningSplit, detect_reasoning_parser, reasoning_parser
+from engine.structured_output.manager import grammar_bitmask
+from tests.reasoning_models import build_reasoning_model
+
+SCHEMA = {"type": "object", "properties": {"label": {"type": "string", "enum": ["spam", "ham"]},
+                                           "sure": {"type": "boolean"}},
+          "required": ["label", "sure"], "additionalProperties": False}
+QUESTION = [{"role": "user", "content": "Is this spam? Win a free cruise now!"}]
+
+
+@pytest.fixture(scope="module")
+def qwen3_folder(tmp_path_factory):
+    return build_reasoning_model(tmp_path_factory.mktemp("qwen3"), "qwen3")
+
+
+@pytest.fixture(scope="module")
+def r1_folder(tmp_path_factory):
+    return build_reasoning_model(tmp_path_factory.mktemp("r1"), "deepseek_r1")
+
+
+@pytest.fixture(scope="module")
+def split_markers_folder(tmp_path_factory):
+    return build_reasoning_model(tmp_path_factory.mktemp("split"), "qwen3", markers_as_tokens=False)
+
+
+def prompt_ids(tokenizer, **template_kwargs) -> list[int]:
+    text = tokenizer.apply_chat_template(QUESTION, tokenize=False, add_generation_prompt=True, **template_kwargs)
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+# -- the parser on its own ----------------------------------------------------------------
+
+
+def test_the_prompt_decides_the_first_phase(qwen3_folder, r1_folder):
+    qwen = AutoTokenizer.from_pretrained(qwen3_folder)
+    parser = reasoning_parser("qwen3", qwen)
+    assert parser.initial_phase(prompt_ids(qwen)) is Phase.UNDECIDED  # the model opens <think> itself
+    assert parser.initial_phase(prompt_ids(qwen, enable_thinking=False)) is Phase.ANSWER
+    r1 = AutoTokenizer.from_pretrained(r1_folder)
+    assert reasoning_parser("deepseek_r1", r1).initial_phase(prompt_ids(r1)) is Phase.REASONING
+    # R1's distills may reason without opening a section: its parser assumes one is open.
+    assert reasoning_parser("deepseek_r1", qwen).initial_phase(prompt_ids(qwen)) is Phase.REASONING
+
+
+def feed(parser, tokenizer, prompt: list[int], output_text: str) -> tuple[object, list[int], str]:
+    """Runs a tracker over the tokens of `output_text` as the engine does; returns it, the
+    ids and the grown text."""
+    tracker = parser.tracker(prompt)
+    ids = tokenizer(output_text, add_special_tokens=False).input_ids
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt)
+    for count, token in enumerate(ids, start=1):
+        if tracker.needs_text:
+            detokenizer.add_token(token)
+        tracker.advance(token, count, detokenizer.text)
+    detokenizer.catch_up(ids)
+    return tracker, ids, detokenizer.text
+
+
+@pytest.mark.parametrize("folder_name", ["qwen3_folder", "split_markers_folder"])
+def test_reasoning_and_answer_split_by_id_and_by_text(folder_name, request):
+    tokenizer = AutoTokenizer.from_pretrained(request.getfixturevalue(folder_name))
+    parser = reasoning_parser("qwen3", tokenizer)
+    assert parser.matches_text is (folder_name == "split_markers_folder")
+    output = "<think>\nThe cruise is free: spam.\n</think>\n\n{\"label\": \"spam\"}"
+    tracker, ids, text = feed(parser, tokenizer, prompt_ids(tokenizer), output)
+    assert tracker.phase is Phase.ANSWER
+    if parser.matches_text:
+        assert len(tokenizer("</think>", add_special_tokens=False).input_ids) > 1  # the marker spans tokens
+    split = parser.split(tracker, text, ids)
+    assert (split.reasoning, split.text, split.ended) == ("The cruise is free: spam.", '{"label": "spam"}', True)
+    assert tokenizer.decode(ids[: split.num_reasoning_tokens]).endswith("</think>")
+    assert tokenizer.decode(ids[split.num_reasoning_tokens :]).lstrip() == '{"label": "spam"}'
+
+
+def test_a_completion_without_a_section_is_all_answer_and_one_never_closed_all_reasoning(qwen3_folder):
+    tokenizer = AutoTokenizer.from_pretrained(qwen3_folder)
+    qwen = reasoning_parser("qwen3", tokenizer)
+    tracker, ids, text = feed(qwen, tokenizer, prompt_ids(tokenizer), "Plain answer.")
+    assert qwen.split(tracker, text, ids) == ReasoningSplit(None, "Plain answer.", 0, None)
+    tracker, ids, text = feed(qwen, tokenizer, prompt_ids(tokenizer), "<think>\nStill thinking about")
+    assert qwen.split(tracker, text, ids) == ReasoningSplit("Still thinking about", "", len(ids), False)
+    r1 = reasoning_parser("deepseek_r1", tokenizer)  # opened by the template: only the closing tag comes
+    tracker, ids, text = feed(r1, tokenizer, prompt_ids(tokenizer), "Free cruise.\n</think>\n\nspam")
+    split = r1.split(tracker, text, ids)
+    assert (split.reasoning, split.text) == ("Free cruise.", "spam")
+
+
+def test_the_grammar_waits_for_the_answer(qwen3_folder):
+    tokenizer = AutoTokenizer.from_pretrained(qwen3_folder)
+    parser = reasoning_parser("qwen3", tokenizer)
+    grammar = type("Grammar", (), {"also_allowed": None})()
+    undecided = parser.tracker(prompt_ids(tokenizer))
+    assert undecided.first_grammar(grammar) is grammar and grammar.also_allowed == parser.start_id
+    assert undecided.advance(parser.start_id, 1, "") is True  # <think>: the model reasons
+    assert undecided.next_grammar(grammar) is None and grammar.also_allowed is None
+    assert undecided.advance(5, 2, "") is True and undecided.next_grammar(None) is None
+    assert undecided.advance(parser.end_id, 3, "") is True and undecided.next_grammar(None) is grammar
+    assert undecided.advance(6, 4, "") is False and undecided.end_index == 3
+    answering = parser.tracker(prompt_ids(tokenizer))
+    answering.first_grammar(grammar)
+    assert answering.advance(7, 1, "") is False  # the answer's first token: the grammar's
+    assert answering.next_grammar(grammar) is grammar and grammar.also_allowed is None
+
+
+@pytest.mark.parametrize("token", [5, 31, 63, 319])
+def test_the_opening_marker_joins_the_grammar_bitmask(token):
+    class Backend:
+        def allocate_bitmask(self, rows):
+            return torch.zeros(rows, 10, dtype=torch.int32)
+
+        def fill_bitmask(self, grammars, bitmask, rows):
+            bitmask[rows, 0] = 1  # token 0 only
+
+    grammar = type("Grammar", (), {"backend": Backend(), "also_allowed": token})()
+    mask = grammar_bitmask([None, grammar], torch.device("cpu"))
+    bits = mask.bitmask[1].numpy().view("uint32")
+    allowed = [w * 32 + b for w in range(10) for b in range(32) if bits[w] >> b & 1]
+    assert allowed == sorted({0, token})
+    assert not mask.bitmask[0].any()
+
+
+def test_the_tokenizer_implies_the_parser(qwen3_folder, r1_folder, split_markers_folder, tiny_models):
+    assert detect_reasoning_parser(AutoTokenizer.from_pretrained(qwen3_folder))[0] == "qwen3"
+    assert detect_reasoning_parser(AutoTokenizer.from_pretrained(r1_folder))[0] == "deepseek_r1"
+    assert detect_reasoning_parser(AutoTokenizer.from_pretrained(split_markers_folder)) is None  # no marker tokens
+    assert detect_reasoning_parser(AutoTokenizer.from_pretrained(tiny_models["qwen3"])) is None
+    with pytest.raises(ValueError, match=r"reasoning_parser='nope' is not one of \['deepseek_r1', 'mistral', 'qwen3'\]"):
+        reasoning_parser("nope", AutoTokenizer.from_pretrained(qwen3_folder))
+
+
+def test_an_unknown_parser_setting_fails_before_the_model_loads():
+    with pytest.raises(ValueError, match="reasoning_parser must be 'auto', None or one of"):
+        LLM("nowhere", reasoning_parser="qwen")
+
+
+# -- on a model --------------------------------------------------------------------------
+
+
+def thinking_params(tokenizer, seed: int, schema: bool = True) -> SamplingParams:
+    """Seeded sampling that favours opening a section and closing it after some tokens:
+    the random model's stand-in for a reasoning model's habits."""
+    think, end = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+    return SamplingParams(temperature=1.0, seed=seed, max_tokens=128, logit_bias={think: 3.0, end: 2.5},
+                          structured_outputs=StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+                          if schema else None)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_thinking_on_and_a_json_schema(qwen3_folder, async_scheduling, caplog):
+    with caplog.at_level(logging.INFO, logger="engine.llm_engine"):
+        llm = LLM(qwen3_folder, dtype="float32", async_scheduling=async_scheduling)
+    assert "reasoning_parser='qwen3'" in caplog.text
+    with llm:
+        tokenizer = llm.get_tokenizer()
+        params = [thinking_params(tokenizer, seed) for seed in range(12)]
+        outputs = [out.outputs[0] for out in llm.chat([QUESTION] * 12, params, use_tqdm=False)]
+        end_id = tokenizer.convert_tokens_to_ids("</think>")
+        answered = [o for o in outputs if o.finish_reason == "stop" and o.reasoning_ended]
+        assert len(answered) >= 4, [(o.finish_reason, o.reasoning_ended) for o in outputs]
+        for out in answered:
+            assert out.reasoning  # free text, made of any tokens: the grammar waited
+            assert out.token_ids[out.num_reasoning_tokens - 1] == end_id
+            assert out.token_ids.count(end_id) == 1  # the grammar forbids it in the answer
+            jsonschema.validate(json.loads(out.text), SCHEMA)
+        for out in outputs:  # EOS or max_tokens inside the reasoning: no answer, flagged
+            assert out.reasoning_ended or out.text == ""
+        off = llm.chat([QUESTION] * 4, [thinking_params(tokenizer, seed) for seed in range(4)], use_tqdm=False,
+                       chat_template_kwargs={"enable_thinking": False})
+        for out in (o.outputs[0] for o in off):
+            assert out.reasoning is None and out.reasoning_ended is None and out.num_reasoning_tokens == 0
+            jsonschema.validate(json.loads(out.text), SCHEMA)
+
+
+def test_scheduling_modes_give_the_same_split(qwen3_folder):
+    results = []
+    for async_scheduling in (False, True):
+        with LLM(qwen3_folder, dtype="float32", async_scheduling=async_scheduling) as llm:
+            params = [thinking_params(llm.get_tokenizer(), seed) for seed in range(6)]
+            results.append([(o.outputs[0].reasoning, o.outputs[0].text, o.outputs[0].token_ids)
+                            for o in llm.chat([QUESTION] * 6, params, use_tqdm=False)])
+    assert results[0] == results[1]
+
+
+def test_r1_opens_the_section_in_the_prompt_and_truncated_reasoning_is_flagged(r1_folder):
+    with LLM(r1_folder, dtype="float32") as llm:
+        tokenizer = llm.get_tokenizer()
+        think, end = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+        closing = SamplingParams(temperature=1.0, seed=3, max_tokens=64, logit_bias={end: 4.0},
+                                 structured_outputs=StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True))
+        never = SamplingParams(temperature=0, max_tokens=8, logit_bias={end: -100.0})
+        out_closing, out_never = (o.outputs[0] for o in llm.chat([QUESTION, QUESTION], [closing, never],
+                                                                 use_tqdm=False))
+    assert out_closing.reasoning_ended and think not in out_closing.token_ids[:1]
+    jsonschema.validate(json.loads(out_closing.text), SCHEMA)
+    assert (out_never.reasoning_ended, out_never.text, out_never.num_reasoning_tokens) == (False, "", 8)
+    assert out_never.reasoning == tokenizer.decode(out_never.token_ids).strip()
+
+
+def test_reasoning_parser_none_leaves_the_text_whole(qwen3_folder):
+    with LLM(qwen3_folder, dtype="float32", reasoning_parser=None) as llm:
+        params = thinking_params(llm.get_tokenizer(), seed=0, schema=False)
+        out = llm.chat(QUESTION, params, use_tqdm=False)[0].outputs[0]
+    assert out.reasoning is None and "</think>" in out.text
+
+
+# -- tool calls through the engine ---------------------------------------------------------
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def test_a_call_after_the_reasoning_is_parsed_into_tool_calls(qwen3_folder):
+    """The template lists the tool; a regex stands in for a model that calls it (after
+    thinking, with reasoning on); the engine's hermes parser, implied by the tokenizer,
+    returns the call in OpenAI's shape and keeps the text before it."""
+    call = r'Checking\.\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Oslo)"\}\}\n</tool_call>'
+    broken = r'<tool_call>\n\{"name": "get_weather", "arguments": \[\]\}\n</tool_call>'
+    with LLM(qwen3_folder, dtype="float32") as llm:
+        think, end = llm.get_tokenizer().convert_tokens_to_ids(["<think>", "</think>"])
+        params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=200, logit_bias={think: 3.0, end: 2.5},
+                                 structured_outputs=StructuredOutputsParams(regex=regex))
+                  for seed, regex in enumerate([call, call, broken])]
+        prompt = llm.get_tokenizer().apply_chat_template(QUESTION, tools=[WEATHER_TOOL], tokenize=False,
+                                                        add_generation_prompt=True)
+        assert '"name": "get_weather"' in prompt
+        outputs = [o.outputs[0] for o in llm.chat([QUESTION] * 3, params, tools=[WEATHER_TOOL], use_tqdm=False)]
+    for out in outputs[:2]:
+        if out.reasoning_ended is False:
+            continue  # the reasoning ran out of tokens: nothing to parse
+        assert out.tool_call_error is None and out.text == "Checking."
+        [tool_call] = out.tool_calls
+        assert (tool_call.type, tool_call.function.name) == ("function", "get_weather")
+        assert json.loads(tool_call.function.arguments)["city"] in ("Paris", "Oslo")
+        assert tool_call.id.startswith("call_")
+    assert any(out.tool_calls for out in outputs[:2])
+    broken_out = outputs[2]
+    if broken_out.reasoning_ended is not False:  # a row error, not an exception; the text kept
+        assert broken_out.tool_calls is None and broken_out.text.startswith("<tool_call>")
+        assert ("arguments are not a JSON object" if broken_out.finish_reason == "stop"
+                else "not valid JSON") in broken_out.tool_call_error

@@ -1,0 +1,320 @@
+"""The tool-call parsers on recorded-style answers of each format: the same calls read to the
+same OpenAI-shaped structure whatever the format, broken calls give an error and the text
+unchanged (never an exception), plain answers stay plain, ids are reproducible, and marker
+tokens hidden from the user's text are found through the token ids. No model runs here."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from engine.outputs import FunctionCall
+from engine.tool_parsers import TOOL_CALL_PARSERS, ToolCallResult, detect_tool_parser, tool_parser
+from tests.tiny_models import build_tokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
+
+WEATHER = ("get_weather", {"city": "Paris", "days": 3})
+TIME = ("get_time", {"timezone": "Europe/Paris"})
+UNICODE = ("search", {"query": "東京 café 🙂", "lang": "日本語"})
+NESTED = ("book", {"guests": [{"name": "Zoë", "age": 30}],
+                   "options": {"breakfast": True, "budget": {"max": 250.5, "currency": "EUR"}}, "note": None})
+
+# Each case: the calls and the content that every format's answer below must read to.
+EXPECTED = {
+    "one": ("", [WEATHER]),
+    "several": ("", [WEATHER, TIME]),
+    "content_before": ("Let me check the weather.", [WEATHER]),
+    "unicode": ("", [UNICODE]),
+    "nested": ("", [NESTED]),
+}
+
+DS_CALLS, DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+DS_CALL, DS_CALL_END, DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+
+
+def _ds(name: str, arguments: str) -> str:
+    return f"{DS_CALL}function{DS_SEP}{name}\n```json\n{arguments}\n```{DS_CALL_END}"
+
+
+# What the models write (special tokens as text), one case of EXPECTED each.
+ANSWERS = {
+    "hermes": {
+        "one": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>',
+        "several": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>\n'
+                   '<tool_call>\n{"name": "get_time", "arguments": {"timezone": "Europe/Paris"}}\n</tool_call>',
+        "content_before": 'Let me check the weather.\n\n<tool_call>\n{"name": "get_weather", "arguments": '
+                          '{"city": "Paris", "days": 3}}\n</tool_call>',
+        "unicode": '<tool_call>\n{"name": "search", "arguments": {"query": "東京 café 🙂", "lang": "日本語"}}\n'
+                   '</tool_call>',
+        "nested": '<tool_call>\n{"name": "book", "arguments": {"guests": [{"name": "Zo\\u00eb", "age": 30}], '
+                  '"options": {"breakfast": true, "budget": {"max": 250.5, "currency": "EUR"}}, "note": null}}\n'
+                  '</tool_call>',
+    },
+    "llama3_json": {
+        "one": '{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}',
+        "several": '{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}; '
+                   '{"name": "get_time", "parameters": {"timezone": "Europe/Paris"}}',
+        "content_before": 'Let me check the weather.<|python_tag|>{"name": "get_weather", "parameters": '
+                          '{"city": "Paris", "days": 3}}',
+        "unicode": '<|python_tag|>{"name": "search", "arguments": {"query": "東京 café 🙂", "lang": "日本語"}}',
+        "nested": '{"name": "book", "parameters": {"guests": [{"name": "Zoë", "age": 30}], "options": '
+                  '{"breakfast": true, "budget": {"max": 250.5, "currency": "EUR"}}, "note": null}}',
+    },
+    "mistral": {
+        "one": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}]',
+        "several": '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 3}'
+                   '[TOOL_CALLS]get_time[ARGS]{"timezone": "Europe/Paris"}',
+        "content_before": 'Let me check the weather.[TOOL_CALLS] [{"name": "get_weather", "arguments": '
+                          '{"city": "Paris", "days": 3}}]',
+        "unicode": '[TOOL_CALLS]search[CALL_ID]a1B2c3D4e[ARGS]{"query": "東京 café 🙂", "lang": "日本語"}',
+        "nested": '[TOOL_CALLS]book[ARGS]{"guests": [{"name": "Zoë", "age": 30}], "options": '
+                  '{"breakfast": true, "budget": {"max": 250.5, "currency": "EUR"}}, "note": null}',
+    },
+    "pythonic": {
+        "one": '[get_weather(city="Paris", days=3)]',
+        "several": "[get_weather(city='Paris', days=3), get_time(timezone='Europe/Paris')]",
+        "content_before": 'Let me check the weather.<|python_start|>[get_weather(city="Paris", days=3)]<|python_end|>',
+        "unicode": '[search(query="東京 café 🙂", lang="日本語")]',
+        "nested": '[book(guests=[{"name": "Zoë", "age": 30}], options={"breakfast": True, "budget": '
+                  '{"max": 250.5, "currency": "EUR"}}, note=None)]',
+    },
+    "deepseek_v3": {
+        "one": DS_CALLS + _ds("get_weather", '{"city": "Paris", "days": 3}') + DS_CALLS_END,
+        "several": DS_CALLS + _ds("get_weather", '{"city": "Paris", "days": 3}')
+                   + "\n" + _ds("get_time", '{"timezone": "Europe/Paris"}') + DS_CALLS_END,
+        "content_before": "Let me check the weather.\n" + DS_CALLS
+                          + f'{DS_CALL}get_weather{DS_SEP}{{"city": "Paris", "days": 3}}{DS_CALL_END}'  # V3.1
+                          + DS_CALLS_END,
+        "unicode": DS_CALLS + _ds("search", '{"query": "東京 café 🙂", "lang": "日本語"}') + DS_CALLS_END,
+        "nested": DS_CALLS + _ds("book", '{"guests": [{"name": "Zoë", "age": 30}], "options": {"breakfast": true, '
+                                         '"budget": {"max": 250.5, "currency": "EUR"}}, "note": null}') + DS_CALLS_END,
+    },
+}
+
+# Broken calls: the answer and a piece of the error it must give.
+MALFORMED = {
+    "hermes": [
+        ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris",}}\n</tool_call>',
+         "tool call 1: the call is not valid JSON"),
+        ('<tool_call>\n{"name": "get_weather", "arguments": [1, 2]}\n</tool_call>',
+         "tool call 1: arguments are not a JSON object"),
+        ('<tool_call>\n{"arguments": {"city": "Paris"}}\n</tool_call>', "tool call 1: missing a function name"),
+        ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par', "tool call 1: the call is not valid JSON"),
+        ('<tool_call>{"name": "f", "arguments": {}}</tool_call><tool_call>{"name": "g", "arguments": 5}</tool_call>',
+         "tool call 2: arguments are not a JSON object"),
+        ('<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>', "tool call 1: arguments are not JSON"),
+        ('<tool_call>["get_weather", {"city": "Paris"}]</tool_call>', "tool call 1: expected an object"),
+    ],
+    "llama3_json": [
+        ('{"name": "get_weather", "parameters": {"city": "Paris"', "tool call 1: the call is not valid JSON"),
+        ('{"name": "get_weather", "parameters": "[1, 2]"}', "tool call 1: arguments are not a JSON object"),
+        ('{"parameters": {"city": "Paris"}}', "tool call 1: missing a function name"),
+        ('{"name": "f", "parameters": {}}; {"name": "g", "parameters": {"x": }}', "tool call 2: the call is not valid"),
+        ('{"name": "f", "parameters": {}}; {"city": "Paris"}', "tool call 2: expected"),
+    ],
+    "mistral": [
+        ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}]',
+         "tool call 1: the calls are not valid"),
+        ('[TOOL_CALLS][{"name": "get_weather", "arguments": [1]}]', "tool call 1: arguments are not a JSON object"),
+        ('[TOOL_CALLS][{"arguments": {"city": "Paris"}}]', "tool call 1: missing a function name"),
+        ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"', "tool call 1: the arguments are not valid JSON"),
+        ('[TOOL_CALLS]f[ARGS]{}[TOOL_CALLS]get weather in Paris', "tool call 2: expected a JSON list of calls"),
+    ],
+    "pythonic": [
+        ('[get_weather(city="Paris")', "tool call 1: the calls are not a Python list"),
+        ("[get_weather(city=paris)]", "tool call 1: get_weather: argument 'city' is not a literal value"),
+        ('[f(x=1), g(cmd=__import__("os").system("ls"))]', "tool call 2: g: argument 'cmd' is not a literal"),
+        ("[f(x=1 + 2)]", "argument 'x' is not a literal value"),
+        ('[get_weather("Paris")]', "tool call 1: get_weather: arguments must be passed by keyword"),
+        ("[f(x={1, 2})]", "tool call 1: arguments are not JSON"),
+        ("[f(x=1), 3]", "tool call 2: expected a call"),
+    ],
+    "deepseek_v3": [
+        (DS_CALLS + _ds("get_weather", '{"city": Paris}') + DS_CALLS_END,
+         "tool call 1: the arguments text is not valid JSON"),
+        (DS_CALLS + f"{DS_CALL}get_weather{DS_CALL_END}" + DS_CALLS_END, "tool call 1: expected type"),
+        (DS_CALLS + _ds("get_weather", "[1, 2]") + DS_CALLS_END, "tool call 1: arguments are not a JSON object"),
+    ],
+}
+
+# Answers with no call, some of them close to one.
+PLAIN = [
+    "The weather in Paris is sunny, 21 °C.",
+    "",
+    '{"name": "Alice", "age": 3}',
+    '{"city": "Paris"}',
+    "[1, 2, 3]",
+    "Use the tool like this: get_weather(city='Paris').",
+    "<|python_tag|>print(sum(range(10)))",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_folder(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("tool_tokenizer")
+    build_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture
+def tokenizer(tokenizer_folder):
+    """A fresh copy of the tiny tokenizer (tests add tokens to it)."""
+    return AutoTokenizer.from_pretrained(tokenizer_folder)
+
+
+def _calls(result: ToolCallResult) -> list[tuple[str, dict]]:
+    return [(call.function.name, json.loads(call.function.arguments)) for call in result.tool_calls or []]
+
+
+@pytest.mark.parametrize("case", EXPECTED)
+@pytest.mark.parametrize("parser_name", ANSWERS)
+def test_every_format_reads_the_same_calls(parser_name, case, tokenizer):
+    text = ANSWERS[parser_name][case]
+    result = tool_parser(parser_name, tokenizer).parse(text, tokenizer.encode(text, add_special_tokens=False))
+    content, calls = EXPECTED[case]
+    assert result.error is None, result.error
+    assert (result.content, _calls(result)) == (content, calls)
+    for call, (_, arguments) in zip(result.tool_calls, calls):
+        assert call.type == "function" and call.id.startswith("call_") and len(call.id) == len("call_") + 24
+        assert call.function.arguments == json.dumps(arguments, ensure_ascii=False)  # compact, unicode as is
+    assert len({call.id for call in result.tool_calls}) == len(calls)
+
+
+def test_the_same_call_is_the_same_function_whatever_the_format():
+    functions = {name: [call.function for call in tool_parser(name, None).parse(answers["nested"], []).tool_calls]
+                 for name, answers in ANSWERS.items()}
+    expected = [FunctionCall(NESTED[0], json.dumps(NESTED[1], ensure_ascii=False))]
+    assert functions == {name: expected for name in ANSWERS}
+
+
+@pytest.mark.parametrize(("parser_name", "text", "error"),
+                         [(name, text, error) for name, cases in MALFORMED.items() for text, error in cases])
+def test_a_broken_call_gives_an_error_and_the_text_unchanged(parser_name, text, error, tokenizer):
+    result = tool_parser(parser_name, tokenizer).parse(text, tokenizer.encode(text, add_special_tokens=False))
+    assert result.content == text and result.tool_calls is None
+    assert result.error is not None and error in result.error, result.error
+
+
+@pytest.mark.parametrize("text", PLAIN)
+@pytest.mark.parametrize("parser_name", ANSWERS)
+def test_an_answer_without_a_call_is_plain_content(parser_name, text, tokenizer):
+    result = tool_parser(parser_name, tokenizer).parse(text, tokenizer.encode(text, add_special_tokens=False))
+    assert result == ToolCallResult(content=text, tool_calls=None, error=None)
+
+
+@pytest.mark.parametrize(("parser_name", "text"), [
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"a": ' + "[" * 5000 + "</tool_call>"),
+    ("llama3_json", '{"name": "f", "parameters": {"a": ' + "[" * 5000),
+    ("mistral", "[TOOL_CALLS]" + "[" * 5000),
+    ("pythonic", "[f(x=" + "[" * 5000 + ")]"),
+])
+def test_a_model_stuck_repeating_brackets_gives_an_error(parser_name, text):
+    result = tool_parser(parser_name, None).parse(text, [])
+    assert result.content == text and result.tool_calls is None and result.error
+
+
+def test_call_ids_are_reproducible_and_differ_between_answers(tokenizer):
+    text = ANSWERS["hermes"]["several"]
+    first = tool_parser("hermes", tokenizer).parse(text, [])
+    again = tool_parser("hermes", None).parse(text, [])
+    assert [call.id for call in first.tool_calls] == [call.id for call in again.tool_calls]
+    assert first.tool_calls[0].id != first.tool_calls[1].id
+    other = tool_parser("hermes", None).parse(text.replace("Paris", "Lyon"), [])
+    assert other.tool_calls[0].id != first.tool_calls[0].id
+
+
+def test_text_around_the_calls_is_content():
+    hermes = tool_parser("hermes", None).parse('Checking.\n<tool_call>{"name": "f", "arguments": {}}</tool_call>\n'
+                                               "Done.", [])
+    assert (hermes.content, _calls(hermes)) == ("Checking.\nDone.", [("f", {})])
+    llama = tool_parser("llama3_json", None).parse('{"name": "f", "parameters": {}}\nThat is the call.', [])
+    assert (llama.content, _calls(llama)) == ("That is the call.", [("f", {})])
+    pythonic = tool_parser("pythonic", None).parse("<|python_start|>[f()]<|python_end|> Sent.", [])
+    assert (pythonic.content, _calls(pythonic)) == ("Sent.", [("f", {})])
+
+
+def test_an_unclosed_last_hermes_call_parses_when_its_json_is_complete():
+    text = 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}'
+    result = tool_parser("hermes", None).parse(text, [])
+    assert (result.content, _calls(result), result.error) == ("Sure.", [WEATHER], None)
+
+
+def test_arguments_given_as_a_json_string_are_read_as_their_object():
+    text = '<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\", \\"days\\": 3}"}</tool_call>'
+    assert _calls(tool_parser("hermes", None).parse(text, [])) == [WEATHER]
+
+
+def _with_special_tokens(tokenizer, tokens: list[str]):
+    tokenizer.add_special_tokens({"additional_special_tokens": tokens})
+    return tokenizer
+
+
+@pytest.mark.parametrize("written", [
+    'Let me check the weather.[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}]',
+    'Let me check the weather.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 3}',
+], ids=["pre_v11", "v11"])
+def test_mistral_finds_its_special_markers_through_the_token_ids(written, tokenizer):
+    tokenizer = _with_special_tokens(tokenizer, ["[TOOL_CALLS]", "[ARGS]"])
+    token_ids = tokenizer.encode(written, add_special_tokens=False) + [tokenizer.eos_token_id]
+    text = tokenizer.decode(token_ids, skip_special_tokens=True)
+    assert "[TOOL_CALLS]" not in text and "[ARGS]" not in text
+    parser = tool_parser("mistral", tokenizer)
+    result = parser.parse(text, token_ids)
+    assert (result.content, _calls(result), result.error) == ("Let me check the weather.", [WEATHER], None)
+    assert parser.parse(text, []) == ToolCallResult(text, None, None)  # without its tokens the marker is unseen
+
+
+def test_a_broken_call_behind_a_hidden_marker_keeps_the_users_text(tokenizer):
+    tokenizer = _with_special_tokens(tokenizer, ["[TOOL_CALLS]", "[ARGS]"])
+    token_ids = tokenizer.encode('[TOOL_CALLS]get_weather[ARGS]{"city": "Par', add_special_tokens=False)
+    text = tokenizer.decode(token_ids, skip_special_tokens=True)
+    result = tool_parser("mistral", tokenizer).parse(text, token_ids)
+    assert result.content == text and result.tool_calls is None and result.error.startswith("tool call 1: ")
+
+
+def test_a_marker_kept_in_the_text_is_read_from_the_text(tokenizer):
+    """Qwen's `<tool_call>` is an added token that decoding keeps: the text has it already."""
+    tokenizer.add_tokens(["<tool_call>", "</tool_call>"])
+    text = ANSWERS["hermes"]["content_before"]
+    token_ids = tokenizer.encode(text, add_special_tokens=False)
+    assert tokenizer.decode(token_ids, skip_special_tokens=True) == text
+    result = tool_parser("hermes", tokenizer).parse(text, token_ids)
+    assert (result.content, _calls(result)) == EXPECTED["content_before"]
+
+
+def _template_with(tokenizer, template: str):
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+@pytest.mark.parametrize(("change", "expected"), [
+    (lambda tok: tok, None),
+    (lambda tok: tok.add_tokens(["<tool_call>", "</tool_call>"]) and tok, "hermes"),
+    (lambda tok: tok.add_tokens(["<tool_call>"]) and tok, None),
+    (lambda tok: _with_special_tokens(tok, ["[TOOL_CALLS]", "[ARGS]"]), "mistral"),
+    (lambda tok: _template_with(_with_special_tokens(tok, ["<|python_tag|>"]),
+                                "{% if tools %}{{ tools | tojson }}{% endif %}{{ messages }}"), "llama3_json"),
+    (lambda tok: _template_with(_with_special_tokens(tok, ["<|python_tag|>"]), "{{ messages }}"), None),
+    (lambda tok: _with_special_tokens(tok, [DS_CALLS, DS_CALLS_END, DS_CALL, DS_CALL_END, DS_SEP]), "deepseek_v3"),
+], ids=["plain", "hermes", "half_hermes", "mistral", "llama3_json", "python_tag_without_tools", "deepseek_v3"])
+def test_detect_tool_parser_reads_the_marker_tokens(change, expected, tokenizer):
+    assert detect_tool_parser(change(tokenizer)) == expected
+
+
+def test_parsers_by_name(tokenizer):
+    assert sorted(TOOL_CALL_PARSERS) == ["deepseek_v3", "hermes", "llama3_json", "mistral", "pythonic"]
+    assert all(tool_parser(name, tokenizer).name == name for name in TOOL_CALL_PARSERS)
+    with pytest.raises(ValueError, match=r"tool_call_parser='nope' is not one of \['deepseek_v3', 'hermes', "):
+        tool_parser("nope", tokenizer)
+
+
+def test_importing_the_parsers_loads_no_model_code():
+    loaded = subprocess.run(
+        [sys.executable, "-c",
+         "import sys, engine.tool_parsers; print(sorted({'torch', 'transformers'} & set(sys.modules)))"],
+        cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert loaded.strip() == "[]"
