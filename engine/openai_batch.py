@@ -1,0 +1,836 @@
+"""OpenAI Batch API files run offline, as vLLM's `vllm run-batch` runs them: each input line's
+request body turned into engine prompts and SamplingParams (or the line's error), engine
+outputs turned into OpenAI response bodies, and a whole file run with resume.
+
+The body functions (`generation_request`, `embedding_request`, `generation_response_body`,
+`embedding_response_body`) take and give plain dicts, so that a Dagster asset can run them on a
+table of request bodies; `run_batch_file` is what `python -m engine.run_batch` runs. Importing
+this module loads neither torch nor the model code: the Dagster definitions import it at load,
+so the engine (`engine.llm`) is imported where a file is run.
+"""
+
+import base64
+import json
+import logging
+import struct
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+from engine.chat_utils import chat_messages_problem, invalid_unicode_problem, render_chat
+from engine.model_loader.embedded_model import EMBEDDED_MODEL_NAME
+from engine.outputs import CompletionOutput, EmbeddingRequestOutput, Logprob, RequestOutput, ToolCall
+from engine.sampling_params import SamplingParams
+from engine.structured_output.params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from engine.llm import LLM
+
+logger = logging.getLogger(__name__)
+
+CHAT_URL = "/v1/chat/completions"
+COMPLETIONS_URL = "/v1/completions"
+EMBEDDINGS_URL = "/v1/embeddings"
+URLS = (CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL)
+
+# The `error.code` of an output line that did not run.
+INVALID_JSON = "invalid_json"  # the line is not a JSON object (or not UTF-8)
+INVALID_LINE = "invalid_line"  # custom_id, method or body missing or of the wrong type
+DUPLICATE_CUSTOM_ID = "duplicate_custom_id"  # an earlier line has the same custom_id
+UNSUPPORTED_URL = "unsupported_url"  # a url other than URLS, or one the loaded model cannot serve
+INVALID_REQUEST = "invalid_request"  # the body: an unknown field, a bad value, a prompt the engine refuses
+UNSUPPORTED_FIELD = "unsupported_field"  # a documented field this runner cannot honour
+
+# OpenAI's log-probability for tokens the model rules out: JSON has no -Infinity (vLLM's choice).
+MIN_LOGPROB = -9999.0
+
+# Documented by OpenAI but meaningless offline: accepted and ignored, on every url.
+IGNORED_FIELDS = frozenset({"user", "store", "metadata", "service_tier", "stream_options", "parallel_tool_calls",
+                            "prompt_cache_key", "safety_identifier"})
+
+# Documented fields taken only at their "off" values: name -> (those values, why not otherwise and the fix).
+OFF_ONLY_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "stream": ((None, False), "a batch writes whole responses: drop stream"),
+    "echo": ((None, False), "the prompt is not repeated in the output (it is in the input file): drop echo"),
+    "suffix": ((None, ""), "text after the insertion point is not supported: drop suffix"),
+    "best_of": ((None, 1), "best_of > 1 is not supported: ask for n completions with logprobs and keep the best"),
+    "tool_choice": ((None, "auto"), "only 'auto' is supported (the model decides whether to call a tool): "
+                                    "drop tool_choice or set it to 'auto'"),
+    "modalities": ((None, ["text"]), "only text output is supported: drop modalities"),
+    "audio": ((None,), "audio output is not supported: drop audio"),
+    "prediction": ((None,), "predicted outputs are not supported: drop prediction"),
+    "web_search_options": ((None,), "web search is not available offline: drop web_search_options"),
+    "functions": ((None,), "the deprecated functions field is not supported: give them as tools"),
+    "function_call": ((None,), "the deprecated function_call field is not supported: give tools instead"),
+}
+
+# Body fields that are SamplingParams fields of the same name: OpenAI's, then vLLM's extra ones.
+SAMPLING_FIELDS = ("temperature", "top_p", "n", "seed", "stop", "presence_penalty", "frequency_penalty", "logit_bias",
+                   "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos",
+                   "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens", "bad_words",
+                   "allowed_token_ids")
+# Where a body constrains its output: OpenAI's response_format, vLLM's structured_outputs and guided_* fields.
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+STRUCTURED_FIELDS = ("response_format", "structured_outputs", *GUIDED_FIELDS)
+
+_GENERATION_FIELDS = frozenset({"model", "max_tokens", "priority", "stream", "echo", *SAMPLING_FIELDS,
+                                *STRUCTURED_FIELDS})
+KNOWN_FIELDS: dict[str, frozenset[str]] = {
+    CHAT_URL: _GENERATION_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
+                                    "tool_choice", "chat_template", "chat_template_kwargs", "add_generation_prompt",
+                                    "continue_final_message", "reasoning_effort", "modalities", "audio", "prediction",
+                                    "web_search_options", "functions", "function_call"},
+    COMPLETIONS_URL: _GENERATION_FIELDS | {"prompt", "logprobs", "best_of", "suffix"},
+    EMBEDDINGS_URL: frozenset({"model", "input", "encoding_format", "dimensions"}),
+}
+
+
+@dataclass(frozen=True)
+class LineError:
+    """Why a line or a body does not run: an `error.code` and the message, "field: reason
+    and fix" (the runner adds "line N: " in front)."""
+
+    code: str
+    message: str
+
+
+@dataclass(frozen=True)
+class BatchLine:
+    """An input line whose envelope is well formed: its 1-based number in the file, its
+    custom_id, url (one of URLS) and request body."""
+
+    number: int
+    custom_id: str
+    url: str
+    body: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class BadLine:
+    """An input line that does not run, found before any model loads; `custom_id` is None
+    when the line has no usable one."""
+
+    number: int
+    custom_id: str | None
+    error: LineError
+
+
+@dataclass
+class GenerationRequest:
+    """A chat or completion body as engine inputs: its prompts (one for a chat, one or more
+    for a completion), the SamplingParams they share and their scheduling priority."""
+
+    url: str
+    prompts: list[dict[str, Any]]
+    sampling_params: SamplingParams
+    priority: int = 0
+
+
+@dataclass
+class EmbeddingRequest:
+    """An embeddings body as engine inputs: one prompt per input (a string or
+    {"prompt_token_ids": [...]}) and how the vectors are written ("float" or "base64")."""
+
+    prompts: list[str | dict[str, Any]]
+    encoding_format: str = "float"
+
+
+class BatchRunError(Exception):
+    """A run that cannot start or go on: an input or output file that cannot be used, a
+    model or engine setting the engine refuses. The message names the file or setting and the fix."""
+
+
+class _BodyError(Exception):
+    """Raised inside the body checks; the public functions return its `error`."""
+
+    def __init__(self, name: str | None, reason: str, code: str = INVALID_REQUEST) -> None:
+        super().__init__(reason)
+        self.error = LineError(code, reason if name is None else f"{name}: {reason}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Input lines
+
+
+def parse_line(text: str, number: int) -> BatchLine | BadLine:
+    """One input line, {"custom_id", "method": "POST", "url", "body"}, checked as an envelope
+    (the body is checked when its model is loaded)."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        return BadLine(number, None, LineError(
+            INVALID_JSON, f"is not JSON ({exc.msg} at column {exc.colno}): write one JSON object per line"))
+    if not isinstance(data, dict):
+        return BadLine(number, None, LineError(
+            INVALID_JSON, f"expected a JSON object {{custom_id, method, url, body}}, got {type(data).__name__}"))
+    custom_id = data.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        return BadLine(number, None, LineError(
+            INVALID_LINE, f"custom_id: expected a non-empty string, got {custom_id!r}: give each line a unique id"))
+    if (problem := invalid_unicode_problem(custom_id, "custom_id")) is not None:  # it could not be written back
+        return BadLine(number, None, LineError(INVALID_LINE, problem))
+    url, method, body = data.get("url"), data.get("method", "POST"), data.get("body")
+    if method != "POST":
+        return BadLine(number, custom_id, LineError(INVALID_LINE, f"method: must be 'POST', got {method!r}"))
+    if url not in URLS:
+        return BadLine(number, custom_id, LineError(
+            UNSUPPORTED_URL, f"url: {url!r} is not supported: use one of {', '.join(URLS)}"))
+    if not isinstance(body, dict):
+        return BadLine(number, custom_id, LineError(
+            INVALID_LINE, f"body: expected the request as a JSON object, got {type(body).__name__}"))
+    return BatchLine(number, custom_id, url, body)
+
+
+def parse_lines(raw_lines: Iterable[bytes]) -> list[BatchLine | BadLine]:
+    """Every non-blank line of an input file, numbered from 1; a custom_id seen on an earlier
+    line makes the later line a `BadLine` (its first line still runs)."""
+    parsed: list[BatchLine | BadLine] = []
+    first_line: dict[str, int] = {}
+    for number, raw in enumerate(raw_lines, 1):
+        if not raw.strip():
+            continue
+        try:
+            line = parse_line(raw.decode("utf-8"), number)
+        except UnicodeDecodeError as exc:
+            line = BadLine(number, None, LineError(INVALID_JSON, f"is not UTF-8 text ({exc}): fix its encoding"))
+        if line.custom_id is not None and line.custom_id in first_line:
+            line = BadLine(number, line.custom_id, LineError(
+                DUPLICATE_CUSTOM_ID, f"custom_id: {line.custom_id!r} is also the id of line "
+                                     f"{first_line[line.custom_id]}: give each line its own id"))
+        elif line.custom_id is not None:
+            first_line[line.custom_id] = number
+        parsed.append(line)
+    return parsed
+
+
+def read_batch_file(path_or_url: str) -> list[BatchLine | BadLine]:
+    """The lines of an input file: a local path or an fsspec URL (s3://..., gs://...).
+
+    Raises:
+        BatchRunError: the file cannot be read.
+    """
+    import fsspec
+
+    try:
+        with fsspec.open(path_or_url, "rb") as stream:
+            return parse_lines(stream.read().splitlines())
+    except (OSError, ValueError, ImportError) as exc:  # ImportError: the URL's filesystem is not installed
+        raise BatchRunError(f"input file {path_or_url}: cannot be read ({type(exc).__name__}: {exc})") from exc
+
+
+# ---------------------------------------------------------------------------------------------
+# Request bodies -> engine inputs
+
+
+def generation_request(url: str, body: Mapping[str, Any], tokenizer: Any,
+                       defaults: Mapping[str, Any] | None = None) -> GenerationRequest | LineError:
+    """A /v1/chat/completions or /v1/completions body as engine inputs, or its error.
+
+    `tokenizer` renders a chat's conversation (`LLM.get_tokenizer()`); `defaults` are the
+    model's sampling defaults (`model_sampling_defaults`), which the body's fields override.
+    """
+    try:
+        _check_fields(url, body)
+        if url == CHAT_URL:
+            prompts = [_chat_prompt(body, tokenizer)]
+            logprobs, max_tokens = _chat_logprobs(body), _first_set(body, "max_completion_tokens", "max_tokens")
+        else:
+            prompts = _completion_prompts(body.get("prompt"))
+            logprobs, max_tokens = _completion_logprobs(body), body.get("max_tokens", 16)  # OpenAI's default
+        params = _sampling_params(body, defaults, max_tokens, logprobs)
+        priority = body.get("priority", 0)
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise _BodyError("priority", f"must be an integer (lower runs first), got {priority!r}")
+    except _BodyError as exc:
+        return exc.error
+    return GenerationRequest(url, prompts, params, priority)
+
+
+def embedding_request(body: Mapping[str, Any], hidden_size: int | None = None) -> EmbeddingRequest | LineError:
+    """A /v1/embeddings body as engine inputs, or its error. `hidden_size` is the embedding
+    model's width, which `dimensions` must equal (None: not checked)."""
+    try:
+        _check_fields(EMBEDDINGS_URL, body)
+        prompts = _embedding_prompts(body.get("input"))
+        encoding = body.get("encoding_format") or "float"
+        if encoding not in ("float", "base64"):
+            raise _BodyError("encoding_format", f"must be 'float' or 'base64', got {encoding!r}")
+        dimensions = body.get("dimensions")
+        if dimensions is not None and hidden_size is not None and dimensions != hidden_size:
+            raise _BodyError("dimensions", f"this model's embeddings have {hidden_size} dimensions and are not "
+                                           f"shortened: drop dimensions or set it to {hidden_size}", UNSUPPORTED_FIELD)
+    except _BodyError as exc:
+        return exc.error
+    return EmbeddingRequest(prompts, encoding)
+
+
+def model_sampling_defaults(llm: "LLM") -> dict[str, Any]:
+    """The sampling settings the model's generation_config.json sets (temperature, top_p,
+    ...), which vLLM's OpenAI server applies to requests that leave them unset."""
+    model, base = llm.get_default_sampling_params(), SamplingParams()
+    return {f.name: getattr(model, f.name) for f in fields(SamplingParams)
+            if getattr(model, f.name) != getattr(base, f.name)}
+
+
+def _check_fields(url: str, body: Mapping[str, Any]) -> None:
+    """Refuses fields no API of `url` has, those it cannot honour, and a model that is not a name."""
+    unknown = sorted(set(body) - KNOWN_FIELDS[url] - IGNORED_FIELDS)
+    if unknown:
+        raise _BodyError(", ".join(unknown), f"not a field of {url} (OpenAI's or vLLM's): remove it or fix its "
+                                             "spelling")
+    for name, (allowed, reason) in OFF_ONLY_FIELDS.items():
+        if name in body and body[name] not in allowed:
+            raise _BodyError(name, f"{body[name]!r} is not supported: {reason}", UNSUPPORTED_FIELD)
+    if not isinstance(body.get("model", ""), str):
+        raise _BodyError("model", f"must be a string, got {body['model']!r}")
+
+
+def _sampling_params(body: Mapping[str, Any], defaults: Mapping[str, Any] | None, max_tokens: Any,
+                     logprobs: int | None) -> SamplingParams:
+    values = {**(defaults or {}), **{name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}}
+    if max_tokens is not None or "max_tokens" not in values:
+        values["max_tokens"] = max_tokens
+    values.update(logprobs=logprobs, structured_outputs=_structured_outputs(body))
+    try:
+        return SamplingParams.from_optional(**values)
+    except ValueError as exc:  # VLLMValidationError, ParameterTypeError included; each problem names its field
+        raise _BodyError(None, str(exc).removeprefix("Invalid SamplingParams: ")) from exc
+
+
+def _first_set(body: Mapping[str, Any], *names: str) -> Any:
+    return next((body[name] for name in names if body.get(name) is not None), None)
+
+
+def _structured_outputs(body: Mapping[str, Any]) -> StructuredOutputsParams | None:
+    """The one output constraint the body gives, from whichever field gives it."""
+    response_format = body.get("response_format")
+    if isinstance(response_format, dict) and response_format.get("type") == "text":
+        response_format = None
+    given = [name for name in STRUCTURED_FIELDS
+             if (response_format if name == "response_format" else body.get(name)) is not None]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise _BodyError(given[0], f"the body constrains its output with {', '.join(given)}: keep one")
+    name = given[0]
+    try:
+        if name == "response_format":
+            return _response_format(response_format)
+        if name == "structured_outputs":
+            if not isinstance(body[name], dict):
+                raise _BodyError(name, f"expected an object such as {{'json': schema}}, got {body[name]!r}")
+            return StructuredOutputsParams(**body[name])
+        return StructuredOutputsParams(**{GUIDED_FIELDS[name]: body[name]})
+    except (TypeError, ValueError) as exc:  # an unknown key, or a constraint of the wrong form
+        raise _BodyError(name, str(exc).removeprefix("Invalid StructuredOutputsParams: ")) from exc
+
+
+def _response_format(value: Any) -> StructuredOutputsParams:
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    schema = value.get("json_schema") if kind == "json_schema" else None
+    if not isinstance(schema, dict) or not isinstance(schema.get("schema"), dict):
+        raise _BodyError("response_format", "expected {'type': 'text'}, {'type': 'json_object'} or {'type': "
+                                            f"'json_schema', 'json_schema': {{'name': ..., 'schema': {{...}}}}}}, "
+                                            f"got {value!r:.200}")
+    return StructuredOutputsParams(json=schema["schema"])
+
+
+def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
+    """The number of top logprobs per token a chat body asks for (None: no logprobs)."""
+    wanted, top = body.get("logprobs"), body.get("top_logprobs")
+    if wanted not in (None, True, False):
+        raise _BodyError("logprobs", f"must be true or false in a chat (top_logprobs gives the count), got {wanted!r}")
+    if top is not None and not wanted:
+        raise _BodyError("top_logprobs", "needs logprobs: true: set it, or drop top_logprobs")
+    if top is not None and (not isinstance(top, int) or isinstance(top, bool) or top < 0):
+        raise _BodyError("top_logprobs", f"must be a non-negative integer, got {top!r}")
+    return (top or 0) if wanted else None
+
+
+def _completion_logprobs(body: Mapping[str, Any]) -> int | None:
+    value = body.get("logprobs")
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+        raise _BodyError("logprobs", f"must be a non-negative integer (the top logprobs per token), got {value!r}")
+    return value
+
+
+def _chat_prompt(body: Mapping[str, Any], tokenizer: Any) -> dict[str, Any]:
+    """The body's conversation rendered with the model's chat template (or the body's own)."""
+    messages = _template_messages(body.get("messages"))
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise _BodyError("chat_template_kwargs", f"expected an object of template variables, got {kwargs!r:.80}")
+    if body.get("reasoning_effort") is not None:  # templates that read it (gpt-oss's) take it as a variable
+        kwargs = {"reasoning_effort": body["reasoning_effort"], **kwargs}
+    flags = {name: body.get(name, default) for name, default in
+             (("add_generation_prompt", True), ("continue_final_message", False))}
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise _BodyError(name, f"must be true or false, got {value!r}")
+    if flags["add_generation_prompt"] and flags["continue_final_message"]:
+        raise _BodyError("continue_final_message", "needs add_generation_prompt: false (the last message is "
+                                                   "continued, not answered): set it")
+    template, tools = body.get("chat_template"), _tools(body.get("tools"))
+    if template is not None and not isinstance(template, str):
+        raise _BodyError("chat_template", f"must be a Jinja template string, got {type(template).__name__}")
+    try:
+        return render_chat(tokenizer, messages, chat_template=template, tools=tools, chat_template_kwargs=kwargs,
+                           **flags)
+    except Exception as exc:  # the chat template is the model's program: whatever it raises is this line's
+        raise _BodyError("messages", f"the chat template cannot render this conversation ({type(exc).__name__}: "
+                                     f"{exc}): fix the messages, or give a chat_template") from exc
+
+
+def _template_messages(messages: Any) -> list[dict[str, Any]]:
+    """OpenAI's messages as chat templates read them: an assistant message that only calls
+    tools has content "" (not null), and each call's arguments are an object, not JSON text."""
+    if isinstance(messages, list):
+        messages = [_template_message(m) if isinstance(m, dict) and isinstance(m.get("tool_calls"), list) else m
+                    for m in messages]
+    if (problem := chat_messages_problem(messages)) is not None:
+        raise _BodyError("messages", problem)
+    return messages
+
+
+def _template_message(message: dict[str, Any]) -> dict[str, Any]:
+    calls = []
+    for call in message["tool_calls"]:
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+            try:
+                call = {**call, "function": {**function, "arguments": json.loads(function["arguments"])}}
+            except ValueError:
+                pass  # left as the text it is
+        calls.append(call)
+    return {**message, "content": "" if message.get("content") is None else message["content"], "tool_calls": calls}
+
+
+def _tools(tools: Any) -> list[dict[str, Any]] | None:
+    if tools is None or tools == []:
+        return None
+    if not isinstance(tools, list) or not all(
+            isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
+            and isinstance(t["function"].get("name"), str) for t in tools):
+        raise _BodyError("tools", "expected a list of {'type': 'function', 'function': {'name': str, "
+                                  f"'description': str, 'parameters': {{...}}}}}}, got {tools!r:.200}")
+    return tools
+
+
+def _completion_prompts(prompt: Any) -> list[dict[str, Any]]:
+    """A completion's prompt: a string, token ids, or a list of either (one prompt each)."""
+    if isinstance(prompt, str):
+        return [{"prompt": prompt}]
+    if _is_token_ids(prompt):
+        return [{"prompt_token_ids": prompt}]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        return [{"prompt": p} for p in prompt]
+    if isinstance(prompt, list) and prompt and all(_is_token_ids(p) for p in prompt):
+        return [{"prompt_token_ids": p} for p in prompt]
+    raise _BodyError("prompt", "expected a string, a list of strings, a list of token ids or a list of lists of "
+                               f"token ids, got {prompt!r:.80}")
+
+
+def _embedding_prompts(value: Any) -> list[str | dict[str, Any]]:
+    """An embeddings input: a string, token ids, or a list of either (one vector each)."""
+    if isinstance(value, str):
+        return [value]
+    if _is_token_ids(value):
+        return [{"prompt_token_ids": value}]
+    if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        return list(value)
+    if isinstance(value, list) and value and all(_is_token_ids(v) for v in value):
+        return [{"prompt_token_ids": v} for v in value]
+    raise _BodyError("input", "expected a string, a list of strings, a list of token ids or a list of lists of "
+                              f"token ids, got {value!r:.80}")
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                           for t in value)
+
+
+# ---------------------------------------------------------------------------------------------
+# Engine outputs -> response bodies
+
+
+def generation_response_body(request: GenerationRequest, outputs: list[RequestOutput], model: str) -> dict[str, Any]:
+    """The OpenAI response body of a chat or completion request from its prompts' outputs
+    (in the order of `request.prompts`); `model` is the name the body reports."""
+    if request.url == CHAT_URL:
+        return chat_completion_body(outputs[0], model, request.sampling_params.logprobs)
+    return text_completion_body(outputs, model, request.sampling_params.logprobs)
+
+
+def chat_completion_body(output: RequestOutput, model: str, top_logprobs: int | None = None) -> dict[str, Any]:
+    """A chat.completion object: one choice per completion, with its tool calls, reasoning
+    and logprobs (each token's and its `top_logprobs` most likely ones)."""
+    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+            "model": model, "choices": [_chat_choice(c, top_logprobs) for c in output.outputs],
+            "usage": _usage(len(output.prompt_token_ids), output.outputs)}
+
+
+def text_completion_body(outputs: list[RequestOutput], model: str, top_logprobs: int | None = None) -> dict[str, Any]:
+    """A text_completion object: the completions of every prompt, prompt i's j-th at index i * n + j."""
+    choices = [{"index": i * len(output.outputs) + c.index, "text": c.text,
+                "logprobs": _completion_logprobs_body(c, top_logprobs), "finish_reason": c.finish_reason}
+               for i, output in enumerate(outputs) for c in output.outputs]
+    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+            "model": model, "choices": choices,
+            "usage": _usage(sum(len(o.prompt_token_ids) for o in outputs), [c for o in outputs for c in o.outputs])}
+
+
+def embedding_response_body(request: EmbeddingRequest, outputs: list[EmbeddingRequestOutput],
+                            model: str) -> dict[str, Any]:
+    """An embeddings list: one vector per input, as floats or as base64 of little-endian float32."""
+    data = [{"object": "embedding", "index": i, "embedding": _encoded(o.outputs.embedding, request.encoding_format)}
+            for i, o in enumerate(outputs)]
+    tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    return {"object": "list", "data": data, "model": model, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
+def _encoded(vector: list[float], encoding_format: str) -> list[float] | str:
+    if encoding_format == "float":
+        return list(vector)
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
+
+
+def _usage(prompt_tokens: int, completions: list[CompletionOutput]) -> dict[str, Any]:
+    generated = sum(len(c.token_ids) for c in completions)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": generated, "total_tokens": prompt_tokens + generated,
+            "completion_tokens_details": {"reasoning_tokens": sum(c.num_reasoning_tokens for c in completions)}}
+
+
+def _chat_choice(completion: CompletionOutput, top_logprobs: int | None) -> dict[str, Any]:
+    calls = [_tool_call(call) for call in completion.tool_calls or []]
+    message: dict[str, Any] = {"role": "assistant", "content": completion.text or (None if calls else "")}
+    if calls:
+        message["tool_calls"] = calls
+    if completion.reasoning is not None:
+        message["reasoning_content"] = completion.reasoning
+    return {"index": completion.index, "message": message, "logprobs": _chat_logprobs_body(completion, top_logprobs),
+            "finish_reason": "tool_calls" if calls else completion.finish_reason}
+
+
+def _tool_call(call: ToolCall) -> dict[str, Any]:
+    return {"id": call.id, "type": call.type,
+            "function": {"name": call.function.name, "arguments": call.function.arguments}}
+
+
+def _chat_logprobs_body(completion: CompletionOutput, top: int | None) -> dict[str, Any] | None:
+    if completion.logprobs is None or top is None:
+        return None
+    content = [{**_token_logprob(candidates[token_id]),
+                "top_logprobs": [_token_logprob(lp) for lp in _top_ranked(candidates, top)]}
+               for token_id, candidates in zip(completion.token_ids, completion.logprobs)]
+    return {"content": content, "refusal": None}
+
+
+def _completion_logprobs_body(completion: CompletionOutput, top: int | None) -> dict[str, Any] | None:
+    """The legacy completions shape: tokens, their logprobs, the top ones of each step
+    (the sampled token among them, as vLLM's) and each token's offset in the text."""
+    if completion.logprobs is None or top is None:
+        return None
+    tokens, offsets, offset = [], [], 0
+    for token_id, candidates in zip(completion.token_ids, completion.logprobs):
+        tokens.append(candidates[token_id].decoded_token or "")
+        offsets.append(offset)
+        offset += len(tokens[-1])
+    return {"tokens": tokens,
+            "token_logprobs": [_clamped(c[t].logprob) for t, c in zip(completion.token_ids, completion.logprobs)],
+            "top_logprobs": [{lp.decoded_token or "": _clamped(lp.logprob)
+                              for lp in [*_top_ranked(candidates, top), candidates[token_id]]}
+                             for token_id, candidates in zip(completion.token_ids, completion.logprobs)],
+            "text_offset": offsets}
+
+
+def _top_ranked(candidates: dict[int, Logprob], top: int) -> list[Logprob]:
+    ranked = sorted((lp for lp in candidates.values() if lp.rank is not None and lp.rank <= top),
+                    key=lambda lp: lp.rank)
+    return ranked[:top]
+
+
+def _token_logprob(logprob: Logprob) -> dict[str, Any]:
+    token = logprob.decoded_token or ""
+    return {"token": token, "logprob": _clamped(logprob.logprob), "bytes": list(token.encode("utf-8"))}
+
+
+def _clamped(logprob: float) -> float:
+    return max(logprob, MIN_LOGPROB)
+
+
+# ---------------------------------------------------------------------------------------------
+# Output lines, resume and the run of a whole file
+
+
+def response_line(custom_id: str, body: dict[str, Any]) -> dict[str, Any]:
+    """An output line of a request that ran."""
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id,
+            "response": {"status_code": 200, "request_id": f"req_{uuid.uuid4().hex}", "body": body}, "error": None}
+
+
+def error_line(number: int, custom_id: str | None, error: LineError) -> dict[str, Any]:
+    """An output line of a line that did not run; `error.line` is its input line number
+    (as in OpenAI's batch errors), which resume reads."""
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id, "response": None,
+            "error": {"code": error.code, "message": f"line {number}: {error.message}", "line": number}}
+
+
+@dataclass(frozen=True)
+class FinishedLines:
+    """What an earlier run already wrote: the custom_ids with an output line (a duplicate's
+    error aside, which does not stand for its id's first line) and the input line numbers
+    of its error lines."""
+
+    custom_ids: frozenset[str] = frozenset()
+    line_numbers: frozenset[int] = frozenset()
+
+    def covers(self, line: BatchLine | BadLine) -> bool:
+        """Whether the line has its output line already."""
+        if line.number in self.line_numbers:
+            return True
+        duplicate = isinstance(line, BadLine) and line.error.code == DUPLICATE_CUSTOM_ID
+        return not duplicate and line.custom_id in self.custom_ids
+
+
+def finished_lines(path: Path) -> FinishedLines:
+    """The lines an existing output file holds; a torn last line (a run stopped while
+    writing it) is cut off the file, so that the line runs again.
+
+    Raises:
+        BatchRunError: a complete line of the file is not an output line.
+    """
+    if not path.exists():
+        return FinishedLines()
+    try:
+        data = path.read_bytes()
+        whole = data[: data.rfind(b"\n") + 1]
+        if len(whole) < len(data):
+            with path.open("r+b") as stream:
+                stream.truncate(len(whole))
+    except OSError as exc:
+        raise BatchRunError(f"output file {path}: cannot be read and appended to ({exc})") from exc
+        logger.warning("%s: dropped a torn last line (%d bytes); its request runs again", path, len(data) - len(whole))
+    ids, numbers = set(), set()
+    for i, raw in enumerate(whole.splitlines(), 1):
+        try:
+            record = json.loads(raw)
+            error = record["error"] or {}
+        except (ValueError, TypeError, KeyError) as exc:
+            raise BatchRunError(f"output file {path} line {i} is not an output line of a batch run ({exc!r:.80}): "
+                                "give another output file, or move this one away") from exc
+        if isinstance(error.get("line"), int):
+            numbers.add(error["line"])
+        if isinstance(record.get("custom_id"), str) and error.get("code") != DUPLICATE_CUSTOM_ID:
+            ids.add(record["custom_id"])
+    return FinishedLines(frozenset(ids), frozenset(numbers))
+
+
+@dataclass
+class BatchSummary:
+    """How a run went: lines written with a response, with an error, and skipped because
+    an earlier run wrote them."""
+
+    ok: int = 0
+    errors: int = 0
+    skipped: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.ok} lines ok, {self.errors} errors, {self.skipped} skipped (already in the output file)"
+
+
+class ResultWriter:
+    """Writes output lines as they come, each in one write and flushed, so that a run that
+    stops leaves whole lines (and at most a torn last one); counts them in `summary`."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self.stream = stream
+        self.summary = BatchSummary()
+
+    def response(self, custom_id: str, body: dict[str, Any]) -> None:
+        self._write(response_line(custom_id, body))
+        self.summary.ok += 1
+
+    def error(self, number: int, custom_id: str | None, error: LineError) -> None:
+        self._write(error_line(number, custom_id, error))
+        self.summary.errors += 1
+
+    def _write(self, record: dict[str, Any]) -> None:
+        self.stream.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self.stream.flush()
+
+
+@dataclass(frozen=True)
+class BatchRun:
+    """The engine side of a run: the model to generate with (None: the embedded
+    SmolLM2-135M-Instruct), the one to embed with (None: the same, loaded with
+    runner="pooling"), and the `LLM` settings of both."""
+
+    model: str | None = None
+    embedding_model: str | None = None
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def model_name(self) -> str:
+        """The name responses report as their `model`: --model as given."""
+        return self.model or EMBEDDED_MODEL_NAME
+
+    @property
+    def embedding_model_name(self) -> str:
+        return self.embedding_model or self.model_name
+
+
+def run_batch_file(input_file: str, output_file: str, run: BatchRun = BatchRun()) -> BatchSummary:
+    """Runs an OpenAI batch input file into an output file ("-": standard output).
+
+    Lines already in an existing output file are skipped and new ones appended (resume).
+    Bad lines get their error line before any model loads; then the chat and completion
+    lines run in one batch on `run.model`, and the embedding lines on a pooling engine.
+
+    Raises:
+        BatchRunError: an input or output file, model or setting that cannot be used.
+    """
+    lines = read_batch_file(input_file)
+    finished = FinishedLines() if output_file == "-" else finished_lines(Path(output_file))
+    try:
+        stream = sys.stdout if output_file == "-" else open(output_file, "a", encoding="utf-8")
+    except OSError as exc:
+        raise BatchRunError(f"output file {output_file}: cannot be written ({exc})") from exc
+    try:
+        writer = ResultWriter(stream)
+        pending = []
+        for line in lines:
+            if finished.covers(line):
+                writer.summary.skipped += 1
+            elif isinstance(line, BadLine):
+                writer.error(line.number, line.custom_id, line.error)
+            else:
+                pending.append(line)
+        generate = [line for line in pending if line.url != EMBEDDINGS_URL]
+        embed = [line for line in pending if line.url == EMBEDDINGS_URL]
+        if generate:
+            with _load(run.model, run.settings) as llm:
+                _run_generation(llm, generate, writer, run.model_name)
+        if embed:
+            with _load(run.embedding_model or run.model, {**run.settings, "runner": "pooling"}) as llm:
+                _run_embeddings(llm, embed, writer, run.embedding_model_name)
+    finally:
+        if stream is not sys.stdout:
+            stream.close()
+    return writer.summary
+
+
+def _load(model: str | None, settings: dict[str, Any]) -> "LLM":
+    from engine.llm import LLM
+
+    try:
+        return LLM(model, **settings)
+    except (ValueError, TypeError) as exc:  # ModelLoadError and invalid settings included
+        raise BatchRunError(f"the engine cannot load model {model or EMBEDDED_MODEL_NAME!r}: {exc}") from exc
+
+
+@dataclass
+class _Pending:
+    """A line whose requests run: its outputs, one per prompt, as they finish."""
+
+    line: BatchLine
+    request: GenerationRequest | EmbeddingRequest
+    outputs: list[Any]
+    waiting: int
+
+
+@dataclass(frozen=True)
+class _Row:
+    """One prompt of a pending line: the unit the engine runs."""
+
+    pending: _Pending
+    index: int
+
+    @property
+    def prompt(self) -> Any:
+        return self.pending.request.prompts[self.index]
+
+
+def _run_generation(llm: "LLM", lines: list[BatchLine], writer: ResultWriter, model: str) -> None:
+    """The chat and completion lines, in one batch."""
+    if llm.task != "generate":
+        _refuse_all(lines, writer, f"the model {model!r} does not generate text ({llm.task}): run these lines "
+                                   "with a generative --model")
+        return
+    _note_other_models(lines, model)
+    tokenizer, defaults = llm.get_tokenizer(), model_sampling_defaults(llm)
+    requests = [(line, generation_request(line.url, line.body, tokenizer, defaults)) for line in lines]
+
+    def params(rows: list[_Row]) -> dict[str, Any]:
+        return {"sampling_params": [row.pending.request.sampling_params for row in rows],
+                "priority": [row.pending.request.priority for row in rows]}
+
+    _run_rows(requests, writer,
+              check=lambda rows: llm.validate([row.prompt for row in rows], **params(rows)),
+              run=lambda rows: llm.generate_as_completed([row.prompt for row in rows], **params(rows)),
+              respond=lambda request, outputs: generation_response_body(request, outputs, model))
+
+
+def _run_embeddings(llm: "LLM", lines: list[BatchLine], writer: ResultWriter, model: str) -> None:
+    """The embedding lines, in one batch."""
+    if llm.task != "embed":
+        _refuse_all(lines, writer, f"the model {model!r} does not embed ({llm.task}): give an embedding model "
+                                   "with --embedding-model")
+        return
+    _note_other_models(lines, model)
+    requests = [(line, embedding_request(line.body, llm.hidden_size)) for line in lines]
+    _run_rows(requests, writer,
+              check=lambda rows: llm.validate_pooling([row.prompt for row in rows]),
+              run=lambda rows: llm.embed_as_completed([row.prompt for row in rows]),
+              respond=lambda request, outputs: embedding_response_body(request, outputs, model))
+
+
+def _run_rows(requests: list[tuple[BatchLine, GenerationRequest | EmbeddingRequest | LineError]],
+              writer: ResultWriter, check: Callable[[list[_Row]], list[str | None]],
+              run: Callable[[list[_Row]], Iterable[tuple[int, Any]]],
+              respond: Callable[[Any, list[Any]], dict[str, Any]]) -> None:
+    """Writes the error of each line whose body or prompts are refused (`check`: the engine's
+    problem per prompt), runs the prompts of the others together, and writes each line's
+    response once all its prompts are done."""
+    pending = []
+    for line, request in requests:
+        if isinstance(request, LineError):
+            writer.error(line.number, line.custom_id, request)
+        else:
+            pending.append(_Pending(line, request, [None] * len(request.prompts), len(request.prompts)))
+    rows = [_Row(p, i) for p in pending for i in range(len(p.request.prompts))]
+    refused: set[int] = set()  # the ids of the refused _Pending
+    for row, problem in zip(rows, check(rows) if rows else []):
+        if problem is not None and id(row.pending) not in refused:
+            refused.add(id(row.pending))
+            where = f"prompt {row.index}: " if len(row.pending.request.prompts) > 1 else ""
+            writer.error(row.pending.line.number, row.pending.line.custom_id, LineError(INVALID_REQUEST,
+                                                                                        where + problem))
+    rows = [row for row in rows if id(row.pending) not in refused]
+    if not rows:
+        return
+    for index, output in run(rows):
+        done = rows[index].pending
+        done.outputs[rows[index].index] = output
+        done.waiting -= 1
+        if done.waiting == 0:
+            writer.response(done.line.custom_id, respond(done.request, done.outputs))
+
+
+def _refuse_all(lines: list[BatchLine], writer: ResultWriter, reason: str) -> None:
+    for line in lines:
+        writer.error(line.number, line.custom_id, LineError(UNSUPPORTED_URL, f"url: {reason}"))
+
+
+def _note_other_models(lines: list[BatchLine], model: str) -> None:
+    """Logs the body `model` names that differ from the loaded model's: they run on it anyway."""
+    named = sorted({line.body["model"] for line in lines
+                    if isinstance(line.body.get("model"), str) and line.body["model"] != model})
+    if named:
+        logger.warning("body.model names %s; every line runs on %r (body.model is not checked)",
+                       ", ".join(map(repr, named)), model)
