@@ -20,8 +20,11 @@ import engine
 from dagster_llm.core.checks import DESCRIPTIONS, PARSE_RATE, PARSE_RATE_DESCRIPTION, evaluate
 from dagster_llm.core.generation import GenerationRun, PartitionInput, PartitionResult, RunOptions
 from dagster_llm.core.leases import LeaseLostError
-from dagster_llm.core.prompts import PartitionSettings, PromptTableError, check_columns, read_rows, to_dataframe
+from dagster_llm.core.prompts import (
+    PartitionSettings, PromptTableError, check_columns, read_rows, to_dataframe, tools_problem,
+)
 from dagster_llm.core.sampling import BeamSearchConfig, SamplingConfig, used_values
+from dagster_llm.core.schema import ToolArguments, tool_columns_problem
 from dagster_llm.core.structured import OutputSpecError, StructuredOutput
 from dagster_llm.core.watch import LaunchingProcessDied, ParentWatch
 from dagster_llm.metadata import PartitionFacts, column_schema, partition_metadata, upstream_data_version
@@ -55,12 +58,13 @@ def build_generation_asset(name: str, upstream: str | dg.AssetKey | dg.AssetsDef
     its fingerprint, the sha256 of each image), the model weights and the code version.
 
     A row that cannot run (null or bad prompt, bad override, unknown or broken adapter,
-    unreadable image, repeated id, too long) gets its `error` and the others run. The
-    asset carries four checks per partition (error rows, empty generations, truncation
-    rate, unique ids; a
-    fifth, `parse_rate`, with a structured output: one typed column per top-level field of
-    `output_schema`, or a `choice` column), claims a slot of `pool`, and holds a lock per
-    partition so that two runs never write one partition at once.
+    unreadable image, repeated id, too long) gets its `error` and the others run. A
+    reasoning model's reasoning goes to the `reasoning` column and its tool calls (with
+    `tools`) to `tool_calls`; `generated_text` is the answer. The asset carries five checks
+    per partition (error rows, empty generations, truncation rate, unique ids, reasoning
+    that never ended; a sixth, `parse_rate`, with a structured output: one typed column per
+    top-level field of `output_schema`, or a `choice` column), claims a slot of `pool`, and
+    holds a lock per partition so that two runs never write one partition at once.
 
     Args:
         name: The asset's name.
@@ -129,6 +133,7 @@ class _Definition:
     beam: PartitionChoice[BeamSearchConfig | None]
     output: PartitionChoice[StructuredOutput | None]
     structured: bool  # some partition has a structured output: the asset has the parse_rate check
+    tool: ToolArguments | None  # the argument columns of the one declared tool
     lora_requests: dict[str, engine.LoRARequest]
     code_version: str
     partitioned: bool
@@ -149,6 +154,7 @@ def generation_asset(spec: GenerationSpec, partitions_def: dg.PartitionsDefiniti
                                 "adapter_by_partition"),
         beam=beam_choice(spec, partitions_def, output),
         output=output, structured=any(o is not None for o in [output.default, *output.by_partition.values()]),
+        tool=_tool_arguments(spec, output),
         # Ids by sorted name: stable across runs and processes.
         lora_requests={a: engine.LoRARequest(a, i + 1, path) for i, (a, path) in enumerate(sorted(spec.adapters.items()))},
         code_version=f"{spec.code_version}+{spec.settings_digest()[:12]}", partitioned=partitions_def is not None,
@@ -163,7 +169,7 @@ def generation_asset(spec: GenerationSpec, partitions_def: dg.PartitionsDefiniti
             key=key, code_version=d.code_version, group_name=spec.group_name,
             description=spec.description or f"LLM completions of {spec.upstream}.{spec.prompt_column}",
             kinds={"parquet"}, is_required=False, io_manager_key=spec.io_manager_key,
-            metadata={"dagster/column_schema": column_schema(output.default, spec.image_column is not None)},
+            metadata={"dagster/column_schema": column_schema(output.default, spec.image_column is not None, d.tool)},
         )},
         ins={"prompts": dg.AssetIn(key=spec.upstream_key)},
         check_specs=_check_specs(key, partitions_def, d.structured),
@@ -178,6 +184,27 @@ def generation_asset(spec: GenerationSpec, partitions_def: dg.PartitionsDefiniti
         yield from _GenerationStep(d, context, config).execute(prompts)
 
     return _generate
+
+
+def _tool_arguments(spec: GenerationSpec, output: PartitionChoice[StructuredOutput | None]) -> ToolArguments | None:
+    """The argument columns of the spec's one tool (None: no tool, several, or one without
+    parameters), its tools checked.
+
+    Raises:
+        DagsterInvalidDefinitionError: a tool that is not an OpenAI function tool, or
+            argument columns named like the table's columns or a structured output's fields.
+    """
+    problem = tools_problem(spec.tools)
+    if problem is not None:
+        raise dg.DagsterInvalidDefinitionError(f"{spec.name}: {problem}")
+    try:
+        tool = ToolArguments.of(spec.tools)
+    except OutputSpecError as exc:
+        raise dg.DagsterInvalidDefinitionError(f"{spec.name}: tools[0].function.parameters: {exc}") from None
+    problem = tool_columns_problem(tool, [output.default, *output.by_partition.values()]) if tool else None
+    if problem is not None:
+        raise dg.DagsterInvalidDefinitionError(f"{spec.name}: tools[0]: {problem}")
+    return tool
 
 
 def _backfill_policy(spec: GenerationSpec, partitions_def: dg.PartitionsDefinition | None
@@ -247,7 +274,8 @@ class _GenerationStep(PartitionedStep):
                 self.settings[key] = settings
                 rows = read_rows(frames[key], settings, self.spec, tokenizer, llm.image_placeholder)
                 store = self.store.partition(self.spec.asset_key.path, key) if self.store else None
-                parts.append(PartitionInput(key, rows, store, settings.output, self.spec.image_column is not None))
+                parts.append(PartitionInput(key, rows, store, settings.output, self.spec.image_column is not None,
+                                            self.d.tool))
         except PromptTableError as exc:
             raise dg.Failure(f"{self.spec.name}: {exc}; nothing was run") from None
         return parts
@@ -297,7 +325,7 @@ class _GenerationStep(PartitionedStep):
     def _facts(self, key: str | None) -> PartitionFacts:
         settings = self.settings[key]
         return PartitionFacts(
-            spec=self.spec, output=settings.output,
+            spec=self.spec, output=settings.output, tool=self.d.tool,
             location=self.store.partition(self.spec.asset_key.path, key).location if self.store else None,
             model_id=self.resource.model_id, model_fingerprint=self.resource.get_llm().model_fingerprint,
             partitions_in_run=len(self.keys), adapter=settings.adapter,

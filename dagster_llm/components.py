@@ -63,6 +63,23 @@ class GenerationComponent(GenerationSpec, PartitionFields, dg.Component, dg.Reso
                 required: [topic, keywords]
               choices_by_partition: {creative: ["poem", "story", "joke"]}
               min_parse_rate: 0.9
+
+        Arguments of the chat template (here: a Qwen3 model's reasoning off) and tools it
+        lists; the calls go to the tool_calls column, and one tool's arguments get typed
+        columns (here: city):
+
+        .. code-block:: yaml
+
+              chat_template_kwargs: {enable_thinking: false}
+              tools:
+                - type: function
+                  function:
+                    name: get_weather
+                    description: The weather in a city.
+                    parameters:
+                      type: object
+                      properties: {city: {type: string}}
+                      required: [city]
     """
 
     def build_defs(self, context: dg.ComponentLoadContext) -> dg.Definitions:

@@ -9,7 +9,7 @@ import pyarrow as pa
 
 import engine
 from dagster_llm.core.generation import PartitionResult
-from dagster_llm.core.schema import column_descriptions, generation_schema, output_columns
+from dagster_llm.core.schema import ToolArguments, column_descriptions, generation_schema, output_columns, tool_columns
 from dagster_llm.core.structured import StructuredOutput
 from dagster_llm.spec import GenerationSpec
 
@@ -18,10 +18,12 @@ from dagster_llm.spec import GenerationSpec
 class PartitionFacts:
     """What a partition's metadata says beside its result: the asset, where the table is
     (None: another IO manager stores it), the model, and the partition's own settings
-    (`sampling_used`: the values its rows were generated with, the model's defaults included)."""
+    (`sampling_used`: the values its rows were generated with, the model's defaults included;
+    `tool`: the argument columns of the asset's one declared tool)."""
 
     spec: GenerationSpec
     output: StructuredOutput | None
+    tool: ToolArguments | None
     location: str | None
     model_id: str
     model_fingerprint: str
@@ -31,33 +33,38 @@ class PartitionFacts:
     upstream_data_version: str | None
 
 
-def column_schema(output: StructuredOutput | None, images: bool = False) -> dg.TableSchema:
-    """The generation table's columns (with a structured output's typed columns, and the
-    image digests where the prompts have images) and their descriptions."""
-    descriptions = column_descriptions(output)
+def column_schema(output: StructuredOutput | None, images: bool = False,
+                  tool: ToolArguments | None = None) -> dg.TableSchema:
+    """The generation table's columns (with a structured output's typed columns, the image
+    digests where the prompts have images, and the tool's argument columns) and their
+    descriptions."""
+    descriptions = column_descriptions(output, tool)
     return dg.TableSchema(columns=[
         dg.TableColumn(f.name, str(f.type), description=descriptions[f.name])
-        for f in generation_schema(output, images)
+        for f in generation_schema(output, images, tool)
     ])
 
 
-def table_metadata(table: pa.Table, spec: GenerationSpec, output: StructuredOutput | None) -> dict[str, object]:
+def table_metadata(table: pa.Table, spec: GenerationSpec, output: StructuredOutput | None,
+                   tool: ToolArguments | None) -> dict[str, object]:
     """Row count, column schema, column lineage (every generated column comes from the
     prompt, and from the images where there are some) and the preview."""
     def from_columns(*columns: str) -> list[dg.TableColumnDep]:
         return [dg.TableColumnDep(asset_key=spec.upstream_key, column_name=column) for column in columns]
 
     generated = [spec.prompt_column, *([spec.image_column] if spec.image_column is not None else [])]
+    typed = (*output_columns(output), *tool_columns(tool))
+    derived = ["reasoning", "tool_calls", *(column.name for column in typed)]
     lineage = dg.TableColumnLineage(deps_by_column={
         "generated_text": from_columns(*generated),
         "prompt": from_columns(spec.prompt_column),
         "id": from_columns(spec.id_column),
         **({"image_digests": from_columns(spec.image_column)} if spec.image_column is not None else {}),
-        **{column.name: from_columns(*generated) for column in output_columns(output)},
+        **{name: from_columns(*generated) for name in derived},
     })
     return {
         "dagster/row_count": table.num_rows,
-        "dagster/column_schema": column_schema(output, spec.image_column is not None),
+        "dagster/column_schema": column_schema(output, spec.image_column is not None, tool),
         "dagster/column_lineage": lineage,
         "preview": dg.MetadataValue.md(preview_markdown(table)),
     }
@@ -69,7 +76,7 @@ def partition_metadata(result: PartitionResult, run: PartitionFacts) -> dict[str
     stats = result.stats
     output = run.output
     return {
-        **table_metadata(result.table, run.spec, output),
+        **table_metadata(result.table, run.spec, output, run.tool),
         "path": dg.MetadataValue.path(run.location) if run.location else "(stored by the IO manager)",
         "model_id": run.model_id,
         "model_fingerprint": run.model_fingerprint,
@@ -78,6 +85,8 @@ def partition_metadata(result: PartitionResult, run: PartitionFacts) -> dict[str
         "elapsed_s": stats.elapsed_s,
         "prompt_tokens": stats.prompt_tokens,
         "completion_tokens": stats.completion_tokens,
+        "reasoning_tokens": stats.reasoning_tokens,
+        "tool_call_rows": stats.tool_call_rows,
         "generated_rows": stats.generated_rows,
         "generated_tokens": stats.generated_tokens,
         "resumed_rows": stats.resumed_rows,

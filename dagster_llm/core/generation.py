@@ -19,7 +19,7 @@ import pyarrow as pa
 from dagster_llm.core.progress import GenerationProgress, WorkCounters
 from dagster_llm.core.prompts import PromptRow
 from dagster_llm.core.sampling import used_values
-from dagster_llm.core.schema import records_table, result_record
+from dagster_llm.core.schema import ToolArguments, records_table, result_record
 from dagster_llm.core.structured import OutputSpecError, StructuredOutput
 from dagster_llm.core.table_store import POSITION_COLUMN, PartitionFiles, with_data_version
 from engine import BeamSearchOutput, CompletionOutput, LoRARequest, RequestOutput
@@ -43,20 +43,24 @@ class RunOptions:
 @dataclass(frozen=True)
 class PartitionInput:
     """One partition to generate: its prompt rows, its storage (None: nothing is saved until
-    the caller stores the table), what its completions must be (None: free text) and whether
-    its prompt table has an image column (its table then records each row's image digests)."""
+    the caller stores the table), what its completions must be (None: free text), whether
+    its prompt table has an image column (its table then records each row's image digests)
+    and the argument columns of its one declared tool (None: none)."""
 
     key: str | None
     rows: list[PromptRow]
     files: PartitionFiles | None = None
     output: StructuredOutput | None = None
     images: bool = False
+    tool: ToolArguments | None = None
 
 
 @dataclass
 class PartitionStats:
     """What one partition's table holds and what this run did for it. `error_rows` counts
-    every row with an error, including generated rows whose structured output did not parse."""
+    every row with an error, including generated rows whose structured output did not parse;
+    `reasoning_tokens` sums the rows' reasoning tokens, `tool_call_rows` counts the rows that
+    made a tool call."""
 
     rows: int = 0
     error_rows: int = 0
@@ -65,6 +69,8 @@ class PartitionStats:
     generated_tokens: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    reasoning_tokens: int = 0
+    tool_call_rows: int = 0
     finish_reasons: dict[str, int] = field(default_factory=dict)
     adapter_fingerprints: dict[str, str] = field(default_factory=dict)
     elapsed_s: float = 0.0
@@ -87,6 +93,7 @@ class _Partition:
     files: PartitionFiles | None
     output: StructuredOutput | None
     images: bool
+    tool: ToolArguments | None
     data_version: str = ""
     records: dict[int, dict[str, Any]] = field(default_factory=dict)
     resumed_rows: int = 0
@@ -123,7 +130,7 @@ class GenerationRun:
                 structured output.
         """
         started = time.monotonic()
-        parts = [_Partition(p.key, p.rows, p.files, p.output, p.images) for p in partitions]
+        parts = [_Partition(p.key, p.rows, p.files, p.output, p.images, p.tool) for p in partitions]
         self._check_outputs(parts)
         self._check_rows([row for part in parts for row in part.rows])
         model = self.llm.model_fingerprint
@@ -237,7 +244,7 @@ class GenerationRun:
             if isinstance(output, BeamSearchOutput):
                 output = _best_beam(output)
             part = by_key[row.partition]
-            part.records[row.position] = result_record(row, output, self.options.model_id)
+            part.records[row.position] = result_record(row, output, self.options.model_id, part.tool)
             part.unsaved.append(row.position)
             part.pending -= 1
             progress.row_finished(len(output.outputs[0].token_ids), self._max_tokens(row))
@@ -260,7 +267,7 @@ class GenerationRun:
         self.check_alive()
         positions = sorted(part.unsaved)
         table = records_table([part.records[p] for p in positions], part.output,
-                              {POSITION_COLUMN: pa.array(positions, pa.int32())}, part.images)
+                              {POSITION_COLUMN: pa.array(positions, pa.int32())}, part.images, part.tool)
         part.files.append_shard(part.data_version, table)
         part.unsaved.clear()
         part.last_shard = time.monotonic()
@@ -268,14 +275,17 @@ class GenerationRun:
     def _commit(self, part: _Partition, started: float) -> PartitionResult:
         """The partition's table in input order, committed to its files."""
         self.check_alive()
-        records = [part.records.get(row.position) or result_record(row, None, self.options.model_id)
+        records = [part.records.get(row.position) or result_record(row, None, self.options.model_id, part.tool)
                    for row in part.rows]
-        table = with_data_version(records_table(records, part.output, images=part.images), part.data_version)
+        table = with_data_version(records_table(records, part.output, images=part.images, tool=part.tool),
+                                  part.data_version)
         if part.files is not None:
             part.files.commit(table, part.data_version)
         return PartitionResult(part.key, table, part.data_version, self._stats(part, records, started))
 
     def _stats(self, part: _Partition, records: list[dict[str, Any]], started: float) -> PartitionStats:
+        """The partition's stats; rows resumed from a table saved before the reasoning and
+        tool call columns existed lack them (`.get`)."""
         ran = [r for r in records if r["generated_text"] is not None]  # with or without a parse error
         return PartitionStats(
             rows=len(records),
@@ -285,6 +295,8 @@ class GenerationRun:
             generated_tokens=sum(r["completion_tokens"] for r in ran) - part.resumed_tokens,
             prompt_tokens=sum(r["prompt_tokens"] for r in ran),
             completion_tokens=sum(r["completion_tokens"] for r in ran),
+            reasoning_tokens=sum(r.get("reasoning_tokens") or 0 for r in ran),
+            tool_call_rows=sum(r.get("tool_calls") is not None for r in ran),
             finish_reasons=dict(collections.Counter(r["finish_reason"] for r in ran)),
             adapter_fingerprints={a: self.fingerprints[a] for a in sorted({r["adapter"] for r in ran} - {None})},
             elapsed_s=round(time.monotonic() - started, 3),

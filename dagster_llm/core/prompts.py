@@ -5,6 +5,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import jsonschema
 import pandas as pd
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -29,6 +30,15 @@ class PromptTableRules(BaseModel):
     id_column: str = Field(default="id", description="Column that identifies a row; copied to the output.")
     chat: bool = Field(default=False, description="Render plain-text prompts with the model's chat template, "
                                                   "as one user message.")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None, description="Extra arguments of the model's chat template for chat rows (chat=True text, "
+                                  "chat-message cells), e.g. {'enable_thinking': False} to turn a Qwen3 model's "
+                                  "reasoning off.")
+    tools: list[dict[str, Any]] | None = Field(
+        default=None, description="OpenAI function tools ({'type': 'function', 'function': {'name', 'description', "
+                                  "'parameters': JSON schema of an object}}) that the chat template lists for chat "
+                                  "rows; the calls the model makes go to the tool_calls column, and with one tool "
+                                  "its arguments get typed columns (one per parameter, from the first call).")
     adapters: dict[str, str] = Field(
         default_factory=dict, description="LoRA adapter name to PEFT adapter folder (in a component: relative "
                                           "to its folder).")
@@ -47,6 +57,36 @@ class PromptTableRules(BaseModel):
     @classmethod
     def _folders_as_text(cls, value: object) -> object:
         return {name: str(folder) for name, folder in value.items()} if isinstance(value, dict) else value
+
+
+_TOOL_EXAMPLE = ("{'type': 'function', 'function': {'name': 'get_weather', 'description': 'The weather in a city.', "
+                 "'parameters': {'type': 'object', 'properties': {'city': {'type': 'string'}}}}}")
+
+
+def tools_problem(tools: list[dict[str, Any]] | None) -> str | None:
+    """Why `tools` are not OpenAI function tools (the first wrong one, by its place), or None."""
+    names: set[str] = set()
+    for index, tool in enumerate(tools or []):
+        where = f"tools[{index}]"
+        function = tool.get("function")
+        if tool.get("type") != "function" or not isinstance(function, dict):
+            return f"{where}: is not a function tool; write each tool as {_TOOL_EXAMPLE}"
+        name = function.get("name")
+        if not isinstance(name, str) or not name.strip():
+            return f"{where}.function.name: give the function a name (a non-empty string), got {name!r}"
+        if name in names:
+            return f"{where}.function.name: {name!r} names an earlier tool too; give each tool a name of its own"
+        names.add(name)
+        parameters = function.get("parameters")
+        if not isinstance(parameters, dict) or parameters.get("type") != "object":
+            return (f"{where}.function.parameters: must be the JSON schema of an object ({{'type': 'object', "
+                    f"'properties': {{...}}}}, {{'type': 'object'}} for none), got {parameters!r}")
+        try:
+            jsonschema.validators.validator_for(parameters).check_schema(parameters)
+        except jsonschema.exceptions.SchemaError as exc:
+            at = "/".join(str(part) for part in exc.absolute_path) or "(top level)"
+            return f"{where}.function.parameters: is not a valid JSON schema at {at}: {exc.message}; fix it"
+    return None
 
 
 @dataclass
@@ -244,8 +284,8 @@ def _text_prompt(row: PromptRow, text: str, spec: PromptTableRules, tokenizer: A
 
 def _chat_prompt(row: PromptRow, messages: list[dict[str, Any]], spec: PromptTableRules, tokenizer: Any,
                  image_placeholder: str | None, images: list[bytes]) -> None:
-    """A conversation rendered with the model's chat template; the row's images open its
-    last user message."""
+    """A conversation rendered with the model's chat template, which gets the spec's tools and
+    chat_template_kwargs; the row's images open its last user message."""
     if image_placeholder is None and chat_images(messages):
         row.fail(f"{spec.prompt_column}: the conversation holds image parts, but the model reads text only: point "
                  "the resource's model_id at a vision-language model, or drop the image parts")
@@ -260,9 +300,10 @@ def _chat_prompt(row: PromptRow, messages: list[dict[str, Any]], spec: PromptTab
         messages[last_user] = {**messages[last_user],
                                "content": [*({"type": "image", "image": data} for data in images), *text_parts]}
     try:
-        row.prompt = render_chat(tokenizer, messages)
+        row.prompt = render_chat(tokenizer, messages, tools=spec.tools, chat_template_kwargs=spec.chat_template_kwargs)
     except Exception as exc:  # a template may raise anything for messages it does not accept
-        row.fail(f"{spec.prompt_column}: the model's chat template rejected the messages ({exc})")
+        given = " with the tools and chat_template_kwargs given" if spec.tools or spec.chat_template_kwargs else ""
+        row.fail(f"{spec.prompt_column}: the model's chat template rejected the messages{given} ({exc})")
 
 
 def _missing(value: object) -> bool:

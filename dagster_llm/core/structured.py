@@ -62,17 +62,21 @@ class StructuredOutput:
         schema: A JSON schema (dict) or a pydantic model class; its top level must be an
             object with properties.
         choices: The labels of a classification.
+        label: What a row's error calls the output (another use of the typed columns, such
+            as a tool call's arguments, names itself).
 
     Raises:
         OutputSpecError: both or neither given, an invalid schema (by its JSON Schema
             meta-schema), a top level that is not an object with properties, bad choices.
     """
 
-    def __init__(self, schema: Mapping[str, Any] | type | None = None, choices: Sequence[str] | None = None) -> None:
+    def __init__(self, schema: Mapping[str, Any] | type | None = None, choices: Sequence[str] | None = None,
+                 label: str = "structured output") -> None:
         if (schema is None) == (choices is None):
             raise OutputSpecError("give exactly one of output_schema and choices")
         self.schema = _schema_dict(schema) if schema is not None else None
         self.choices = _checked_choices(choices) if choices is not None else None
+        self.label = label
         if self.schema is not None:
             self._validator = _validator(self.schema)
             self.columns = _schema_columns(self.schema)
@@ -130,9 +134,9 @@ class StructuredOutput:
         empty = {column.name: None for column in self.columns}
         if finish_reason == "length":
             what = "the JSON" if self.schema is not None else "the choice"
-            return ParsedOutput(empty, f"structured output: cut off by max_tokens ({max_tokens}) before {what} was "
+            return ParsedOutput(empty, f"{self.label}: cut off by max_tokens ({max_tokens}) before {what} was "
                                        "complete; raise max_tokens (the sampling config, or a max_tokens column)")
-        return ParsedOutput(empty, f"structured output: {problem}")
+        return ParsedOutput(empty, f"{self.label}: {problem}")
 
 
 def _path(parts: Sequence[str | int]) -> str:

@@ -21,8 +21,8 @@ PROMPTS = {
 METADATA_KEYS = {
     "dagster/row_count", "dagster/column_schema", "dagster/column_lineage", "path", "model_id",
     "model_fingerprint", "engine_version", "elapsed_s", "partitions_in_run", "prompt_tokens",
-    "completion_tokens", "finish_reasons", "error_rows", "generated_rows", "resumed_rows", "adapter",
-    "sampling_config", "data_version", "upstream_data_version", "preview",
+    "completion_tokens", "reasoning_tokens", "tool_call_rows", "finish_reasons", "error_rows", "generated_rows",
+    "resumed_rows", "adapter", "sampling_config", "data_version", "upstream_data_version", "preview",
 }
 
 
@@ -84,7 +84,8 @@ def test_partition_contents_equal_direct_generation_and_carry_full_metadata(env)
         assert tags["dagster/input_data_version/prompts"] == hashlib.sha256(upstream_version.encode()).hexdigest()
         checks = {(e.check_name, e.partition): e.passed for e in result.get_asset_check_evaluations()}
         assert checks == {("no_error_rows", "a"): True, ("no_empty_generations", "a"): True,
-                          ("truncation_rate", "a"): checks[("truncation_rate", "a")], ("unique_ids", "a"): True}
+                          ("truncation_rate", "a"): checks[("truncation_rate", "a")], ("unique_ids", "a"): True,
+                          ("unfinished_reasoning", "a"): True}
 
 
 def test_single_run_backfill_loads_the_model_once_and_writes_each_partition(env):

@@ -17,11 +17,13 @@ from dagster_llm.kubernetes import KubernetesStep
 from tests.dagster_llm.readme_tables import options_table, sampling_table
 
 SCHEMA = {"type": "object", "properties": {"topic": {"type": "string"}}, "required": ["topic"]}
+TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}
 # A value other than the default for every option: a new option must be added here.
 OTHER_VALUES = {
     "name": "other", "upstream": "raw/other", "prompt_column": "text", "id_column": "key", "chat": True,
     "adapters": {"x": "/adapters/x"}, "adapter_column": "lora", "image_column": "photo",
     "duplicate_ids": "keep", "max_error_rate": 0.1, "max_empty_rate": 0.2, "max_truncation_rate": 0.3, "min_parse_rate": 0.4,
+    "max_unfinished_reasoning_rate": 0.5, "chat_template_kwargs": {"enable_thinking": False}, "tools": [TOOL],
     "sampling": SamplingConfig(temperature=0.5), "sampling_by_partition": {"a": SamplingConfig(max_tokens=3)},
     "adapter": "x", "adapter_by_partition": {"a": "x"}, "output_schema": SCHEMA, "choices": ["yes", "no"],
     "output_schema_by_partition": {"a": SCHEMA}, "choices_by_partition": {"b": ["p"]}, "code_version": "2",
@@ -45,9 +47,10 @@ def test_every_option_that_changes_the_table_reaches_the_settings_digest(field):
 
 
 def test_the_digest_leaves_out_operational_fields_thresholds_and_adapter_folders():
-    assert {"resource_key", "pool", "shard_rows", "max_error_rate", "min_parse_rate", "adapters"} <= \
-        data_version_exclusions()
-    assert not {"sampling", "prompt_column", "chat", "output_schema", "code_version"} & data_version_exclusions()
+    assert {"resource_key", "pool", "shard_rows", "max_error_rate", "min_parse_rate", "max_unfinished_reasoning_rate",
+            "adapters"} <= data_version_exclusions()
+    assert not {"sampling", "prompt_column", "chat", "output_schema", "code_version", "tools",
+                "chat_template_kwargs"} & data_version_exclusions()
 
 
 def test_the_component_passes_every_option_to_the_asset(monkeypatch):
