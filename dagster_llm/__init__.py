@@ -38,8 +38,10 @@ _EXPORTS = {
     "TableStore": "dagster_llm.core.table_store",
     "build_embedding_asset": "dagster_llm.embedding_assets",
     "build_generation_asset": "dagster_llm.assets",
+    "build_openai_batch_asset": "dagster_llm.openai_batch_assets",
     "generation_asset": "dagster_llm.assets",
     "partition_file": "dagster_llm.core.table_store",
+    "read_openai_batch_file": "dagster_llm.core.openai_batch",
     "write_parquet_atomically": "dagster_llm.core.table_store",
 }
 __all__ = sorted(_EXPORTS)

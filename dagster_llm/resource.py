@@ -98,6 +98,12 @@ class LLMResource(_EngineSettings):
         return self._llm
 
     def teardown_after_execution(self, context: dg.InitResourceContext) -> None:
+        self.release()
+
+    def release(self) -> None:
+        """Frees the engine (and the processes it started) and its GPUs now; the next
+        `get_llm()` loads it again. A step that needs a second engine on the same GPUs
+        (an OpenAI batch's embedding lines after its chat lines) frees the first."""
         if self._llm is not None:
             self._llm.close()
             self._llm = None
