@@ -11,7 +11,7 @@ from typing import Any
 import dagster as dg
 import pandas as pd
 import pyarrow as pa
-from pydantic import Field, ValidationError
+from pydantic import Field
 
 from dagster_llm.core.embedding import (
     CHECKS, COLUMNS, EmbeddingOptions, EmbeddingResult, EmbeddingRun, TextPartition, evaluate_embeddings, text_rows,
@@ -66,12 +66,7 @@ def build_embedding_asset(name: str, upstream: str | dg.AssetKey | dg.AssetsDefi
     """
     if partitions_def is None and isinstance(upstream, dg.AssetsDefinition):
         partitions_def = upstream.partitions_def
-    try:
-        spec = EmbeddingSpec(name=name, upstream=upstream, **options)
-    except ValidationError as exc:
-        problems = [f"{'.'.join(map(str, e['loc']))}: {e['msg']}, got {e['input']!r}" for e in exc.errors()]
-        raise dg.DagsterInvalidDefinitionError(f"{name}: " + "; ".join(problems)) from None
-    return embedding_asset(spec, partitions_def)
+    return embedding_asset(EmbeddingSpec.from_options(name, upstream, options), partitions_def)
 
 
 def embedding_asset(spec: EmbeddingSpec, partitions_def: dg.PartitionsDefinition | None) -> dg.AssetsDefinition:

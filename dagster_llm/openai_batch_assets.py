@@ -12,7 +12,7 @@ from typing import Any
 import dagster as dg
 import pandas as pd
 import pyarrow as pa
-from pydantic import ConfigDict, Field, ValidationError, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from dagster_llm.core.generation import digest
 from dagster_llm.core.leases import LeaseLostError
@@ -104,12 +104,7 @@ def build_openai_batch_asset(name: str, upstream: str | dg.AssetKey | dg.AssetsD
     """
     if partitions_def is None and isinstance(upstream, dg.AssetsDefinition):
         partitions_def = upstream.partitions_def
-    try:
-        spec = OpenAIBatchSpec(name=name, upstream=upstream, **options)
-    except ValidationError as exc:
-        problems = [f"{'.'.join(map(str, e['loc'])) or 'options'}: {e['msg']}, got {e['input']!r:.200}"
-                    for e in exc.errors()]
-        raise dg.DagsterInvalidDefinitionError(f"{name}: " + "; ".join(problems)) from None
+    spec = OpenAIBatchSpec.from_options(name, upstream, options)
     return openai_batch_asset(spec, partitions_def)
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import dagster as dg
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from dagster_llm.core.checks import CheckThresholds
 from dagster_llm.core.generation import digest
@@ -43,6 +43,20 @@ class AssetKeys(BaseModel):
     @classmethod
     def _one_level(cls, value: object) -> object:
         return [value] if isinstance(value, str) else [] if value is None else value
+
+    @classmethod
+    def from_options(cls, name: str, upstream: object, options: dict[str, Any]) -> Any:
+        """The spec of a factory's arguments.
+
+        Raises:
+            DagsterInvalidDefinitionError: naming the asset and each bad option with its value.
+        """
+        try:
+            return cls(name=name, upstream=upstream, **options)
+        except ValidationError as exc:
+            problems = [f"{'.'.join(map(str, e['loc'])) or 'options'}: {e['msg']}, got {e['input']!r:.200}"
+                        for e in exc.errors()]
+            raise dg.DagsterInvalidDefinitionError(f"{name}: " + "; ".join(problems)) from None
 
     @property
     def asset_key(self) -> dg.AssetKey:
