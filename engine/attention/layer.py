@@ -8,16 +8,54 @@ and attends. A backend is one module: `attention_torch` (PyTorch's batched produ
 `attention_selector` picks one.
 
 Layers differ in what they see: each `Attention` carries its own scale, sliding window
-(a query at position p sees keys p - W < k <= p) and attention-logit soft-cap
-(C * tanh(score / C), Gemma 2), so one model can mix windowed and global layers; every
-backend reads them from the layer in `forward`, while `prepare` runs once per step.
+(a query at position p sees keys p - W < k <= p), attention chunk (Llama 4's local layers:
+keys k <= p of p's own chunk of C, k // C == p // C), attention-logit soft-cap
+(C * tanh(score / C), Gemma 2) and attention sinks (gpt-oss: a learned logit per query head
+that joins the softmax's denominator without a value), so one model can mix windowed, local
+and global layers; every backend reads them from the layer in `forward`, while `prepare`
+runs once per step.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+
+
+@dataclass(frozen=True)
+class KeyRange:
+    """Which keys a query at position p sees besides the causal k <= p: with a
+    `sliding_window` W only p - W < k, with a `chunk_size` C only its own chunk,
+    k // C == p // C; both where both are set. A contiguous range of keys ending at p,
+    from `first_key(p)`."""
+
+    sliding_window: int | None = None
+    chunk_size: int | None = None
+
+    @property
+    def limited(self) -> bool:
+        """Whether some query sees less than its whole causal context."""
+        return bool(self.sliding_window or self.chunk_size)
+
+    def first_key(self, position: int) -> int:
+        """The first key a query at `position` sees."""
+        first = 0
+        if self.sliding_window:
+            first = max(first, position - self.sliding_window + 1)
+        if self.chunk_size:
+            first = max(first, position // self.chunk_size * self.chunk_size)
+        return first
+
+    def visible(self, query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
+        """Whether queries at `query_pos` see keys at `key_pos` (broadcast together)."""
+        seen = key_pos <= query_pos
+        if self.sliding_window:
+            seen = seen & (key_pos > query_pos - self.sliding_window)
+        if self.chunk_size:
+            seen = seen & (key_pos // self.chunk_size == query_pos // self.chunk_size)
+        return seen
 
 
 @dataclass
@@ -98,15 +136,26 @@ class Attention(nn.Module):
 
     Scores are (q . k) * `scale` (default head_dim**-0.5), then soft-capped to
     `logit_softcap` * tanh(score / `logit_softcap`) when it is set. With `sliding_window`
-    W a query at position p sees the W keys p - W < k <= p (transformers' semantics);
-    None sees its whole causal context.
+    W a query at position p sees the W keys p - W < k <= p (transformers' semantics); with
+    `attention_chunk_size` C only the keys of its own chunk, p // C * C <= k <= p (Llama 4's
+    local layers); with both, the keys both allow; with neither its whole causal context.
+
+    `sinks` (gpt-oss): True gives the layer a float32 parameter `sinks` [num_heads], zeros
+    until the checkpoint's values are copied in (`layer.sinks.data.copy_(tensor)`); a tensor
+    gives it those values. Head h's softmax then takes exp(sinks[h] - m) into its
+    denominator, m the largest of its scores and the sink, with no value: out = sum_k
+    exp(s_k - m) v_k / (exp(sinks[h] - m) + sum_k exp(s_k - m)). The sink is neither
+    scaled nor soft-capped. Without sinks `sinks` is None.
     """
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float | None = None,
-                 sliding_window: int | None = None, logit_softcap: float | None = None) -> None:
+                 sliding_window: int | None = None, logit_softcap: float | None = None,
+                 sinks: bool | torch.Tensor = False, attention_chunk_size: int | None = None) -> None:
         super().__init__()
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be at least 1 key, got {sliding_window}")
+        if attention_chunk_size is not None and attention_chunk_size < 1:
+            raise ValueError(f"attention_chunk_size must be at least 1 key, got {attention_chunk_size}")
         if logit_softcap is not None and logit_softcap <= 0:
             raise ValueError(f"logit_softcap must be positive, got {logit_softcap}")
         self.num_heads = num_heads
@@ -114,14 +163,42 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.scale = head_dim**-0.5 if scale is None else scale
         self.sliding_window = sliding_window
+        self.attention_chunk_size = attention_chunk_size
         self.logit_softcap = logit_softcap
+        self.sinks: nn.Parameter | None = _sinks_parameter(sinks, num_heads)
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
         self.k_scale = torch.empty(0)
         self.v_scale = torch.empty(0)
         self.backend: AttentionBackend | None = None
 
+    @property
+    def key_range(self) -> KeyRange:
+        """The keys each query sees (its sliding window and attention chunk)."""
+        return KeyRange(self.sliding_window, self.attention_chunk_size)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "Attention":
+        """As `nn.Module._apply` (`to`, `to_empty`, `cuda`), except that the sinks stay
+        float32 when the model is cast to another dtype: the kernels read them as float32.
+        (The engine casts before it loads the checkpoint, so no loaded value is rounded.)"""
+        super()._apply(fn, recurse)
+        if self.sinks is not None and self.sinks.dtype != torch.float32:
+            self.sinks = nn.Parameter(self.sinks.detach().float(), requires_grad=False)
+        return self
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """`q` [tokens, heads, head_dim], `k`/`v` [tokens, kv_heads, head_dim]."""
         self.backend.write_kv(self, k, v, meta)
         return self.backend.forward(self, q, meta)
+
+
+def _sinks_parameter(sinks: bool | torch.Tensor, num_heads: int) -> nn.Parameter | None:
+    """The float32 sinks parameter [num_heads] that `Attention(sinks=...)` asks for, or None."""
+    if isinstance(sinks, torch.Tensor):
+        if tuple(sinks.shape) != (num_heads,):
+            raise ValueError(f"sinks must hold one logit per query head, shape ({num_heads},); got "
+                             f"{tuple(sinks.shape)}")
+        return nn.Parameter(sinks.detach().float().clone(), requires_grad=False)
+    if sinks:
+        return nn.Parameter(torch.zeros(num_heads, dtype=torch.float32), requires_grad=False)
+    return None

@@ -5,8 +5,9 @@ PyTorch's batched products need each sequence's keys gathered into a padded copy
 and run decode's tiny products (a few query rows per sequence) at a fraction of the
 machine's speed. The kernel reads keys and values straight from the paged cache through
 the block table, one (row, KV head) task at a time in a fixed order, so a row's result
-does not depend on the rest of the step. A sliding window limits a row to its last keys
-(only those are read); a soft-cap bounds the scores before the softmax.
+does not depend on the rest of the step. A sliding window limits a row to its last keys,
+an attention chunk to those of its own chunk (only those are read); a soft-cap bounds the
+scores before the softmax; attention sinks join each head's softmax denominator.
 """
 
 import torch
@@ -17,19 +18,22 @@ from engine.kernels import cpu_build
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     row_seq: torch.Tensor, row_keys: torch.Tensor, block_size: int, scale: float,
                     sliding_window: int | None = None, softcap: float | None = None,
-                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                    sinks: torch.Tensor | None = None, chunk_size: int | None = None) -> torch.Tensor:
     """Each row of `q` [rows, heads, dim] attends over the first `row_keys[row]` keys of
-    sequence `row_seq[row]` (only the last `sliding_window` of them, where given), whose
-    cache slots `block_tables` [seqs, max_blocks] gives; scores are scale * (q . k),
-    soft-capped to softcap * tanh(score / softcap) where given. The caches are
-    [kv_heads, slots, dim], in q's dtype, a narrower float one, or int8 with float32
-    scales `k_scale`, `v_scale` [kv_heads, slots] (a key's or value's stored vector times
-    its scale). Returns [rows, heads, dim]."""
+    sequence `row_seq[row]` (only the last `sliding_window` of them, and only those of
+    its own chunk of `chunk_size` keys, where given), whose cache slots `block_tables`
+    [seqs, max_blocks] gives; scores are scale * (q . k), soft-capped to softcap *
+    tanh(score / softcap) where given; `sinks` [heads] (float32, where given) join each
+    head's softmax denominator. The caches are [kv_heads, slots, dim], in q's dtype, a
+    narrower float one, or int8 with float32 scales `k_scale`, `v_scale` [kv_heads, slots]
+    (a key's or value's stored vector times its scale). Returns [rows, heads, dim]."""
     none = torch.empty(0)
     return cpu_build.load().paged_attention(q.contiguous(), k_cache, v_cache,
                                             none if k_scale is None else k_scale,
                                             none if v_scale is None else v_scale, block_tables, row_seq, row_keys,
-                                            block_size, scale, sliding_window or 0, softcap or 0.0)
+                                            none if sinks is None else sinks, block_size, scale,
+                                            sliding_window or 0, chunk_size or 0, softcap or 0.0)
 
 
 def store_kv(x: torch.Tensor, cache: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor) -> None:

@@ -7,8 +7,8 @@
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& k_scale, const at::Tensor& v_scale, const at::Tensor& block_tables,
-                           const at::Tensor& row_seq,
-                           const at::Tensor& row_keys, int64_t block_size, double scale, int64_t sliding_window,
+                           const at::Tensor& row_seq, const at::Tensor& row_keys, const at::Tensor& sinks,
+                           int64_t block_size, double scale, int64_t sliding_window, int64_t chunk_size,
                            double softcap);
 
 void store_kv(const at::Tensor& x, at::Tensor& cache, at::Tensor& scales, const at::Tensor& slots);

@@ -5,9 +5,11 @@
 // step: a row's result depends only on its query and its keys, so a token gets the
 // same bits in a decode step, a prefill chunk or a recompute, alone or in any batch.
 //
-// A row sees keys [first, n) of its sequence: first = 0, or n - W with a sliding window
-// of W keys. Scores are scale * (q . k), soft-capped to cap * tanh(score / cap) when a
-// cap is given, before the softmax.
+// A row at position p = n - 1 sees keys [first, n) of its sequence: first = 0, or the
+// latest of n - W with a sliding window of W keys and p / C * C with attention chunks of C
+// keys (its own chunk only). Scores are scale * (q . k), soft-capped to cap * tanh(score /
+// cap) when a cap is given, before the softmax. With attention sinks, head h's sink joins
+// its softmax's denominator (exp(sink - m), m the largest score or sink) without a value.
 //
 // The cache may be narrower than the queries (a float32 model over a bfloat16 or float16
 // cache) or int8 with a float scale per (token, KV head): a key's dot product and a value's
@@ -122,9 +124,11 @@ __m256 scores_avx2(const float* q, const scalar_t* const* keys, const float* key
   return top;
 }
 
-// scores[first:n] = exp(scores - max), zero past n; returns 1 / their sum.
-inline float exponentiate_avx2(float* scores, int64_t first, int64_t n, __m256 top) {
-  const __m256 top_all = _mm256_set1_ps(horizontal_max(top));
+// scores[first:n] = exp(scores - max), zero past n, max the largest of the scores and `sink`;
+// returns 1 / (their sum + exp(sink - max)). A sink of -inf (none) changes nothing.
+inline float exponentiate_avx2(float* scores, int64_t first, int64_t n, __m256 top, float sink) {
+  const float largest = std::max(horizontal_max(top), sink);
+  const __m256 top_all = _mm256_set1_ps(largest);
   const __m256 iota = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
   __m256 total = _mm256_setzero_ps();
   for (int64_t c = first; c < n; c += kLanes) {
@@ -134,7 +138,7 @@ inline float exponentiate_avx2(float* scores, int64_t first, int64_t n, __m256 t
     _mm256_storeu_ps(scores + c, p);
     total = _mm256_add_ps(total, p);
   }
-  return 1.f / horizontal_sum(total);
+  return 1.f / (horizontal_sum(total) + std::exp(sink - largest));
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
@@ -293,14 +297,15 @@ void unpair_dimensions(float* out) {
 // sits in L1; each query's arithmetic is the same as alone: scores eight keys at a time
 // from its first key, soft-capped (cap > 0), a vectorised softmax, the value sum in key
 // order, normalised once at the end. `scores` holds `count` rows of `stride` >= max n + 8
-// floats; `key_scales` and `value_scales` are the keys' and values' scales (int8 caches).
-// `windowed`: some query may start past key 0 (a sliding window); bfloat16 queries over a
-// bfloat16 cache take their value sums in weight pairs (weighted_sums_bf16) where not.
+// floats; `key_scales` and `value_scales` are the keys' and values' scales (int8 caches);
+// `sinks` the queries' sinks (-inf: none). `windowed`: some query may start past key 0 (a
+// sliding window, an attention chunk); bfloat16 queries over a bfloat16 cache take their
+// value sums in weight pairs (weighted_sums_bf16) where not.
 template <int V, typename query_t, typename scalar_t>
 void attend_queries_avx2(const float* q, int64_t count, const int64_t* first, const int64_t* n,
                          const scalar_t* const* keys, const scalar_t* const* values, const float* key_scales,
-                         const float* value_scales, float scale, float cap, bool windowed, float* scores,
-                         int64_t stride, float* out) {
+                         const float* value_scales, const float* sinks, float scale, float cap, bool windowed,
+                         float* scores, int64_t stride, float* out) {
   constexpr int64_t kBlock = 64;
   constexpr int dim = V * kLanes;
   const int64_t longest = *std::max_element(n, n + count);
@@ -332,7 +337,7 @@ void attend_queries_avx2(const float* q, int64_t count, const int64_t* first, co
   std::vector<float> inv(count);
   for (int64_t i = 0; i < count; ++i) {
     if (cap > 0.f) top[i] = _mm256_set1_ps(soft_cap(scores + i * stride, first[i], n[i], cap));
-    inv[i] = exponentiate_avx2(scores + i * stride, first[i], n[i], top[i]);
+    inv[i] = exponentiate_avx2(scores + i * stride, first[i], n[i], top[i], sinks[i]);
   }
   std::fill(out, out + count * dim, 0.f);
   // Queries that see the same keys (the heads of one row) are summed together.
@@ -412,31 +417,33 @@ void weighted_sum(const float* p, const scalar_t* const* values, const float* va
   }
 }
 
-// Softmax of s[0:n] in place, in key order.
-inline void softmax(float* s, int64_t n) {
-  float top = -std::numeric_limits<float>::infinity();
+// Softmax of s[0:n] in place, in key order, `sink` (-inf: none) joined to its denominator.
+inline void softmax(float* s, int64_t n, float sink) {
+  float top = sink;
   for (int64_t c = 0; c < n; ++c) top = std::max(top, s[c]);
   float total = 0.f;
   for (int64_t c = 0; c < n; ++c) {
     s[c] = std::exp(s[c] - top);
     total += s[c];
   }
-  const float inv = 1.f / total;
+  const float inv = 1.f / (total + std::exp(sink - top));
   for (int64_t c = 0; c < n; ++c) s[c] *= inv;
 }
 
 // `count` query vectors q[i] (as floats) over keys [first[i], n[i]) of the same keys,
-// scores soft-capped where cap > 0, into out[i * dim : (i + 1) * dim]. `scores` holds
-// `count` rows of `stride` >= max n + 8 floats.
+// scores soft-capped where cap > 0, sinks[i] (-inf: none) in the softmax's denominator,
+// into out[i * dim : (i + 1) * dim]. `scores` holds `count` rows of `stride` >= max n + 8
+// floats.
 template <typename query_t, typename scalar_t>
 void attend_queries(const float* q, int64_t count, const int64_t* first, const int64_t* n,
                     const scalar_t* const* keys, const scalar_t* const* values, const float* key_scales,
-                    const float* value_scales, int64_t dim, float scale, float cap, bool windowed, float* scores,
-                    int64_t stride, float* out) {
+                    const float* value_scales, const float* sinks, int64_t dim, float scale, float cap,
+                    bool windowed, float* scores, int64_t stride, float* out) {
 #if defined(__AVX2__) && defined(__FMA__)
   if constexpr (kLoad8<scalar_t>) {
     const auto run = [&](auto avx2) {
-      avx2(q, count, first, n, keys, values, key_scales, value_scales, scale, cap, windowed, scores, stride, out);
+      avx2(q, count, first, n, keys, values, key_scales, value_scales, sinks, scale, cap, windowed, scores, stride,
+           out);
     };
     if (dim == 64) return run(attend_queries_avx2<8, query_t, scalar_t>);
     if (dim == 128) return run(attend_queries_avx2<16, query_t, scalar_t>);
@@ -449,7 +456,7 @@ void attend_queries(const float* q, int64_t count, const int64_t* first, const i
     const float* vs = kScaled<scalar_t> ? value_scales + first[i] : nullptr;
     dots(q + i * dim, keys + first[i], ks, seen, dim, scale, scores);
     if (cap > 0.f) soft_cap(scores, 0, seen, cap);
-    softmax(scores, seen);
+    softmax(scores, seen, sinks[i]);
     weighted_sum(scores, values + first[i], vs, seen, dim, out + i * dim);
   }
 }
@@ -470,8 +477,8 @@ std::vector<std::pair<int64_t, int64_t>> row_tiles(const int64_t* seq_of, int64_
 template <typename scalar_t, typename cache_t>
 void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k_scale,
             const at::Tensor& v_scale, const at::Tensor& block_tables, const at::Tensor& row_seq,
-            const at::Tensor& row_keys, int64_t block_size, double scale, int64_t window, double softcap,
-            at::Tensor& out) {
+            const at::Tensor& row_keys, const at::Tensor& sinks, int64_t block_size, double scale, int64_t window,
+            int64_t chunk, double softcap, at::Tensor& out) {
   const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t kv_heads = k_cache.size(0), num_slots = k_cache.size(1);
   const int64_t group = heads / kv_heads, max_blocks = block_tables.size(1);
@@ -483,6 +490,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* seq_of = row_seq.data_ptr<int64_t>();
   const int64_t* keys_of = row_keys.data_ptr<int64_t>();
+  const float* sinkp = sinks.numel() ? sinks.data_ptr<float>() : nullptr;
   scalar_t* op = out.data_ptr<scalar_t>();
   const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
 
@@ -492,7 +500,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   // one at a time rather than in equal contiguous shares.
 #pragma omp parallel num_threads(at::get_num_threads())
   {
-    std::vector<float> query, scores, acc, key_scales, value_scales;
+    std::vector<float> query, scores, acc, key_scales, value_scales, query_sinks;
     std::vector<int64_t> first, n;
     std::vector<const cache_t*> key_rows, value_rows;
 #pragma omp for schedule(dynamic, 1)
@@ -502,9 +510,14 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       first.clear();
       n.clear();
       for (int64_t row = first_row; row < end_row; ++row) {
-        first.insert(first.end(), group, window > 0 ? std::max<int64_t>(0, keys_of[row] - window) : 0);
+        int64_t from = window > 0 ? std::max<int64_t>(0, keys_of[row] - window) : 0;
+        if (chunk > 0) from = std::max(from, std::max<int64_t>(0, keys_of[row] - 1) / chunk * chunk);
+        first.insert(first.end(), group, from);
         n.insert(n.end(), group, keys_of[row]);
       }
+      query_sinks.resize(count);
+      for (int64_t i = 0; i < count; ++i)
+        query_sinks[i] = sinkp ? sinkp[h * group + i % group] : -std::numeric_limits<float>::infinity();
       // Only the keys [base, base + span) that some query sees, indexed from base.
       const int64_t base = *std::min_element(first.begin(), first.end());
       const int64_t span = *std::max_element(n.begin(), n.end()) - base;
@@ -534,8 +547,8 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       const int64_t stride = span + kLanes;
       scores.resize(count * stride);
       attend_queries<scalar_t>(query.data(), count, first.data(), n.data(), key_rows.data(), value_rows.data(),
-                     key_scales.data(), value_scales.data(), dim, fscale, cap, window > 0, scores.data(), stride,
-                     acc.data());
+                               key_scales.data(), value_scales.data(), query_sinks.data(), dim, fscale, cap,
+                               window > 0 || chunk > 0, scores.data(), stride, acc.data());
       for (int64_t i = 0; i < count; ++i) {
         scalar_t* o = op + ((first_row + i / group) * heads + h * group + i % group) * dim;
         for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<scalar_t>(acc[i * dim + d]);
@@ -549,15 +562,21 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
 // q [rows, heads, dim]; k_cache, v_cache [kv_heads, slots, dim] in q's dtype, a narrower
 // float one, or int8 with k_scale, v_scale [kv_heads, slots] float32 (else empty); block_tables [seqs,
 // max_blocks] int64; row_seq [rows] (the row's sequence), row_keys [rows] (the row sees
-// its sequence's keys up to this count) int64; sliding_window: the row sees only the last
-// this many of them (0: all); softcap: scores capped to softcap * tanh(score / softcap)
-// (0: none). Returns [rows, heads, dim].
+// its sequence's keys up to this count) int64; sinks [heads] float32 (empty: none), each
+// head's logit joined to its softmax's denominator; sliding_window: the row sees only the
+// last this many of them (0: all); chunk_size: only those of its own chunk of this many keys
+// (0: all); softcap: scores capped to softcap * tanh(score / softcap) (0: none). Returns
+// [rows, heads, dim].
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& k_scale, const at::Tensor& v_scale, const at::Tensor& block_tables,
-                           const at::Tensor& row_seq,
-                           const at::Tensor& row_keys, int64_t block_size, double scale, int64_t sliding_window,
+                           const at::Tensor& row_seq, const at::Tensor& row_keys, const at::Tensor& sinks,
+                           int64_t block_size, double scale, int64_t sliding_window, int64_t chunk_size,
                            double softcap) {
-  TORCH_CHECK(sliding_window >= 0 && softcap >= 0, "sliding_window and softcap are 0 (none) or positive");
+  TORCH_CHECK(sliding_window >= 0 && chunk_size >= 0 && softcap >= 0,
+              "sliding_window, chunk_size and softcap are 0 (none) or positive");
+  TORCH_CHECK(sinks.numel() == 0 || (sinks.scalar_type() == at::kFloat && sinks.is_contiguous() &&
+                                     sinks.numel() == q.size(1)),
+              "sinks are float32 [heads], one per query head, or empty (none)");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && row_seq.scalar_type() == at::kLong &&
               row_keys.scalar_type() == at::kLong, "int64 tables");
@@ -572,8 +591,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
     using query_t = scalar_t;
     dispatch_cache_type(k_cache.scalar_type(), [&](auto cache) {
-      attend<query_t, decltype(cache)>(q, k_cache, v_cache, k_scale, v_scale, tables, seqs, keys, block_size, scale,
-                                       sliding_window, softcap, out);
+      attend<query_t, decltype(cache)>(q, k_cache, v_cache, k_scale, v_scale, tables, seqs, keys, sinks, block_size,
+                                       scale, sliding_window, chunk_size, softcap, out);
     });
   });
   return out;

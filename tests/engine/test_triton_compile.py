@@ -21,6 +21,7 @@ pytestmark = [pytest.mark.slow,
 KERNEL_TESTS = ["tests/engine/test_triton_kernels.py", "tests/engine/test_fused_moe.py",
                 "tests/engine/test_sliding_window.py", "tests/engine/test_kv_cache_dtype.py",
                 "tests/engine/test_w4a16_kernel.py", "tests/engine/test_fp8_kernel.py",
+                "tests/engine/test_attention_features.py",
                 "-k", "triton or fused_moe or w4a16 or fp8_kernel"]
 
 

@@ -1,9 +1,9 @@
 """The CPU attention backend: the compiled paged-attention kernel of
 `engine.kernels.cpu_attention`, reading keys and values straight from the cache through
 the block table, one (row tile, KV head) task at a time; a row's result does not depend on
-the rest of the step. The layer's sliding window and soft-cap go to the kernel, which reads
-only the keys inside a row's window; it reads float32, bfloat16, float16 and int8 caches
-(with their scales) as they are stored."""
+the rest of the step. The layer's sliding window, attention chunk, soft-cap and sinks go to
+the kernel, which reads only the keys a row sees; it reads float32, bfloat16, float16 and
+int8 caches (with their scales) as they are stored."""
 
 from dataclasses import dataclass
 
@@ -45,4 +45,5 @@ class CpuAttentionBackend(TorchAttentionBackend):
         rows = meta.backend_data
         return cpu_attention.paged_attention(q, layer.k_cache, layer.v_cache, rows.block_tables, rows.row_seq,
                                              rows.row_keys, meta.block_size, layer.scale, layer.sliding_window,
-                                             layer.logit_softcap, layer.k_scale, layer.v_scale)
+                                             layer.logit_softcap, layer.k_scale, layer.v_scale, layer.sinks,
+                                             layer.attention_chunk_size)

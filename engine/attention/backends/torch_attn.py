@@ -1,9 +1,10 @@
 """The PyTorch attention backend: each sequence's keys gathered from the paged cache into a
 padded batch, then batched matrix products. Runs on any device; the reference for the others.
 
-A layer with a sliding window reads, per sequence, only the key chunks that hold its
-window, and masks the keys before it; a soft-capped layer caps the scaled scores before
-masking and the softmax."""
+A layer with a sliding window or an attention chunk reads, per sequence, only the key
+chunks that hold the keys its queries see, and masks the others; a soft-capped layer caps
+the scaled scores before masking and the softmax; a layer with sinks adds each head's sink
+to the softmax's denominator."""
 
 import itertools
 from dataclasses import dataclass, field
@@ -11,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine.attention.layer import Attention, AttentionBackend, AttentionMetadata
+from engine.attention.layer import Attention, AttentionBackend, AttentionMetadata, KeyRange
 from engine.hardware import detect_cpu
 from engine.kv_cache_dtype import dequantize, is_scaled, quantize
 
@@ -70,8 +71,9 @@ class AttentionGroup:
     max_query] marks the real queries; `query_pos` [seqs, max_query] are their
     positions. `num_computed` and `num_new` give, per sequence, the tokens already in the
     cache before this step and the step's new ones. `windowed` holds the key slots and
-    masks of windowed layers, by (window, sequences, query chunk): built by the step's
-    first layer with that window, reused by the others.
+    masks of layers whose queries see less than their causal context (a sliding window, an
+    attention chunk), by (`KeyRange`, sequences, query chunk): built by the step's first
+    layer with that range, reused by the others.
     """
 
     query_index: torch.Tensor
@@ -81,43 +83,47 @@ class AttentionGroup:
     query_pos: torch.Tensor
     num_computed: list[int]
     num_new: list[int]
-    windowed: dict[tuple[int, int, int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    windowed: dict[tuple[KeyRange, int, int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
-    def key_starts(self, first: int, last: int, query_start: int, window: int | None) -> list[int]:
+    def key_starts(self, first: int, last: int, query_start: int, window: int | None,
+                   chunk: int | None = None) -> list[int]:
         """Per sequence of [first, last), the first key its queries from `query_start` on
-        can see (its last query's, where it has none there), rounded down to whole
-        `KEY_CHUNK`s: a row's keys then fall in the same chunks in any batch. 0 without a
-        window."""
-        if window is None:
+        can see in a layer with sliding window `window` and attention chunk `chunk` (its
+        last query's, where it has none there), rounded down to whole `KEY_CHUNK`s: a row's
+        keys then fall in the same chunks in any batch. 0 with neither."""
+        seen = KeyRange(window, chunk)
+        if not seen.limited:
             return [0] * (last - first)
-        return [max(0, c + min(query_start, n - 1) - window + 1) // KEY_CHUNK * KEY_CHUNK
+        return [seen.first_key(c + min(query_start, n - 1)) // KEY_CHUNK * KEY_CHUNK
                 for c, n in zip(self.num_computed[first:last], self.num_new[first:last])]
 
-    def keys_needed(self, first: int, last: int, query_start: int, query_end: int, window: int | None) -> int:
+    def keys_needed(self, first: int, last: int, query_start: int, query_end: int, window: int | None,
+                    chunk: int | None = None) -> int:
         """Keys, from each sequence's `key_starts`, that queries [query_start, query_end)
         of sequences [first, last) can see: the longest such span."""
-        starts = self.key_starts(first, last, query_start, window)
+        starts = self.key_starts(first, last, query_start, window, chunk)
         return max(c + min(query_end, n) - start
                    for c, n, start in zip(self.num_computed[first:last], self.num_new[first:last], starts))
 
-    def keys(self, first: int, last: int, query_start: int, query_end: int,
-             window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def keys(self, first: int, last: int, query_start: int, query_end: int, window: int | None,
+             chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Key slots [seqs, context] and mask [seqs, 1, queries, context] for queries
-        [query_start, query_end) of sequences [first, last), for a layer with `window`."""
-        context = padded_context(self.keys_needed(first, last, query_start, query_end, window))
-        if window is None:
+        [query_start, query_end) of sequences [first, last), for a layer with sliding
+        window `window` and attention chunk `chunk`."""
+        seen = KeyRange(window, chunk)
+        context = padded_context(self.keys_needed(first, last, query_start, query_end, window, chunk))
+        if not seen.limited:
             context = min(context, self.key_slots.shape[1])
             return self.key_slots[first:last, :context], self.mask[first:last, :, query_start:query_end, :context]
-        cached = (window, first, last, query_start)
+        cached = (seen, first, last, query_start)
         if cached not in self.windowed:
-            starts = torch.tensor(self.key_starts(first, last, query_start, window), device=self.key_slots.device)
+            starts = torch.tensor(self.key_starts(first, last, query_start, window, chunk),
+                                  device=self.key_slots.device)
             key_pos = starts.unsqueeze(1) + torch.arange(context, device=starts.device)
             # Past the table's width every sequence has only null slots (its last column).
             slots = self.key_slots[first:last].gather(1, key_pos.clamp(max=self.key_slots.shape[1] - 1))
             query_pos = self.query_pos[first:last, query_start:query_end].unsqueeze(2)
-            key_pos = key_pos.unsqueeze(1)
-            mask = (key_pos <= query_pos) & (key_pos > query_pos - window)
-            self.windowed[cached] = slots, mask.unsqueeze(1)
+            self.windowed[cached] = slots, seen.visible(query_pos, key_pos.unsqueeze(1)).unsqueeze(1)
         return self.windowed[cached]
 
 
@@ -185,16 +191,16 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, layer: Attention, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         out = torch.empty_like(q)
-        window = layer.sliding_window
+        limits = layer.sliding_window, layer.attention_chunk_size
         for group in meta.backend_data:
             seqs, max_query = group.query_index.shape
             for query_start in range(0, max_query, _QUERY_CHUNK):
                 query_end = min(query_start + _QUERY_CHUNK, max_query)
-                keys_needed = group.keys_needed(0, seqs, query_start, query_end, window)
+                keys_needed = group.keys_needed(0, seqs, query_start, query_end, *limits)
                 step = max(1, _MAX_SCORES // (layer.num_heads * (query_end - query_start) * keys_needed))
                 for first in range(0, seqs, step):
                     last = min(first + step, seqs)
-                    slots, mask = group.keys(first, last, query_start, query_end, window)
+                    slots, mask = group.keys(first, last, query_start, query_end, *limits)
                     keys = read_cache(layer.k_cache, layer.k_scale, slots, q.dtype)
                     values = read_cache(layer.v_cache, layer.v_scale, slots, q.dtype)
                     queries = slice(first, last), slice(query_start, query_end)
@@ -234,7 +240,8 @@ def matmul_attention(layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torc
     a decode step, a prefill chunk or a recompute after preemption. In float32 the
     keys go in `KEY_CHUNK`s (see there); other dtypes take the whole context at once,
     except where they run in float32 (`product_dtype`). A soft-capped layer caps the
-    scaled scores (`layer.logit_softcap`) before the mask.
+    scaled scores (`layer.logit_softcap`) before the mask; a layer with sinks takes each
+    head's sink into its softmax (`softmax_with_sinks`).
     """
     compute = product_dtype(v.dtype, v.device)
     if compute != v.dtype:
@@ -256,7 +263,11 @@ def matmul_attention(layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torc
     if layer.logit_softcap is not None:
         scores = scores.div_(layer.logit_softcap).tanh_().mul_(layer.logit_softcap)
     scores = scores.view(kv_heads, seqs, group, queries, -1).masked_fill_(~mask.unsqueeze(0), float("-inf"))
-    probs = scores.softmax(dim=-1).to(v.dtype).view(kv_heads, seqs, rows, -1)
+    if layer.sinks is None:
+        probs = scores.softmax(dim=-1)
+    else:
+        probs = softmax_with_sinks(scores, layer.sinks.view(kv_heads, 1, group, 1, 1))
+    probs = probs.to(v.dtype).view(kv_heads, seqs, rows, -1)
     if rows < _MIN_QUERY_ROWS:
         probs = F.pad(probs, (0, 0, 0, _MIN_QUERY_ROWS - rows))
     out = None
@@ -264,3 +275,13 @@ def matmul_attention(layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torc
         out = torch.matmul(p, part) if out is None else out.add_(torch.matmul(p, part))
     out = out[:, :, :rows].reshape(kv_heads, seqs, group, queries, dim)
     return out.permute(1, 3, 0, 2, 4).reshape(seqs, queries, layer.num_heads, dim)
+
+
+def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """The softmax of float32 `scores` over their last dimension with `sinks` (broadcast to
+    them, one per row) joined to each row's denominator, without a column of their own:
+    exp(s - m) / (exp(sink - m) + sum exp(s - m)), m the larger of the row's maximum and
+    its sink. Masked scores (-inf) weigh 0."""
+    top = torch.maximum(scores.amax(dim=-1, keepdim=True), sinks)
+    weights = (scores - top).exp_()
+    return weights.div_(weights.sum(dim=-1, keepdim=True).add_((sinks - top).exp()))

@@ -4,7 +4,9 @@ The caches are [num_blocks, block_size, kv_heads, head_dim]: a token's heads sid
 side, so that one block of keys for one KV head is a strided [block_size, head_dim] tile.
 Steps where every sequence has one new token run the split-K decode kernel; others run the
 variable-length prefill kernel, which also serves the decode rows among them. Both take the
-layer's sliding window and soft-cap as compile-time constants: a kernel per kind of layer.
+layer's sliding window, attention chunk and soft-cap as compile-time constants (a kernel
+per kind of layer), and its sinks as a tensor argument: the layer's own parameter, the
+same tensor at every step, as a CUDA graph's replay needs.
 """
 
 import torch
@@ -34,7 +36,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward(self, layer: Attention, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         options = {"sliding_window": layer.sliding_window, "softcap": layer.logit_softcap, "k_scale": layer.k_scale,
-                   "v_scale": layer.v_scale}
+                   "v_scale": layer.v_scale, "sinks": layer.sinks, "chunk_size": layer.attention_chunk_size}
         if meta.max_query_len == 1:
             return decode_attention(q, layer.k_cache, layer.v_cache, meta.seq_lens, meta.block_tables,
                                     meta.backend_data, layer.scale, **options)
