@@ -1,5 +1,5 @@
-"""Rotary position embeddings: the "default", "linear", "llama3" and "longrope" (Phi-3)
-frequencies, partial rotation (`partial_rotary_factor`), per-layer-type parameters
+"""Rotary position embeddings: the "default", "linear", "llama3", "longrope" (Phi-3) and
+"yarn" (gpt-oss, DeepSeek-V3) frequencies, partial rotation (`partial_rotary_factor`), per-layer-type parameters
 (Gemma 3's local and global layers) and Qwen2-VL's multimodal positions (`MRotaryEmbedding`)."""
 
 import math
@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 
 
 def rope_parameters(config: PretrainedConfig, layer_type: str | None = None) -> dict:
@@ -47,6 +47,8 @@ def _inverse_frequencies(rotary_dim: int, rope: dict, max_position: int) -> tupl
         return torch.where(is_medium, smoothed, scaled), 1.0
     if rope_type == "longrope":
         return _longrope(exponents, base, rope, max_position)
+    if rope_type == "yarn":
+        return _yarn(exponents, base, rope)
     raise ValueError(f"rope_type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
 
 
@@ -64,6 +66,48 @@ def _longrope(exponents: torch.Tensor, base: float, rope: dict, max_position: in
         attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
     ext = rope["long_factor"] if max_position > original else rope["short_factor"]
     return 1.0 / (torch.tensor(ext, dtype=torch.float32) * base**exponents), attention_factor
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched `factor` times: 0.1 * mscale *
+    ln(factor) + 1 (1 where nothing is stretched). DeepSeek-V3's attention also scales its
+    softmax by yarn_mscale(factor, mscale_all_dim) ** 2."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn(exponents: torch.Tensor, base: float, rope: dict) -> tuple[torch.Tensor, float]:
+    """YaRN (Peng et al. 2023), as transformers computes it: the frequencies that turn
+    fewer than `beta_slow` times over the pretraining length (`original_max_position_embeddings`)
+    are divided by `factor` (interpolated), those that turn more than `beta_fast` times kept
+    (extrapolated), a linear ramp between the two in the rotary dimension (its ends rounded
+    outward unless `truncate` is false); the cos and sin are scaled by `attention_factor`,
+    by default yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim) where both
+    are given (DeepSeek), else yarn_mscale(factor)."""
+    rotary_dim = 2 * exponents.numel()
+    original = rope["original_max_position_embeddings"]
+    factor = rope.get("factor") or rope["max_position_embeddings"] / original
+    attention_factor = rope.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+        attention_factor = (yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+                            if mscale and mscale_all_dim else yarn_mscale(factor))
+
+    def dimension_turning(rotations: float) -> float:
+        """The (fractional) rotary dimension whose frequency turns `rotations` times over `original`."""
+        return rotary_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dimension_turning(rope.get("beta_fast") or 32), dimension_turning(rope.get("beta_slow") or 1)
+    if rope.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    positional = base**exponents
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolated = 1 - ramp  # each frequency's share kept as it is
+    # 1 - extrapolated, as transformers writes it, is not always ramp's bits.
+    inv_freq = 1.0 / (factor * positional) * (1 - extrapolated) + 1.0 / positional * extrapolated
+    return inv_freq, attention_factor
 
 
 def _cos_sin_tables(rotary_dim: int, max_position: int, rope: dict) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,6 +7,9 @@ and experts without a slot get no block. One launch computes silu(gate) * up for
 block, gathering x's rows by the slots' tokens; a second the down product, scaled by each
 slot's routing weight, into a [T, top_k, H] float32 buffer whose top_k rows per token
 are then summed: a fixed order, the same bits from run to run (no atomics).
+
+gpt-oss's experts add a bias to each product and clamp their SwiGLU (`clamped_swiglu`):
+compile-time switches of the same two launches.
 """
 
 import torch
@@ -43,10 +46,32 @@ def _block_tile(sorted_slots_ptr, num_slots, width, BLOCK_M: tl.constexpr, BLOCK
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w13_ptr, act_ptr, sorted_slots_ptr, block_experts_ptr, num_slots, x_stride,
+def _with_bias(acc, bias_ptr, cols, col_ok, dtype: tl.constexpr):
+    """A float32 product tile rounded to `dtype`, plus bias[cols] rounded again, as PyTorch
+    computes `x @ w + b` (transformers' gpt-oss experts), back in float32."""
+    bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    return (acc.to(dtype).to(tl.float32) + bias).to(dtype).to(tl.float32)
+
+
+@triton.jit
+def clamped_swiglu(gate, up, ALPHA: tl.constexpr, LIMIT: tl.constexpr, dtype: tl.constexpr):
+    """gpt-oss's (up + 1) * gate * sigmoid(ALPHA * gate), gate clamped above and up on both
+    sides at LIMIT, of float32 tiles, each step rounded to `dtype` as PyTorch rounds it."""
+    gate = tl.minimum(gate.to(dtype).to(tl.float32), LIMIT)
+    up = tl.minimum(tl.maximum(up.to(dtype).to(tl.float32), -LIMIT), LIMIT)
+    scaled = (gate * ALPHA).to(dtype).to(tl.float32)
+    sigmoid = (1.0 / (1.0 + tl.exp(-scaled))).to(dtype).to(tl.float32)
+    glu = (gate * sigmoid).to(dtype).to(tl.float32)
+    return ((up + 1.0).to(dtype).to(tl.float32) * glu).to(dtype)
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w13_ptr, b13_ptr, act_ptr, sorted_slots_ptr, block_experts_ptr, num_slots, x_stride,
                     TOP_K: tl.constexpr, NUM_EXPERTS: tl.constexpr, INTER: tl.constexpr, HIDDEN: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    """act[slot, cols] = silu(gate) * up of x[slot // TOP_K] through the block's expert."""
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr):
+    """act[slot, cols] = silu(gate) * up (CLAMPED: `clamped_swiglu`) of x[slot // TOP_K]
+    through the block's expert, with its gate and up biases where HAS_BIAS."""
     expert = tl.load(block_experts_ptr + tl.program_id(0))
     if expert < NUM_EXPERTS:
         slots, slot_ok, cols, col_ok = _block_tile(sorted_slots_ptr, num_slots, INTER, BLOCK_M, BLOCK_N)
@@ -56,16 +81,25 @@ def _gate_up_kernel(x_ptr, w13_ptr, act_ptr, sorted_slots_ptr, block_experts_ptr
                                PRECISION)
         up = _expert_product(x_ptr, tokens, slot_ok, x_stride, w, INTER + cols, col_ok, HIDDEN, BLOCK_M, BLOCK_N,
                              BLOCK_K, PRECISION)
-        tl.store(act_ptr + slots[:, None] * INTER + cols[None, :], silu_mul(gate, up, act_ptr.dtype.element_ty),
-                 mask=slot_ok[:, None] & col_ok[None, :])
+        dtype = act_ptr.dtype.element_ty
+        if HAS_BIAS:
+            bias = b13_ptr + expert.to(tl.int64) * (2 * INTER)
+            gate = _with_bias(gate, bias, cols, col_ok, dtype)
+            up = _with_bias(up, bias, INTER + cols, col_ok, dtype)
+        if CLAMPED:
+            act = clamped_swiglu(gate, up, ALPHA, LIMIT, dtype)
+        else:
+            act = silu_mul(gate, up, dtype)
+        tl.store(act_ptr + slots[:, None] * INTER + cols[None, :], act, mask=slot_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
-def _down_kernel(act_ptr, w2_ptr, weights_ptr, out_ptr, sorted_slots_ptr, block_experts_ptr, num_slots,
+def _down_kernel(act_ptr, w2_ptr, b2_ptr, weights_ptr, out_ptr, sorted_slots_ptr, block_experts_ptr, num_slots,
                  NUM_EXPERTS: tl.constexpr, INTER: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    """out[slot, cols] = weight[slot] * (act[slot] through the block's expert's down matrix),
-    the product rounded to act's dtype first as PyTorch's would be."""
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """out[slot, cols] = weight[slot] * (act[slot] through the block's expert's down matrix,
+    plus its bias where HAS_BIAS), the product rounded to act's dtype first as PyTorch's
+    would be."""
     expert = tl.load(block_experts_ptr + tl.program_id(0))
     if expert < NUM_EXPERTS:
         slots, slot_ok, cols, col_ok = _block_tile(sorted_slots_ptr, num_slots, HIDDEN, BLOCK_M, BLOCK_N)
@@ -73,6 +107,8 @@ def _down_kernel(act_ptr, w2_ptr, weights_ptr, out_ptr, sorted_slots_ptr, block_
         acc = _expert_product(act_ptr, slots, slot_ok, INTER, w, cols, col_ok, INTER, BLOCK_M, BLOCK_N, BLOCK_K,
                               PRECISION)
         scale = tl.load(weights_ptr + slots, mask=slot_ok, other=0.0)
+        if HAS_BIAS:
+            acc = _with_bias(acc, b2_ptr + expert.to(tl.int64) * HIDDEN, cols, col_ok, act_ptr.dtype.element_ty)
         acc = acc.to(act_ptr.dtype.element_ty).to(tl.float32) * scale[:, None]
         tl.store(out_ptr + slots[:, None] * HIDDEN + cols[None, :], acc, mask=slot_ok[:, None] & col_ok[None, :])
 
@@ -105,11 +141,15 @@ def _tile(width: int) -> int:
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, block_m: int | None = None) -> torch.Tensor:
+              topk_ids: torch.Tensor, block_m: int | None = None, w13_bias: torch.Tensor | None = None,
+              w2_bias: torch.Tensor | None = None, limit: float | None = None, alpha: float = 1.0) -> torch.Tensor:
     """sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j],
     for x [T, H], w13 [E, 2 * I, H] (each expert's gate rows, then its up rows) and
     w2 [E, H, I]. Returns [T, H] in x's dtype. `block_m` (slots per block, a power of two
-    of at least 16) defaults to one for the step's average slots per expert."""
+    of at least 16) defaults to one for the step's average slots per expert.
+
+    gpt-oss's experts: w13_bias [E, 2 * I] (gate, then up) and w2_bias [E, H] are added to
+    the products; a `limit` replaces silu(gate) * up by `clamped_swiglu` with `alpha`."""
     tokens, hidden = x.shape
     num_experts, inter = w2.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
@@ -122,14 +162,17 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     act = torch.empty(slots, inter, dtype=x.dtype, device=x.device)
     block_n = _tile(inter)
+    w13 = w13.contiguous()
     _gate_up_kernel[(blocks, triton.cdiv(inter, block_n))](
-        x, w13.contiguous(), act, sorted_slots, block_experts, slots, x.stride(0), TOP_K=top_k,
-        NUM_EXPERTS=num_experts, INTER=inter, HIDDEN=hidden, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=_BLOCK_K,
-        PRECISION=precision)
+        x, w13, w13 if w13_bias is None else w13_bias.contiguous(), act, sorted_slots, block_experts, slots,
+        x.stride(0), TOP_K=top_k, NUM_EXPERTS=num_experts, INTER=inter, HIDDEN=hidden, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=_BLOCK_K, PRECISION=precision, HAS_BIAS=w13_bias is not None,
+        CLAMPED=limit is not None, ALPHA=float(alpha), LIMIT=float(limit or 0.0))
     out = torch.empty(slots, hidden, dtype=torch.float32, device=x.device)
     block_n = _tile(hidden)
+    w2 = w2.contiguous()
     _down_kernel[(blocks, triton.cdiv(hidden, block_n))](
-        act, w2.contiguous(), topk_weights.float().contiguous(), out, sorted_slots, block_experts, slots,
-        NUM_EXPERTS=num_experts, INTER=inter, HIDDEN=hidden, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=_BLOCK_K,
-        PRECISION=precision)
+        act, w2, w2 if w2_bias is None else w2_bias.contiguous(), topk_weights.float().contiguous(), out,
+        sorted_slots, block_experts, slots, NUM_EXPERTS=num_experts, INTER=inter, HIDDEN=hidden, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=_BLOCK_K, PRECISION=precision, HAS_BIAS=w2_bias is not None)
     return out.view(tokens, top_k, hidden).sum(dim=1).to(x.dtype)
