@@ -128,10 +128,11 @@ class EngineConfig:
                                                                 f"{DEFAULT_IMAGES_PER_PROMPT}); a vision-language "
                                                                 "model's rows with more are errors.")
     reasoning_parser: str | None = _setting("auto", "How to find the reasoning section of a reasoning model's "
-                                                    "completions (vLLM's reasoning_parser): 'qwen3', 'deepseek_r1' or "
-                                                    "'mistral'; None: no parsing; 'auto': the one the tokenizer "
-                                                    "implies (its <think> and </think> tokens and a chat template "
-                                                    "that closes the section), else none. The reasoning goes to "
+                                                    "completions (vLLM's reasoning_parser): 'qwen3', 'deepseek_r1', "
+                                                    "'mistral' or 'openai_gptoss' (harmony's analysis channel); None: "
+                                                    "no parsing; 'auto': the one the tokenizer implies (its <think> "
+                                                    "and </think>, or harmony's, tokens used by its chat template), "
+                                                    "else none. The reasoning goes to "
                                                     "CompletionOutput.reasoning, the answer to text, and a structured "
                                                     "output's grammar starts after the reasoning.")
     tool_call_parser: str | None = _setting("auto", "How to find tool calls in completions (vLLM's "

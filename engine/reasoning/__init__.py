@@ -3,10 +3,10 @@ tokenizer implies."""
 
 from typing import TYPE_CHECKING
 
+from engine.reasoning.parser import Phase, ReasoningFormat, ReasoningParser, ReasoningSplit, ReasoningTracker
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
-
-from engine.reasoning.parser import Phase, ReasoningFormat, ReasoningParser, ReasoningSplit, ReasoningTracker
 
 # The one declaration of the formats, by the names vLLM gives them.
 REASONING_FORMATS: dict[str, ReasoningFormat] = {
@@ -14,6 +14,10 @@ REASONING_FORMATS: dict[str, ReasoningFormat] = {
         ReasoningFormat("qwen3", "<think>", "</think>"),
         ReasoningFormat("deepseek_r1", "<think>", "</think>", opens_itself=True),
         ReasoningFormat("mistral", "[THINK]", "[/THINK]"),
+        # gpt-oss's harmony format: the analysis channel, then the final one.
+        ReasoningFormat("openai_gptoss", "<|channel|>analysis<|message|>", "<|channel|>final<|message|>",
+                        opens_itself=True, trailer="<|end|><|start|>assistant",
+                        signature=("<|channel|>", "<|message|>")),
     )
 }
 
@@ -33,18 +37,18 @@ def reasoning_parser(name: str, tokenizer: "PreTrainedTokenizerBase") -> Reasoni
 
 
 def detect_reasoning_parser(tokenizer: "PreTrainedTokenizerBase") -> tuple[str, str] | None:
-    """The parser a tokenizer implies and why, or None: a format whose two markers are
-    tokens of the vocabulary and appear in the chat template. Of the `<think>` formats,
-    deepseek_r1 when the template opens the section itself in the generation prompt
-    (the model may then close it without ever opening it), else qwen3."""
+    """The parser a tokenizer implies and why, or None: the first format whose signature
+    tokens are tokens of the vocabulary and appear in the chat template. Of the `<think>`
+    formats, deepseek_r1 when the template opens the section itself in the generation
+    prompt (the model may then close it without ever opening it), else qwen3."""
     template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
     vocab = tokenizer.get_vocab()
     for fmt in REASONING_FORMATS.values():
-        if fmt.opens_itself or fmt.start not in vocab or fmt.end not in vocab or fmt.end not in template:
+        if fmt.name == "deepseek_r1" or any(t not in vocab for t in fmt.tokens) or fmt.tokens[0] not in template:
             continue
-        why = f"the tokenizer has {fmt.start} and {fmt.end} tokens and its chat template closes {fmt.end}"
-        if fmt.start == "<think>" and _template_opens_section(tokenizer, fmt.start):
-            return "deepseek_r1", why + ", and it opens the section in the generation prompt"
+        why = f"the tokenizer has {' and '.join(fmt.tokens)} tokens and its chat template uses them"
+        if fmt.name == "qwen3" and _template_opens_section(tokenizer, fmt.start):
+            return "deepseek_r1", why + ", opening the section in the generation prompt"
         return fmt.name, why
     return None
 

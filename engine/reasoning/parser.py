@@ -13,8 +13,9 @@ once when thinking is off), or leave the model to open it. Each completion's
   so a JSON schema constrains the answer only and leaves the thinking free;
 - `ANSWER`: the grammar, if any, applies from here.
 
-Markers that are single tokens (every reasoning model met so far) are matched by id;
-others by their text, detokenized as the tokens arrive.
+A marker that is one token, or holds a special token (gpt-oss's harmony headers, such as
+`<|channel|>final<|message|>`, whose special tokens a decoded text leaves out), is matched
+as its sequence of ids; any other by its text, detokenized as the tokens arrive.
 """
 
 import enum
@@ -37,13 +38,23 @@ class Phase(enum.Enum):
 @dataclass(frozen=True)
 class ReasoningFormat:
     """A family's markers. `opens_itself`: the model reasons from its first token even
-    when nothing opened a section (DeepSeek-R1's distills often skip `<think>`), so a
-    completion that never closes one is all reasoning."""
+    when nothing opened a section (DeepSeek-R1's distills often skip `<think>`; gpt-oss
+    writes its analysis channel first), so a completion that never closes one is all
+    reasoning. `trailer`: what the model writes between its reasoning and the closing
+    marker, left out of both (harmony ends the analysis message and starts the next).
+    `signature`: the tokens whose presence in a vocabulary and chat template identifies
+    the family (default: the two markers)."""
 
     name: str
     start: str
     end: str
     opens_itself: bool = False
+    trailer: str = ""
+    signature: tuple[str, ...] = ()
+
+    @property
+    def tokens(self) -> tuple[str, ...]:
+        return self.signature or (self.start, self.end)
 
 
 @dataclass(frozen=True)
@@ -65,8 +76,14 @@ class ReasoningParser:
     def __init__(self, fmt: ReasoningFormat, tokenizer: "PreTrainedTokenizerBase") -> None:
         self.format = fmt
         self.tokenizer = tokenizer
-        self.start_id = _single_token_id(tokenizer, fmt.start)
-        self.end_id = _single_token_id(tokenizer, fmt.end)
+        self.start_ids = _marker_ids(tokenizer, fmt.start)
+        self.end_ids = _marker_ids(tokenizer, fmt.end)
+        self.trailer_ids = tuple(tokenizer(fmt.trailer, add_special_tokens=False).input_ids) if fmt.trailer else ()
+
+    @property
+    def start_id(self) -> int | None:
+        """The opening marker's first id (the token that opens a section), when matched by id."""
+        return self.start_ids[0] if self.start_ids else None
 
     @property
     def name(self) -> str:
@@ -76,7 +93,7 @@ class ReasoningParser:
     def matches_text(self) -> bool:
         """Whether the closing marker is found in the detokenized text (it is not one
         token), which then has to be grown token by token."""
-        return self.end_id is None
+        return self.end_ids is None
 
     def initial_phase(self, prompt_token_ids: list[int]) -> Phase:
         """The phase a completion of this prompt starts in: reasoning when the prompt ends
@@ -95,28 +112,39 @@ class ReasoningParser:
     def split(self, tracker: "ReasoningTracker", text: str, output_token_ids: list[int],
               skip_special_tokens: bool = True) -> ReasoningSplit:
         """The completion's reasoning and answer, given its final text (stop strings
-        already cut) and tokens. By id, the answer is what the text holds after the
-        decode of the tokens up to the closing marker (where that decode does not start
-        the text, a tokenizer joining pieces across the boundary, the answer's own tokens
-        decoded); by text, what follows the marker."""
+        already cut) and tokens."""
         if not tracker.had_section:
             return ReasoningSplit(None, text, 0, None)
         if self.matches_text:
-            body = text.lstrip().removeprefix(self.format.start) if tracker.opened_by_model else text
-            reasoning, marker, answer = body.partition(self.format.end)
-            ended = bool(marker)
+            reasoning, answer, ended = self._split_text(tracker, text)
         else:
-            first = 1 if tracker.opened_by_model else 0
-            ended = tracker.end_index is not None
-            end = tracker.end_index if ended else len(output_token_ids)
-            reasoning = self._decode(output_token_ids[first : end - 1 if ended else end], skip_special_tokens)
-            answer = ""
-            if ended:
-                head = self._decode(output_token_ids[:end], skip_special_tokens)
-                answer = (text[len(head):] if text.startswith(head)
-                          else self._decode(output_token_ids[end:], skip_special_tokens))
+            reasoning, answer, ended = self._split_ids(tracker, text, output_token_ids, skip_special_tokens)
         num_tokens = tracker.end_index if tracker.end_index is not None else len(output_token_ids)
         return ReasoningSplit(reasoning.strip(), answer.lstrip(), num_tokens, ended)
+
+    def _split_text(self, tracker: "ReasoningTracker", text: str) -> tuple[str, str, bool]:
+        """By text: the reasoning is what precedes the closing marker, the answer what follows."""
+        body = text.lstrip().removeprefix(self.format.start) if tracker.opened_by_model else text
+        reasoning, marker, answer = body.partition(self.format.end)
+        return reasoning, answer, bool(marker)
+
+    def _split_ids(self, tracker: "ReasoningTracker", text: str, ids: list[int],
+                   skip_special_tokens: bool) -> tuple[str, str, bool]:
+        """By id: the reasoning is the decode of its tokens (without the markers and the
+        trailer); the answer is what the text holds after the decode of the tokens up to the
+        closing marker (where that decode does not start the text, a tokenizer joining
+        pieces across the boundary, the answer's own tokens decoded)."""
+        first = len(self.start_ids) if self.start_ids and tuple(ids[: len(self.start_ids)]) == self.start_ids else 0
+        if tracker.end_index is None:
+            return self._decode(ids[first:], skip_special_tokens), "", False
+        last = tracker.end_index - len(self.end_ids)
+        if self.trailer_ids and tuple(ids[last - len(self.trailer_ids) : last]) == self.trailer_ids:
+            last -= len(self.trailer_ids)
+        reasoning = self._decode(ids[first:last], skip_special_tokens)
+        head = self._decode(ids[: tracker.end_index], skip_special_tokens)
+        answer = (text[len(head):] if text.startswith(head)
+                  else self._decode(ids[tracker.end_index :], skip_special_tokens))
+        return reasoning, answer, True
 
     def _decode(self, ids: list[int], skip_special_tokens: bool) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -134,6 +162,7 @@ class ReasoningTracker:
         self.end_index: int | None = None
         self._held_grammar: Any = None  # a StructuredOutputGrammar
         self._searched = 0
+        self._recent: list[int] = []  # the last ids, as many as the closing marker has
 
     @property
     def needs_text(self) -> bool:
@@ -169,8 +198,10 @@ class ReasoningTracker:
             self.phase = Phase.REASONING if opened else Phase.ANSWER
             self.had_section = self.opened_by_model = opened
             return opened
-        if self.parser.end_id is not None:
-            ended = token_id == self.parser.end_id
+        end_ids = self.parser.end_ids
+        if end_ids is not None:
+            self._recent = [*self._recent[1 - len(end_ids):], token_id] if len(end_ids) > 1 else [token_id]
+            ended = self._recent == list(end_ids)
         else:
             end = self.parser.format.end
             ended = text.find(end, max(0, self._searched - len(end) + 1)) >= 0
@@ -194,7 +225,9 @@ class ReasoningTracker:
         return grammar
 
 
-def _single_token_id(tokenizer: "PreTrainedTokenizerBase", marker: str) -> int | None:
-    """The marker's id when the vocabulary holds it as one token."""
-    ids = tokenizer(marker, add_special_tokens=False).input_ids
-    return ids[0] if len(ids) == 1 else None
+def _marker_ids(tokenizer: "PreTrainedTokenizerBase", marker: str) -> tuple[int, ...] | None:
+    """The marker's ids when it is matched by id: one token, or a sequence holding a special
+    token (a model writes such headers always the same way); None: matched by text."""
+    ids = tuple(tokenizer(marker, add_special_tokens=False).input_ids)
+    special = set(tokenizer.all_special_ids) | {int(i) for i in getattr(tokenizer, "added_tokens_decoder", {})}
+    return ids if len(ids) == 1 or special.intersection(ids) else None

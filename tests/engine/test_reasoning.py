@@ -109,7 +109,7 @@ def test_the_grammar_waits_for_the_answer(qwen3_folder):
     assert undecided.advance(parser.start_id, 1, "") is True  # <think>: the model reasons
     assert undecided.next_grammar(grammar) is None and grammar.also_allowed is None
     assert undecided.advance(5, 2, "") is True and undecided.next_grammar(None) is None
-    assert undecided.advance(parser.end_id, 3, "") is True and undecided.next_grammar(None) is grammar
+    assert undecided.advance(parser.end_ids[0], 3, "") is True and undecided.next_grammar(None) is grammar
     assert undecided.advance(6, 4, "") is False and undecided.end_index == 3
     answering = parser.tracker(prompt_ids(tokenizer))
     answering.first_grammar(grammar)
@@ -139,7 +139,7 @@ def test_the_tokenizer_implies_the_parser(qwen3_folder, r1_folder, split_markers
     assert detect_reasoning_parser(AutoTokenizer.from_pretrained(r1_folder))[0] == "deepseek_r1"
     assert detect_reasoning_parser(AutoTokenizer.from_pretrained(split_markers_folder)) is None  # no marker tokens
     assert detect_reasoning_parser(AutoTokenizer.from_pretrained(tiny_models["qwen3"])) is None
-    with pytest.raises(ValueError, match=r"reasoning_parser='nope' is not one of \['deepseek_r1', 'mistral', 'qwen3'\]"):
+    with pytest.raises(ValueError, match=r"reasoning_parser=.nope. is not one of \[.deepseek_r1., .mistral., .openai_gptoss., .qwen3.\]"):
         reasoning_parser("nope", AutoTokenizer.from_pretrained(qwen3_folder))
 
 
@@ -254,3 +254,45 @@ def test_a_call_after_the_reasoning_is_parsed_into_tool_calls(qwen3_folder):
         assert broken_out.tool_calls is None and broken_out.text.startswith("<tool_call>")
         assert ("arguments are not a JSON object" if broken_out.finish_reason == "stop"
                 else "not valid JSON") in broken_out.tool_call_error
+
+
+# -- gpt-oss's harmony channels ------------------------------------------------------------
+
+HARMONY_SPECIALS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>", "<|call|>", "<|constrain|>"]
+
+
+@pytest.fixture(scope="module")
+def harmony_tokenizer(tmp_path_factory, tiny_models):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models["qwen3"])
+    tokenizer.add_special_tokens({"additional_special_tokens": HARMONY_SPECIALS})
+    tokenizer.chat_template = ("{% for m in messages %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>"
+                               "{% endfor %}{% if add_generation_prompt %}<|start|>assistant{% endif %}"
+                               "{# the final answer is <|channel|>final<|message|>... #}")
+    return tokenizer
+
+
+FINAL = "<|channel|>final<|message|>"
+
+
+@pytest.mark.parametrize("output, reasoning, answer", [
+    ("<|channel|>analysis<|message|>The user wants a label.<|end|><|start|>assistant" + FINAL + "spam<|return|>",
+     "The user wants a label.", "spam"),
+    (FINAL + "ham<|return|>", "", "ham"),
+    ("<|channel|>analysis<|message|>Still weighing it", "Still weighing it", None),
+])
+def test_harmony_channels_split_by_their_special_tokens(harmony_tokenizer, output, reasoning, answer):
+    """The markers hold special tokens that a decoded text leaves out: they are matched as id
+    sequences, and the analysis message's end and the next header are in neither part."""
+    assert detect_reasoning_parser(harmony_tokenizer)[0] == "openai_gptoss"
+    parser = reasoning_parser("openai_gptoss", harmony_tokenizer)
+    channel, message = harmony_tokenizer.convert_tokens_to_ids(["<|channel|>", "<|message|>"])
+    assert not parser.matches_text and (parser.end_ids[0], parser.end_ids[-1]) == (channel, message)
+    prompt = prompt_ids(harmony_tokenizer)
+    assert parser.initial_phase(prompt) is Phase.REASONING  # the model always opens with a channel
+    tracker, ids, text = feed(parser, harmony_tokenizer, prompt, output)
+    split = parser.split(tracker, text, ids)
+    if answer is None:
+        assert split == ReasoningSplit(reasoning, "", len(ids), False)
+    else:
+        head = output.partition(FINAL)[0] + FINAL
+        assert split == ReasoningSplit(reasoning, answer, len(harmony_tokenizer(head).input_ids), True)

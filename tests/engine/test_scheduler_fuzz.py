@@ -157,6 +157,7 @@ def make_engine(num_blocks: int, block_size: int, max_num_seqs: int, max_num_bat
     engine.model_runner = FakeModelRunner(engine.scheduler)
     engine.stats = EngineStats()
     engine._seq_ids = itertools.count()
+    engine.reasoning_parser = engine.tool_parser = None
     return engine
 
 
