@@ -18,7 +18,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 # Methods that quantize a 16- or 32-bit checkpoint at load -> what they need.
 AT_LOAD = {"int8": "a CPU with VNNI or AMX", "fp8": "a GPU with FP8 units (compute capability 8.9 or later)"}
 # Methods a checkpoint's own weights may be stored in.
-CHECKPOINT_METHODS = ("awq", "gptq", "fp8", "compressed-tensors")
+CHECKPOINT_METHODS = ("awq", "gptq", "fp8", "compressed-tensors", "mxfp4")
 QUANTIZATION_METHODS = tuple(sorted({*AT_LOAD, *CHECKPOINT_METHODS}))
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
@@ -58,7 +58,8 @@ class EngineConfig:
                                                 "AMX tiles, whose bfloat16 products are faster; else the dtype), "
                                                 "None (the checkpoint's own or the dtype, as vLLM's default), the "
                                                 "checkpoint's own (config.json quantization_config: 'fp8' or "
-                                                "'compressed-tensors' FP8, 'awq', 'gptq'), or quantized at load: "
+                                                "'compressed-tensors' FP8, 'awq', 'gptq', 'mxfp4' (gpt-oss's "
+                                                "experts, dequantized at load)), or quantized at load: "
                                                 "'int8' (a CPU with VNNI or AMX: projections and experts per "
                                                 "output feature, activations per token, smoothed by input ranges "
                                                 "measured at load, int8 products) or 'fp8' (a GPU with FP8 "

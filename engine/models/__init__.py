@@ -5,8 +5,10 @@ from transformers import PretrainedConfig
 
 from engine.config import PoolerConfig
 from engine.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.idefics3 import Idefics3ForConditionalGeneration, SmolVLMForConditionalGeneration
 from engine.models.llama import LlamaForCausalLM
+from engine.models.llama4 import Llama4ForCausalLM
 from engine.models.llava import LlavaForConditionalGeneration, LlavaNextForConditionalGeneration
 from engine.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from engine.models.phi3 import Phi3ForCausalLM
@@ -26,6 +28,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
+    "Llama4ForCausalLM": Llama4ForCausalLM,
 }
 
 def pooling_architectures(causal_models: dict[str, type]) -> dict[str, tuple[type, str]]:
@@ -60,6 +64,7 @@ def model_class_for(architectures: list[str], pooler: PoolerConfig | None) -> ty
 # architecture -> the family of its `text_config`.
 LANGUAGE_MODELS: dict[str, str] = {
     "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
+    "Llama4ForConditionalGeneration": "Llama4ForCausalLM",
 }
 
 # Vision-language checkpoints that run with their images: architecture -> the model class

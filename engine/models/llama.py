@@ -60,7 +60,7 @@ def layer_type_of(config: PretrainedConfig, index: int) -> str:
 @dataclass(frozen=True)
 class AttentionOptions:
     """One layer's attention as its family and config.json set it (see `Attention` for
-    `scale`, `sliding_window` and `logit_softcap`)."""
+    `scale`, `sliding_window`, `logit_softcap`, `sinks` and `attention_chunk_size`)."""
 
     layer_type: str = FULL_ATTENTION
     qkv_bias: bool = False
@@ -68,6 +68,8 @@ class AttentionOptions:
     scale: float | None = None
     sliding_window: int | None = None
     logit_softcap: float | None = None
+    sinks: bool = False
+    attention_chunk_size: int | None = None
 
 
 def check_shape(name: str, tensor: StoredTensor, expected: list[int]) -> None:
@@ -111,7 +113,8 @@ class LlamaAttention(nn.Module):
             self.k_norm = norm(self.head_dim, config.rms_norm_eps)
         self.rotary = [rotary]  # a list, so the shared table is not registered once per layer
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, scale=options.scale,
-                              sliding_window=options.sliding_window, logit_softcap=options.logit_softcap)
+                              sliding_window=options.sliding_window, logit_softcap=options.logit_softcap,
+                              sinks=options.sinks, attention_chunk_size=options.attention_chunk_size)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata,
                 kept_rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -259,6 +262,12 @@ class LlamaForCausalLM(nn.Module):
         return AttentionOptions(layer_type, cls.has_qkv_bias(config), cls.qk_norm, sliding_window=window)
 
     @classmethod
+    def make_attention(cls, config: PretrainedConfig, index: int, options: AttentionOptions,
+                       rotary: RotaryEmbedding, group: TensorParallelGroup) -> nn.Module:
+        """Layer `index`'s attention."""
+        return LlamaAttention(config, options, rotary, cls.norm_class, group)
+
+    @classmethod
     def make_mlp(cls, config: PretrainedConfig, index: int, group: TensorParallelGroup) -> nn.Module:
         """Layer `index`'s MLP."""
         return LlamaMLP(config, group)
@@ -274,7 +283,7 @@ class LlamaForCausalLM(nn.Module):
         })
         layers = [
             self.decoder_layer_class(
-                config, LlamaAttention(config, o, self.rotary_embeddings[o.layer_type], self.norm_class, group),
+                config, self.make_attention(config, i, o, self.rotary_embeddings[o.layer_type], group),
                 self.make_mlp(config, i, group), self.norm_class,
             )
             for i, o in enumerate(options)

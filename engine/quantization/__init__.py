@@ -22,6 +22,7 @@ from engine.quantization.checkpoint import CheckpointFormat
 from engine.quantization.fp8 import Fp8LinearMethod, fp8_products_available
 from engine.quantization.int4 import Int4LinearMethod
 from engine.quantization.int8 import Int8LinearMethod, Int8MoEMethod
+from engine.quantization.mxfp4 import MXFP4_DEQUANTIZED_WARNING
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +147,10 @@ def apply_quantization(model: nn.Module, method: str, hf_config: PretrainedConfi
     from engine.layers.fused_moe import FusedMoE
     from engine.layers.linear import Linear
 
+    if method == "mxfp4":  # only experts are MXFP4, dequantized as they load (`engine.models.gpt_oss`)
+        if device.type == "cuda":
+            logger.warning(MXFP4_DEQUANTIZED_WARNING)
+        return
     stored = checkpoint_format(hf_config)
     linear, experts, reason = _methods(method, stored, device)
     if reason:
