@@ -28,7 +28,7 @@ from engine.models import MODEL_REGISTRY
 from engine.models.gpt_oss import GptOssForCausalLM
 from engine.quantization import apply_quantization, resolve_quantization
 from engine.quantization.mxfp4 import MXFP4_DEQUANTIZED_WARNING, dequantize_mxfp4, quantize_mxfp4
-from tests.engine.test_correctness import assert_no_leaks, mixed_prompts
+from tests.engine.test_correctness import assert_no_leaks, mixed_prompts, reference_greedy
 from tests.tiny_models import build_tokenizer, save_random
 
 WINDOW = 8  # the sliding layers' keys: fewer than most prompts have
@@ -65,18 +65,6 @@ def build_gpt_oss(folder: Path, seed: int = 0) -> Path:
     return folder
 
 
-def greedy(model: transformers.PreTrainedModel, prompts: list[dict]) -> list[list[int]]:
-    """transformers' greedy `generate`, one prompt at a time (no padding effects)."""
-    outputs = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([p["prompt_token_ids"]])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
-                                 do_sample=False, pad_token_id=0)
-            outputs.append(out[0, ids.shape[1]:].tolist())
-    return outputs
-
-
 def engine_greedy(llm: LLM, prompts: list[dict], params: SamplingParams = GREEDY) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
 
@@ -110,7 +98,7 @@ def prompts() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def expected(folder, prompts) -> list[list[int]]:
-    return greedy(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(), prompts)
+    return reference_greedy(folder, prompts, MAX_TOKENS)
 
 
 CONFIGS = [
