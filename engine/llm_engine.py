@@ -132,9 +132,8 @@ class LLMEngine:
         `beam_search.sampling_params()`), whose first beam this sequence is; with
         `pooling`, a prompt to embed or classify, which is only prefilled."""
         seq = self._new_sequence(request_id, prompt, prompt_token_ids, sampling_params, priority, index=0,
-                                 lora_request=lora_request, multi_modal=multi_modal)
-        if pooling is not None or beam_search is not None:
-            seq.reasoning = None
+                                 lora_request=lora_request, multi_modal=multi_modal,
+                                 completion=pooling is None and beam_search is None)
         if pooling is not None:
             seq.pooling = pooling
             seq.max_num_tokens = seq.num_prompt_tokens
@@ -149,7 +148,10 @@ class LLMEngine:
 
     def _new_sequence(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                       params: SamplingParams, priority: int, index: int,
-                      lora_request: LoRARequest | None, multi_modal: ProcessedPrompt | None = None) -> Sequence:
+                      lora_request: LoRARequest | None, multi_modal: ProcessedPrompt | None = None,
+                      completion: bool = True) -> Sequence:
+        """A new sequence of the request; `completion`: one whose output the engine parses (a
+        reasoning section), not a beam or a prompt to pool."""
         seq = Sequence(
             seq_id=next(self._seq_ids),
             request_id=request_id,
@@ -170,7 +172,7 @@ class LLMEngine:
         seq.stop_token_ids = frozenset(params.stop_token_ids).union(eos)
         if params.structured_outputs is not None:
             seq.grammar = self.structured_output.grammar(params.structured_outputs)
-        if self.reasoning_parser is not None:
+        if self.reasoning_parser is not None and completion:
             seq.reasoning = self.reasoning_parser.tracker(prompt_token_ids)
             seq.grammar = seq.reasoning.first_grammar(seq.grammar)
         if params.seed is not None:
@@ -330,7 +332,8 @@ class LLMEngine:
         """A new beam with the parent's tokens, sharing its blocks when it runs (a parent
         preempted meanwhile recomputes, and so does its fork)."""
         child = self._new_sequence(parent.request_id, parent.prompt, parent.token_ids[: parent.num_prompt_tokens],
-                                   parent.sampling_params, parent.priority, 0, parent.lora_request, parent.multi_modal)
+                                   parent.sampling_params, parent.priority, 0, parent.lora_request, parent.multi_modal,
+                                   completion=False)
         child.token_ids = list(parent.token_ids)
         child.logprobs = list(parent.logprobs)
         child.beam = parent.beam
