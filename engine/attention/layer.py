@@ -17,7 +17,7 @@ runs once per step.
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -68,7 +68,9 @@ class AttentionMetadata:
     padded with block 0). `slot_mapping` [tokens] is where each new token's key and value
     go (block * block_size + offset) and `positions` [tokens] their positions. The host
     lists repeat the lengths for backends that plan on the CPU, without reading the
-    tensors back. `backend_data` is what the step's backend derived in `prepare`.
+    tensors back. `backend_data` is what the step's backend derived in `prepare`;
+    `layer_plans` what a kind of layer derives once per step for all its layers (latent
+    attention's split of the rows, `engine.attention.mla`), by kind.
     """
 
     slot_mapping: torch.Tensor
@@ -80,6 +82,7 @@ class AttentionMetadata:
     context_lens: list[int]
     block_size: int
     backend_data: Any = None
+    layer_plans: dict[str, Any] = field(default_factory=dict)
 
     @property
     def max_query_len(self) -> int:
@@ -146,7 +149,12 @@ class Attention(nn.Module):
     denominator, m the largest of its scores and the sink, with no value: out = sum_k
     exp(s_k - m) v_k / (exp(sinks[h] - m) + sum_k exp(s_k - m)). The sink is neither
     scaled nor soft-capped. Without sinks `sinks` is None.
+
+    `values_in_keys` (latent attention, `engine.attention.mla`): the layer's values are the
+    first values of its keys, so its cache is one tensor, `v_cache` the same as `k_cache`.
     """
+
+    values_in_keys = False
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float | None = None,
                  sliding_window: int | None = None, logit_softcap: float | None = None,

@@ -4,6 +4,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from engine.config import PoolerConfig
+from engine.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from engine.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.idefics3 import Idefics3ForConditionalGeneration, SmolVLMForConditionalGeneration
@@ -30,6 +31,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
     "Llama4ForCausalLM": Llama4ForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
 
 def pooling_architectures(causal_models: dict[str, type]) -> dict[str, tuple[type, str]]:

@@ -249,6 +249,8 @@ class LlamaForCausalLM(nn.Module):
     qk_norm = False
     norm_class: type[RMSNorm] = RMSNorm
     decoder_layer_class: type[nn.Module] = LlamaDecoderLayer
+    # Checkpoint leaves loaded into a fused projection: leaf -> (fused leaf, shard).
+    fused_leaves: dict[str, tuple[str, int]] = _FUSED
 
     @classmethod
     def has_qkv_bias(cls, config: PretrainedConfig) -> bool:
@@ -335,7 +337,7 @@ class LlamaForCausalLM(nn.Module):
         ("model.layers.0.self_attn.q_proj"): our Linear and which of its stacked
         checkpoint tensors the path names."""
         unfused: dict[str, list[str]] = {}  # fused projection -> its Hugging Face leaves, in shard order
-        for (fused, _), leaf in sorted((place, leaf) for leaf, place in _FUSED.items()):
+        for (fused, _), leaf in sorted((place, leaf) for leaf, place in self.fused_leaves.items()):
             unfused.setdefault(fused, []).append(leaf)
         targets = {}
         for name, module in self.model.layers.named_modules(prefix="model.layers"):
@@ -386,8 +388,8 @@ class LlamaForCausalLM(nn.Module):
         module_path, _, kind = name.rpartition(".")
         prefix, _, leaf = module_path.rpartition(".")
         target, shard = name, 0
-        if leaf in _FUSED:
-            fused_leaf, shard = _FUSED[leaf]
+        if leaf in self.fused_leaves:
+            fused_leaf, shard = self.fused_leaves[leaf]
             target = f"{prefix}.{fused_leaf}.{kind}"
         if target not in params:
             raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")

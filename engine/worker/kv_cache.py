@@ -27,7 +27,8 @@ class CacheBudget:
 class KVCache:
     """The keys and values of every attention layer of a model, in `num_blocks` blocks of
     `block_size` slots each, laid out as the attention backend reads them, as `dtype`
-    (`engine.kv_cache_dtype`); a scaled dtype adds float32 scales per (slot, KV head).
+    (`engine.kv_cache_dtype`); a scaled dtype adds float32 scales per (slot, KV head). A
+    latent attention layer (`values_in_keys`) has one tensor, its latent and rotary key.
 
     One extra block past the managed ones is the null block: zeros that padded key
     positions point to, so attention never reads memory nothing has written.
@@ -49,7 +50,8 @@ class KVCache:
         """Bytes of keys and values that one token takes across all layers."""
         element = torch.empty(0, dtype=self.dtype).element_size()
         scale = 4 if is_scaled(self.dtype) else 0
-        return 2 * sum(layer.num_kv_heads * (layer.head_dim * element + scale) for layer in self.layers)
+        return sum((1 if layer.values_in_keys else 2) * layer.num_kv_heads * (layer.head_dim * element + scale)
+                   for layer in self.layers)
 
     def allocate(self, num_blocks: int) -> None:
         """Gives every layer caches of `num_blocks` blocks plus the null block, replacing
@@ -64,6 +66,9 @@ class KVCache:
                 setattr(layer, f"{name}_cache", self._null_zeroed(shape, self.dtype))
                 scale_shape = shape[:-1] if is_scaled(self.dtype) else (0,)
                 setattr(layer, f"{name}_scale", self._null_zeroed(scale_shape, torch.float32))
+                if layer.values_in_keys:  # one tensor, read as keys and values
+                    layer.v_cache, layer.v_scale = layer.k_cache, layer.k_scale
+                    break
             layer.backend = self.backend
 
     def _null_zeroed(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -87,7 +92,9 @@ class KVCache:
         src = torch.cat([torch.arange(s * size, (s + 1) * size) for s, _ in copies]).to(self.device)
         dst = torch.cat([torch.arange(d * size, (d + 1) * size) for _, d in copies]).to(self.device)
         for layer in self.layers:
-            for cache in (layer.k_cache, layer.v_cache, layer.k_scale, layer.v_scale):
+            caches = (layer.k_cache, layer.k_scale) if layer.values_in_keys else (
+                layer.k_cache, layer.v_cache, layer.k_scale, layer.v_scale)
+            for cache in caches:
                 if cache.numel():
                     slots = self.backend.slot_major(cache)
                     slots[dst] = slots[src]

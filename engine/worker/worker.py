@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.attention.layer import AttentionMetadata
+from engine.attention.mla import use_absorbed_attention_only
 from engine.config import EngineConfig, ModelConfig
 from engine.distributed.communicator import TensorParallelGroup
 from engine.hardware import amx_products, detect_cpu, keep_freed_memory, long_lived_allocations, set_num_threads
@@ -71,6 +72,8 @@ class Worker:
         with long_lived_allocations() if self.device.type == "cpu" else contextlib.nullcontext():
             self.model = load_model(model_config, group, triton_kernels=config.attention_backend == "triton",
                                     calibrate=self._calibrate)
+            if config.batch_invariant:
+                use_absorbed_attention_only(self.model)
             self.kv_cache = KVCache(self.model, config.attention_backend, config.block_size,
                                     cache_torch_dtype(config.kv_cache_dtype), self.device)
             # Every rank holds as many blocks: the fewest any rank's budget allows.
