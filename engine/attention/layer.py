@@ -129,6 +129,14 @@ class AttentionBackend:
         """Attention of q [tokens, heads, head_dim] over `layer`'s caches."""
         raise NotImplementedError
 
+    def forward_latent(self, layer: "Attention", q: torch.Tensor, meta: AttentionMetadata,
+                       latent: int) -> torch.Tensor:
+        """Attention of q [tokens, heads, head_dim] over a latent layer's one cache
+        (`values_in_keys`), whose values are the keys' first `latent` values: [tokens,
+        heads, latent]. Here `forward`'s, over the cache as keys and values; a backend with
+        a kernel of its own for latent caches overrides it."""
+        return self.forward(layer, q, meta)[..., :latent]
+
 
 class Attention(nn.Module):
     """One layer's attention: writes the step's keys and values into this layer's paged

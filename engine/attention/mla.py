@@ -13,8 +13,10 @@ Two ways to attend, equal in exact arithmetic, chosen per sequence as vLLM does:
 - absorbed (a sequence with one new token, a decode): each head's query without position
   is multiplied by W_UK_h first, so its scores are [q_nope_h W_UK_h, q_pe_h] . [c, k_pe]
   scaled: multi-query attention over the latent cache, whose output (a latent per head) W_UV_h
-  maps to the head's value. The backend's paged kernels run it as they are, on the one cache
-  tensor as keys and values, the output's first `latent` values kept.
+  maps to the head's value. The backend runs it (`AttentionBackend.forward_latent`): the
+  Triton backend's decode steps through a kernel of its own
+  (`engine.kernels.triton.mla_decode`), the others through their paged kernels, on the
+  one cache tensor as keys and values, the output's first `latent` values kept.
 - expanded (a sequence with several new tokens, a prefill or a chunk of one): its whole
   context's latents are read from the cache and expanded by kv_b_proj into per-head keys
   (nope + rope values) and values, and attention runs over those: per key and query a
@@ -130,7 +132,7 @@ class MLAAttention(Attention):
             self.absorb()
         q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)
         q = torch.cat((q_latent, q_pe), dim=-1)
-        attended = self.backend.forward(self, q, meta)[..., : self.dims.latent]
+        attended = self.backend.forward_latent(self, q, meta, self.dims.latent)
         return torch.bmm(attended.transpose(0, 1), self.w_uv).transpose(0, 1)
 
     def _expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, plan: LatentPlan, out: torch.Tensor) -> None:

@@ -27,6 +27,7 @@ from transformers import AutoModelForCausalLM
 from engine import LLM, SamplingParams
 from engine.attention.mla import MLAAttention
 from engine.kernels import triton as triton_kernels
+from engine.kv_cache_dtype import dequantize, quantize
 from engine.models import MODEL_REGISTRY
 from engine.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from tests.engine.test_correctness import assert_no_leaks, mixed_prompts, reference_greedy
@@ -196,3 +197,56 @@ def test_triton_backend_matches_transformers(folders, prompts, expected):
         outputs = llm.generate([prompts[i] for i in chosen], SamplingParams(temperature=0, max_tokens=6),
                                use_tqdm=False)
         assert [list(o.outputs[0].token_ids) for o in outputs] == [expected["v3"][i][:6] for i in chosen]
+
+
+def latent_reference(q: torch.Tensor, cache: torch.Tensor, latent: int, scale: float) -> torch.Tensor:
+    """Dense attention of q [heads, width] over keys `cache` [context, width], values their
+    first `latent` values, in float64."""
+    keys = cache.double()
+    probs = ((q.double() @ keys.T) * scale).softmax(dim=-1)
+    return probs @ keys[:, :latent]
+
+
+@pytest.mark.skipif(not triton_kernels.installed(), reason="triton is not installed")
+@pytest.mark.parametrize("latent,rope,heads,cache_dtype", [(32, 8, 4, torch.float32), (64, 16, 20, torch.float32),
+                                                          (32, 8, 4, torch.float8_e4m3fn)])
+def test_latent_decode_kernel_matches_dense_attention(latent, rope, heads, cache_dtype):
+    """`mla_decode_attention` over a paged latent cache (shuffled blocks of 16): contexts of 1
+    key, 40, and 600 (two partitions), a padding row of none (zeros out); heads past a tile
+    of 16; an fp8 cache with its scales, against dense attention over the values it stores."""
+    from engine.kernels.triton.mla_decode import mla_decode_attention
+    from engine.kernels.triton.paged_attention import decode_splits
+    from tests.engine.test_triton_kernels import DEVICE
+
+    torch.manual_seed(0)
+    width, block, lengths = latent + rope, 16, [1, 40, 600, 0]
+    blocks = [-(-n // block) for n in lengths]
+    order = torch.randperm(sum(blocks) + 1)
+    tables = torch.zeros(len(lengths), max(blocks), dtype=torch.int32)
+    first = 0
+    for row, count in enumerate(blocks):
+        tables[row, :count] = order[first : first + count]
+        first += count
+    vectors = torch.randn((sum(blocks) + 1) * block, width)
+    scales = torch.empty(0)
+    if cache_dtype != torch.float32:
+        stored, scales = quantize(vectors.unsqueeze(1), cache_dtype)
+        vectors = dequantize(stored, scales, torch.float32)[:, 0]
+        cache = stored.view(-1, block, 1, width)
+        scales = scales.view(-1, block, 1).to(DEVICE)
+    else:
+        cache = vectors.view(-1, block, 1, width)
+    q = torch.randn(len(lengths), heads, width)
+    scale = 0.3
+    out = mla_decode_attention(q.to(DEVICE), cache.to(DEVICE), torch.tensor(lengths, dtype=torch.int32).to(DEVICE),
+                               tables.to(DEVICE), decode_splits(max(lengths)), scale, latent,
+                               scales if scales.numel() else None).cpu()
+    assert out.shape == (len(lengths), heads, latent)
+    for row, n in enumerate(lengths):
+        if n == 0:
+            assert not out[row].any()
+            continue
+        positions = torch.arange(n)
+        slots = tables[row, positions // block].long() * block + positions % block
+        expected = latent_reference(q[row], vectors[slots], latent, scale)
+        torch.testing.assert_close(out[row].double(), expected, atol=1e-4, rtol=1e-4)

@@ -13,6 +13,7 @@ import torch
 
 from engine.attention.layer import Attention, AttentionBackend, AttentionMetadata
 from engine.kernels.triton.kv_store import store_kv
+from engine.kernels.triton.mla_decode import mla_decode_attention
 from engine.kernels.triton.paged_attention import decode_attention, decode_splits, prefill_attention
 
 
@@ -33,6 +34,15 @@ class TritonAttentionBackend(AttentionBackend):
 
     def write_kv(self, layer: Attention, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
         store_kv(k, v, layer.k_cache, layer.v_cache, layer.k_scale, layer.v_scale, meta.slot_mapping)
+
+    def forward_latent(self, layer: Attention, q: torch.Tensor, meta: AttentionMetadata, latent: int) -> torch.Tensor:
+        """Decode steps through the latent cache's own kernel (`mla_decode_attention`), which
+        reads each key once and tiles the latent and rotary parts apart; others through
+        the prefill kernel."""
+        if meta.max_query_len == 1:
+            return mla_decode_attention(q, layer.k_cache, meta.seq_lens, meta.block_tables, meta.backend_data,
+                                        layer.scale, latent, layer.k_scale)
+        return super().forward_latent(layer, q, meta, latent)
 
     def forward(self, layer: Attention, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         options = {"sliding_window": layer.sliding_window, "softcap": layer.logit_softcap, "k_scale": layer.k_scale,
