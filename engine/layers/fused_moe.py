@@ -13,7 +13,6 @@ which that operator does not compute). A GPU runs them in the fused Triton kerne
 (`engine.kernels.triton.fused_moe`), every variant included.
 """
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol
@@ -29,7 +28,6 @@ from engine.layers.linear import MIN_ROWS, prepack, project
 if TYPE_CHECKING:
     from engine.distributed.communicator import TensorParallelGroup
 
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -224,8 +222,8 @@ class FusedMoE(nn.Module):
     matrices in oneDNN's layout once `prepack` has run (the 3-D weights are then empty);
     they are opaque tensors without a storage, so a count of the weights' bytes adds their
     numel * element_size as it does for `Linear.packed_weight`. With a `quant_method`
-    (`engine.quantization`) `prepack` quantizes the experts instead and the method runs them
-    (plain SwiGLU experts only: a variant keeps its dtype, with a warning).
+    (`engine.quantization`) `prepack` quantizes the experts instead and the method runs them,
+    biases and the clamped SwiGLU included.
     """
 
     kernel: Callable | None = None
@@ -255,10 +253,6 @@ class FusedMoE(nn.Module):
         """Reorders every expert's matrices for oneDNN where that helps (`Linear.prepack`)
         and drops the 3-D originals, which the packed copies replace; a no-op where the
         plain product is used, or where the Triton kernel runs, which reads the 3-D weights."""
-        if self.quant_method is not None and not self.plain:
-            logger.warning("%s's experts (biases or the clamped SwiGLU) keep the model's dtype: the quantized "
-                           "experts' products compute plain SwiGLU only", type(self.quant_method).__name__)
-            self.quant_method = None
         if self.quant_method is not None:
             if self.w13.numel():
                 self.quant_method.process_weights(self)
@@ -294,7 +288,7 @@ class FusedMoE(nn.Module):
                 return self.kernel(x, self.w13, self.w2, topk_weights, topk_ids)
             clamped = self.activation is not None
             return self.kernel(x, self.w13, self.w2, topk_weights, topk_ids, w13_bias=self.w13_bias,
-                               w2_bias=self._down_bias(), limit=self.activation.limit if clamped else None,
+                               w2_bias=self.down_bias(), limit=self.activation.limit if clamped else None,
                                alpha=self.activation.alpha if clamped else 1.0)
         if self.quant_method is not None:
             return self.quant_method.apply(self, x, topk_weights, topk_ids)
@@ -302,7 +296,7 @@ class FusedMoE(nn.Module):
             return kernels.fused_moe(x, topk_weights, topk_ids, self.packed.w13, self.packed.w2, MIN_ROWS)
         return self.grouped(x, topk_weights, topk_ids, self._expert)
 
-    def _down_bias(self) -> torch.Tensor | None:
+    def down_bias(self) -> torch.Tensor | None:
         """w2_bias where this rank adds it: on rank 0 only, as the ranks' outputs are summed."""
         return self.w2_bias if self.group is None or self.group.rank == 0 else None
 
@@ -340,7 +334,7 @@ class FusedMoE(nn.Module):
             (w13, w2), (packed13, packed2) = (self.w13, self.w2), (self.packed.w13[expert], self.packed.w2[expert])
         else:
             (w13, w2), (packed13, packed2) = (self.w13[expert], self.w2[expert]), (None, None)
-        bias13, bias2 = self.w13_bias, self._down_bias()
+        bias13, bias2 = self.w13_bias, self.down_bias()
         gate, up = project(rows, w13, packed13, None if bias13 is None else bias13[expert]).chunk(2, dim=-1)
         hidden = F.silu(gate).mul_(up) if self.activation is None else self.activation(gate, up)
         return project(hidden, w2, packed2, None if bias2 is None else bias2[expert])

@@ -85,19 +85,32 @@ def resolve_quantization(requested: str | None, hf_config: PretrainedConfig, dev
     """The method the model runs with: the checkpoint's own, else `requested`; None for the
     model's own dtype. "auto" (the default) adds int8 where it is the faster default
     (`int8_by_default`): `auto_dtype` is the compute dtype when the dtype was left "auto",
-    `batch_invariant` the engine's mode (which keeps oneDNN off AMX).
+    `batch_invariant` the engine's mode (which keeps oneDNN off AMX). An MXFP4 checkpoint
+    (gpt-oss) on a CPU, whose experts are dequantized as they load, takes int8 as an
+    unquantized one does ("int8", or "auto" where int8 is the default), else "mxfp4".
 
     Raises:
         ValueError: a method this engine does not run, one the checkpoint contradicts, or
             one the device cannot run, naming the fix.
     """
     stored = checkpoint_quantization(hf_config)
+    if stored == "mxfp4" and device.type == "cpu" and requested in ("auto", "int8"):
+        # gpt-oss's MXFP4 experts are dequantized as they load: on a CPU the dtype's rules follow.
+        checkpoint_format(hf_config)
+        return _at_load(requested, device, auto_dtype, batch_invariant) or stored
     if stored is not None:
         checkpoint_format(hf_config)
         if requested not in (None, "auto") and requested != stored:
             raise ValueError(f"quantization={requested!r} contradicts the checkpoint's {stored!r} (config.json "
                              f"quantization_config); leave quantization unset to use the checkpoint's")
         return stored
+    return _at_load(requested, device, auto_dtype, batch_invariant)
+
+
+def _at_load(requested: str | None, device: torch.device, auto_dtype: torch.dtype | None,
+             batch_invariant: bool) -> str | None:
+    """`resolve_quantization` for an unquantized checkpoint: the method that quantizes it at
+    load, or None."""
     if requested == "auto":
         return "int8" if int8_by_default(device, auto_dtype, batch_invariant) else None
     if requested is None:

@@ -179,15 +179,21 @@ class Int8MoEMethod:
 
     def apply(self, layer: "FusedMoE", x: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
+        """Plain SwiGLU experts in one C++ call where it is built; experts with biases or
+        the clamped SwiGLU (gpt-oss) one int8 product pair per expert that received rows."""
         kernels = cpu_build.load()
-        if kernels is not None:
+        if kernels is not None and layer.plain:
             return kernels.fused_moe_int8(x, topk_weights, topk_ids, layer.w13_qweight, layer.w13_scale,
                                           layer.w2_qweight, layer.w2_scale)
         return layer.grouped(x, topk_weights, topk_ids, self._expert(layer))
 
     @staticmethod
     def _expert(layer: "FusedMoE") -> "ExpertFn":
+        bias13, bias2 = layer.w13_bias, layer.down_bias()
+
         def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
-            gate, up = int8_linear(rows, layer.w13_qweight[e], layer.w13_scale[e]).chunk(2, dim=-1)
-            return int8_linear(F.silu(gate).mul_(up), layer.w2_qweight[e], layer.w2_scale[e])
+            gate, up = int8_linear(rows, layer.w13_qweight[e], layer.w13_scale[e],
+                                   None if bias13 is None else bias13[e]).chunk(2, dim=-1)
+            hidden = F.silu(gate).mul_(up) if layer.activation is None else layer.activation(gate, up)
+            return int8_linear(hidden, layer.w2_qweight[e], layer.w2_scale[e], None if bias2 is None else bias2[e])
         return expert

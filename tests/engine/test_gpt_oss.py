@@ -22,11 +22,13 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
+from engine.hardware import CPU_KIND_ENV, CPU_KINDS, detect_cpu
 from engine.kernels import triton as triton_kernels
 from engine.layers.fused_moe import FusedMoE
 from engine.models import MODEL_REGISTRY
 from engine.models.gpt_oss import GptOssForCausalLM
 from engine.quantization import apply_quantization, resolve_quantization
+from engine.quantization.int8 import Int8MoEMethod
 from engine.quantization.mxfp4 import MXFP4_DEQUANTIZED_WARNING, dequantize_mxfp4, quantize_mxfp4
 from tests.engine.test_correctness import assert_no_leaks, mixed_prompts, reference_greedy
 from tests.tiny_models import build_tokenizer, save_random
@@ -167,17 +169,49 @@ def test_mxfp4_checkpoint_matches_transformers_with_the_dequantized_experts(fold
         assert isinstance(experts, FusedMoE) and experts.quant_method is None
 
 
-def test_mxfp4_is_the_checkpoints_own_method(folder, caplog):
+@pytest.mark.skipif(not detect_cpu().int8_vnni, reason="int8 at load needs a CPU with VNNI")
+def test_mxfp4_checkpoint_runs_int8_on_a_cpu(folder, prompts, tmp_path):
+    """quantization="int8" on an MXFP4 checkpoint: the experts dequantized as they load, then
+    quantized to int8 with every projection, biases and the clamp kept; the first greedy token
+    is the dequantized checkpoint's for all but near ties (the layer-level error is checked in
+    tests/engine/test_moe_variants.py)."""
+    mxfp4_checkpoint(folder, tmp_path / "mxfp4")
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with LLM(str(tmp_path / "mxfp4"), dtype="float32") as llm:
+        dequantized = engine_greedy(llm, prompts, params)
+    with LLM(str(tmp_path / "mxfp4"), dtype="float32", quantization="int8") as llm:
+        assert llm.llm_engine.model_config.quantization == "int8"
+        experts = llm.llm_engine.model_runner.model.model.layers[0].mlp.experts
+        assert isinstance(experts.quant_method, Int8MoEMethod) and experts.w13_bias is not None
+        outputs = engine_greedy(llm, prompts, params)
+    assert sum(o[0] == d[0] for o, d in zip(outputs, dequantized)) >= len(prompts) - 2  # 7 of 8 here
+
+
+@pytest.mark.parametrize("kind", CPU_KINDS)
+def test_mxfp4_is_the_checkpoints_own_method(folder, caplog, monkeypatch, request, kind):
     """An MXFP4 checkpoint runs as "mxfp4" (another method contradicts it; an unquantized
-    checkpoint cannot take it); nothing is handed a quantized product, and a GPU warns that
-    the experts are dequantized."""
+    checkpoint cannot take it), except that on a CPU, where its experts are dequantized as
+    they load, int8 follows the dtype's rules: asked for where the CPU has VNNI, and by
+    default where a bfloat16 model would take it; nothing is handed an MXFP4 product, and a
+    GPU warns that the experts are dequantized."""
+    monkeypatch.setenv(CPU_KIND_ENV, kind)
+    detect_cpu.cache_clear()
+    request.addfinalizer(detect_cpu.cache_clear)  # read again, from the environment as it was
     config = transformers.AutoConfig.from_pretrained(folder)
     with pytest.raises(ValueError, match="'mxfp4' needs a checkpoint quantized with it"):
         resolve_quantization("mxfp4", config, CPU)
     config.quantization_config = MXFP4_CONFIG
     assert resolve_quantization("auto", config, CPU) == resolve_quantization(None, config, CPU) == "mxfp4"
-    with pytest.raises(ValueError, match="'int8' contradicts the checkpoint's 'mxfp4'"):
-        resolve_quantization("int8", config, CPU)
+    vnni = CPU_KINDS[kind].info().int8_vnni
+    by_default = "int8" if vnni and kind != "amx" else "mxfp4"
+    assert resolve_quantization("auto", config, CPU, auto_dtype=torch.bfloat16) == by_default
+    if vnni:
+        assert resolve_quantization("int8", config, CPU) == "int8"
+    else:
+        with pytest.raises(ValueError, match="'int8' needs"):
+            resolve_quantization("int8", config, CPU)
+    with pytest.raises(ValueError, match="'fp8' contradicts the checkpoint's 'mxfp4'"):
+        resolve_quantization("fp8", config, CPU)
     with torch.device("meta"):
         model = GptOssForCausalLM(config, max_position=64)
     for device, warned in ((CPU, False), (torch.device("cuda"), True)):

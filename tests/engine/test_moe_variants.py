@@ -20,6 +20,8 @@ from transformers.modeling_rope_utils import _compute_yarn_parameters
 from engine.kernels import triton as triton_kernels
 from engine.layers.fused_moe import ClampedSwiGLU, FusedMoE, Routing, deinterleave_gate_up
 from engine.layers.rotary import RotaryEmbedding, rope_parameters, yarn_mscale
+from engine.quantization import int8
+from engine.quantization.int8 import Int8MoEMethod
 from engine.quantization.mxfp4 import FP4_MAGNITUDES, dequantize_mxfp4, quantize_mxfp4
 
 needs_triton = pytest.mark.skipif(not triton_kernels.available(torch.device("cpu")) or torch.cuda.is_available(),
@@ -206,12 +208,36 @@ def test_tensor_parallel_ranks_add_the_down_bias_once():
         torch.testing.assert_close(parts[0] + parts[1], whole(x, weights, ids), **CLOSE)
 
 
-def test_quantized_experts_of_a_variant_keep_the_dtype(caplog):
+@pytest.mark.parametrize("compiled", [True, False])
+def test_int8_experts_of_a_variant_keep_their_biases_and_clamp(compiled, monkeypatch):
+    """gpt-oss's experts at int8 (`Int8MoEMethod`): the biases and the clamped SwiGLU still
+    apply, per expert, through the compiled int8 product and through PyTorch's; the output
+    is within int8's rounding of the float32 experts', and far from the same experts
+    without their biases."""
     config, block = gpt_oss_block()
+    with torch.no_grad():
+        block.experts.gate_up_proj_bias.normal_(0.0, 2.0)
+        block.experts.down_proj_bias.normal_(0.0, 2.0)
+    x = hidden_states(24, 64)
+    weights, ids = Routing.gpt_oss(config).select(F.linear(x, block.router.weight, block.router.bias))
+    exact = gpt_oss_experts(config, block)(x, weights, ids)
+    if not compiled:
+        monkeypatch.setattr(int8.cpu_build, "load", lambda: None)
     experts = gpt_oss_experts(config, block)
-    experts.quant_method = SimpleNamespace(process_weights=lambda layer: pytest.fail("quantized a variant"))
+    experts.quant_method = Int8MoEMethod()
     experts.prepack()
-    assert experts.quant_method is None and "keep the model's dtype" in caplog.text
+    assert experts.w13.numel() == 0 and experts.w13_qweight.dtype == torch.int8
+    with torch.no_grad():
+        quantized = experts(x, weights, ids)
+        activation, experts.activation = experts.activation, None
+        unclamped = experts(x, weights, ids)
+        experts.activation = activation
+        experts.w13_bias.zero_()
+        experts.w2_bias.zero_()
+        unbiased = experts(x, weights, ids)
+    gap = {name: ((out - exact).norm() / exact.norm()).item()
+           for name, out in (("int8", quantized), ("unclamped", unclamped), ("unbiased", unbiased))}
+    assert gap["int8"] < 0.05 and gap["unclamped"] > 4 * gap["int8"] and gap["unbiased"] > 4 * gap["int8"], gap
 
 
 # DeepSeek-V2 and V3
