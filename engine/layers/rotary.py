@@ -4,12 +4,52 @@
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from engine.layers.linear import ShardSlice, StoredTensor
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
+
+
+@dataclass(frozen=True)
+class RotaryPairs:
+    """Where a projection's output rows hold rotary features in interleaved pairs (x0, x1),
+    (x2, x3)... (Llama 4's q/k, DeepSeek's rotary parts), which `RotaryEmbedding` turns as
+    halves [x0, x2, ..., x1, x3, ...]: in every run of `period` rows (a head), the
+    `rotary_dim` rows from `start`. Reordering the rows at load (`to_halves`), and an
+    adapter's B alike, makes the half rotation compute the interleaved one: a query and key
+    reordered the same way give the same scores."""
+
+    period: int
+    start: int
+    rotary_dim: int
+
+    def to_halves(self, rows: torch.Tensor) -> torch.Tensor:
+        """`rows` [whole periods, ...] (a tensor-parallel slice holds whole heads), reordered."""
+        pairs = torch.arange(self.start, self.start + self.rotary_dim).view(-1, 2)
+        order = torch.cat((torch.arange(self.start), pairs[:, 0], pairs[:, 1],
+                           torch.arange(self.start + self.rotary_dim, self.period)))
+        return rows.unflatten(0, (-1, self.period))[:, order.to(rows.device)].flatten(0, 1)
+
+
+@dataclass(frozen=True)
+class RotaryPairsToHalves:
+    """A checkpoint tensor (a projection's weight or bias) read with its rows reordered by
+    `pairs` (`RotaryPairs.to_halves`); a `StoredTensor`."""
+
+    tensor: StoredTensor
+    pairs: RotaryPairs
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.tensor.shape)
+
+    def read(self, piece: ShardSlice | None = None) -> torch.Tensor:
+        return self.pairs.to_halves(self.tensor.read(piece))
 
 
 def rope_parameters(config: PretrainedConfig, layer_type: str | None = None) -> dict:

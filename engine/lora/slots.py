@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.layers.linear import Linear, ShardSlice
+from engine.layers.rotary import RotaryPairs
 from engine.lora.adapter import ModuleLoRA
 
 # Each slot's group of rows is padded to at least this many: like the dense projections
@@ -16,10 +17,13 @@ _MIN_GROUP_ROWS = 8
 @dataclass(frozen=True)
 class LoRATarget:
     """A projection an adapter may change: our `layer`, and which of the checkpoint
-    tensors stacked in it (q, k or v of a fused q/k/v) the adapter's module names."""
+    tensors stacked in it (q, k or v of a fused q/k/v) the adapter's module names;
+    `row_order` where the layer's rows were reordered at load (rotary pairs to halves), which
+    an adapter's B then takes too."""
 
     layer: Linear
     shard: int
+    row_order: RotaryPairs | None = None
 
     @property
     def _slice(self) -> ShardSlice | None:
@@ -36,6 +40,8 @@ class LoRATarget:
     def local(self, lora: ModuleLoRA) -> ModuleLoRA:
         """The adapter's matrices for this rank: split like the layer's weight (B's rows
         for a column-parallel projection, A's columns for a row-parallel one)."""
+        if self.row_order is not None:
+            lora = ModuleLoRA(lora.a, self.row_order.to_halves(lora.b))
         piece = self._slice
         if piece is None:
             return lora

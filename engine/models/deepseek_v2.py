@@ -8,8 +8,8 @@ shared by the heads, expanded per head by `kv_b_proj` — the latent and the rot
 the KV cache keeps (`engine.attention.mla`). Rotary positions turn the last
 `qk_rope_head_dim` values of each query and the shared key, in interleaved pairs as the
 checkpoints lay them out (V3's `rope_interleave`; always for V2): those rows of the
-projections are permuted at load into the halves the engine's rotary kernels turn, which
-changes no score. The softmax scale is qk_head_dim**-0.5, times yarn_mscale(factor,
+projections (and a LoRA adapter's B on them) are reordered at load into the halves the
+engine's rotary kernels turn (`RotaryPairs`), which changes no score. The softmax scale is qk_head_dim**-0.5, times yarn_mscale(factor,
 mscale_all_dim)**2 with YaRN rotary scaling, as transformers and vLLM compute it.
 
 The first `first_k_dense_replace` layers have a dense MLP; the others a float32 router over
@@ -26,6 +26,7 @@ projections are whole on each rank, and so is the latent cache, as in vLLM.
 """
 
 from collections.abc import Iterable, Iterator
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +39,7 @@ from engine.distributed.communicator import TensorParallelGroup
 from engine.layers.fused_moe import FusedMoE, Routing
 from engine.layers.layernorm import RMSNorm
 from engine.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear, StoredTensor
-from engine.layers.rotary import RotaryEmbedding, rope_parameters, yarn_mscale
+from engine.layers.rotary import RotaryEmbedding, RotaryPairs, RotaryPairsToHalves, rope_parameters, yarn_mscale
 from engine.lora.slots import LoRATarget
 from engine.models.llama import AttentionOptions, LlamaForCausalLM, LlamaMLP
 from engine.models.moe import MoEForCausalLM
@@ -81,12 +82,6 @@ def check_deepseek_config(config: PretrainedConfig) -> None:
     if (getattr(config, "moe_layer_freq", None) or 1) != 1:
         raise ValueError(f"config.json's moe_layer_freq is {config.moe_layer_freq}: only 1 (experts in every layer "
                          "from first_k_dense_replace on) is supported")
-
-
-def interleaved_to_halves(rotary_dim: int) -> torch.Tensor:
-    """The row order that turns pairs (x0, x1), (x2, x3)... into halves [x0, x2, ...,
-    x1, x3, ...], which the rotary kernels turn by the same frequencies."""
-    return torch.cat((torch.arange(0, rotary_dim, 2), torch.arange(1, rotary_dim, 2)))
 
 
 class DeepseekV2Attention(nn.Module):
@@ -205,30 +200,25 @@ class DeepseekV2ForCausalLM(MoEForCausalLM):
     def _rotary(self, layer_type: str) -> RotaryEmbedding:
         return RotaryEmbedding(self.config.qk_rope_head_dim, self.max_position, rope_parameters(self.config))
 
-    @property
-    def rope_interleaved(self) -> bool:
-        """Whether the checkpoint lays the rotary features out in pairs (V2 always)."""
-        return getattr(self.config, "rope_interleave", True)
+    def rotary_pairs(self, projection: str) -> RotaryPairs | None:
+        """Where `projection`'s rows hold interleaved rotary pairs: each head's last
+        qk_rope_head_dim rows of the queries, the last rows (the shared key) of
+        kv_a_proj_with_mqa; None for other projections, or where the checkpoint stores the
+        rotary features as halves (V3's `rope_interleave` false)."""
+        if projection not in _ROTARY_ROWS or not getattr(self.config, "rope_interleave", True):
+            return None
+        dims = mla_dims(self.config)
+        if projection == "kv_a_proj_with_mqa":
+            return RotaryPairs(dims.cache_width, dims.latent, dims.rope)
+        return RotaryPairs(dims.nope + dims.rope, dims.nope, dims.rope)
 
     def load_tensor(self, name: str, tensor: StoredTensor, params: dict[str, nn.Parameter]) -> tuple[str, int]:
-        loaded = super().load_tensor(name, tensor, params)
-        module_path, _, kind = name.rpartition(".")
-        if module_path.rpartition(".")[2] in _ROTARY_ROWS and self.rope_interleaved:
-            self._permute_rotary_rows(module_path, params[loaded[0]], name)
-        return loaded
-
-    def _permute_rotary_rows(self, module_path: str, param: nn.Parameter, name: str) -> None:
-        """Reorders the rotary rows of a loaded projection weight (or bias) from pairs to halves."""
-        if getattr(self.get_submodule(module_path), "quant_method", None) is not None:
+        module_path = name.rpartition(".")[0]
+        pairs = self.rotary_pairs(module_path.rpartition(".")[2])
+        if pairs is not None and getattr(self.get_submodule(module_path), "quant_method", None) is not None:
             raise ValueError(f"checkpoint tensor {name!r}: quantized latent-attention projections are not "
                              "supported yet; use the checkpoint's unquantized (bfloat16) release")
-        dims = mla_dims(self.config)
-        order = interleaved_to_halves(dims.rope).to(param.device)
-        if module_path.endswith("kv_a_proj_with_mqa"):
-            rotary = param.data[dims.latent :]
-        else:  # each head's rows: nope, then rope
-            rotary = param.data.view(-1, dims.nope + dims.rope, *param.shape[1:])[:, dims.nope :]
-        rotary.copy_(rotary.index_select(0 if rotary.dim() == param.dim() else 1, order))
+        return super().load_tensor(name, tensor if pairs is None else RotaryPairsToHalves(tensor, pairs), params)
 
     def checkpoint_tensors(self, weights: Iterable[tuple[str, StoredTensor]]) -> Iterator[tuple[str, StoredTensor]]:
         """Skips the multi-token-prediction layers V3 checkpoints carry past num_hidden_layers
@@ -247,12 +237,17 @@ class DeepseekV2ForCausalLM(MoEForCausalLM):
         super().prepack()
 
     def lora_targets(self) -> dict[str, LoRATarget]:
-        """The MLPs (dense and shared experts), `q_a_proj` and `o_proj`: the routed experts
-        take no adapter (see `engine.lora.adapter`), nor do the projections whose rotary rows
-        are permuted at load or whose weight is absorbed (`kv_b_proj`)."""
-        kept = ("q_a_proj", "o_proj")
-        return {path: target for path, target in super().lora_targets().items()
-                if ".self_attn." not in path or path.endswith(kept)}
+        """The attention projections but `kv_b_proj` (absorbed into the queries and outputs
+        once loaded), an adapter's B on the rotary rows reordered as they are (`RotaryPairs`),
+        and the MLPs (dense and shared experts); not the routed experts (see
+        `engine.lora.adapter`)."""
+        targets = {}
+        for path, target in super().lora_targets().items():
+            if path.endswith(".kv_b_proj"):
+                continue
+            pairs = self.rotary_pairs(path.rpartition(".")[2])
+            targets[path] = target if pairs is None else replace(target, row_order=pairs)
+        return targets
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

@@ -24,7 +24,7 @@ down_proj [E, I, H], the transposes of `FusedMoE`'s w13 and w2.
 
 import re
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -35,7 +35,7 @@ from engine.distributed.communicator import TensorParallelGroup
 from engine.layers.fused_moe import FusedMoE, Routing
 from engine.layers.layernorm import RMSNorm
 from engine.layers.linear import Linear, ShardSlice, StoredTensor
-from engine.layers.rotary import RotaryEmbedding
+from engine.layers.rotary import RotaryEmbedding, RotaryPairs, RotaryPairsToHalves
 from engine.lora.slots import LoRATarget
 from engine.models.llama import (
     FULL_ATTENTION, AttentionOptions, LlamaAttention, LlamaForCausalLM, LlamaMLP, activation_of, check_shape,
@@ -156,25 +156,6 @@ class Llama4MoE(nn.Module):
         return self.shared_expert(x) + self.experts(x, weights, ids)
 
 
-@dataclass(frozen=True)
-class PairsToHalves:
-    """A rotary layer's q or k projection (weight or bias) with each head's rows reordered
-    from Llama 4's interleaved pairs to `RotaryEmbedding`'s halves: rows 0, 2, 4, ... then
-    1, 3, 5, ... A tensor-parallel slice holds whole heads, so it is reordered alike."""
-
-    tensor: StoredTensor
-    head_dim: int
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.tensor.shape)
-
-    def read(self, piece: ShardSlice | None = None) -> torch.Tensor:
-        rows = self.tensor.read(piece)
-        pairs = rows.unflatten(0, (-1, self.head_dim // 2, 2))
-        return pairs.transpose(1, 2).reshape(rows.shape)
-
-
 class Llama4ForCausalLM(LlamaForCausalLM):
     """Llama 4's text model (see the module's docstring).
 
@@ -210,7 +191,7 @@ class Llama4ForCausalLM(LlamaForCausalLM):
     ) -> Iterator[tuple[str, StoredTensor]]:
         """The language model's tensors (a vision-language checkpoint's without its prefix;
         its vision model skipped), `feed_forward` as `mlp`, rotary layers' q and k rows
-        reordered (`PairsToHalves`)."""
+        reordered (`RotaryPairs`)."""
         for name, tensor in weights:
             for prefix, replacement in _LANGUAGE_MODEL_PREFIXES:
                 if name.startswith(prefix):
@@ -222,7 +203,7 @@ class Llama4ForCausalLM(LlamaForCausalLM):
             rotated = _ROTATED.match(name)
             layer = int(rotated["layer"]) if rotated else len(self.layer_kinds)
             if layer < len(self.layer_kinds) and self.layer_kinds[layer].rotary:
-                tensor = PairsToHalves(tensor, head_dim_of(self.config))
+                tensor = RotaryPairsToHalves(tensor, self.rotary_pairs)
             yield name, tensor
 
     def load_tensor(self, name: str, tensor: StoredTensor, params: dict[str, nn.Parameter]) -> tuple[str, int]:
@@ -247,16 +228,23 @@ class Llama4ForCausalLM(LlamaForCausalLM):
             experts.w13.data.narrow(1, shard * local, local).copy_(tensor.read(piece).transpose(1, 2))
         return f"{match['experts']}.w13", 0
 
+    @property
+    def rotary_pairs(self) -> RotaryPairs:
+        """Where the rotary layers' q and k rows hold their interleaved pairs: every head's."""
+        head_dim = head_dim_of(self.config)
+        return RotaryPairs(head_dim, 0, head_dim)
+
     def lora_targets(self) -> dict[str, LoRATarget]:
-        """v_proj, o_proj and the dense layers' MLPs, under the checkpoint's names
-        (`feed_forward`). Not q_proj and k_proj: their rows are reordered at load
-        (`PairsToHalves`) and an adapter's B would need the same order, which `LoRATarget`
-        cannot express; nor the experts, routers and shared experts."""
+        """The attention projections and the dense layers' MLPs, under the checkpoint's names
+        (`feed_forward`); an adapter's B on the rotary layers' q_proj and k_proj is reordered
+        as their rows are (`RotaryPairs`). Not the experts, routers and shared experts."""
         targets = {}
         for path, target in super().lora_targets().items():
             layer, moved, _ = path.partition(".mlp.")
-            if path.endswith((".q_proj", ".k_proj")) or (moved and isinstance(self.get_submodule(f"{layer}.mlp"),
-                                                                                Llama4MoE)):
+            if moved and isinstance(self.get_submodule(f"{layer}.mlp"), Llama4MoE):
                 continue
+            index = int(path.split(".")[2])
+            if path.endswith((".q_proj", ".k_proj")) and self.layer_kinds[index].rotary:
+                target = replace(target, row_order=self.rotary_pairs)
             targets[path.replace(".mlp.", ".feed_forward.")] = target
         return targets

@@ -24,13 +24,14 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
-from engine import LLM, SamplingParams
+from engine import LLM, LoRARequest, SamplingParams
 from engine.attention.mla import MLAAttention
 from engine.kernels import triton as triton_kernels
 from engine.kv_cache_dtype import dequantize, quantize
 from engine.models import MODEL_REGISTRY
 from engine.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from tests.engine.test_correctness import assert_no_leaks, mixed_prompts, reference_greedy
+from tests.lora_adapters import build_lora_adapter, peft_greedy
 from tests.tiny_models import build_tokenizer, save_random
 
 MAX_TOKENS = 12
@@ -166,6 +167,30 @@ def test_two_ranks_give_one_ranks_tokens(folders, prompts, expected):
              kv_cache_memory=16 * 16 * latent_bytes_per_token()) as llm:
         assert engine_greedy(llm, prompts) == expected["v3"]
         assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("family, modules", [
+    ("v2", ["q_proj", "kv_a_proj_with_mqa", "o_proj"]),
+    ("v3", ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"]),
+])
+def test_lora_matches_peft(folders, tmp_path, family, modules):
+    """An adapter on the latent attention's projections (the rotary rows of its B reordered as
+    the weights' are) and, for V2, the dense and shared experts. down_proj gives PEFT's tokens;
+    one on kv_b_proj, which is absorbed at load, is refused before any work."""
+    adapter = build_lora_adapter(folders[family], tmp_path / "adapter", rank=4, alpha=8, seed=0,
+                                 target_modules=modules)
+    prompts = [p["prompt_token_ids"] for p in mixed_prompts(seed=6, count=4)]
+    expected = peft_greedy(folders[family], adapter, prompts, 8)
+    assert expected != peft_greedy(folders[family], None, prompts, 8)
+    absorbed = build_lora_adapter(folders[family], tmp_path / "absorbed", rank=4, alpha=8, seed=1,
+                                  target_modules=["kv_b_proj"])
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with LLM(str(folders[family]), dtype="float32", enable_lora=True, max_lora_rank=8) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                               lora_request=LoRARequest("latent", 1, str(adapter)), use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+        with pytest.raises(ValueError, match="kv_b_proj"):
+            llm.generate("a b", params, lora_request=LoRARequest("absorbed", 2, str(absorbed)), use_tqdm=False)
 
 
 def test_registry_and_unsupported_options(folders, tmp_path):

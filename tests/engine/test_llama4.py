@@ -12,14 +12,15 @@ import torch
 import transformers
 from transformers.models.llama4.modeling_llama4 import Llama4TextRotaryEmbedding, apply_rotary_emb
 
-from engine import LLM, SamplingParams
+from engine import LLM, LoRARequest, SamplingParams
 from engine.kernels import triton as triton_kernels
 from engine.layers.linear import ShardSlice
-from engine.layers.rotary import RotaryEmbedding, rope_parameters
+from engine.layers.rotary import RotaryEmbedding, RotaryPairs, RotaryPairsToHalves, rope_parameters
 from engine.models import MODEL_REGISTRY, model_class_for
-from engine.models.llama4 import Llama4ForCausalLM, PairsToHalves
+from engine.models.llama4 import Llama4ForCausalLM
 from tests.engine.test_correctness import assert_no_leaks, mixed_prompts, reference_greedy
 from tests.engine.test_tensor_parallel import GREEDY, MIXED_BATCH, engine_settings, token_ids
+from tests.lora_adapters import build_lora_adapter, peft_greedy
 from tests.tiny_models import build_tokenizer, save_random
 
 CHUNK = 8
@@ -186,10 +187,11 @@ class InMemory:
 
 
 def as_loaded(x: torch.Tensor) -> torch.Tensor:
-    """Queries [tokens, heads, head_dim] with each head's features in the order `PairsToHalves`
-    gives the q_proj rows that compute them."""
+    """Queries [tokens, heads, head_dim] with each head's features in the order
+    `RotaryPairsToHalves` gives the q_proj rows that compute them."""
     rows = InMemory(x.flatten(1).T)  # [heads * head_dim, tokens]: the projection's output features first
-    return PairsToHalves(rows, x.shape[-1]).read().T.reshape(x.shape)
+    pairs = RotaryPairs(x.shape[-1], 0, x.shape[-1])
+    return RotaryPairsToHalves(rows, pairs).read().T.reshape(x.shape)
 
 
 def test_pairs_to_halves_makes_our_rotary_transformers():
@@ -235,16 +237,35 @@ def test_vision_language_checkpoint_runs_its_language_model(tmp_path):
         assert [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)] == expected
 
 
-def test_lora_targets_are_the_unreordered_dense_projections():
-    """LoRA goes on v_proj, o_proj and the dense MLPs, by the checkpoint's names; not on the
-    reordered q_proj/k_proj, nor on the experts' layers."""
+def test_lora_targets_reorder_the_rotary_layers_q_and_k(tmp_path):
+    """LoRA goes on the attention projections and the dense MLPs, by the checkpoint's names,
+    not on the experts' layers; on the rotary layers an adapter's B for q_proj and k_proj is
+    reordered as their rows are. An adapter on q/k/v/o and the dense MLPs gives PEFT's tokens."""
     with torch.device("meta"):
         model = Llama4ForCausalLM(tiny_config(), max_position=64)
     targets = model.lora_targets()
-    assert {"model.layers.0.self_attn.v_proj", "model.layers.3.self_attn.o_proj",
+    assert {"model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.v_proj", "model.layers.3.self_attn.o_proj",
             "model.layers.2.feed_forward.gate_proj", "model.layers.2.feed_forward.down_proj"} <= set(targets)
-    assert not [t for t in targets if t.endswith(("q_proj", "k_proj")) or ".layers.1.feed_forward" in t]
+    assert not [t for t in targets if ".layers.1.feed_forward" in t]
     assert targets["model.layers.2.feed_forward.up_proj"].shard == 1
+    rotary = [model.layer_kinds[i].rotary for i in range(len(model.layer_kinds))]
+    assert True in rotary and False in rotary
+    for index, turned in enumerate(rotary):
+        for leaf in ("q_proj", "k_proj", "v_proj"):
+            order = targets[f"model.layers.{index}.self_attn.{leaf}"].row_order
+            assert (order is not None) == (turned and leaf != "v_proj")
+
+    base = build_llama4(tmp_path / "base")
+    adapter = build_lora_adapter(base, tmp_path / "adapter", rank=4, alpha=8, seed=0,
+                                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    prompts = [p["prompt_token_ids"] for p in mixed_prompts(seed=6, count=4)]
+    expected = peft_greedy(base, adapter, prompts, 8)
+    assert expected != peft_greedy(base, None, prompts, 8)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with LLM(str(base), dtype="float32", enable_lora=True, max_lora_rank=8) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                               lora_request=LoRARequest("qkvo", 1, str(adapter)), use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outputs] == expected
 
 
 @pytest.mark.parametrize("overrides, option", [
