@@ -466,7 +466,8 @@ class LLMEngine:
                                                 seq.sampling_params.skip_special_tokens)
             output.text, output.reasoning = split.text, split.reasoning
             output.num_reasoning_tokens, output.reasoning_ended = split.num_reasoning_tokens, split.ended
-            answer_ids = output.token_ids[split.num_reasoning_tokens:]
+            answer_ids = output.token_ids[split.num_reasoning_tokens if split.answer_start is None
+                                          else split.answer_start:]
         if self.tool_parser is not None and output.reasoning_ended is not False:
             parsed = self.tool_parser.parse(output.text, answer_ids)
             output.text, output.tool_calls, output.tool_call_error = parsed.content, parsed.tool_calls, parsed.error

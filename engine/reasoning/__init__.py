@@ -14,10 +14,11 @@ REASONING_FORMATS: dict[str, ReasoningFormat] = {
         ReasoningFormat("qwen3", "<think>", "</think>"),
         ReasoningFormat("deepseek_r1", "<think>", "</think>", opens_itself=True),
         ReasoningFormat("mistral", "[THINK]", "[/THINK]"),
-        # gpt-oss's harmony format: the analysis channel, then the final one.
+        # gpt-oss's harmony format: the analysis channel, then the final one, or the commentary
+        # channel (tool calls, preambles: the `openai` tool parser reads its messages).
         ReasoningFormat("openai_gptoss", "<|channel|>analysis<|message|>", "<|channel|>final<|message|>",
                         opens_itself=True, trailer="<|end|><|start|>assistant",
-                        signature=("<|channel|>", "<|message|>")),
+                        signature=("<|channel|>", "<|message|>"), other_ends=("<|channel|>commentary",)),
     )
 }
 

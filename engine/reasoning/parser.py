@@ -43,7 +43,11 @@ class ReasoningFormat:
     reasoning. `trailer`: what the model writes between its reasoning and the closing
     marker, left out of both (harmony ends the analysis message and starts the next).
     `signature`: the tokens whose presence in a vocabulary and chat template identifies
-    the family (default: the two markers)."""
+    the family (default: the two markers). `other_ends`: more closing markers, each holding
+    a special token (matched by id), after which the answer is the rest of the output,
+    marker included (harmony's commentary channel, whose header the tool parser reads);
+    tokens between the trailer and such a marker (harmony's recipient, `to=functions.f`)
+    start the answer."""
 
     name: str
     start: str
@@ -51,6 +55,7 @@ class ReasoningFormat:
     opens_itself: bool = False
     trailer: str = ""
     signature: tuple[str, ...] = ()
+    other_ends: tuple[str, ...] = ()
 
     @property
     def tokens(self) -> tuple[str, ...]:
@@ -61,12 +66,14 @@ class ReasoningFormat:
 class ReasoningSplit:
     """A finished completion's reasoning (None: it had no section) and answer text, the
     reasoning's tokens (markers included), and whether the section was closed (None:
-    no section)."""
+    no section); `answer_start`, the answer's first output token (None: where the
+    reasoning's tokens end)."""
 
     reasoning: str | None
     text: str
     num_reasoning_tokens: int
     ended: bool | None
+    answer_start: int | None = None
 
 
 class ReasoningParser:
@@ -78,6 +85,9 @@ class ReasoningParser:
         self.tokenizer = tokenizer
         self.start_ids = _marker_ids(tokenizer, fmt.start)
         self.end_ids = _marker_ids(tokenizer, fmt.end)
+        self.other_end_ids = tuple(_marker_ids(tokenizer, end) for end in fmt.other_ends)
+        if None in self.other_end_ids or (self.other_end_ids and self.end_ids is None):
+            raise ValueError(f"reasoning format {fmt.name!r}: its other_ends must hold special tokens, as its end does")
         self.trailer_ids = tuple(tokenizer(fmt.trailer, add_special_tokens=False).input_ids) if fmt.trailer else ()
 
     @property
@@ -115,12 +125,31 @@ class ReasoningParser:
         already cut) and tokens."""
         if not tracker.had_section:
             return ReasoningSplit(None, text, 0, None)
+        if tracker.other_end:
+            return self._split_at_other_end(tracker, output_token_ids, skip_special_tokens)
         if self.matches_text:
             reasoning, answer, ended = self._split_text(tracker, text)
         else:
             reasoning, answer, ended = self._split_ids(tracker, text, output_token_ids, skip_special_tokens)
         num_tokens = tracker.end_index if tracker.end_index is not None else len(output_token_ids)
         return ReasoningSplit(reasoning.strip(), answer.lstrip(), num_tokens, ended)
+
+    def _split_at_other_end(self, tracker: "ReasoningTracker", ids: list[int],
+                            skip_special_tokens: bool) -> ReasoningSplit:
+        """A section closed by one of `other_ends`: the reasoning up to the trailer (its last
+        occurrence), the answer from the tokens after it, the closing marker included."""
+        first = len(self.start_ids) if self.start_ids and tuple(ids[: len(self.start_ids)]) == self.start_ids else 0
+        answer_start = tracker.end_index - tracker.end_length
+        size = len(self.trailer_ids)
+        for at in range(answer_start - size, first - 1, -1):
+            if size and tuple(ids[at : at + size]) == self.trailer_ids:
+                reasoning, answer_start = ids[first:at], at + size
+                break
+        else:
+            reasoning = ids[first:answer_start]
+        return ReasoningSplit(self._decode(reasoning, skip_special_tokens).strip(),
+                              self._decode(ids[answer_start:], skip_special_tokens).lstrip(), tracker.end_index,
+                              True, answer_start)
 
     def _split_text(self, tracker: "ReasoningTracker", text: str) -> tuple[str, str, bool]:
         """By text: the reasoning is what precedes the closing marker, the answer what follows."""
@@ -160,6 +189,8 @@ class ReasoningTracker:
         self.had_section = phase is Phase.REASONING
         self.opened_by_model = False
         self.end_index: int | None = None
+        self.end_length = 0  # the closing marker's tokens, once found
+        self.other_end = False  # whether one of the format's other_ends closed it
         self._held_grammar: Any = None  # a StructuredOutputGrammar
         self._searched = 0
         self._recent: list[int] = []  # the last ids, as many as the closing marker has
@@ -200,8 +231,13 @@ class ReasoningTracker:
             return opened
         end_ids = self.parser.end_ids
         if end_ids is not None:
-            self._recent = [*self._recent[1 - len(end_ids):], token_id] if len(end_ids) > 1 else [token_id]
-            ended = self._recent == list(end_ids)
+            options = (end_ids, *self.parser.other_end_ids)
+            longest = max(map(len, options))
+            self._recent = [*self._recent[1 - longest:], token_id] if longest > 1 else [token_id]
+            found = next((ids for ids in options if tuple(self._recent[-len(ids):]) == ids), None)
+            ended = found is not None
+            if ended:
+                self.end_length, self.other_end = len(found), found is not end_ids
         else:
             end = self.parser.format.end
             ended = text.find(end, max(0, self._searched - len(end) + 1)) >= 0

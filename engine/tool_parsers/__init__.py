@@ -8,12 +8,13 @@ loads no model code (no torch, no transformers).
 
 from typing import TYPE_CHECKING
 
-from engine.tool_parsers import deepseek_v3, hermes, llama3_json, mistral
+from engine.tool_parsers import deepseek_v3, hermes, llama3_json, mistral, openai
 from engine.tool_parsers.abstract import ToolCallResult, ToolParser, single_token_id
 from engine.tool_parsers.deepseek_v3 import DeepSeekV3ToolParser
 from engine.tool_parsers.hermes import HermesToolParser
 from engine.tool_parsers.llama3_json import Llama3JsonToolParser
 from engine.tool_parsers.mistral import MistralToolParser
+from engine.tool_parsers.openai import OpenAIToolParser
 from engine.tool_parsers.pythonic import PythonicToolParser
 
 if TYPE_CHECKING:
@@ -23,7 +24,7 @@ __all__ = ["TOOL_CALL_PARSERS", "ToolCallResult", "ToolParser", "detect_tool_par
 
 TOOL_CALL_PARSERS: dict[str, type[ToolParser]] = {
     parser.name: parser for parser in (HermesToolParser, Llama3JsonToolParser, MistralToolParser,
-                                       PythonicToolParser, DeepSeekV3ToolParser)
+                                       PythonicToolParser, DeepSeekV3ToolParser, OpenAIToolParser)
 }
 
 
@@ -43,13 +44,16 @@ def _chat_template_text(tokenizer: "PreTrainedTokenizerBase") -> str:
 
 def detect_tool_parser(tokenizer: "PreTrainedTokenizerBase") -> str | None:
     """The parser a model's tokenizer implies, or None: its marker tokens, single tokens of
-    the vocabulary, name the format. DeepSeek's call markers come first (the most specific:
-    a vocabulary with them may hold another format's tokens too); then hermes (`<tool_call>`, `</tool_call>`),
+    the vocabulary, name the format. gpt-oss's harmony tokens (`<|call|>`, `<|constrain|>`)
+    and DeepSeek's call markers come first (the most specific: a vocabulary with them may
+    hold another format's tokens too); then hermes (`<tool_call>`, `</tool_call>`),
     mistral (`[TOOL_CALLS]`), and llama3_json (`<|python_tag|>` with a chat template that
     takes tools). Pythonic calls have no marker of their own and are never detected."""
     def has(*tokens: str) -> bool:
         return all(single_token_id(tokenizer, token) is not None for token in tokens)
 
+    if has(openai.CALL, openai.CONSTRAIN):
+        return OpenAIToolParser.name
     if has(deepseek_v3.CALLS_BEGIN, deepseek_v3.CALL_BEGIN):
         return DeepSeekV3ToolParser.name
     if has(hermes.OPEN, hermes.CLOSE):

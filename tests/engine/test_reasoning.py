@@ -274,6 +274,37 @@ def harmony_tokenizer(tmp_path_factory, tiny_models):
 FINAL = "<|channel|>final<|message|>"
 
 
+COMMENTARY = "<|channel|>commentary"
+CALL_ARGUMENTS = '<|message|>{"city": "Paris"}<|call|>'
+
+
+@pytest.mark.parametrize("output, answer_head", [
+    ("<|channel|>analysis<|message|>Needs the weather.<|end|><|start|>assistant" + COMMENTARY
+     + " to=functions.get_weather <|constrain|>json" + CALL_ARGUMENTS, COMMENTARY + " to=functions.get_weather"),
+    ("<|channel|>analysis<|message|>Needs the weather.<|end|><|start|>assistant to=functions.get_weather"
+     + COMMENTARY + " json" + CALL_ARGUMENTS, " to=functions.get_weather" + COMMENTARY),
+])
+def test_harmony_tool_calls_end_the_analysis_on_the_commentary_channel(harmony_tokenizer, output, answer_head):
+    """A call goes on the commentary channel, the recipient in the channel's header or in the
+    role's: the analysis ends there, the answer holds the call's message from its recipient on
+    (in its tokens, from `answer_start`), and the `openai` tool parser, which the tokenizer
+    implies, reads the call from them."""
+    from engine.tool_parsers import detect_tool_parser, tool_parser
+
+    parser = reasoning_parser("openai_gptoss", harmony_tokenizer)
+    tracker, ids, text = feed(parser, harmony_tokenizer, prompt_ids(harmony_tokenizer), output)
+    split = parser.split(tracker, text, ids)
+    assert (split.reasoning, split.ended, split.num_reasoning_tokens) == (
+        "Needs the weather.", True, len(harmony_tokenizer(output.partition(COMMENTARY)[0] + COMMENTARY).input_ids))
+    answer_ids = ids[split.answer_start:]
+    assert harmony_tokenizer.decode(answer_ids, skip_special_tokens=False).startswith(answer_head)
+    assert detect_tool_parser(harmony_tokenizer) == "openai"
+    result = tool_parser("openai", harmony_tokenizer).parse(split.text, answer_ids)
+    assert result.error is None and result.content == ""
+    [call] = result.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+
+
 @pytest.mark.parametrize("output, reasoning, answer", [
     ("<|channel|>analysis<|message|>The user wants a label.<|end|><|start|>assistant" + FINAL + "spam<|return|>",
      "The user wants a label.", "spam"),

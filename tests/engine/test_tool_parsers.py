@@ -95,6 +95,26 @@ ANSWERS = {
     },
 }
 
+
+
+def _harmony(name: str, arguments: str, recipient_in_role: bool = False) -> str:
+    """A harmony call message as the answer after the analysis holds it (from inside its header)."""
+    if recipient_in_role:
+        return f" to=functions.{name}<|channel|>commentary json<|message|>{arguments}<|call|>"
+    return f"<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>{arguments}<|call|>"
+
+
+ANSWERS["openai"] = {
+    "one": _harmony("get_weather", '{"city": "Paris", "days": 3}'),
+    "several": _harmony("get_weather", '{"city": "Paris", "days": 3}') + "<|start|>assistant"
+               + _harmony("get_time", '{"timezone": "Europe/Paris"}', recipient_in_role=True),
+    "content_before": "<|channel|>commentary<|message|>Let me check the weather.<|end|><|start|>assistant"
+                      + _harmony("get_weather", '{"city": "Paris", "days": 3}'),
+    "unicode": _harmony("search", '{"query": "東京 café 🙂", "lang": "日本語"}', recipient_in_role=True),
+    "nested": _harmony("book", '{"guests": [{"name": "Zoë", "age": 30}], "options": {"breakfast": true, '
+                               '"budget": {"max": 250.5, "currency": "EUR"}}, "note": null}'),
+}
+
 # Broken calls: the answer and a piece of the error it must give.
 MALFORMED = {
     "hermes": [
@@ -132,6 +152,12 @@ MALFORMED = {
         ('[get_weather("Paris")]', "tool call 1: get_weather: arguments must be passed by keyword"),
         ("[f(x={1, 2})]", "tool call 1: arguments are not JSON"),
         ("[f(x=1), 3]", "tool call 2: expected a call"),
+    ],
+    "openai": [
+        (_harmony("get_weather", '{"city": Paris}'), "tool call 1: the arguments is not valid JSON"),
+        (_harmony("get_weather", "[1, 2]"), "tool call 1: arguments are not a JSON object"),
+        (_harmony("", '{"city": "Paris"}'), "tool call 1: the recipient names no function"),
+        (_harmony("get_weather", '{"city": "Par'), "tool call 1: the arguments is not valid JSON"),
     ],
     "deepseek_v3": [
         (DS_CALLS + _ds("get_weather", '{"city": Paris}') + DS_CALLS_END,
@@ -300,13 +326,17 @@ def _template_with(tokenizer, template: str):
                                 "{% if tools %}{{ tools | tojson }}{% endif %}{{ messages }}"), "llama3_json"),
     (lambda tok: _template_with(_with_special_tokens(tok, ["<|python_tag|>"]), "{{ messages }}"), None),
     (lambda tok: _with_special_tokens(tok, [DS_CALLS, DS_CALLS_END, DS_CALL, DS_CALL_END, DS_SEP]), "deepseek_v3"),
-], ids=["plain", "hermes", "half_hermes", "mistral", "llama3_json", "python_tag_without_tools", "deepseek_v3"])
+    (lambda tok: _with_special_tokens(tok, ["<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|call|>"]),
+     "openai"),
+    (lambda tok: _with_special_tokens(tok, ["<|start|>", "<|channel|>", "<|message|>", "<|call|>"]), None),
+], ids=["plain", "hermes", "half_hermes", "mistral", "llama3_json", "python_tag_without_tools", "deepseek_v3",
+        "harmony", "harmony_without_constrain"])
 def test_detect_tool_parser_reads_the_marker_tokens(change, expected, tokenizer):
     assert detect_tool_parser(change(tokenizer)) == expected
 
 
 def test_parsers_by_name(tokenizer):
-    assert sorted(TOOL_CALL_PARSERS) == ["deepseek_v3", "hermes", "llama3_json", "mistral", "pythonic"]
+    assert sorted(TOOL_CALL_PARSERS) == ["deepseek_v3", "hermes", "llama3_json", "mistral", "openai", "pythonic"]
     assert all(tool_parser(name, tokenizer).name == name for name in TOOL_CALL_PARSERS)
     with pytest.raises(ValueError, match=r"tool_call_parser='nope' is not one of \['deepseek_v3', 'hermes', "):
         tool_parser("nope", tokenizer)
