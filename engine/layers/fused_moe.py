@@ -283,6 +283,8 @@ class FusedMoE(nn.Module):
 
     def _local(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """This rank's part of the weighted sum, on the path the layer's state picks."""
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x, topk_weights, topk_ids)
         if self.kernel is not None:
             if self.plain:
                 return self.kernel(x, self.w13, self.w2, topk_weights, topk_ids)
@@ -290,8 +292,6 @@ class FusedMoE(nn.Module):
             return self.kernel(x, self.w13, self.w2, topk_weights, topk_ids, w13_bias=self.w13_bias,
                                w2_bias=self.down_bias(), limit=self.activation.limit if clamped else None,
                                alpha=self.activation.alpha if clamped else 1.0)
-        if self.quant_method is not None:
-            return self.quant_method.apply(self, x, topk_weights, topk_ids)
         if self.plain and self.packed is not None and (kernels := cpu_build.load()) is not None:
             return kernels.fused_moe(x, topk_weights, topk_ids, self.packed.w13, self.packed.w2, MIN_ROWS)
         return self.grouped(x, topk_weights, topk_ids, self._expert)

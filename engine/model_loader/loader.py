@@ -42,7 +42,7 @@ def load_model(model_config: ModelConfig, group: TensorParallelGroup | None = No
         model = model_class(model_config.multimodal_config or hf_config, max_position=model_config.max_model_len,
                             group=group)
     if model_config.quantization is not None:
-        apply_quantization(model, model_config.quantization, hf_config, model_config.device)
+        apply_quantization(model, model_config.quantization, hf_config, model_config.device, triton_kernels)
     model.materialize(model_config.device, model_config.dtype)
     try:
         with open_safetensors(files) as weights:

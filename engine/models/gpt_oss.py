@@ -13,8 +13,9 @@ gate and up features alternating: transformers' layout (`gate_up_proj` [E, H, 2I
 `down_proj` [E, I, H], as `x @ W`) or the released MXFP4 one (`gate_up_proj_blocks`
 [E, 2I, H / 32, 16] and `_scales`, `down_proj_blocks` [E, H, I / 32, 16] and `_scales`,
 rows as a `Linear`'s), with the biases unquantized. Both load one expert at a time into
-`FusedMoE`'s layout (gate rows, then up rows), MXFP4 dequantized to the model's dtype
-(`engine.quantization.mxfp4`); the rest of an MXFP4 checkpoint is unquantized.
+`FusedMoE`'s layout (gate rows, then up rows): MXFP4 kept as stored where the Triton
+kernels run the experts, else dequantized to the model's dtype (`engine.quantization.mxfp4`);
+the rest of an MXFP4 checkpoint is unquantized.
 """
 
 from collections.abc import Iterable, Iterator
@@ -31,7 +32,7 @@ from engine.lora.slots import LoRATarget
 from engine.models.llama import (
     FULL_ATTENTION, SLIDING_ATTENTION, AttentionOptions, LlamaForCausalLM, check_shape,
 )
-from engine.quantization.mxfp4 import BLOCK_SIZE, dequantize_mxfp4
+from engine.quantization.mxfp4 import BLOCK_SIZE, Mxfp4MoEMethod, dequantize_mxfp4
 
 _LAYER_TYPES = (SLIDING_ATTENTION, FULL_ATTENTION)
 # The MXFP4 parts of a quantized expert tensor, by checkpoint suffix.
@@ -194,6 +195,8 @@ class GptOssForCausalLM(LlamaForCausalLM):
     def _load_experts(self, name: str, experts: FusedMoE, stored: ExpertTensor) -> tuple[str, int]:
         """Every expert's fused gate/up (deinterleaved into gate rows then up rows) or down
         matrix, this rank's share of its intermediate features, one expert at a time."""
+        if isinstance(experts.quant_method, Mxfp4MoEMethod):
+            return self._load_mxfp4_experts(name, experts, stored)
         rank, ranks = self.group.rank, self.group.size
         gate_up = name.endswith("gate_up_proj")
         param = experts.w13 if gate_up else experts.w2
@@ -209,6 +212,30 @@ class GptOssForCausalLM(LlamaForCausalLM):
                 param.data[index].copy_(deinterleave_gate_up(matrix.narrow(0, 2 * rank * local, 2 * local)))
             else:
                 param.data[index].copy_(matrix.narrow(1, rank * local, local))
+        return f"{name.rpartition('.')[0]}.{'w13' if gate_up else 'w2'}", 0
+
+    def _load_mxfp4_experts(self, name: str, experts: FusedMoE, stored: ExpertTensor) -> tuple[str, int]:
+        """`_load_experts` for experts kept in MXFP4 (`Mxfp4MoEMethod`): the blocks and scales
+        as stored, rows in the same order, this rank's share of whole 32-feature blocks."""
+        if not isinstance(stored, Mxfp4Experts):
+            raise ValueError(f"checkpoint tensor {name!r} is not MXFP4 although config.json's quantization_config "
+                             "says mxfp4: give its *_blocks and *_scales, or drop the quantization_config")
+        rank, ranks = self.group.rank, self.group.size
+        gate_up = name.endswith("gate_up_proj")
+        blocks, scales = (experts.w13_blocks, experts.w13_scales) if gate_up else (experts.w2_blocks,
+                                                                                   experts.w2_scales)
+        hidden = experts.w2_blocks.shape[1]
+        local = experts.w13_blocks.shape[1] // 2
+        stored.check(name, experts.num_experts, *((2 * local * ranks, hidden) if gate_up else (hidden, local * ranks)))
+        for index in range(experts.num_experts):
+            piece = ShardSlice(0, index, 1, stored.blocks.shape[0])
+            for source, target in ((stored.blocks, blocks), (stored.scales, scales)):
+                matrix = source.read(piece)[0]  # [rows, groups(, 16)]
+                if gate_up:
+                    matrix = deinterleave_gate_up(matrix.narrow(0, 2 * rank * local, 2 * local))
+                else:
+                    matrix = matrix.narrow(1, rank * local // BLOCK_SIZE, local // BLOCK_SIZE)
+                target[index].copy_(matrix.flatten(1))
         return f"{name.rpartition('.')[0]}.{'w13' if gate_up else 'w2'}", 0
 
     def _load_expert_bias(self, name: str, experts: FusedMoE, tensor: StoredTensor) -> tuple[str, int]:

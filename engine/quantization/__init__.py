@@ -22,7 +22,7 @@ from engine.quantization.checkpoint import CheckpointFormat
 from engine.quantization.fp8 import Fp8LinearMethod, fp8_products_available
 from engine.quantization.int4 import Int4LinearMethod
 from engine.quantization.int8 import Int8LinearMethod, Int8MoEMethod
-from engine.quantization.mxfp4 import MXFP4_DEQUANTIZED_WARNING
+from engine.quantization.mxfp4 import MXFP4_DEQUANTIZED_WARNING, Mxfp4MoEMethod
 
 logger = logging.getLogger(__name__)
 
@@ -151,17 +151,23 @@ def _describe(device: torch.device) -> str:
     return f"a CPU ({detect_cpu().describe()})"
 
 
-def apply_quantization(model: nn.Module, method: str, hf_config: PretrainedConfig, device: torch.device) -> None:
+def apply_quantization(model: nn.Module, method: str, hf_config: PretrainedConfig, device: torch.device,
+                       triton_kernels: bool = False) -> None:
     """Gives every quantizable projection and experts layer of `model` its `method`'s
     product for this device, before the weights are loaded (of a quantized checkpoint, the
-    projections it stores quantized). Where the device has no
-    product for a checkpoint's format the weights are dequantized to the model's dtype
-    as they load, and a warning says why."""
+    projections it stores quantized); `triton_kernels`: the model's layers run through
+    the Triton kernels. Where the device has no product for a checkpoint's format the
+    weights are dequantized to the model's dtype as they load, and a warning says why."""
     from engine.layers.fused_moe import FusedMoE
     from engine.layers.linear import Linear
 
-    if method == "mxfp4":  # only experts are MXFP4, dequantized as they load (`engine.models.gpt_oss`)
-        if device.type == "cuda":
+    if method == "mxfp4":  # only experts are MXFP4 (`engine.models.gpt_oss`)
+        if triton_kernels:
+            for module in model.modules():
+                if isinstance(module, FusedMoE):
+                    module.quant_method = Mxfp4MoEMethod()
+                    module.quant_method.create_weights(module)
+        elif device.type == "cuda":
             logger.warning(MXFP4_DEQUANTIZED_WARNING)
         return
     stored = checkpoint_format(hf_config)

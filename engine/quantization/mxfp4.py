@@ -9,15 +9,22 @@ features, as in a `Linear`: gpt-oss's `gate_up_proj_blocks` [E, 2I, H / 32, 16] 
 expert's gate/up matrix [2I, H] (gate and up rows alternating), `down_proj_blocks`
 [E, H, I / 32, 16] its down matrix [H, I].
 
-The engine has no MXFP4 product yet: the experts are dequantized to the model's dtype as
-they load (`dequantize_mxfp4`, one expert's tensor at a time), on a GPU with the warning
-`MXFP4_DEQUANTIZED_WARNING`. `quantize_mxfp4` writes such tensors, for tests that build
-MXFP4 checkpoints.
+Where the experts run through the Triton kernels (a GPU, with the Triton backend) they stay
+as stored (`Mxfp4MoEMethod`), a quarter of bfloat16's bytes, and the fused MoE kernel reads
+them (`engine.kernels.triton.fused_moe`). Elsewhere they are dequantized to the model's
+dtype as they load (`dequantize_mxfp4`, one expert's tensor at a time), on a GPU with the
+warning `MXFP4_DEQUANTIZED_WARNING`. `quantize_mxfp4` writes such tensors, for tests that
+build MXFP4 checkpoints.
 """
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from engine.layers.fused_moe import FusedMoE
 
 BLOCK_SIZE = 32  # values per block, sharing one scale
 SCALE_BIAS = 127  # an E8M0 scale s stands for 2 ** (s - 127)
@@ -32,8 +39,8 @@ _TIES_DOWN = (0.25, 1.25, 2.5, 5.0)
 _SCALE_ZERO_BITS = 0x00400000
 
 MXFP4_DEQUANTIZED_WARNING = ("MXFP4 expert weights are dequantized to the model's dtype as they load: the experts take "
-                             "4 times their checkpoint's memory (bfloat16) and run at the dtype's speed, as no MXFP4 "
-                             "kernel is built yet")
+                             "4 times their checkpoint's memory (bfloat16) and run at the dtype's speed; the MXFP4 "
+                             "kernel runs with attention_backend='triton'")
 
 
 @dataclass(frozen=True)
@@ -104,3 +111,44 @@ def quantize_mxfp4(weight: torch.Tensor) -> Mxfp4Tensor:
     codes = torch.bucketize(magnitude, ties_up, right=True) + torch.bucketize(magnitude, ties_down)
     codes = (codes + 8 * (scaled < 0)).to(torch.uint8)
     return Mxfp4Tensor(blocks=codes[..., 0::2] | (codes[..., 1::2] << 4), scales=scales)
+
+
+class Mxfp4MoEMethod:
+    """A `FusedMoE`'s experts kept in MXFP4 as the checkpoint stores them, for the Triton
+    kernel: buffers w13_blocks [E, 2I, H / 2] and w13_scales [E, 2I, H / 32] (gate rows, then
+    up rows, as the dense w13), w2_blocks [E, H, I / 2] and w2_scales [E, H, I / 32], all
+    uint8, filled by the family's loader (`engine.models.gpt_oss`); the dense w13 and w2 are
+    never allocated. Biases and the clamped SwiGLU apply as on dense experts."""
+
+    def create_weights(self, layer: "FusedMoE") -> None:
+        """Replaces the layer's dense matrices (on the meta device, before it is placed) by
+        the MXFP4 buffers.
+
+        Raises:
+            ValueError: features that are not whole blocks of 32 (a rank's share included).
+        """
+        experts, rows, hidden = layer.w13.shape
+        inter = layer.w2.shape[2]
+        if hidden % BLOCK_SIZE or inter % BLOCK_SIZE:
+            raise ValueError(f"MXFP4 experts need hidden ({hidden}) and each rank's intermediate features ({inter}) "
+                             f"in whole blocks of {BLOCK_SIZE}: use fewer tensor-parallel ranks")
+        device = layer.w13.device
+        shapes = {"w13_blocks": (rows, hidden // 2), "w13_scales": (rows, hidden // BLOCK_SIZE),
+                  "w2_blocks": (hidden, inter // 2), "w2_scales": (hidden, inter // BLOCK_SIZE)}
+        for name, shape in shapes.items():
+            layer.register_buffer(name, torch.empty(experts, *shape, dtype=torch.uint8, device=device))
+        for name in ("w13", "w2"):
+            setattr(layer, name, nn.Parameter(torch.empty(0, device=device), requires_grad=False))
+
+    def process_weights(self, layer: "FusedMoE") -> None:
+        """Nothing: the loader wrote the blocks and scales as stored."""
+
+    def apply(self, layer: "FusedMoE", x: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+        from engine.kernels.triton.fused_moe import Mxfp4Weights, fused_moe
+
+        weights = Mxfp4Weights(layer.w13_blocks, layer.w13_scales, layer.w2_blocks, layer.w2_scales)
+        clamped = layer.activation is not None
+        return fused_moe(x, None, None, topk_weights, topk_ids, w13_bias=layer.w13_bias, w2_bias=layer.down_bias(),
+                         limit=layer.activation.limit if clamped else None,
+                         alpha=layer.activation.alpha if clamped else 1.0, mxfp4=weights)

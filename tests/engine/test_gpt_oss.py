@@ -29,7 +29,7 @@ from engine.models import MODEL_REGISTRY
 from engine.models.gpt_oss import GptOssForCausalLM
 from engine.quantization import apply_quantization, resolve_quantization
 from engine.quantization.int8 import Int8MoEMethod
-from engine.quantization.mxfp4 import MXFP4_DEQUANTIZED_WARNING, dequantize_mxfp4, quantize_mxfp4
+from engine.quantization.mxfp4 import MXFP4_DEQUANTIZED_WARNING, Mxfp4MoEMethod, dequantize_mxfp4, quantize_mxfp4
 from tests.engine.test_correctness import assert_no_leaks, mixed_prompts, reference_greedy
 from tests.tiny_models import build_tokenizer, save_random
 
@@ -219,6 +219,30 @@ def test_mxfp4_is_the_checkpoints_own_method(folder, caplog, monkeypatch, reques
         apply_quantization(model, "mxfp4", config, device)
         assert (MXFP4_DEQUANTIZED_WARNING in caplog.text) == warned
     assert all(getattr(m, "quant_method", None) is None for m in model.modules())
+    caplog.clear()
+    apply_quantization(model, "mxfp4", config, torch.device("cuda"), triton_kernels=True)
+    experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    assert MXFP4_DEQUANTIZED_WARNING not in caplog.text and experts
+    for layer in experts:
+        assert isinstance(layer.quant_method, Mxfp4MoEMethod) and layer.w13.numel() == 0
+        assert (layer.w13_blocks.shape, layer.w2_scales.shape) == ((4, 128, 32), (4, 64, 2))
+
+
+@pytest.mark.skipif(not triton_kernels.installed(), reason="triton is not installed")
+def test_triton_backend_reads_mxfp4_experts_as_stored(folder, prompts, tmp_path):
+    """With the Triton kernels an MXFP4 checkpoint's experts stay as stored (a quarter of
+    bfloat16's bytes) and the fused MoE kernel reads them: transformers' tokens with the
+    dequantized experts, under Triton's interpreter where there is no GPU."""
+    dequantized = mxfp4_checkpoint(folder, tmp_path / "mxfp4")
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    reference.load_state_dict(dequantized, strict=False)
+    chosen = [prompts[i] for i in (1, 5)]  # 17 and 2 tokens
+    with LLM(str(tmp_path / "mxfp4"), dtype="float32", attention_backend="triton", max_num_batched_tokens=12) as llm:
+        experts = llm.llm_engine.model_runner.model.model.layers[0].mlp.experts
+        assert isinstance(experts.quant_method, Mxfp4MoEMethod) and experts.w13.numel() == 0
+        assert experts.w13_blocks.dtype == torch.uint8
+        outputs = engine_greedy(llm, chosen, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    assert_greedy_of(reference, chosen, outputs)
 
 
 @pytest.mark.skipif(not triton_kernels.installed(), reason="triton is not installed")

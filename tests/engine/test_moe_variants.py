@@ -188,6 +188,32 @@ def test_triton_kernel_computes_the_gpt_oss_experts(dtype):
     torch.testing.assert_close(out.float(), expected, atol=close, rtol=close)
 
 
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("variant", ["gpt_oss", "plain"])
+def test_triton_kernel_reads_mxfp4_experts_as_dequantized(dtype, variant):
+    """The MXFP4 experts (blocks and scales as stored, rows in `FusedMoE`'s order) give the
+    kernel's output on the same experts dequantized (`dequantize_mxfp4` to the dtype), bit
+    for bit: the tiles turn into those values before the same products. Every code occurs."""
+    from engine.kernels.triton.fused_moe import Mxfp4Weights, fused_moe
+
+    config, block = gpt_oss_block(seed=4)
+    x = hidden_states(21, 64).to(dtype)
+    weights, ids = Routing.gpt_oss(config).select(block.router(x.float())[0].detach())
+    experts = gpt_oss_experts(config, block)
+    stored = [quantize_mxfp4(w.detach()) for w in (experts.w13, experts.w2)]
+    assert {int(c) for c in torch.unique(torch.cat([t.blocks.flatten() & 15 for t in stored]))} == set(range(16))
+    dense = [dequantize_mxfp4(t.blocks, t.scales, dtype) for t in stored]
+    packed = Mxfp4Weights(stored[0].blocks.flatten(-2), stored[0].scales, stored[1].blocks.flatten(-2),
+                          stored[1].scales)
+    extra = {} if variant == "plain" else dict(w13_bias=experts.w13_bias.detach().to(dtype),
+                                               w2_bias=experts.w2_bias.detach().to(dtype), limit=7.0, alpha=1.702)
+    with torch.no_grad():
+        expected = fused_moe(x, dense[0], dense[1], weights, ids, **extra)
+        out = fused_moe(x, None, None, weights, ids, mxfp4=packed, **extra)
+    assert out.dtype == dtype and torch.equal(out, expected)
+
+
 def test_tensor_parallel_ranks_add_the_down_bias_once():
     config, block = gpt_oss_block()
     whole = gpt_oss_experts(config, block)
