@@ -215,8 +215,9 @@ class DeepseekV2ForCausalLM(MoEForCausalLM):
     def load_tensor(self, name: str, tensor: StoredTensor, params: dict[str, nn.Parameter]) -> tuple[str, int]:
         module_path = name.rpartition(".")[0]
         pairs = self.rotary_pairs(module_path.rpartition(".")[2])
-        if pairs is not None and getattr(self.get_submodule(module_path), "quant_method", None) is not None:
-            raise ValueError(f"checkpoint tensor {name!r}: quantized latent-attention projections are not "
+        if pairs is not None and hasattr(getattr(self.get_submodule(module_path), "quant_method", None), "load_shard"):
+            # Rows kept packed as the checkpoint stores them: no reorder here.
+            raise ValueError(f"checkpoint tensor {name!r}: latent-attention projections stored quantized are not "
                              "supported yet; use the checkpoint's unquantized (bfloat16) release")
         return super().load_tensor(name, tensor if pairs is None else RotaryPairsToHalves(tensor, pairs), params)
 

@@ -27,9 +27,11 @@ from transformers import AutoModelForCausalLM
 from engine import LLM, LoRARequest, SamplingParams
 from engine.attention.mla import MLAAttention
 from engine.kernels import triton as triton_kernels
+from engine.hardware import detect_cpu
 from engine.kv_cache_dtype import dequantize, quantize
 from engine.models import MODEL_REGISTRY
 from engine.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from engine.quantization.int8 import Int8LinearMethod
 from tests.engine.test_correctness import assert_no_leaks, mixed_prompts, reference_greedy
 from tests.lora_adapters import build_lora_adapter, peft_greedy
 from tests.tiny_models import build_tokenizer, save_random
@@ -134,6 +136,20 @@ def test_int8_cache(folders, prompts, expected):
     assert runs["auto"] == runs["torch"]
     assert all(o[:2] == e[:2] for o, e in zip(runs["auto"], expected["v2"]))
     assert runs["auto"] != expected["v2"]
+
+
+@pytest.mark.skipif(not detect_cpu().int8_vnni, reason="int8 at load needs a CPU with VNNI")
+@pytest.mark.parametrize("family", ["v2", "v3"])
+def test_int8_at_load(folders, prompts, expected, family):
+    """quantization="int8" (the default for bfloat16 on such a CPU): the projections, the
+    reordered rotary ones included, and the experts run int8, `kv_b_proj` keeps the dtype
+    (absorbed at load); greedy paths start as float32's but for near ties."""
+    with LLM(str(folders[family]), dtype="float32", quantization="int8") as llm:
+        attention = llm.llm_engine.model_runner.model.model.layers[1].self_attn
+        assert isinstance(attention.kv_a_proj_with_mqa.quant_method, Int8LinearMethod)
+        assert attention.kv_b_proj.quant_method is None and attention.attn.w_uk.dtype == torch.float32
+        outputs = engine_greedy(llm, prompts)
+    assert sum(o[0] == e[0] for o, e in zip(outputs, expected[family])) >= len(prompts) - 2
 
 
 def test_rotary_rows_as_halves(folders, prompts, expected):
