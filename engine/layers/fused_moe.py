@@ -159,7 +159,9 @@ class ClampedSwiGLU:
 
     @classmethod
     def of(cls, config: PretrainedConfig) -> "ClampedSwiGLU":
-        return cls(alpha=config.swiglu_alpha, limit=config.swiglu_limit)
+        """From config.json's `swiglu_limit` and `swiglu_alpha` (the released configs lack
+        the latter; transformers from 5.24 default it to 1.702, as here)."""
+        return cls(alpha=getattr(config, "swiglu_alpha", None) or 1.702, limit=config.swiglu_limit)
 
     def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         gate = gate.clamp(max=self.limit)

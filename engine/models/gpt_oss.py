@@ -43,8 +43,8 @@ _EXPERT_TENSORS = ("gate_up_proj", "down_proj")
 def check_gpt_oss_config(config: PretrainedConfig) -> None:
     """Raises ValueError naming a config.json option this engine does not implement (or
     lacks a value for): `layer_types` other than sliding and full attention, a sliding layer
-    without `sliding_window`, no `swiglu_limit` or `swiglu_alpha`. An unknown `rope_type`
-    fails as the rotary table is built (`engine.layers.rotary`)."""
+    without `sliding_window`, no `swiglu_limit` (a missing `swiglu_alpha` is the released
+    1.702). An unknown `rope_type` fails as the rotary table is built (`engine.layers.rotary`)."""
     types = getattr(config, "layer_types", None) or []
     if len(types) != config.num_hidden_layers:
         raise ValueError(f"config.json's layer_types has {len(types)} entries for num_hidden_layers="
@@ -56,10 +56,9 @@ def check_gpt_oss_config(config: PretrainedConfig) -> None:
     if SLIDING_ATTENTION in types and not getattr(config, "sliding_window", None):
         raise ValueError("config.json's layer_types has sliding_attention layers but sliding_window is not set: "
                          "set it (128 in the released gpt-oss models)")
-    for option in ("swiglu_limit", "swiglu_alpha"):
-        if getattr(config, option, None) is None:
-            raise ValueError(f"config.json lacks {option}, which gpt-oss's experts need (the released models: "
-                             "swiglu_limit 7.0, swiglu_alpha 1.702): set it")
+    if getattr(config, "swiglu_limit", None) is None:
+        raise ValueError("config.json lacks swiglu_limit, which gpt-oss's experts need (the released models: 7.0): "
+                         "set it")
 
 
 class GptOssMoE(nn.Module):

@@ -72,6 +72,15 @@ class AttentionOptions:
     attention_chunk_size: int | None = None
 
 
+def allocate(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Gives a model built on the meta device uninitialized storage on `device`, its
+    parameters in `dtype` (those a module keeps in float32 stay so): cast while still on the
+    meta device, so that nothing is ever allocated wider (a 21B-parameter model's float32
+    would not fit an 80 GB GPU)."""
+    model.to(dtype)
+    model.to_empty(device=device)
+
+
 def check_shape(name: str, tensor: StoredTensor, expected: list[int]) -> None:
     """Raises ValueError when a checkpoint tensor's shape is not what the model expects."""
     if tuple(tensor.shape) != tuple(expected):
@@ -304,8 +313,7 @@ class LlamaForCausalLM(nn.Module):
 
     def materialize(self, device: torch.device, dtype: torch.dtype) -> None:
         """Allocates (uninitialized) parameters and builds the rotary tables on `device`."""
-        self.to_empty(device=device)
-        self.to(dtype)
+        allocate(self, device, dtype)
         self.build_buffers(device)
 
     def build_buffers(self, device: torch.device) -> None:

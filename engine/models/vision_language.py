@@ -20,7 +20,7 @@ from engine.attention.layer import AttentionMetadata
 from engine.layers.fused_moe import FusedMoE
 from engine.layers.linear import Linear, StoredTensor
 from engine.lora.slots import LoRATarget
-from engine.models.llama import check_shape
+from engine.models.llama import allocate, check_shape
 from engine.multimodal.inputs import MultiModalEmbeds
 from engine.multimodal.processing import BaseMultiModalProcessor
 
@@ -83,8 +83,7 @@ class VisionLanguageModel(nn.Module):
 
     def materialize(self, device: torch.device, dtype: torch.dtype) -> None:
         """Allocates (uninitialized) parameters and builds the buffers `to_empty` leaves unset."""
-        self.to_empty(device=device)
-        self.to(dtype)
+        allocate(self, device, dtype)
         self.build_buffers(device)
 
     def build_buffers(self, device: torch.device) -> None:

@@ -283,3 +283,12 @@ def test_a_config_without_the_swiglu_limit_fails_naming_it(folder):
                                               if key != "swiglu_limit"})
     with pytest.raises(ValueError, match="lacks swiglu_limit"), torch.device("meta"):
         GptOssForCausalLM(config, max_position=64)
+
+
+def test_a_config_without_swiglu_alpha_takes_the_released_one(folder):
+    """The released config.json has no swiglu_alpha (transformers before 5.24 give none)."""
+    settings = {key: value for key, value in json.loads((folder / "config.json").read_text()).items()
+                if key != "swiglu_alpha"}
+    with torch.device("meta"):
+        model = GptOssForCausalLM(transformers.PretrainedConfig(**settings), max_position=64)
+    assert model.model.layers[0].mlp.experts.activation.alpha == 1.702
