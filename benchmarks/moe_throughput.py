@@ -1,6 +1,7 @@
 """Mixture-of-experts throughput on the CPU: ours against transformers' static batched generate.
 
-Output tokens/s of both on Mixtral, Qwen2-MoE and Qwen3-MoE models, and our ratio.
+Output tokens/s of both on Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss, Llama 4 (text) and
+DeepSeek-V2/V3 models, and our ratio.
 
 Why: in an MoE model most of a token's work is its experts' products, which the engine runs
 as grouped products over the experts that received tokens (`engine/layers/fused_moe.py`, on
@@ -13,9 +14,29 @@ as MoE checkpoints ship, into a temporary folder with a word-level tokenizer of 
 token id (the engine loads a tokenizer and detokenizes; prompts are token ids). Shapes, chosen
 so that the experts dominate a token's products as in real MoE models (`MODEL_SHAPES`):
 hidden 512, 6 layers, 8 query / 4 KV heads of 64, vocabulary 8,192 (untied head), and
-  mixtral:   8 experts, top-2, expert intermediate 1,024 (Mixtral's proportions);
-  qwen2_moe: 16 experts, top-4, expert intermediate 384, a gated shared expert of 1,536;
-  qwen3_moe: 16 experts, top-4 renormalised, expert intermediate 384, q/k head norms.
+  mixtral:     8 experts, top-2, expert intermediate 1,024 (Mixtral's proportions);
+  qwen2_moe:   16 experts, top-4, expert intermediate 384, a gated shared expert of 1,536;
+  qwen3_moe:   16 experts, top-4 renormalised, expert intermediate 384, q/k head norms;
+  gpt_oss:     16 experts, top-4, expert intermediate 512 (= hidden, as released), a router
+               with a bias, experts with biases and the SwiGLU clamped at 7; attention with
+               q/k/v/o biases and sinks, a 128-token sliding window on alternate layers
+               (layers 0, 2, 4), YaRN rotary as released (factor 32 over 4,096); saved in
+               bfloat16 as transformers saves it (not the released MXFP4 experts, which the
+               engine dequantizes at load: the products are the same);
+  llama4:      experts (16, top-1 by sigmoid, intermediate 1,024, plus a shared expert of
+               1,024) on layers 1, 3, 5 (`interleave_moe_layer_step` 2), dense MLPs of 1,024
+               between them (the MoE blocks are half a token's products); rotary layers
+               attend within 32-token chunks (shorter than every unscaled prompt), layers 2
+               and 5 are NoPE (whole context, temperature-tuned queries);
+  deepseek_v2: multi-head latent attention (8 heads; KV compressed to rank 128, q/k of 64
+               features without and 32 with rotary, values of 64, no q compression), 16
+               experts top-4 of 384 plus 2 shared, chosen "group_limited_greedy" (4 groups,
+               the best 2), layer 0 a dense MLP of 1,536 (`first_k_dense_replace` 1);
+  deepseek_v3: as deepseek_v2 with queries compressed to rank 256, interleaved rotary,
+               sigmoid routing with a score-correction bias (4 groups, the best 2),
+               renormalised top-4, one shared expert.
+A family whose architecture is not in `engine.models.MODEL_REGISTRY` is reported skipped
+(with the reason), and one that fails is reported with its error; the others still run.
 Workload: `--prompts` prompts of 64-256 random token ids x `--new-tokens` new tokens, EOS
 ignored; `--scale` shrinks all three (`--scale 0.1`: a smoke run of under a minute).
 
@@ -24,8 +45,9 @@ float32 elsewhere), all prompts in one `generate`. Transformers:
 `AutoModelForCausalLM.from_pretrained(folder, dtype=...)`, left-padded static batches,
 greedy, `min_new_tokens = max_new_tokens`. Its dtype and experts implementation are the
 fastest in a probe (the first 16 prompts x 8 new tokens, one batch) of float32 and bfloat16 x
-`grouped_mm` (its default) and `eager`; its batch size, the faster of all prompts at once and
-batches of 16 in the first round, which tries both. Both run T threads (`--threads`). The
+`grouped_mm` (its default) and `eager`, of those the family takes (Llama 4's experts have no
+`grouped_mm`; an option that fails is shown with its error); its batch size, the faster of
+all prompts at once and batches of 16 in the first round, which tries both. Both run T threads (`--threads`). The
 two alternate (the first mover swaps each round) and the best of `--rounds` counts: other
 processes on a shared machine make single timings noisy.
 
@@ -35,7 +57,7 @@ host's work outside it); `--check N` compares greedy tokens with transformers in
 
     .venv/bin/python benchmarks/moe_throughput.py
     .venv/bin/python benchmarks/moe_throughput.py --families qwen3_moe --rounds 3 --profile
-    .venv/bin/python benchmarks/moe_throughput.py --scale 0.1
+    .venv/bin/python benchmarks/moe_throughput.py --scale 0.1 --families gpt_oss,llama4 --rounds 1
 """
 
 import argparse
@@ -44,6 +66,7 @@ import random
 import sys
 import tempfile
 import time
+import traceback
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,6 +82,7 @@ from benchmarks.comparison import best_times  # noqa: E402
 from benchmarks.workloads import Workload, _scaled  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.hardware import detect_cpu  # noqa: E402
+from engine.models import MODEL_REGISTRY  # noqa: E402
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -66,12 +90,43 @@ if TYPE_CHECKING:
 COMMON_SHAPE = dict(vocab_size=8192, hidden_size=512, num_hidden_layers=6, num_attention_heads=8, head_dim=64,
                     num_key_value_heads=4, max_position_embeddings=1024, tie_word_embeddings=False,
                     bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+@dataclass(frozen=True)
+class Family:
+    """A family's transformers config class, the architecture our engine runs it as, and the
+    settings of its shape over COMMON_SHAPE's."""
+
+    config_class: str
+    architecture: str
+    settings: dict
+
+
+# Multi-head latent attention and experts of both DeepSeek shapes: its KV heads are its query heads,
+# and transformers' rotary takes head_dim (V3 keeps one given) to be the rotary features'.
+DEEPSEEK = dict(num_key_value_heads=8, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32, head_dim=32,
+                v_head_dim=64, intermediate_size=1536, moe_intermediate_size=384, n_routed_experts=16,
+                num_experts_per_tok=4, first_k_dense_replace=1, n_group=4, topk_group=2)
 MODEL_SHAPES = {
-    "mixtral": ("MixtralConfig", dict(intermediate_size=1024, num_local_experts=8, num_experts_per_tok=2)),
-    "qwen2_moe": ("Qwen2MoeConfig", dict(moe_intermediate_size=384, num_experts=16, num_experts_per_tok=4,
-                                         shared_expert_intermediate_size=1536, norm_topk_prob=False)),
-    "qwen3_moe": ("Qwen3MoeConfig", dict(moe_intermediate_size=384, num_experts=16, num_experts_per_tok=4,
-                                         norm_topk_prob=True)),
+    "mixtral": Family("MixtralConfig", "MixtralForCausalLM",
+                      dict(intermediate_size=1024, num_local_experts=8, num_experts_per_tok=2)),
+    "qwen2_moe": Family("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                        dict(moe_intermediate_size=384, num_experts=16, num_experts_per_tok=4,
+                             shared_expert_intermediate_size=1536, norm_topk_prob=False)),
+    "qwen3_moe": Family("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                        dict(moe_intermediate_size=384, num_experts=16, num_experts_per_tok=4, norm_topk_prob=True)),
+    "gpt_oss": Family("GptOssConfig", "GptOssForCausalLM",
+                      dict(intermediate_size=512, num_local_experts=16, num_experts_per_tok=4, sliding_window=128,
+                           layer_types=["sliding_attention", "full_attention"] * 3, swiglu_limit=7.0)),
+    "llama4": Family("Llama4TextConfig", "Llama4ForCausalLM",
+                     dict(intermediate_size=1024, intermediate_size_mlp=1024, num_local_experts=16,
+                          num_experts_per_tok=1, interleave_moe_layer_step=2, attention_chunk_size=32,
+                          no_rope_layers=[1, 1, 0, 1, 1, 0])),
+    "deepseek_v2": Family("DeepseekV2Config", "DeepseekV2ForCausalLM",
+                          dict(DEEPSEEK, q_lora_rank=None, n_shared_experts=2, topk_method="group_limited_greedy")),
+    "deepseek_v3": Family("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                          dict(DEEPSEEK, q_lora_rank=256, n_shared_experts=1, norm_topk_prob=True,
+                               rope_interleave=True)),
 }
 PROMPT_LENGTHS = (64, 256)
 HF_DTYPES = ("float32", "bfloat16")
@@ -103,8 +158,10 @@ class FamilyResult:
     ours: list[float] = field(default_factory=list)
     hf: dict[HfSetting, list[float]] = field(default_factory=lambda: defaultdict(list))
     probe: dict[tuple[str, str], float] = field(default_factory=dict)
+    probe_errors: dict[tuple[str, str], str] = field(default_factory=dict)  # options transformers failed on
     check: str = ""
     profile: dict[str, dict[str, float]] | None = None
+    skipped: str = ""  # why the family has no timings: not in our registry, or the error it failed with
 
     def rate(self, seconds: list[float]) -> float:
         return self.workload.output_tokens / min(seconds)
@@ -139,19 +196,32 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def main() -> None:
+def main() -> int:
     args = parse_args()
     torch.set_num_threads(args.threads)
     print(f"CPU: {detect_cpu().describe()} | threads: {args.threads} | torch {torch.__version__}")
     results = []
     with tempfile.TemporaryDirectory(prefix="moe-throughput-") as tmp:
         for family in args.families.split(","):
-            folder = build_model(Path(tmp) / family, family)
-            workload = make_workload(family, args)
-            result = measure_family(folder, workload, args)
+            result = run_family(Path(tmp) / family, make_workload(family, args), args)
             print_family(result, args.rounds)
             results.append(result)
     print_summary(results)
+    return 1 if any(r.skipped.startswith("failed") for r in results) else 0
+
+
+def run_family(folder: Path, workload: Workload, args: argparse.Namespace) -> FamilyResult:
+    """The family's measurements; skipped where our engine has no such architecture, and
+    its error (traceback on stderr) where building or running it fails."""
+    architecture = MODEL_SHAPES[folder.name].architecture
+    if architecture not in MODEL_REGISTRY:
+        reason = f"skipped: {architecture} is not in engine.models.MODEL_REGISTRY (the engine lacks the family)"
+        return FamilyResult(folder.name, workload, skipped=reason)
+    try:
+        return measure_family(build_model(folder, folder.name), workload, args)
+    except Exception as exc:  # noqa: BLE001 - one family's failure is its row; the others still run
+        traceback.print_exc()
+        return FamilyResult(folder.name, workload, skipped=f"failed: {type(exc).__name__}: {str(exc)[:300]}")
 
 
 def build_model(folder: Path, family: str) -> Path:
@@ -159,8 +229,8 @@ def build_model(folder: Path, family: str) -> Path:
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    config_class, shape = MODEL_SHAPES[family]
-    config = getattr(transformers, config_class)(**COMMON_SHAPE, **shape)
+    shape = MODEL_SHAPES[family]
+    config = getattr(transformers, shape.config_class)(**{**COMMON_SHAPE, **shape.settings})
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
     # One word per token id: ids 0-2 are the special tokens the config names, then "w3", "w4", ...
@@ -182,14 +252,26 @@ def make_workload(family: str, args: argparse.Namespace) -> Workload:
     return Workload(family, "random token ids", prompts, [new_tokens] * len(prompts), warmup=WARMUP)
 
 
-def probe_hf(hf_models: dict[str, "PreTrainedModel"], workload: Workload) -> dict[tuple[str, str], float]:
+def probe_hf(hf_models: dict[str, "PreTrainedModel"], result: FamilyResult) -> None:
     """Seconds of transformers in each dtype x experts implementation on the first PROBE
-    prompts x new tokens of `workload`, as one batch."""
+    prompts x new tokens of the workload, as one batch, into `result.probe`; the error of
+    each it refuses or fails on into `result.probe_errors`.
+
+    Raises:
+        RuntimeError: no option ran, naming each one's error.
+    """
+    workload = result.workload
     prompts = workload.prompts[:PROBE[0]]
     probe = Workload("probe", "", prompts, [min(PROBE[1], max(workload.max_tokens))] * len(prompts),
                      warmup=workload.warmup)
-    return {(d, e): time_hf(hf_models[d], HfSetting(d, e, len(prompts)), probe)
-            for d in HF_DTYPES for e in HF_EXPERTS}
+    for d in HF_DTYPES:
+        for e in HF_EXPERTS:
+            try:
+                result.probe[d, e] = time_hf(hf_models[d], HfSetting(d, e, len(prompts)), probe)
+            except Exception as exc:  # noqa: BLE001 - an option the family lacks is left out
+                result.probe_errors[d, e] = f"{type(exc).__name__}: {str(exc)[:120]}"
+    if not result.probe:
+        raise RuntimeError(f"transformers ran none of the probe's options: {result.probe_errors}")
 
 
 def measure_family(folder: Path, workload: Workload, args: argparse.Namespace) -> FamilyResult:
@@ -198,7 +280,7 @@ def measure_family(folder: Path, workload: Workload, args: argparse.Namespace) -
 
     result = FamilyResult(folder.name, workload)
     hf_models = {d: AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, d)).eval() for d in HF_DTYPES}
-    result.probe = probe_hf(hf_models, workload)
+    probe_hf(hf_models, result)
     dtype, experts = min(result.probe, key=result.probe.get)
     sizes = sorted({len(workload.prompts), min(len(workload.prompts), HF_CHUNK)}, reverse=True)
     with LLM(str(folder), num_threads=args.threads, quantization=args.quantization) as llm:
@@ -254,9 +336,21 @@ def hf_generate(model: "PreTrainedModel", prompts: list[list[int]], new_tokens: 
     return out[:, width:].tolist()
 
 
+def set_experts(model: "PreTrainedModel", experts: str) -> None:
+    """transformers' experts implementation `experts` on `model`.
+
+    Raises:
+        ValueError: the family cannot take it (transformers refuses, or keeps another one).
+    """
+    model.set_experts_implementation(experts)
+    if model.config._experts_implementation != experts:
+        raise ValueError(f"{type(model).__name__} keeps experts implementation "
+                         f"{model.config._experts_implementation!r}, not {experts!r}")
+
+
 def time_hf(model: "PreTrainedModel", setting: HfSetting, workload: Workload) -> float:
     """Seconds for the whole workload in static batches of `setting.batch_size`, after a warm-up."""
-    model.set_experts_implementation(setting.experts)
+    set_experts(model, setting.experts)
     hf_generate(model, workload.warmup, 4)
     new_tokens, size = max(workload.max_tokens), setting.batch_size
     started = time.perf_counter()
@@ -270,7 +364,7 @@ def check_greedy(folder: Path, hf_model: "PreTrainedModel", workload: Workload, 
     transformers, both in float32 (our timed runs may be bfloat16, whose roundings differ)."""
     prompts = workload.prompts[:args.check]
     new_tokens = min(16, max(workload.max_tokens))
-    hf_model.set_experts_implementation("eager")
+    set_experts(hf_model, "eager")
     theirs = hf_generate(hf_model, prompts, new_tokens)
     with LLM(str(folder), dtype="float32", num_threads=args.threads) as llm:
         ours = run_ours(llm, prompts, [new_tokens] * len(prompts))
@@ -282,12 +376,12 @@ def profile_ours(llm: LLM, workload: Workload) -> dict[str, dict[str, float]]:
     """Seconds of one more run of the workload, by component and by phase (prefill: a step
     with prompt tokens; decode: one token per sequence), from forward hooks. Components
     nest (the experts are in the MoE block, the kernel in the attention layer): each row
-    counts its own time only. "outside the forward" (logits, sampling, scheduling, the
-    host's work) is the wall time the model's forward does not take."""
+    counts its own time only. The MoE block is the module holding a `FusedMoE`, the
+    attention layer the one holding an `Attention` (whatever the family's classes).
+    "outside the forward" (logits, sampling, scheduling, the host's work) is the wall time
+    the model's forward does not take."""
     from engine.attention.layer import Attention
     from engine.layers.fused_moe import FusedMoE
-    from engine.models.llama import LlamaAttention
-    from engine.models.moe import SparseMoeBlock
 
     model = llm.llm_engine.model_runner.model
     inclusive: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
@@ -305,10 +399,18 @@ def profile_ours(llm: LLM, workload: Workload) -> dict[str, dict[str, float]]:
 
         return [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
 
-    kinds = {FusedMoE: "experts", SparseMoeBlock: "moe block", Attention: "kernel", LlamaAttention: "attention"}
+    def kind(module: torch.nn.Module) -> str | None:
+        children = tuple(module.children())
+        for leaf, name, holder in ((FusedMoE, "experts", "moe block"), (Attention, "kernel", "attention")):
+            if isinstance(module, leaf):
+                return name
+            if any(isinstance(child, leaf) for child in children):
+                return holder
+        return None
+
     handles = timed(model, "forward")
     for module in model.modules():
-        handles += timed(module, kinds[type(module)]) if type(module) in kinds else []
+        handles += timed(module, name) if (name := kind(module)) else []
     wall = time_ours(llm, workload)
     for handle in handles:
         handle.remove()
@@ -324,8 +426,8 @@ def exclusive_times(inclusive: dict[str, dict[str, float]], wall: float) -> dict
         "experts (grouped products)": dict(inclusive["experts"]),
         "router, shared expert, MoE glue": minus("moe block", "experts"),
         "attention (the backend's kernel, cache writes)": dict(inclusive["kernel"]),
-        "qkv/o projections, q/k norms, rotary": minus("attention", "kernel"),
-        "rest of the forward (embeddings, norms)": minus("forward", "moe block", "attention"),
+        "attention projections, q/k norms, rotary": minus("attention", "kernel"),
+        "rest of the forward (embeddings, norms, dense MLPs)": minus("forward", "moe block", "attention"),
         "outside the forward (logits, sampling, host)": {"both": wall - sum(inclusive["forward"].values())},
     }
 
@@ -333,18 +435,22 @@ def exclusive_times(inclusive: dict[str, dict[str, float]], wall: float) -> dict
 def print_profile(family: str, times: dict[str, dict[str, float]]) -> None:
     wall = sum(sum(phases.values()) for phases in times.values())
     print(f"-- profile of ours on {family} (one run, {wall:.2f} s):")
-    print(f"{'component':<46}{'prefill s':>10}{'decode s':>10}{'total s':>9}{'share':>8}")
+    print(f"{'component':<52}{'prefill s':>10}{'decode s':>10}{'total s':>9}{'share':>8}")
     for name, phases in times.items():
         total = sum(phases.values())
         prefill, decode = (f"{phases[p]:.2f}" if p in phases else "-" for p in ("prefill", "decode"))
-        print(f"{name:<46}{prefill:>10}{decode:>10}{total:>9.2f}{total / wall:>8.1%}")
+        print(f"{name:<52}{prefill:>10}{decode:>10}{total:>9.2f}{total / wall:>8.1%}")
 
 
 def print_family(result: FamilyResult, rounds: int) -> None:
     """Ours and every transformers setting tried, best of the rounds each ran."""
     print(f"== {result.family}: {result.workload.summary()}, EOS ignored, best of {rounds} round(s)")
+    if result.skipped:
+        print(f"{result.skipped}\n")
+        return
     shape = f"{min(PROBE[0], len(result.workload.prompts))} prompts x {min(PROBE[1], result.workload.max_tokens[0])}"
-    probe = " | ".join(f"{d} {e} {seconds:.2f} s" for (d, e), seconds in result.probe.items())
+    probe = " | ".join([*(f"{d} {e} {seconds:.2f} s" for (d, e), seconds in result.probe.items()),
+                        *(f"{d} {e} failed ({error})" for (d, e), error in result.probe_errors.items())])
     print(f"transformers' probe ({shape} new tokens, one batch): {probe}")
     print(f"{'engine':<14}{'setup':<40}{'runs':>5}{'out tok/s':>11}{'ours/peer':>11}")
     ours = result.rate(result.ours)
@@ -362,12 +468,15 @@ def print_family(result: FamilyResult, rounds: int) -> None:
 def print_summary(results: list[FamilyResult]) -> None:
     """One row per family: ours against transformers' best setting."""
     print("== summary: output tokens/s, ours against transformers' static batched generate (its best setting)")
-    print(f"{'family':<11}{'ours':>9}{'transformers':>14}  {'(its setting)':<40}{'ours/peer':>10}")
+    print(f"{'family':<13}{'ours':>9}{'transformers':>14}  {'(its setting)':<40}{'ours/peer':>10}")
     for result in results:
+        if result.skipped:
+            print(f"{result.family:<13}{result.skipped}")
+            continue
         best = result.best_hf()
         ours, theirs = result.rate(result.ours), result.rate(result.hf[best])
-        print(f"{result.family:<11}{ours:>9.1f}{theirs:>14.1f}  {best!s:<40}{ours / theirs:>9.2f}x")
+        print(f"{result.family:<13}{ours:>9.1f}{theirs:>14.1f}  {best!s:<40}{ours / theirs:>9.2f}x")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
