@@ -7,7 +7,10 @@ is the resource's own.
 
 The engine is created lazily by `get_llm()`, never in `setup_for_execution` (`dagster job
 execute` sets resources up a second time in the CLI's own process), and freed in
-`teardown_after_execution`. The class docstring is what the Dagster UI shows (the
+`teardown_after_execution`. From the first `get_llm()` to the teardown the engine's own log
+(INFO and above: what it chose at start-up, the first-run kernel build, warnings) goes to the
+step's Dagster log (`RunLogForwarder`), unless the instance's `python_logs` captures the
+`engine` logger itself. The class docstring is what the Dagster UI shows (the
 resource page and the Launchpad), so it is plain prose; the example lives here:
 
     import dagster as dg
@@ -23,6 +26,7 @@ resource page and the Launchpad), so it is plain prose; the example lives here:
     )
 """
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import dagster as dg
@@ -44,6 +48,40 @@ def _engine_fields() -> dict[str, Any]:
 
 
 _EngineSettings = create_model("_EngineSettings", __base__=dg.ConfigurableResource, **_engine_fields())
+
+# The engine's loggers' root: start-up choices (device, dtype, quantization, KV cache blocks), the
+# first-run kernel build, warnings.
+ENGINE_LOGGER = "engine"
+
+
+class RunLogForwarder(logging.Handler):
+    """Forwards the engine's log records at INFO and above to a step's Dagster log (the run's
+    event log: the UI's run view, `dagster asset materialize`'s output), prefixed "engine: ",
+    for as long as it is attached (`attach`, `detach`). The engine's loggers are set to INFO
+    meanwhile (they have no level of their own, so Python's default would drop INFO)."""
+
+    def __init__(self, log: "dg.DagsterLogManager") -> None:
+        super().__init__(logging.INFO)
+        self.log = log
+        self._level = logging.NOTSET
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.log.log(record.levelno, f"engine: {record.getMessage()}")
+        except Exception:  # a record that cannot be formatted or forwarded must not fail the step
+            self.handleError(record)
+
+    def attach(self) -> None:
+        logger = logging.getLogger(ENGINE_LOGGER)
+        self._level = logger.level
+        if logger.getEffectiveLevel() > logging.INFO:
+            logger.setLevel(logging.INFO)
+        logger.addHandler(self)
+
+    def detach(self) -> None:
+        logger = logging.getLogger(ENGINE_LOGGER)
+        logger.removeHandler(self)
+        logger.setLevel(self._level)
 
 
 class LLMResource(_EngineSettings):
@@ -72,15 +110,23 @@ class LLMResource(_EngineSettings):
     _llm: "LLM | None" = PrivateAttr(default=None)
     _lease: GPULease | None = PrivateAttr(default=None)
     _run_id: str = PrivateAttr(default="")
+    _run_log: "dg.DagsterLogManager | None" = PrivateAttr(default=None)
+    _forwarder: RunLogForwarder | None = PrivateAttr(default=None)
 
     def setup_for_execution(self, context: dg.InitResourceContext) -> None:
         self._run_id = context.run.run_id if context.run else ""
+        managed = context.instance.managed_python_loggers if context.instance is not None else []
+        # An instance that captures the engine's logger itself (dagster.yaml's python_logs) needs no forwarding.
+        self._run_log = None if ENGINE_LOGGER in managed else context.log
 
     def get_llm(self) -> "LLM":
         """The process's engine, loaded on first call (on its leased GPUs, on a GPU machine).
         The engine (and torch) load here, not with the definitions: a process that never runs
         a generation step does not import them."""
         if self._llm is None:
+            if self._run_log is not None and self._forwarder is None:
+                self._forwarder = RunLogForwarder(self._run_log)
+                self._forwarder.attach()
             import torch
 
             from engine import LLM
@@ -99,6 +145,9 @@ class LLMResource(_EngineSettings):
 
     def teardown_after_execution(self, context: dg.InitResourceContext) -> None:
         self.release()
+        if self._forwarder is not None:
+            self._forwarder.detach()
+            self._forwarder = None
 
     def release(self) -> None:
         """Frees the engine (and the processes it started) and its GPUs now; the next

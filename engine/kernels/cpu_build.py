@@ -3,9 +3,9 @@
 `cpu_rotary.cpp`; the MLPs' gated activations, `cpu_activation.cpp`; int8 products,
 `cpu_int8.cpp`), built once per machine into one module.
 
-They are compiled with the machine's own instruction set on first use (about a minute; then
-cached by PyTorch under ~/.cache/torch_extensions, keyed by the sources, the CPU's flags and
-the PyTorch version). Where they cannot be built (no C++ compiler, no ninja), `load()` says
+They are compiled with the machine's own instruction set on first use (about 3 minutes on 2
+cores, announced in the log before it starts; then cached by PyTorch under
+~/.cache/torch_extensions, keyed by the sources, the CPU's flags and the PyTorch version). Where they cannot be built (no C++ compiler, no ninja), `load()` says
 so once and returns None, and the layers run on PyTorch's operations instead.
 """
 
@@ -42,8 +42,13 @@ def load() -> ModuleType | None:
     name = f"engine_cpu_kernels_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
     start = time.monotonic()
     try:
-        from torch.utils.cpp_extension import load as build
+        from torch.utils.cpp_extension import _get_build_directory, load as build
 
+        folder = Path(_get_build_directory(name, verbose=False))
+        if not (folder / f"{name}.so").exists():
+            logger.info("building the CPU kernels for this machine into %s: the first run with these sources, this "
+                        "CPU's instruction set and PyTorch %s (about 3 minutes on 2 cores; later runs load them)",
+                        folder, torch.__version__)
         module = build(name=name, sources=[str(path) for path in _SOURCES], extra_cflags=flags,
                        extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as error:  # a missing compiler or ninja shows up as various exceptions

@@ -1,8 +1,9 @@
 """The generation asset on tiny random models: contents, metadata, partitions, errors, versions."""
 
 import hashlib
-import shutil
 import json
+import logging
+import shutil
 from pathlib import Path
 
 import dagster as dg
@@ -296,6 +297,35 @@ def test_resource_creates_the_engine_lazily_and_frees_it(env):
         assert resources.llm.get_llm() is first and len(env["loads"]) == 1
     with pytest.raises(RuntimeError, match="closed"):  # at teardown
         first.llm_engine
+
+
+def _engine_messages(instance: dg.DagsterInstance, run_id: str) -> list[str]:
+    """The run's log messages that came from the engine's logger."""
+    return [record.user_message for record in instance.all_logs(run_id)
+            if record.user_message and "engine: " in record.user_message]
+
+
+def test_the_engines_log_reaches_the_run(env, tmp_path):
+    """The engine's start-up choices (device, dtype, kernels, KV cache blocks) are in the run's
+    event log, once; after the step the engine's logger is as it was. An instance whose
+    python_logs captures the `engine` logger itself gets them once too, not twice."""
+    prompts, gen = prompts_asset(), build_generation_asset("gen", upstream="prompts", prompt_column="prompt",
+                                                           partitions_def=PARTS)
+    logger = logging.getLogger("engine")
+    before = (logger.level, list(logger.handlers))
+    with dg.instance_for_test() as instance:
+        result = run([prompts, gen], env, partition="a", instance=instance)
+        messages = _engine_messages(instance, result.run_id)
+    startup = [m for m in messages if "engine: CPU: " in m or "engine: GPU: " in m]
+    assert len(startup) == 1 and "dtype float32" in startup[0], messages
+    assert any("engine: KV cache: " in m and " blocks " in m for m in messages)
+    assert (logger.level, list(logger.handlers)) == before
+    managed = {"python_logs": {"managed_python_loggers": ["engine"], "python_log_level": "INFO"}}
+    with dg.instance_for_test(overrides=managed) as instance:
+        result = run([prompts, gen], env, partition="b", instance=instance)
+        captured = [r.user_message for r in instance.all_logs(result.run_id)
+                    if r.user_message and ("CPU: " in r.user_message or "GPU: " in r.user_message)]
+    assert len(captured) == 1, captured
 
 
 def test_unset_sampling_fields_take_the_models_generation_config_as_llm_generate_does(env, tmp_path):
