@@ -328,7 +328,7 @@ class _GenerationStep(PartitionedStep):
             spec=self.spec, output=settings.output, tool=self.d.tool,
             location=self.store.partition(self.spec.asset_key.path, key).location if self.store else None,
             model_id=self.resource.model_id, model_fingerprint=self.resource.get_llm().model_fingerprint,
-            partitions_in_run=len(self.keys), adapter=settings.adapter,
+            numerics=self.resource.get_llm().numerics, partitions_in_run=len(self.keys), adapter=settings.adapter,
             sampling_used=used_values(settings.params(settings.sampling)),
             upstream_data_version=upstream_data_version(self.context, self.spec.upstream_key, key),
         )

@@ -104,6 +104,18 @@ class LLM:
         return weights_fingerprint(self.llm_engine.model_config.path)
 
     @property
+    def numerics(self) -> dict[str, str | bool]:
+        """What the engine resolved that decides a completion's bits besides the weights and
+        the request: the device kind, compute dtype, quantization ("none" without), KV cache
+        dtype and batch-invariant mode. Two engines that differ here give different rows for
+        the same prompts (dtype="auto" is float32 on an AVX2 CPU, bfloat16 with int8 products
+        on an AVX-512 one), so a table's version should include it."""
+        engine, model_config = self.llm_engine, self.llm_engine.model_config
+        return {"device": model_config.device.type, "dtype": model_config.dtype_name,
+                "quantization": model_config.quantization or "none", "kv_cache_dtype": engine.config.kv_cache_dtype,
+                "batch_invariant": engine.config.batch_invariant}
+
+    @property
     def dtype(self) -> str:
         """The compute dtype the engine runs in, as `LLM(dtype=...)` names it ("bfloat16"):
         what "auto" picked for this model and device."""

@@ -133,7 +133,7 @@ class GenerationRun:
         parts = [_Partition(p.key, p.rows, p.files, p.output, p.images, p.tool) for p in partitions]
         self._check_outputs(parts)
         self._check_rows([row for part in parts for row in part.rows])
-        model = self.llm.model_fingerprint
+        model = {"weights": self.llm.model_fingerprint, "numerics": self.llm.numerics}
         for part in parts:
             part.data_version = self._data_version(part, model)
             self._resume(part)
@@ -187,14 +187,17 @@ class GenerationRun:
     def _lora(self, row: PromptRow) -> LoRARequest | None:
         return self.lora_requests[row.adapter] if row.adapter is not None else None
 
-    def _data_version(self, part: _Partition, model_fingerprint: str) -> str:
-        """Digest of everything the partition's table depends on; images by their contents'
-        digests, so that new bytes under the same path are a new version."""
+    def _data_version(self, part: _Partition, model: dict) -> str:
+        """Digest of everything the partition's table depends on: the code version, the model's
+        weights and the numerics the engine resolved for them (rows of other numerics never
+        join the table: a resume on a machine that resolves otherwise regenerates), the rows;
+        images by their contents' digests, so that new bytes under the same path are a new
+        version."""
         rows = [(r.id, r.prompt_text, used_values(r.params), r.adapter, self.fingerprints.get(r.adapter), r.error,
                  r.beam.model_dump() if r.beam is not None else None, r.image_digests)
                 for r in part.rows]
         output = part.output.describe() if part.output is not None else None
-        return digest({"code_version": self.options.code_version, "model": model_fingerprint, "rows": rows,
+        return digest({"code_version": self.options.code_version, "model": model, "rows": rows,
                        "output": output})[:24]
 
     def _resume(self, part: _Partition) -> None:

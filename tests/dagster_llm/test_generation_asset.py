@@ -12,6 +12,8 @@ import pytest
 
 import engine
 from dagster_llm import LLMResource, ParquetIOManager, SamplingConfig, build_generation_asset, partition_file
+from engine.hardware import CPU_KIND_ENV, detect_cpu, machine_cpu
+from tests.cpu_kinds import stand_ins
 from tests.processes import child_pids
 
 PARTS = dg.StaticPartitionsDefinition(["a", "b"])
@@ -21,7 +23,7 @@ PROMPTS = {
 }
 METADATA_KEYS = {
     "dagster/row_count", "dagster/column_schema", "dagster/column_lineage", "path", "model_id",
-    "model_fingerprint", "engine_version", "elapsed_s", "partitions_in_run", "prompt_tokens",
+    "model_fingerprint", "engine_numerics", "engine_version", "elapsed_s", "partitions_in_run", "prompt_tokens",
     "completion_tokens", "reasoning_tokens", "tool_call_rows", "finish_reasons", "error_rows", "generated_rows",
     "resumed_rows", "adapter", "sampling_config", "data_version", "upstream_data_version", "preview",
 }
@@ -73,6 +75,8 @@ def test_partition_contents_equal_direct_generation_and_carry_full_metadata(env)
         assert meta["completion_tokens"].value == int(table["completion_tokens"].sum())
         assert meta["sampling_config"].value["max_tokens"] == 6
         assert len(meta["model_fingerprint"].value) == 64
+        assert meta["engine_numerics"].value == {"device": "cpu", "dtype": "float32", "quantization": "none",
+                                                 "kv_cache_dtype": "float32", "batch_invariant": False}
         assert [c.name for c in meta["dagster/column_schema"].value.columns][:4] == ["id", "prompt", "generated_text", "finish_reason"]
         deps = meta["dagster/column_lineage"].value.deps_by_column["generated_text"]
         assert deps[0].asset_key == dg.AssetKey("prompts") and deps[0].column_name == "prompt"
@@ -297,6 +301,36 @@ def test_resource_creates_the_engine_lazily_and_frees_it(env):
         assert resources.llm.get_llm() is first and len(env["loads"]) == 1
     with pytest.raises(RuntimeError, match="closed"):  # at teardown
         first.llm_engine
+
+
+def test_rows_of_other_numerics_never_join_a_table(env, tiny_models, monkeypatch):
+    """The engine's resolved numerics are part of the data version: materialized again under
+    the same CPU kind, the partition's rows are all reused; under another kind (mocked: AVX2,
+    where dtype "auto" is float32, after this machine's own kind, where it is bfloat16, or an
+    explicit bfloat16 where that is not native), every row is generated again, and the
+    metadata says which numerics."""
+    own = stand_ins(machine_cpu().flags)[0][-1]  # the widest kind this machine runs as
+    prompts, gen = prompts_asset(), build_generation_asset("gen", upstream="prompts", prompt_column="prompt",
+                                                           partitions_def=PARTS)
+    first_dtype = "auto" if own.info().native_bf16 else "bfloat16"  # "auto" is bfloat16 where it is native
+    runs = [(own.name, first_dtype), (own.name, first_dtype), ("avx2", "auto")]
+    seen = []
+    with dg.instance_for_test() as instance:
+        for kind, dtype in runs:
+            monkeypatch.setenv(CPU_KIND_ENV, kind)
+            detect_cpu.cache_clear()
+            resources = {**env["resources"], "llm": LLMResource(model_id=str(tiny_models["llama"]), dtype=dtype,
+                                                                kv_cache_memory=10 << 20)}
+            assert dg.materialize([prompts, gen], partition_key="a", resources=resources, instance=instance).success
+            meta = latest(instance, "gen", "a").metadata
+            seen.append((meta["resumed_rows"].value, meta["generated_rows"].value, meta["engine_numerics"].value,
+                         meta["data_version"].value))
+    detect_cpu.cache_clear()
+    (_, generated, numerics, version), (resumed, regenerated, _, same), (resumed_after, generated_after, other,
+                                                                        changed) = seen
+    assert (generated, resumed, regenerated, same) == (3, 3, 0, version)
+    assert numerics["dtype"] == "bfloat16" and other["dtype"] == "float32"
+    assert (resumed_after, generated_after) == (0, 3) and changed != version
 
 
 def _engine_messages(instance: dg.DagsterInstance, run_id: str) -> list[str]:
