@@ -201,9 +201,16 @@ class GenerationRun:
                        "output": output})[:24]
 
     def _resume(self, part: _Partition) -> None:
-        """Takes the rows already generated for the partition's data version."""
+        """Takes the rows already generated for the partition's data version, saying so where
+        a committed table of another version is generated again."""
         if part.files is None or not self.options.resume:
             return
+        committed = part.files.committed_version
+        if committed is not None and committed != part.data_version:
+            numerics = ", ".join(f"{name} {value}" for name, value in self.llm.numerics.items())
+            self.log(f"partition {part.key!r}: its committed table is of data version {committed}, this run's is "
+                     f"{part.data_version} (the prompts, sampling, adapters, weights, code or the engine's numerics "
+                     f"changed; this engine: {numerics}): its rows are generated again")
         part.records = part.files.finished_records(part.data_version,
                                                    {row.position for row in part.rows if row.error is None})
         part.resumed_rows = len(part.records)

@@ -138,6 +138,11 @@ class PartitionFiles:
         """Where the committed table is, as a user would look for it."""
         return str(self.path.resolve()) if is_local(self.fs) else str(self.path)
 
+    @property
+    def committed_version(self) -> str | None:
+        """The committed table's data version, None where nothing was committed."""
+        return data_version_of(self.path)
+
     def read(self) -> pa.Table:
         """The committed table.
 

@@ -321,11 +321,13 @@ def test_rows_of_other_numerics_never_join_a_table(env, tiny_models, monkeypatch
             detect_cpu.cache_clear()
             resources = {**env["resources"], "llm": LLMResource(model_id=str(tiny_models["llama"]), dtype=dtype,
                                                                 kv_cache_memory=10 << 20)}
-            assert dg.materialize([prompts, gen], partition_key="a", resources=resources, instance=instance).success
+            result = dg.materialize([prompts, gen], partition_key="a", resources=resources, instance=instance)
             meta = latest(instance, "gen", "a").metadata
             seen.append((meta["resumed_rows"].value, meta["generated_rows"].value, meta["engine_numerics"].value,
                          meta["data_version"].value))
+        said = [r.user_message for r in instance.all_logs(result.run_id) if "generated again" in r.user_message]
     detect_cpu.cache_clear()
+    assert len(said) == 1 and "dtype float32" in said[0], said
     (_, generated, numerics, version), (resumed, regenerated, _, same), (resumed_after, generated_after, other,
                                                                         changed) = seen
     assert (generated, resumed, regenerated, same) == (3, 3, 0, version)
