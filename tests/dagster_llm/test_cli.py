@@ -92,7 +92,8 @@ def test_job_execute_one_partition_with_run_config_file(executed_day: ExecutedDa
 @pytest.mark.slow
 def test_asset_materialize_partition_range_is_one_run(tmp_path: Path) -> None:
     """`dagster asset materialize --partition-range` over two days runs once (single-run
-    backfill policy), writes one file per day and records per-partition metadata."""
+    backfill policy), writes one file per day and records per-partition metadata; its output
+    shows the engine's start-up line."""
     home = tmp_path / "home"
     output_dir = tmp_path / "output"
 
@@ -103,6 +104,8 @@ def test_asset_materialize_partition_range_is_one_run(tmp_path: Path) -> None:
     )
 
     assert_succeeded(result)
+    # The engine's start-up choices are printed with the run's events (as `make run` prints them).
+    assert "engine: CPU: " in result.stdout + result.stderr
     expected_rows = {"2024-06-03": 3, "2024-06-04": 2}
     for partition, rows in expected_rows.items():
         assert len(generations(output_dir, partition)) == rows
