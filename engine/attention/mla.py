@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention.layer import Attention, AttentionMetadata
+from engine.attention.layer import Attention, AttentionBackend, AttentionMetadata
 from engine.kv_cache_dtype import dequantize, is_scaled
 
 # Queries of one sequence attended at once in the expanded form: bounds the score matrix.
@@ -165,7 +165,7 @@ class MLAAttention(Attention):
         return cache.to(dtype)
 
 
-def plan_latent_step(meta: AttentionMetadata, backend) -> LatentPlan:
+def plan_latent_step(meta: AttentionMetadata, backend: AttentionBackend) -> LatentPlan:
     """Splits a step's sequences between the absorbed form (one new token) and the expanded
     one (several), with the decode rows' own metadata prepared by `backend`."""
     device, size = meta.slot_mapping.device, meta.block_size

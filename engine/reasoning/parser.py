@@ -138,7 +138,7 @@ class ReasoningParser:
                             skip_special_tokens: bool) -> ReasoningSplit:
         """A section closed by one of `other_ends`: the reasoning up to the trailer (its last
         occurrence), the answer from the tokens after it, the closing marker included."""
-        first = len(self.start_ids) if self.start_ids and tuple(ids[: len(self.start_ids)]) == self.start_ids else 0
+        first = self._opening_length(ids)
         answer_start = tracker.end_index - tracker.end_length
         size = len(self.trailer_ids)
         for at in range(answer_start - size, first - 1, -1):
@@ -163,7 +163,7 @@ class ReasoningParser:
         trailer); the answer is what the text holds after the decode of the tokens up to the
         closing marker (where that decode does not start the text, a tokenizer joining
         pieces across the boundary, the answer's own tokens decoded)."""
-        first = len(self.start_ids) if self.start_ids and tuple(ids[: len(self.start_ids)]) == self.start_ids else 0
+        first = self._opening_length(ids)
         if tracker.end_index is None:
             return self._decode(ids[first:], skip_special_tokens), "", False
         last = tracker.end_index - len(self.end_ids)
@@ -174,6 +174,11 @@ class ReasoningParser:
         answer = (text[len(head):] if text.startswith(head)
                   else self._decode(ids[tracker.end_index :], skip_special_tokens))
         return reasoning, answer, True
+
+    def _opening_length(self, ids: list[int]) -> int:
+        """How many of the output's first tokens are the opening marker the model wrote (0: none)."""
+        size = len(self.start_ids) if self.start_ids else 0
+        return size if size and tuple(ids[:size]) == self.start_ids else 0
 
     def _decode(self, ids: list[int], skip_special_tokens: bool) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)

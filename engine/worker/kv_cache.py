@@ -62,13 +62,12 @@ class KVCache:
         self.backend = make_backend(self.backend_name, self.null_slot)
         for layer in self.layers:
             shape = self.backend.cache_shape(num_slots, self.block_size, layer.num_kv_heads, layer.head_dim)
-            for name in ("k", "v"):
+            for name in ("k",) if layer.values_in_keys else ("k", "v"):
                 setattr(layer, f"{name}_cache", self._null_zeroed(shape, self.dtype))
                 scale_shape = shape[:-1] if is_scaled(self.dtype) else (0,)
                 setattr(layer, f"{name}_scale", self._null_zeroed(scale_shape, torch.float32))
-                if layer.values_in_keys:  # one tensor, read as keys and values
-                    layer.v_cache, layer.v_scale = layer.k_cache, layer.k_scale
-                    break
+            if layer.values_in_keys:  # one tensor, read as keys and values
+                layer.v_cache, layer.v_scale = layer.k_cache, layer.k_scale
             layer.backend = self.backend
 
     def _null_zeroed(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
