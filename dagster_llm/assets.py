@@ -55,7 +55,11 @@ def build_generation_asset(name: str, upstream: str | dg.AssetKey | dg.AssetsDef
     materialization, checks) as soon as its rows are done, and a rerun after a crash
     generates only the rows that are missing (`resumed_rows` in the metadata). A
     partition's data version digests its rows (id, prompt, the sampling used, adapter and
-    its fingerprint, the sha256 of each image), the model weights and the code version.
+    its fingerprint, the sha256 of each image), the model weights, the numerics the engine
+    resolved (dtype, quantization, KV cache dtype) and the code version. When it changes,
+    a reproducible row (greedy, seeded or beam search) whose row digest matches a
+    committed row of the asset is reused rather than generated (`reused_rows`;
+    `reuse_rows=False` turns this off), so adding rows or editing one generates just those.
 
     A row that cannot run (null or bad prompt, bad override, unknown or broken adapter,
     unreadable image, repeated id, too long) gets its `error` and the others run. A
@@ -136,6 +140,7 @@ class _Definition:
     tool: ToolArguments | None  # the argument columns of the one declared tool
     lora_requests: dict[str, engine.LoRARequest]
     code_version: str
+    row_settings: str  # the part of the code version that every row's digest takes
     partitioned: bool
 
 
@@ -157,7 +162,8 @@ def generation_asset(spec: GenerationSpec, partitions_def: dg.PartitionsDefiniti
         tool=_tool_arguments(spec, output),
         # Ids by sorted name: stable across runs and processes.
         lora_requests={a: engine.LoRARequest(a, i + 1, path) for i, (a, path) in enumerate(sorted(spec.adapters.items()))},
-        code_version=f"{spec.code_version}+{spec.settings_digest()[:12]}", partitioned=partitions_def is not None,
+        code_version=f"{spec.code_version}+{spec.settings_digest()[:12]}",
+        row_settings=f"{spec.code_version}+{spec.row_settings_digest()[:12]}", partitioned=partitions_def is not None,
     )
     key = spec.asset_key
     if spec.row_shards is not None:
@@ -310,7 +316,8 @@ class _GenerationStep(PartitionedStep):
 
     def _options(self) -> RunOptions:
         return RunOptions(model_id=self.resource.model_id, code_version=self.d.code_version,
-                          resume=self.config.resume, shard_rows=self.spec.shard_rows,
+                          row_settings=self.d.row_settings, resume=self.config.resume,
+                          reuse_rows=self.spec.reuse_rows, shard_rows=self.spec.shard_rows,
                           progress_interval_s=self.spec.progress_interval_s)
 
     def _committed(self, result: PartitionResult) -> Iterator[object]:

@@ -92,6 +92,7 @@ def partition_metadata(result: PartitionResult, run: PartitionFacts) -> dict[str
         "generated_rows": stats.generated_rows,
         "generated_tokens": stats.generated_tokens,
         "resumed_rows": stats.resumed_rows,
+        "reused_rows": stats.reused_rows,
         "error_rows": stats.error_rows,
         "finish_reasons": dg.MetadataValue.json(stats.finish_reasons),
         "adapter": run.adapter or "none",

@@ -37,5 +37,6 @@ class GenerationRunConfig(dg.Config):
     resume: bool = Field(
         default=True,
         description="Reuse rows already generated for a partition's current data version (committed "
-                    "or in shards of an interrupted run); false regenerates every row.",
+                    "or in shards of an interrupted run) and committed rows of the same row digest; false "
+                    "regenerates every row.",
     )

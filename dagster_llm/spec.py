@@ -128,6 +128,11 @@ class GenerationSpec(CheckThresholds, PromptTableRules, AssetKeys):
     description: str | None = _operational(None, "Asset description.")
     progress_interval_s: float = _operational(5.0, "Seconds between progress lines in the event log.")
     shard_rows: int = _operational(64, "Finished rows per shard (a shard is also written every 30 s).")
+    reuse_rows: bool = _operational(
+        True, "Reuse a committed row of this asset (any partition, any data version) whose row digest matches a row "
+              "to generate: its prompt, the sampling it resolved to, adapter, output, images, the model, the "
+              "engine's numerics and the code version. Only reproducible rows (greedy, seeded or beam search) are "
+              "reused; False generates every row of a partition whose data version changed.")
 
     @field_validator("output_schema", mode="before")
     @classmethod
@@ -181,8 +186,23 @@ class GenerationSpec(CheckThresholds, PromptTableRules, AssetKeys):
         Adapters enter each row's data version by the fingerprint of their weights."""
         return digest(self.model_dump(mode="json", exclude=data_version_exclusions()))
 
+    def row_settings_digest(self) -> str:
+        """Digest of the settings that every row's result depends on: the settings digest's
+        fields but those each row's digest records as it resolved them (its sampling,
+        adapter, beam search and output; its prompt, id and images whatever their column's
+        name; whether a repeated id is an error). Changing one partition's sampling then
+        regenerates that partition's rows only."""
+        return digest(self.model_dump(mode="json", exclude=data_version_exclusions() | _RESOLVED_PER_ROW))
+
     def thresholds(self) -> CheckThresholds:
         return CheckThresholds(**self.model_dump(include=set(CheckThresholds.model_fields)))
+
+
+_RESOLVED_PER_ROW = {
+    "sampling", "sampling_by_partition", "beam_search", "beam_search_by_partition", "adapter", "adapter_by_partition",
+    "output_schema", "choices", "output_schema_by_partition", "choices_by_partition", "prompt_column", "id_column",
+    "adapter_column", "image_column", "duplicate_ids",
+}
 
 
 def data_version_exclusions() -> set[str]:

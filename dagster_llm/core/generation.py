@@ -2,10 +2,13 @@
 partition's committed table and stats out as soon as its last row finishes.
 
 Finished rows are saved in shards as the run goes; a partition whose rows were already
-generated for its data version (committed, or in shards of an interrupted run) reuses
-them and generates only what is missing.
+generated for its data version (committed, or in shards of an interrupted run) resumes
+them, and a row whose result is reproducible (greedy, seeded or beam search) and whose
+digest matches a committed row of the asset, of any partition and data version, reuses
+that row: only what is missing is generated.
 """
 
+import array
 import collections
 import hashlib
 import json
@@ -19,7 +22,7 @@ import pyarrow as pa
 from dagster_llm.core.progress import GenerationProgress, WorkCounters
 from dagster_llm.core.prompts import PromptRow
 from dagster_llm.core.sampling import used_values
-from dagster_llm.core.schema import ToolArguments, records_table, result_record
+from dagster_llm.core.schema import ToolArguments, generation_schema, records_table, result_record
 from dagster_llm.core.structured import OutputSpecError, StructuredOutput
 from dagster_llm.core.table_store import POSITION_COLUMN, PartitionFiles, with_data_version
 from engine import BeamSearchOutput, CompletionOutput, LoRARequest, RequestOutput
@@ -30,11 +33,17 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class RunOptions:
-    """How a run generates, saves and reports."""
+    """How a run generates, saves and reports. `row_settings` is the part of the code
+    version that every row's result depends on (None: all of it): what a row resolves for
+    itself (its sampling, adapter, beam search, output) enters its digest as resolved.
+    `resume` False regenerates every row; `reuse_rows` False only stops reusing rows of
+    other data versions."""
 
     model_id: str
     code_version: str
+    row_settings: str | None = None
     resume: bool = True
+    reuse_rows: bool = True
     shard_rows: int = 64
     shard_interval_s: float = 30.0
     progress_interval_s: float = 5.0
@@ -57,14 +66,17 @@ class PartitionInput:
 
 @dataclass
 class PartitionStats:
-    """What one partition's table holds and what this run did for it. `error_rows` counts
-    every row with an error, including generated rows whose structured output did not parse;
+    """What one partition's table holds and what this run did for it: rows resumed (of its
+    data version, from an interrupted run or its committed table), reused (committed rows of
+    another data version or partition with the same row digest) and generated. `error_rows`
+    counts every row with an error, including generated rows whose structured output did not parse;
     `reasoning_tokens` sums the rows' reasoning tokens, `tool_call_rows` counts the rows that
     made a tool call."""
 
     rows: int = 0
     error_rows: int = 0
     resumed_rows: int = 0
+    reused_rows: int = 0
     generated_rows: int = 0
     generated_tokens: int = 0
     prompt_tokens: int = 0
@@ -95,9 +107,12 @@ class _Partition:
     images: bool
     tool: ToolArguments | None
     data_version: str = ""
+    row_digests: dict[int, str] = field(default_factory=dict)  # reproducible rows by position
     records: dict[int, dict[str, Any]] = field(default_factory=dict)
     resumed_rows: int = 0
     resumed_tokens: int = 0
+    reused_rows: int = 0
+    reused_tokens: int = 0
     pending: int = 0
     unsaved: list[int] = field(default_factory=list)
     last_shard: float = field(default_factory=time.monotonic)
@@ -136,13 +151,16 @@ class GenerationRun:
         model = {"weights": self.llm.model_fingerprint, "numerics": self.llm.numerics}
         for part in parts:
             part.data_version = self._data_version(part, model)
+            part.row_digests = self._row_digests(part, model)
             self._resume(part)
+        self._reuse(parts)
         todo = [row for part in parts for row in part.rows if row.error is None and row.position not in part.records]
         by_key = {part.key: part for part in parts}
         for row in todo:
             by_key[row.partition].pending += 1
         self.log(f"generating {len(todo)} rows for {len(parts)} partition(s) "
                  f"({sum(p.resumed_rows for p in parts)} resumed, "
+                 f"{sum(p.reused_rows for p in parts)} reused from committed rows of the same digest, "
                  f"{sum(r.error is not None for p in parts for r in p.rows)} with errors)")
         for part in parts:
             if part.pending == 0:
@@ -200,6 +218,43 @@ class GenerationRun:
         return digest({"code_version": self.options.code_version, "model": model, "rows": rows,
                        "output": output})[:24]
 
+    def _row_digests(self, part: _Partition, model: dict) -> dict[int, str]:
+        """The digest of each row whose result is reproducible (greedy, seeded or beam search),
+        by position: what its result depends on (its prompt as text and as token ids, the
+        sampling it resolved to, adapter and fingerprint, beam search, output, images), the
+        model and the engine's numerics, the asset's row settings and the table's columns.
+        Not the row's id or partition: a row of the same digest anywhere in the asset is
+        the same result. Unseeded sampled rows get none: they are never reused."""
+        shared = digest({"settings": self.options.row_settings or self.options.code_version, "model": model,
+                         "columns": str(generation_schema(part.output, part.images, part.tool)),
+                         "output": part.output.describe() if part.output is not None else None})
+        return {row.position: digest({
+            "shared": shared, "prompt": row.prompt_text, "tokens": _token_digest(row.prompt["prompt_token_ids"]),
+            "sampling": used_values(row.params), "adapter": [row.adapter, self.fingerprints.get(row.adapter)],
+            "beam": row.beam.model_dump() if row.beam is not None else None, "images": row.image_digests,
+        })[:32] for row in part.rows if row.error is None and _reproducible(row)}
+
+    def _reuse(self, parts: list[_Partition]) -> None:
+        """Takes, for each row still to generate, a committed row of the asset (any partition,
+        any data version) with the same digest, under the row's own id."""
+        if not (self.options.resume and self.options.reuse_rows):
+            return
+        stored = [part for part in parts if part.files is not None]
+        wanted: dict[str, list[tuple[_Partition, PromptRow]]] = {}
+        for part in stored:
+            for row in part.rows:
+                if row.position in part.row_digests and row.position not in part.records:
+                    wanted.setdefault(part.row_digests[row.position], []).append((part, row))
+        if not wanted:
+            return
+        found = stored[0].files.row_index.find(set(wanted), [part.files.index_path for part in stored])
+        for row_digest, record in found.items():
+            for part, row in wanted[row_digest]:
+                part.records[row.position] = {**record, "id": row.id, "model": self.options.model_id}
+                part.reused_rows += 1
+                part.reused_tokens += record["completion_tokens"] or 0
+                part.unsaved.append(row.position)
+
     def _resume(self, part: _Partition) -> None:
         """Takes the rows already generated for the partition's data version, saying so where
         a committed table of another version is generated again."""
@@ -210,7 +265,8 @@ class GenerationRun:
             numerics = ", ".join(f"{name} {value}" for name, value in self.llm.numerics.items())
             self.log(f"partition {part.key!r}: its committed table is of data version {committed}, this run's is "
                      f"{part.data_version} (the prompts, sampling, adapters, weights, code or the engine's numerics "
-                     f"changed; this engine: {numerics}): its rows are generated again")
+                     f"changed; this engine: {numerics}): its rows are generated again, but for those whose "
+                     "digest matches a committed row")
         part.records = part.files.finished_records(part.data_version,
                                                    {row.position for row in part.rows if row.error is None})
         part.resumed_rows = len(part.records)
@@ -290,7 +346,8 @@ class GenerationRun:
         table = with_data_version(records_table(records, part.output, images=part.images, tool=part.tool),
                                   part.data_version)
         if part.files is not None:
-            part.files.commit(table, part.data_version)
+            part.files.commit(table, part.data_version,
+                              {p: d for p, d in part.row_digests.items() if p in part.records})
         return PartitionResult(part.key, table, part.data_version, self._stats(part, records, started))
 
     def _stats(self, part: _Partition, records: list[dict[str, Any]], started: float) -> PartitionStats:
@@ -301,8 +358,9 @@ class GenerationRun:
             rows=len(records),
             error_rows=sum(r["error"] is not None for r in records),
             resumed_rows=part.resumed_rows,
-            generated_rows=len(ran) - part.resumed_rows,
-            generated_tokens=sum(r["completion_tokens"] for r in ran) - part.resumed_tokens,
+            reused_rows=part.reused_rows,
+            generated_rows=len(ran) - part.resumed_rows - part.reused_rows,
+            generated_tokens=sum(r["completion_tokens"] for r in ran) - part.resumed_tokens - part.reused_tokens,
             prompt_tokens=sum(r["prompt_tokens"] for r in ran),
             completion_tokens=sum(r["completion_tokens"] for r in ran),
             reasoning_tokens=sum(r.get("reasoning_tokens") or 0 for r in ran),
@@ -316,6 +374,15 @@ class GenerationRun:
 def digest(value: object) -> str:
     """sha256 of a JSON-able value, independent of dict order."""
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _token_digest(token_ids: Sequence[int]) -> str:
+    return hashlib.sha256(array.array("q", token_ids).tobytes()).hexdigest()
+
+
+def _reproducible(row: PromptRow) -> bool:
+    """Whether generating the row again gives the same result: greedy, seeded or beam search."""
+    return row.beam is not None or row.params.greedy or row.params.seed is not None
 
 
 

@@ -8,12 +8,21 @@ run writes through the same one, so there is one writer of the table.
     <root>/<asset>/.<partition>.shards/<version>/  shards of finished rows, by data version
     <root>/<asset>/.<partition>.lock               the writer lock on a local disk (flock)
     <root>/<asset>/.<partition>.lease/             the writer lease on an object store
+    <root>/<asset>/.row_index/<partition>.parquet  the committed table's reusable rows by digest
+
 
 Every file is written beside its key and then moved into place (a rename on a disk, a
 server-side copy on a store, whose objects appear whole or not at all), so readers only
 ever see whole tables. Between the upload and the move the writer confirms its lease, so a
 run whose lease was taken over never publishes. Shards of another data version than the
 current one are deleted, never mixed in.
+
+The row index lists, for each committed row whose result is reproducible (greedy, seeded or
+beam search), its row digest (`GenerationRun` computes it: the prompt, the sampling used,
+the adapter, the output, the images, the model, the engine's numerics, the code version)
+and its position. A later run of the asset reuses a committed row of any partition whose
+digest matches instead of generating it again. The index carries the data version of the
+table it indexes; an index whose table was since replaced is ignored.
 """
 
 import contextlib
@@ -25,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
@@ -36,6 +46,9 @@ from dagster_llm.core.leases import EXCLUSIVE_CREATE_PROTOCOLS, FileLock, HeldLo
 DATA_VERSION_KEY = b"dagster_llm.data_version"
 # Column of shard rows: the row's position in its partition's prompt table.
 POSITION_COLUMN = "_position"
+# Folder of an asset's row index, and the index's columns.
+ROW_INDEX_FOLDER = ".row_index"
+ROW_DIGEST_COLUMN = "row_digest"
 # How long a lease on an object store outlives its last renewal (a killed writer's partition
 # is free again after this).
 DEFAULT_LEASE_TTL_S = 60.0
@@ -126,10 +139,13 @@ class PartitionFiles:
     """The committed table, the shards and the writer lock of one partition, on a local disk
     or an object store. While `lock` is held, every write first confirms it."""
 
-    def __init__(self, path: Path | UPath, lease_ttl_s: float = DEFAULT_LEASE_TTL_S) -> None:
+    def __init__(self, path: Path | UPath, lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
+                 asset_root: Path | UPath | None = None) -> None:
         self.path = UPath(path)
         self.fs = self.path.fs
         self.shard_root = self.path.with_name(f".{self.path.stem}.shards")
+        self.row_index = RowIndex(UPath(asset_root) if asset_root is not None else self.path.parent)
+        self.index_path = self.row_index.index_path(self.path)
         self.lease_ttl_s = lease_ttl_s
         self._held: HeldLock | None = None
 
@@ -193,9 +209,19 @@ class PartitionFiles:
         name = f"shard-{time.time_ns():020d}-{uuid.uuid4().hex[:8]}.parquet"
         write_parquet_atomically(rows, self.shard_root / version / name, self._confirm)
 
-    def commit(self, table: pa.Table, version: str) -> None:
-        """Replaces the committed table atomically and drops the shards it absorbs."""
+    def commit(self, table: pa.Table, version: str, row_digests: Mapping[int, str] | None = None) -> None:
+        """Replaces the committed table atomically, then its row index (`row_digests`: the
+        digest of each reusable row by position; none: the table offers no row), and drops
+        the shards it absorbs."""
         write_parquet_atomically(with_data_version(table, version), self.path, self._confirm)
+        if row_digests:
+            positions = sorted(row_digests)
+            index = pa.table({ROW_DIGEST_COLUMN: pa.array([row_digests[p] for p in positions], pa.string()),
+                              POSITION_COLUMN: pa.array(positions, pa.int32())})
+            write_parquet_atomically(with_data_version(index, version), self.index_path, self._confirm)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm_file(self.index_path.path)
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm(self.shard_root.path, recursive=True)
 
@@ -234,6 +260,67 @@ class PartitionFiles:
             self._held.confirm()
 
 
+class RowIndex:
+    """The reusable committed rows of one asset (every partition under `asset_root`), found
+    by row digest."""
+
+    def __init__(self, asset_root: Path | UPath) -> None:
+        self.asset_root = UPath(asset_root)
+        self.fs = self.asset_root.fs
+        self.folder = self.asset_root / ROW_INDEX_FOLDER
+
+    def index_path(self, table_path: Path | UPath) -> UPath:
+        """Where the index of the table at `table_path` (under `asset_root`) lives."""
+        relative = UPath(table_path).path[len(self.asset_root.path):].lstrip("/")
+        return self.folder / relative
+
+    def find(self, digests: set[str], first: Sequence[UPath] = ()) -> dict[str, dict[str, Any]]:
+        """The committed rows whose digest is in `digests`, by digest; the indexes at `first`
+        (those of the partitions being generated) are read before the others. Each index is
+        read whole but only its matches are kept; a table is read only where its index
+        matches, and only if it still holds the data version its index was written for."""
+        found: dict[str, dict[str, Any]] = {}
+        remaining = set(digests)
+        for index_path in self._indexes(first):
+            if not remaining:
+                break
+            hits = self._hits(index_path, remaining)
+            found.update(hits)
+            remaining -= hits.keys()
+        return found
+
+    def _indexes(self, first: Sequence[UPath]) -> list[str]:
+        self.fs.invalidate_cache(self.folder.path)
+        try:
+            every = sorted(self.fs.find(self.folder.path))
+        except FileNotFoundError:
+            return []
+        every = [path for path in every if path.endswith(".parquet") and not UPath(path).name.startswith(".")]
+        listed = set(every)
+        ahead = [path.path for path in first if path.path in listed]
+        return ahead + [path for path in every if path not in ahead]
+
+    def _hits(self, index_path: str, wanted: set[str]) -> dict[str, dict[str, Any]]:
+        """The rows of one index's table whose digest is wanted."""
+        try:
+            index = pq.read_table(index_path, filesystem=self.fs)
+        except FileNotFoundError:  # replaced since the listing
+            return {}
+        hits = index.filter(pc.is_in(index[ROW_DIGEST_COLUMN], value_set=pa.array(sorted(wanted), pa.string())))
+        if not hits.num_rows:
+            return {}
+        table_path = self.asset_root / index_path[len(self.folder.path):].lstrip("/")
+        self.fs.invalidate_cache(table_path.path)
+        try:
+            table = pq.read_table(table_path.path, filesystem=self.fs)
+        except FileNotFoundError:
+            return {}
+        if data_version_in(table) != data_version_in(index):
+            return {}
+        rows = table.take(hits[POSITION_COLUMN]).to_pylist()
+        return dict(zip(hits[ROW_DIGEST_COLUMN].to_pylist(), rows))
+
+
 class TableStore:
     """The tables of every asset under one root (a folder or an object-store prefix): a
     partition's files by asset key path (e.g. `["support", "answers"]`) and partition key
@@ -248,7 +335,8 @@ class TableStore:
         """The partition's files; one object per partition, so that writes through it confirm
         the lock `locks` took."""
         path = partition_file(self.root, asset_path, partition_key)
-        return self._partitions.setdefault(str(path), PartitionFiles(path, self.lease_ttl_s))
+        asset_root = self.root.joinpath(*getattr(asset_path, "path", asset_path))
+        return self._partitions.setdefault(str(path), PartitionFiles(path, self.lease_ttl_s, asset_root))
 
     @contextlib.contextmanager
     def locks(self, asset_path: Sequence[str], partition_keys: Sequence[str | None], owner: str

@@ -25,7 +25,7 @@ METADATA_KEYS = {
     "dagster/row_count", "dagster/column_schema", "dagster/column_lineage", "path", "model_id",
     "model_fingerprint", "engine_numerics", "engine_version", "elapsed_s", "partitions_in_run", "prompt_tokens",
     "completion_tokens", "reasoning_tokens", "tool_call_rows", "finish_reasons", "error_rows", "generated_rows",
-    "resumed_rows", "adapter", "sampling_config", "data_version", "upstream_data_version", "preview",
+    "resumed_rows", "reused_rows", "adapter", "sampling_config", "data_version", "upstream_data_version", "preview",
 }
 
 

@@ -28,7 +28,7 @@ OTHER_VALUES = {
     "adapter": "x", "adapter_by_partition": {"a": "x"}, "output_schema": SCHEMA, "choices": ["yes", "no"],
     "output_schema_by_partition": {"a": SCHEMA}, "choices_by_partition": {"b": ["p"]}, "code_version": "2",
     "resource_key": "llm2", "io_manager_key": "tables", "pool": None, "max_partitions_per_run": 4,
-    "key_prefix": ["team"], "group_name": "g", "description": "d", "progress_interval_s": 1.0, "shard_rows": 8,
+    "key_prefix": ["team"], "group_name": "g", "description": "d", "progress_interval_s": 1.0, "shard_rows": 8, "reuse_rows": False,
     "row_shards": 3, "kubernetes": KubernetesStep(gpus=2), "beam_search": BeamSearchConfig(beam_width=2),
     "beam_search_by_partition": {"c": BeamSearchConfig(beam_width=3, length_penalty=0.5)},
 }
