@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run ui instance prepare test test-quick test-cpu-kinds test-ui chromium bench bench-openvino gpu-check clean
+.PHONY: run ui instance prepare postgres test test-quick test-cpu-kinds test-ui chromium bench bench-openvino gpu-check clean
 
 # Runs and their history persist here, so that `make ui` shows what `make run` did.
 export DAGSTER_HOME := $(CURDIR)/.dagster_home
@@ -56,12 +56,24 @@ LAUNCHES := $(CURDIR)/test-artifacts/triton-launches
 prepare: $(STAMP)
 	$(PY) -c "from engine.kernels import cpu_build; from engine.model_loader.embedded_model import ensure_embedded_model; cpu_build.load(); ensure_embedded_model()"
 
-test: prepare
+# The PostgreSQL server that the instance tests start on loopback (tests/postgres.py): Debian's
+# package, installed here when this runs as root; elsewhere those tests are skipped, saying why.
+postgres:
+	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || command -v initdb >/dev/null && exit 0; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get install -y --no-install-recommends postgresql || \
+		{ apt-get update && apt-get install -y --no-install-recommends postgresql; }; \
+	else \
+		echo "No PostgreSQL server here: the tests of a PostgreSQL-backed instance will be skipped." >&2; \
+		echo "Install Debian's package as root (sudo apt-get install postgresql) to run them." >&2; \
+	fi
+
+test: prepare postgres
 	rm -rf $(LAUNCHES)
-	TRITON_LAUNCHES_DIR=$(LAUNCHES) $(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal --ignore=tests/engine/test_triton_compile.py
+	TRITON_LAUNCHES_DIR=$(LAUNCHES) $(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal --durations=25 --ignore=tests/engine/test_triton_compile.py
 	TRITON_LAUNCHES_DIR=$(LAUNCHES) $(PY) -m pytest tests/engine/test_triton_compile.py
 
-test-quick: prepare
+test-quick: prepare postgres
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal -m "not slow and not ui"
 
 # The tests whose path depends on the CPU (marked cpu_kinds), as each kind this CPU can stand in for.

@@ -1,6 +1,7 @@
 """Fixtures of the Dagster tests."""
 
 import logging
+import os
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ from upath import UPath
 import engine
 
 from dagster_llm import LLMResource, ParquetIOManager
+from tests.postgres import PostgresServer, running_server, unavailable_reason
 
 
 @pytest.fixture
@@ -72,3 +74,25 @@ def s3_bucket(s3_server: str) -> S3Bucket:
     name = f"tables-{uuid.uuid4().hex[:12]}"
     s3fs.S3FileSystem(**options).mkdir(name)
     return S3Bucket(f"s3://{name}", options, {**credentials, "AWS_ENDPOINT_URL": s3_server})
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[PostgresServer]:
+    """A PostgreSQL server on loopback for the session (`tests/postgres.py`). Where none is
+    installed the tests that need it are skipped with the reason, or fail where
+    DAGSTER_LLM_REQUIRE_POSTGRES is set (CI: a skip there would hide the missing server)."""
+    reason = unavailable_reason()
+    if reason is not None:
+        if os.environ.get("DAGSTER_LLM_REQUIRE_POSTGRES"):
+            pytest.fail(f"DAGSTER_LLM_REQUIRE_POSTGRES is set, but {reason}")
+        pytest.skip(reason)
+    with running_server() as server:
+        yield server
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def instance_storage(request: pytest.FixtureRequest) -> str | None:
+    """Where a test's Dagster instance keeps runs, event log and pool slots: SQLite files under
+    its DAGSTER_HOME (None), or a fresh database on the tests' PostgreSQL server (its URL), as a
+    deployment does."""
+    return request.getfixturevalue("postgres_server").create_database() if request.param == "postgres" else None

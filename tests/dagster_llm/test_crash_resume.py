@@ -2,7 +2,9 @@
 worker stops without writing, committed partitions stay, and the rerun generates only the
 rows that are missing, each id exactly once. On the local disk and on an S3-compatible
 server (moto, on loopback), where runs with different instances (different pods) share the
-bucket: the writer lease keeps a second run out and expires when its holder was killed."""
+bucket: the writer lease keeps a second run out and expires when its holder was killed. The
+tests of runs that meet (pool slots, partition locks) run on an instance stored in SQLite and
+on one stored in PostgreSQL, as a deployment's is; the lease takeover on PostgreSQL."""
 
 import os
 import signal
@@ -19,6 +21,7 @@ from upath import UPath
 
 from dagster_llm.core.leases import StoreLease
 from tests.dagster_llm.crash_defs import MAX_TOKENS, ROWS
+from tests.postgres import instance_yaml
 from tests.processes import is_gone
 
 pytestmark = pytest.mark.slow
@@ -41,6 +44,22 @@ def s3_setup(setup, s3_bucket):
     env, _ = setup
     env = {**env, **s3_bucket.env, "CRASH_TEST_TABLES": f"{s3_bucket.url}/tables", "CRASH_TEST_LEASE_TTL_S": "8"}
     return env, s3_bucket.path("tables", "crash_gen")
+
+
+def instance_home(home: Path, storage: str | None, base: str = "") -> Path:
+    """A DAGSTER_HOME whose dagster.yaml is `base` with the instance stored at `storage` (a
+    PostgreSQL URL; None: SQLite files in the home)."""
+    home.mkdir(exist_ok=True)
+    (home / "dagster.yaml").write_text(instance_yaml(storage, base))
+    return home
+
+
+def make_instance(home: Path, storage: str | None) -> Path:
+    """The instance `make` sets up (the example dagster.yaml, migrated once, the llm pool at
+    one slot) in `home`, stored at `storage`."""
+    instance_home(home, storage, (REPO / "example_pipelines" / "dagster.yaml").read_text())
+    subprocess.run(["make", "-s", "instance", f"DAGSTER_HOME={home}"], cwd=REPO, check=True, capture_output=True)
+    return home
 
 
 def materialize(env: dict, partition_args: list[str], select: str = "*crash_gen") -> subprocess.Popen:
@@ -155,18 +174,20 @@ def test_killed_in_the_second_partition_of_a_range_keeps_the_first(setup):
     assert latest(env, "p2")["generated_tokens"] == MAX_TOKENS * (ROWS - saved)
 
 
-def test_two_runs_of_one_partition_on_a_fresh_instance_take_turns(setup, tmp_path):
-    """The instance `make` sets up (migrated once, the llm pool at one slot): a second run
-    launched while the first generates succeeds; it waits for the slot, then reuses every row.
+def generated_rows(home: Path, partition: str) -> list[int]:
+    """`generated_rows` of each of the partition's materializations, fewest first."""
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        records = instance.fetch_materializations(
+            dg.AssetRecordsFilter(asset_key=dg.AssetKey("crash_gen"), asset_partitions=[partition]), limit=5).records
+    return sorted(r.asset_materialization.metadata["generated_rows"].value for r in records)
 
-    The second starts once the first's step holds the slot: two claims in the same few
-    milliseconds can both win on a SQLite instance (Dagster selects a free slot, then
-    updates it, outside one transaction), and then the partition's lock turns the second
-    away with the error the other tests check."""
+
+def test_two_runs_of_one_partition_on_a_fresh_instance_take_turns(setup, tmp_path, instance_storage):
+    """A second run launched while the first generates succeeds: it waits for the pool's
+    slot, then resumes every row. The second starts once the first's step holds the slot
+    (claims at the same instant: the next test)."""
     env, folder = setup
-    home = tmp_path / "fresh_home"
-    subprocess.run(["make", "-s", "instance", f"DAGSTER_HOME={home}"], cwd=REPO, check=True, capture_output=True)
-    env = {**env, "DAGSTER_HOME": str(home)}
+    env = {**env, "DAGSTER_HOME": str(make_instance(tmp_path / "fresh_home", instance_storage))}
     first = materialize(env, ["--partition", "p1"])
     wait_for(lambda: (folder / ".p1.lock").exists(), 180, "the first run's step to hold p1")
     second = materialize(env, ["--partition", "p1"])
@@ -174,11 +195,22 @@ def test_two_runs_of_one_partition_on_a_fresh_instance_take_turns(setup, tmp_pat
         output, _ = cli.communicate(timeout=600)
         assert cli.returncode == 0, output
     assert_complete(folder, "p1")
-    with dg.DagsterInstance.from_config(str(home)) as instance:
-        records = instance.fetch_materializations(
-            dg.AssetRecordsFilter(asset_key=dg.AssetKey("crash_gen"), asset_partitions=["p1"]), limit=2).records
-    generated = sorted(r.asset_materialization.metadata["generated_rows"].value for r in records)
-    assert generated == [0, ROWS]  # one generated everything, the other reused it: never both at once
+    assert generated_rows(Path(env["DAGSTER_HOME"]), "p1") == [0, ROWS]  # never both at once
+
+
+def test_two_runs_launched_at_the_same_instant_never_both_write(setup, tmp_path, instance_storage):
+    """Two runs of one partition launched together. Dagster 1.13's pool claim is not atomic
+    on either storage (it selects a free slot row, then updates it, in autocommit), so both
+    may get the llm slot; the partition's lock then turns the later away, naming the first.
+    Either way exactly one run generates, each row once, and a run that failed says why."""
+    env, folder = setup
+    env = {**env, "DAGSTER_HOME": str(make_instance(tmp_path / "fresh_home", instance_storage))}
+    clis = [materialize(env, ["--partition", "p1"]) for _ in range(2)]
+    finished = [(cli.communicate(timeout=600)[0], cli.returncode) for cli in clis]
+    assert_complete(folder, "p1")
+    failed = [output for output, code in finished if code != 0]
+    assert len(failed) <= 1 and all("p1 is being generated by" in output for output in failed), failed
+    assert generated_rows(Path(env["DAGSTER_HOME"]), "p1") == [0, ROWS][len(failed):]
 
 
 def test_a_second_instance_sharing_the_bucket_fails_fast_naming_the_first(s3_setup, tmp_path):
@@ -205,11 +237,14 @@ def test_a_second_instance_sharing_the_bucket_fails_fast_naming_the_first(s3_set
     assert store_lease(folder, "p1").latest().released
 
 
-def test_a_killed_pods_lease_expires_and_the_next_run_takes_over(s3_setup, tmp_path):
+def test_a_killed_pods_lease_expires_and_the_next_run_takes_over(s3_setup, tmp_path, postgres_server):
     """The run and its step worker killed together (a pod gone): the lease stays until it
-    expires, then a run on another instance takes over, resumes the saved rows, and a
-    downstream asset on a third instance reads the table from the store."""
+    expires, then a run in another pod takes over, resumes the saved rows, and a downstream
+    asset in a third pod reads the table from the store. The pods share one instance stored
+    in PostgreSQL, as a deployment's do (the previous test's pods have instances of their own)."""
     env, folder = s3_setup
+    instance_storage = postgres_server.create_database()
+    instance_home(Path(env["DAGSTER_HOME"]), instance_storage)
     cli = materialize(env, ["--partition", "p1"])
     wait_for(lambda: shard_rows(folder, "p1") >= 4, 120, "shards of p1")
     worker = writer_pid(folder, "p1")
@@ -221,9 +256,7 @@ def test_a_killed_pods_lease_expires_and_the_next_run_takes_over(s3_setup, tmp_p
     left = store_lease(folder, "p1").latest()
     assert left.pid == worker and not left.released and left.expires_at > time.time()  # nobody gave it back
 
-    homes = [tmp_path / "second_home", tmp_path / "third_home"]
-    for home in homes:
-        home.mkdir()
+    homes = [instance_home(tmp_path / name, instance_storage) for name in ("second_home", "third_home")]
     wait_for(lambda: store_lease(folder, "p1").latest().expires_at < time.time(), 30, "the lease to expire")
     output = finish({**env, "DAGSTER_HOME": str(homes[0])}, ["--partition", "p1"])
     assert f"took over the lease of {left.holder} on {left.host} (pid {worker}, lease expired" in output

@@ -211,8 +211,11 @@ def test_launchpad_override_runs_one_partition(ui, page):
     shot(page, "03-run")
     assert run["status"] == "SUCCESS", ui.messages(run_id)[-5:]
     assert run["tags"]["dagster/partition"] == ONE_DAY
-    # The engine's start-up choices are in the run's log, as the run view lists it.
+    # The engine's start-up choices are in the run's log, and the run view shows them.
     assert any("engine: CPU: " in m and "dtype" in m for m in ui.messages(run_id)), ui.messages(run_id)
+    page.get_by_placeholder("Filter…").fill("engine: CPU")
+    page.get_by_text(re.compile(r"engine: CPU: .*dtype")).first.wait_for(timeout=30_000)
+    shot(page, "03-run-engine-log")
     table = pd.read_parquet(partition_file(ui.tables, SUMMARIES, ONE_DAY))
     assert len(table) == 3 and (table["max_tokens"] == 24).all()  # the typed override reached every row
 
