@@ -5,11 +5,13 @@ helpers it needs are imported where a setting is checked or resolved."""
 
 from dataclasses import Field, dataclass, field, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig
+
+    from engine.spec_decode.config import SpeculativeConfig
 
 # Loaded without torch (the Dagster side derives its resource's fields from these settings at
 # definitions load): what needs torch or the CPU is imported where a setting is checked or resolved.
@@ -142,6 +144,13 @@ class EngineConfig:
                                                     "tokenizer's call markers imply (<tool_call>: hermes, "
                                                     "[TOOL_CALLS]: mistral, <|python_tag|>: llama3_json), else none. "
                                                     "Calls go to CompletionOutput.tool_calls.")
+    speculative_config: dict[str, Any] | None = _setting(
+        None, "Speculative decoding, as vLLM's: {'method': 'ngram', 'num_speculative_tokens': k, "
+              "'prompt_lookup_min': a, 'prompt_lookup_max': b} proposes up to k tokens per sequence and step from "
+              "its own prompt and output (the tokens after the last earlier match of its last a to b tokens), "
+              "which one forward pass verifies; 'min_acceptance_rate' (default 0.1) pauses a sequence whose "
+              "proposals keep failing. Outputs are the same as without it: greedy rows exactly, seeded rows "
+              "exactly, other sampled rows in distribution. Not with async_scheduling.")
     attention_backend: str = _setting("auto", "'auto' (Triton kernels on a GPU; on a CPU the compiled "
                                               "paged-attention kernel where it builds, else PyTorch's products), "
                                               "'triton' (a GPU, or Triton's interpreter under TRITON_INTERPRET=1), "
@@ -199,6 +208,14 @@ class EngineConfig:
                                   or any(not isinstance(n, int) or n < 0 for n in limit.values())):
             problems.append(f"limit_mm_per_prompt must be None or {{'image': n}} with n >= 0, got {limit!r}")
         problems += self._parser_problems()
+        if self.speculative_config is not None:
+            try:
+                self.speculative
+            except ValueError as exc:
+                problems.append(str(exc))
+            if self.async_scheduling:
+                problems.append("async_scheduling=True does not combine with speculative_config: a step's accepted "
+                                "tokens decide the next step's inputs; leave async_scheduling None")
         if problems:
             raise ValueError("Invalid engine settings: " + "; ".join(problems))
 
@@ -212,6 +229,13 @@ class EngineConfig:
             if value not in (None, "auto", *known):
                 problems.append(f"{name} must be 'auto', None or one of {sorted(known)}, got {value!r}")
         return problems
+
+    @property
+    def speculative(self) -> "SpeculativeConfig | None":
+        """`speculative_config` read (`SpeculativeConfig.parse`), or None without speculation."""
+        from engine.spec_decode.config import SpeculativeConfig
+
+        return SpeculativeConfig.parse(self.speculative_config) if self.speculative_config is not None else None
 
     @property
     def max_images_per_prompt(self) -> int:
@@ -269,7 +293,8 @@ class EngineConfig:
             max_model_len=max_model_len,
             max_num_batched_tokens=step_tokens,
             kv_cache_memory=self.kv_cache_memory or (DEFAULT_KV_CACHE_MEMORY if on_cpu else None),
-            async_scheduling=device.type == "cuda" if self.async_scheduling is None else self.async_scheduling,
+            async_scheduling=(device.type == "cuda" and self.speculative_config is None
+                              if self.async_scheduling is None else self.async_scheduling),
             max_cpu_loras=self.max_cpu_loras or self.max_loras,
             num_threads=self.num_threads or (self.default_threads_per_rank() if on_cpu else None),
             attention_backend=attention_backend,

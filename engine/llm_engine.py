@@ -5,6 +5,7 @@ import itertools
 import logging
 import time
 import weakref
+from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 
@@ -37,6 +38,7 @@ from engine.pooling_params import PoolingParams
 from engine.reasoning import Phase, ReasoningParser, detect_reasoning_parser, reasoning_parser
 from engine.sample.sampler import SampledToken
 from engine.sampling_params import SamplingParams
+from engine.spec_decode.ngram_proposer import NgramProposer
 from engine.structured_output.manager import StructuredOutputManager
 from engine.tool_parsers import ToolParser, detect_tool_parser, tool_parser
 from engine.worker.model_runner import LaunchedStep, ModelRunner
@@ -86,6 +88,7 @@ class LLMEngine:
         encoder_cache = (EncoderCacheManager(max(config.max_num_batched_tokens, config.max_model_len))
                          if self.mm_processor is not None else None)
         self.scheduler = Scheduler(config, self.block_manager, encoder_cache)
+        self.proposer = NgramProposer(config.speculative, config.max_model_len) if config.speculative else None
         self.stats = EngineStats()
         self._seq_ids = itertools.count()
         self._token_texts: dict[tuple[bool, bool], dict[int, str]] = {}  # by detokenizer settings
@@ -261,24 +264,50 @@ class LLMEngine:
                 finished.append(seq)
         logprobs = output.logprobs or itertools.repeat(None)
         appended = 0
-        for seq, token, sampled in zip(output.seqs, output.token_ids, logprobs):
+        proposals = launched.inputs.spec_token_ids
+        rows = zip(output.seqs, output.token_ids, logprobs)
+        for seq, seq_rows in itertools.groupby(rows, key=lambda row: row[0]) if proposals else (
+                (row[0], [row]) for row in rows):
             if seq.status is SequenceStatus.FINISHED:
                 continue
             if seq.beam is not None:
+                _, token, sampled = next(iter(seq_rows))
                 seq.num_pending_tokens = 0
                 if seq.beam.report(seq, sampled):
                     finished += self._advance_beams(seq.beam)
                 continue
-            self._append_token(seq, token, sampled)
-            appended += 1
+            appended += self._take_tokens(seq, seq_rows, proposals.get(seq, []))
             if seq.finish_reason is not None:
                 seq.metrics.finished_time = time.monotonic()
                 self.scheduler.finish(seq)
                 finished.append(seq)
+            elif self.proposer is not None:
+                seq.spec_token_ids = self.proposer.propose(seq)
         self.stats.num_generated_tokens += appended
         finish_texts([(s.detokenizer, s.output_token_ids) for s in finished
                       if s.beam is None and s.pooling is None and s.sampling_params.detokenize])
         return finished
+
+    def _take_tokens(self, seq: Sequence, rows: Iterable[tuple[Sequence, int, SampledToken | None]],
+                     proposed: list[int]) -> int:
+        """Appends what a sequence's rows sampled: its one token, or with proposals, the
+        token of each row up to the first that differs from the next proposal, or ends it
+        (the proposals it matched were computed with the right tokens before them, so
+        their rows sampled what one step at a time would have). Returns the tokens added."""
+        taken = accepted = 0
+        for _, token, sampled in rows:
+            self._append_token(seq, token, sampled)
+            taken += 1
+            if seq.finish_reason is not None or taken > len(proposed) or token != proposed[taken - 1]:
+                break
+            accepted += 1
+        if proposed:
+            self.scheduler.accept_proposals(seq, accepted)
+            self.proposer.record(seq, len(proposed), accepted)
+            self.stats.num_drafts += 1
+            self.stats.num_draft_tokens += len(proposed)
+            self.stats.num_accepted_tokens += accepted
+        return taken
 
     def _fork(self, parent: Sequence) -> list[tuple[Sequence, Sequence]]:
         """Creates the parent's other completions, sharing its prompt blocks."""

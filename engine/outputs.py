@@ -170,6 +170,22 @@ class EngineStats:
     num_generated_tokens: int = 0
     num_cached_prompt_tokens: int = 0
     num_images_encoded: int = 0  # vision-encoder runs, one per image (its output is then cached)
+    # Speculative decoding: verifications of a sequence's proposals, the tokens proposed in
+    # them, and those accepted (vLLM's num_drafts, num_draft_tokens, num_accepted_tokens).
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted over proposed tokens (None before any proposal)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """Tokens a verification adds on average: its accepted proposals plus the one the
+        model samples after them (None before any)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
 
     def __add__(self, other: "EngineStats") -> "EngineStats":
         """Both engines' counters summed (data-parallel replicas)."""

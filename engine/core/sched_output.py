@@ -14,11 +14,14 @@ class ScheduledBatch:
     `forks` are (child, parent) pairs: new completions of a prompt that the parent
     finishes computing in this step; each samples its first token from the parent's
     logits. `block_copies` are (source, destination) blocks to copy before the step.
+    `spec_token_ids` holds the proposed tokens that a speculating sequence's new tokens end
+    with (speculative decoding): they are verified in the step, not yet its tokens.
     """
 
     seqs: list[Sequence]
     num_new_tokens: list[int]
     forks: list[tuple[Sequence, Sequence]] = field(default_factory=list)
+    spec_token_ids: dict[Sequence, list[int]] = field(default_factory=dict)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     cached_prompt_tokens: int = 0  # prefix-cache hits of the requests admitted for the first time
     # Sequences that left the running set since the previous step (finished, preempted or

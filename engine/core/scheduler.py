@@ -25,6 +25,10 @@ class Scheduler:
     lower values first. A waiting request whose LoRA adapter would exceed `max_loras`
     distinct adapters in the step is passed over, and requests behind it may run.
 
+    A sequence with proposed tokens (speculative decoding) computes its last token and as
+    many of them as the budget takes, in one step that verifies them; until the step's
+    tokens are read back, only its last token counts as computed.
+
     A prompt's images are encoded in the first step that schedules any of their tokens
     (`encoder_cache`): a step encodes images of at most max_num_batched_tokens output rows
     (one image at least), and a chunk stops before an image whose output can be neither
@@ -76,13 +80,14 @@ class Scheduler:
         freed = self.encoder_cache.take_freed() if self.encoder_cache is not None else []
         return ScheduledBatch(list(plan.scheduled), list(plan.scheduled.values()), block_copies=copies,
                               cached_prompt_tokens=plan.cached_prompt_tokens, released=released,
-                              encoder_inputs=plan.encoder_inputs, freed_encoder_outputs=freed)
+                              encoder_inputs=plan.encoder_inputs, freed_encoder_outputs=freed,
+                              spec_token_ids=plan.spec_token_ids)
 
     def _schedule_running(self, plan: "_StepPlan") -> None:
         """Gives each running sequence its next tokens, in rank order, preempting the
         least important ones when blocks run out. (The loop runs over hundreds of
         sequences every step: what it reads repeatedly is held in locals.)"""
-        running, allocate, scheduled = self.running, self.block_manager.allocate, plan.scheduled
+        running, allocate = self.running, self.block_manager.allocate
         i = 0
         while i < len(running) and plan.budget > 0:
             seq = running[i]
@@ -91,6 +96,13 @@ class Scheduler:
             pending = seq.num_pending_tokens
             num_tokens = len(seq.token_ids) + (pending if seq.beam is None else 0)
             start = seq.num_computed_tokens
+            drafts = seq.spec_token_ids
+            if drafts:
+                seq.spec_token_ids = []
+                if start == num_tokens - 1:  # its last token computes with them (not a recompute)
+                    num_tokens += len(drafts)
+                else:
+                    drafts = []
             # Nothing to compute: a beam awaiting its group's choice, a pooled prompt awaiting
             # its vector, or a pending token that is its last (it finishes when read back).
             if num_tokens == start or (pending and num_tokens >= seq.max_num_tokens):
@@ -105,14 +117,13 @@ class Scheduler:
             if allocate(seq, num_new):
                 if seq.mm_features:
                     self._take_encoder_outputs(seq, start, num_new, images, plan)
-                scheduled[seq] = num_new
-                plan.budget -= num_new
+                plan.add(seq, num_new, drafts)
                 i += 1
             else:
-                i = self._preempt_for(seq, num_new, images, i, plan)
+                i = self._preempt_for(seq, num_new, images, i, plan, drafts)
 
     def _preempt_for(self, seq: Sequence, num_new: int, images: list[MultiModalFeature], i: int,
-                     plan: "_StepPlan") -> int:
+                     plan: "_StepPlan", drafts: list[int]) -> int:
         """Preempts the least important running sequences until `seq` (running[i]) gets its
         blocks, or is preempted itself; returns the index of the next sequence to schedule."""
         while not self.block_manager.allocate(seq, num_new):
@@ -121,12 +132,13 @@ class Scheduler:
             plan.preempted = True
             if victim in plan.scheduled:
                 plan.budget += plan.scheduled.pop(victim)
+                plan.spec_token_ids.pop(victim, None)
                 i -= 1
             if victim is seq:
                 return i
         if seq.mm_features:
             self._take_encoder_outputs(seq, seq.num_computed_tokens, num_new, images, plan)
-        plan.add(seq, num_new)
+        plan.add(seq, num_new, drafts)
         return i + 1
 
     def _schedule_waiting(self, plan: "_StepPlan") -> None:
@@ -237,14 +249,24 @@ class Scheduler:
             self.encoder_cache.release(seq)
 
     def update_computed(self, batch: ScheduledBatch) -> None:
-        """Records that the step computed its tokens' keys and values."""
-        register, size = self.block_manager.register_full_blocks, self.block_manager.block_size
+        """Records that the step computed its tokens' keys and values; a speculating
+        sequence's proposals count once they are accepted (`accept_proposals`)."""
+        spec = batch.spec_token_ids
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += num_new
-            if seq.num_computed_tokens // size > seq.num_registered_blocks:  # a block filled up
-                register(seq)
+            self._computed(seq, num_new - len(spec[seq]) if spec and seq in spec else num_new)
             if seq.mm_features:
                 self.encoder_cache.release_computed(seq)
+
+    def accept_proposals(self, seq: Sequence, num_accepted: int) -> None:
+        """Counts as computed the keys and values of a sequence's proposals that its step
+        accepted (they are its tokens now); the others' slots are written again later."""
+        if num_accepted:
+            self._computed(seq, num_accepted)
+
+    def _computed(self, seq: Sequence, num_new: int) -> None:
+        seq.num_computed_tokens += num_new
+        if seq.num_computed_tokens // self.block_manager.block_size > seq.num_registered_blocks:  # a block filled up
+            self.block_manager.register_full_blocks(seq)
 
     def add_running(self, seq: Sequence) -> None:
         """Adds a forked sequence that already holds its (shared) blocks."""
@@ -323,10 +345,15 @@ class _StepPlan:
     budget: int
     encoder_budget: int
     scheduled: dict[Sequence, int] = field(default_factory=dict)
+    spec_token_ids: dict[Sequence, list[int]] = field(default_factory=dict)
     encoder_inputs: list[MultiModalFeature] = field(default_factory=list)
     preempted: bool = False
     cached_prompt_tokens: int = 0
 
-    def add(self, seq: Sequence, num_new: int) -> None:
+    def add(self, seq: Sequence, num_new: int, drafts: list[int] = ()) -> None:
+        """Schedules `num_new` tokens of `seq`; with `drafts` (its proposals), they end
+        with as many of them as fit."""
         self.scheduled[seq] = num_new
         self.budget -= num_new
+        if drafts and num_new > 1:
+            self.spec_token_ids[seq] = drafts[: num_new - 1]

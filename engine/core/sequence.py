@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from engine.pooling_params import PoolingParams
     from engine.reasoning import ReasoningTracker
     from engine.sample.sampler import SampledToken
+    from engine.spec_decode.ngram_proposer import SpecState
     from engine.structured_output.backend_types import StructuredOutputGrammar
 
 
@@ -126,6 +127,10 @@ class Sequence:
         self.grammar: "StructuredOutputGrammar | None" = None
         # Where it stands in its reasoning section, with a reasoning parser (set by the engine).
         self.reasoning: "ReasoningTracker | None" = None
+        # With speculative decoding: the tokens proposed for its next step (verified in it
+        # after its last token) and its proposer's state.
+        self.spec_token_ids: list[int] = []
+        self.spec: "SpecState | None" = None
         self.logprobs: list[dict] | None = [] if sampling_params.logprobs is not None else None
         self.cumulative_logprob: float | None = 0.0 if sampling_params.logprobs is not None else None
         self.prompt_logprobs: list[dict | None] | None = (

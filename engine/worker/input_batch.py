@@ -93,7 +93,9 @@ class StepInputs:
     """One step's rows on the device: each sequence's new tokens back to back.
 
     `sample_seqs[i]` samples from row `sample_rows[i]` (a forked child from its parent's
-    last row); `lora_ranges` are the runs of rows that share an adapter slot.
+    last row); a speculating sequence samples from its last token's row and each of its
+    proposals' rows, in order (`spec_token_ids`: its proposals, `sample_offsets[i]`: how many
+    of them precede row i). `lora_ranges` are the runs of rows that share an adapter slot.
     """
 
     input_ids: torch.Tensor
@@ -102,6 +104,8 @@ class StepInputs:
     num_tokens: int
     sample_seqs: list[Sequence] = field(default_factory=list)
     sample_rows: list[int] = field(default_factory=list)
+    spec_token_ids: dict[Sequence, list[int]] = field(default_factory=dict)
+    sample_offsets: list[int] | None = None  # None: no speculating sequence, every offset 0
     prompt_rows: list[PromptRows] = field(default_factory=list)
     pool_rows: list[PoolRows] = field(default_factory=list)
     lora_ranges: list[LoRARange] = field(default_factory=list)
@@ -195,7 +199,9 @@ class InputBatch:
         starts = [seq.num_computed_tokens for seq in seqs]
         ends = list(itertools.accumulate(nums))
         context_lens = list(map(operator.add, starts, nums))
-        known = [len(seq.token_ids) for seq in seqs]
+        spec = batch.spec_token_ids
+        known = [len(seq.token_ids) + len(spec.get(seq, ())) for seq in seqs] if spec else [
+            len(seq.token_ids) for seq in seqs]
         # A token still being sampled is missing from `token_ids`: a placeholder here,
         # replaced on the device by the sequence's last sampled token.
         pending = [i for i, (end, length) in enumerate(zip(context_lens, known)) if end > length]
@@ -203,7 +209,8 @@ class InputBatch:
         if decode and len(pending) == len(seqs):  # the steady state of asynchronous scheduling
             token_ids = [0] * num_tokens
         else:
-            pieces = [seq.token_ids[start : start + n] for seq, start, n in zip(seqs, starts, nums)]
+            pieces = [(seq.token_ids + spec[seq] if spec and seq in spec else seq.token_ids)[start : start + n]
+                      for seq, start, n in zip(seqs, starts, nums)]
             for i in pending:
                 pieces[i].append(0)
             token_ids = list(itertools.chain.from_iterable(pieces))
@@ -227,7 +234,7 @@ class InputBatch:
             seq_lens=upload(context_lens, torch.int32, device),
             block_tables=self.block_tables[slots, :width],
             positions=positions, query_lens=nums, context_lens=context_lens, block_size=size)
-        step = StepInputs(input_ids, positions, attention, num_tokens)
+        step = StepInputs(input_ids, positions, attention, num_tokens, spec_token_ids=spec)
         if len(pending) == len(seqs):
             step.pending_rows = upload([end - 1 for end in ends], torch.long, device)
             step.pending_slots = slots
@@ -270,12 +277,21 @@ class InputBatch:
         instead); forked children from their parent's."""
         sampling = [i for i, (seq, end, length) in enumerate(zip(seqs, context_lens, known))
                     if end == length + seq.num_pending_tokens and seq.pooling is None]
-        step.sample_seqs = [seqs[i] for i in sampling]
-        step.sample_rows = [ends[i] - 1 for i in sampling]
+        spec = step.spec_token_ids
+        if spec:
+            counts = [len(spec.get(seqs[i], ())) for i in sampling]
+            step.sample_seqs = [seqs[i] for i, m in zip(sampling, counts) for _ in range(m + 1)]
+            step.sample_rows = [ends[i] - 1 - m + j for i, m in zip(sampling, counts) for j in range(m + 1)]
+            step.sample_offsets = [j for m in counts for j in range(m + 1)]
+        else:
+            step.sample_seqs = [seqs[i] for i in sampling]
+            step.sample_rows = [ends[i] - 1 for i in sampling]
         if forks:
             row_of = dict(zip(step.sample_seqs, step.sample_rows))
             step.sample_seqs += [child for child, _ in forks]
             step.sample_rows += [row_of[parent] for _, parent in forks]
+            if step.sample_offsets is not None:
+                step.sample_offsets += [0] * len(forks)
 
 
 def _rope_positions(seqs: list[Sequence], starts: list[int], nums: list[int]) -> torch.Tensor:

@@ -16,6 +16,7 @@ from engine.layers.pooler import Pooler
 from engine.lora.manager import LoRAManager
 from engine.multimodal.inputs import MultiModalEmbeds, MultiModalFeature, encoder_inputs_on
 from engine.sample.sampler import SampledToken, Sampler, SamplerOutput, token_logprobs
+from engine.spec_decode.rows import sampling_rows
 from engine.worker.device_queue import Pending, launch
 from engine.worker.input_batch import ImageRows, InputBatch, KeptRows, PromptRows, StepInputs, upload
 from engine.worker.kv_cache import KVCache
@@ -172,16 +173,19 @@ class ModelRunner:
         were launched does not sample. The sampled ids stay on the device as the next
         step's inputs; their host copy is queued behind them."""
         inputs = step.inputs
-        seqs, rows = inputs.sample_seqs, inputs.sample_rows
+        seqs, rows, offsets = inputs.sample_seqs, inputs.sample_rows, inputs.sample_offsets
         if any(seq.status is SequenceStatus.FINISHED for seq in seqs):
             live = [i for i, seq in enumerate(seqs) if not seq.is_finished]
             seqs, rows = [seqs[i] for i in live], [rows[i] for i in live]
-        meta = self.sampling_metadata.build(seqs) if seqs else None
+            offsets = [offsets[i] for i in live] if offsets is not None else None
+        meta = self.sampling_metadata.build(sampling_rows(seqs, offsets, inputs.spec_token_ids)) if seqs else None
         # One pass through the language-model head: the sampling rows, then each
         # sequence's prompt rows that need logprobs.
         logit_rows = inputs.kept.positions(
             rows + [row for p in inputs.prompt_rows for row in range(p.first_row, p.first_row + p.count)])
         rows_t = upload(logit_rows, torch.long, self.device)
+        # A speculating sequence's rows all write its slot: with speculation every input
+        # token comes from the host (no asynchronous scheduling), none from the slot.
         slots_t = upload([seq.batch_slot for seq in seqs], torch.long, self.device)
         for seq in seqs:
             seq.num_pending_tokens = 1
