@@ -95,6 +95,7 @@ def partition_metadata(result: PartitionResult, run: PartitionFacts) -> dict[str
         "reused_rows": stats.reused_rows,
         "error_rows": stats.error_rows,
         "finish_reasons": dg.MetadataValue.json(stats.finish_reasons),
+        **({"speculative_decoding": dg.MetadataValue.json(stats.speculation)} if stats.speculation else {}),
         "adapter": run.adapter or "none",
         "adapter_fingerprints": dg.MetadataValue.json(stats.adapter_fingerprints),
         "sampling_config": dg.MetadataValue.json(run.sampling_used),

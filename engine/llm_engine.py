@@ -205,6 +205,9 @@ class LLMEngine:
         sequences returned are those the previous step finished. Without it, a step's
         tokens are read back before it returns.
         """
+        started = time.perf_counter()
+        if self.proposer is not None:
+            self.proposer.keep_worthwhile(self.scheduler.running)
         batch = self.scheduler.schedule()
         launched = self._launch_forward(batch) if batch.seqs else None
         if not batch.seqs:
@@ -217,6 +220,9 @@ class LLMEngine:
                 self._in_flight = launched
             else:
                 finished += self._process(launched)
+        if self.proposer is not None and batch.seqs and batch.num_tokens == len(batch.seqs) + sum(
+                map(len, batch.spec_token_ids.values())):  # a decode step: its time is a cost of rows
+            self.proposer.step_cost.add(batch.num_tokens, time.perf_counter() - started)
         return finished
 
     def step_requests(self) -> list[Sequence]:
@@ -282,7 +288,7 @@ class LLMEngine:
                 self.scheduler.finish(seq)
                 finished.append(seq)
             elif self.proposer is not None:
-                seq.spec_token_ids = self.proposer.propose(seq)
+                self.proposer.propose(seq)
         self.stats.num_generated_tokens += appended
         finish_texts([(s.detokenizer, s.output_token_ids) for s in finished
                       if s.beam is None and s.pooling is None and s.sampling_params.detokenize])
@@ -301,9 +307,10 @@ class LLMEngine:
             if seq.finish_reason is not None or taken > len(proposed) or token != proposed[taken - 1]:
                 break
             accepted += 1
+        if self.proposer is not None:
+            self.proposer.record(seq, len(proposed), accepted)
         if proposed:
             self.scheduler.accept_proposals(seq, accepted)
-            self.proposer.record(seq, len(proposed), accepted)
             self.stats.num_drafts += 1
             self.stats.num_draft_tokens += len(proposed)
             self.stats.num_accepted_tokens += accepted

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from dagster_llm.core.progress import GenerationProgress, WorkCounters
+from dagster_llm.core.progress import GenerationProgress, WorkCounters, speculation_summary
 from dagster_llm.core.prompts import PromptRow
 from dagster_llm.core.sampling import used_values
 from dagster_llm.core.schema import ToolArguments, generation_schema, records_table, result_record
@@ -71,7 +71,8 @@ class PartitionStats:
     another data version or partition with the same row digest) and generated. `error_rows`
     counts every row with an error, including generated rows whose structured output did not parse;
     `reasoning_tokens` sums the rows' reasoning tokens, `tool_call_rows` counts the rows that
-    made a tool call."""
+    made a tool call. `speculation`: the run's speculative decoding until the partition
+    committed (`speculation_summary`; None without it)."""
 
     rows: int = 0
     error_rows: int = 0
@@ -85,6 +86,7 @@ class PartitionStats:
     tool_call_rows: int = 0
     finish_reasons: dict[str, int] = field(default_factory=dict)
     adapter_fingerprints: dict[str, str] = field(default_factory=dict)
+    speculation: dict[str, float | int] | None = None
     elapsed_s: float = 0.0
 
 
@@ -135,6 +137,7 @@ class GenerationRun:
         self.log = log
         self.check_alive = check_alive
         self.fingerprints: dict[str, str] = {}
+        self._engine_start = llm.get_stats()
 
     def generate(self, partitions: Sequence[PartitionInput]) -> Iterator[PartitionResult]:
         """Yields each partition's result as it commits; partitions that need no new rows
@@ -144,7 +147,7 @@ class GenerationRun:
             OutputSpecError: before any work, when the engine cannot compile a partition's
                 structured output.
         """
-        started = time.monotonic()
+        started, self._engine_start = time.monotonic(), self.llm.get_stats()
         parts = [_Partition(p.key, p.rows, p.files, p.output, p.images, p.tool) for p in partitions]
         self._check_outputs(parts)
         self._check_rows([row for part in parts for row in part.rows])
@@ -367,6 +370,7 @@ class GenerationRun:
             tool_call_rows=sum(r.get("tool_calls") is not None for r in ran),
             finish_reasons=dict(collections.Counter(r["finish_reason"] for r in ran)),
             adapter_fingerprints={a: self.fingerprints[a] for a in sorted({r["adapter"] for r in ran} - {None})},
+            speculation=speculation_summary(self._engine_start, self.llm.get_stats()),
             elapsed_s=round(time.monotonic() - started, 3),
         )
 

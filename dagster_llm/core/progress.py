@@ -74,6 +74,19 @@ class WorkCounters:
         return cost.overhead_s * max(remaining, default=0.0) + cost.per_token_s * sum(remaining)
 
 
+def speculation_summary(start: EngineStats, now: EngineStats) -> dict[str, float | int] | None:
+    """Speculative decoding between two readings of the engine's counters: verifications,
+    proposed and accepted tokens, the acceptance rate and the tokens a verification added
+    on average (vLLM's mean acceptance length); None where nothing was proposed."""
+    drafts = now.num_drafts - start.num_drafts
+    proposed = now.num_draft_tokens - start.num_draft_tokens
+    if not proposed:
+        return None
+    accepted = now.num_accepted_tokens - start.num_accepted_tokens
+    return {"drafts": drafts, "draft_tokens": proposed, "accepted_tokens": accepted,
+            "acceptance_rate": round(accepted / proposed, 4), "mean_acceptance_length": round(1 + accepted / drafts, 3)}
+
+
 @dataclass(frozen=True)
 class StepCost:
     """A decode step's time as a fixed overhead plus a cost per row in the batch (seconds)."""
@@ -156,7 +169,7 @@ class GenerationProgress:
     def _restart(self) -> None:
         """Counts time and the engine's work from now."""
         self.started = time.monotonic()
-        self._start = self.stats()
+        self._start = self._latest = self.stats()
         self._last = _Mark(self.started, 0, 0, 0)
 
     def _tick(self) -> None:
@@ -173,6 +186,7 @@ class GenerationProgress:
     def _sample(self) -> int:
         """Updates the counters from the engine's (since the run started); returns the steps."""
         stats, start = self.stats(), self._start
+        self._latest = stats
         # Prompt tokens computed, or found in the prefix cache.
         self.counters.prompt_tokens_done = (stats.num_prompt_tokens_computed + stats.num_cached_prompt_tokens
                                             - start.num_prompt_tokens_computed - start.num_cached_prompt_tokens)
@@ -195,10 +209,12 @@ class GenerationProgress:
         counters.open_outputs = self.open_outputs()
         elapsed = max(now - self.started, 1e-9)
         eta = counters.eta_seconds(elapsed)
+        speculation = speculation_summary(self._start, self._latest)
+        accepted = f", {speculation['acceptance_rate']:.0%} of proposed tokens accepted" if speculation else ""
         return (f"generation progress: {counters.rows_done}/{counters.rows_total} rows, "
                 f"{min(counters.prompt_tokens_done, counters.prompt_tokens_total)}/{counters.prompt_tokens_total} "
                 "prompt tokens, "
-                f"{counters.output_tokens_done} output tokens ({counters.output_tokens_done / elapsed:.1f}/s), "
+                f"{counters.output_tokens_done} output tokens ({counters.output_tokens_done / elapsed:.1f}/s{accepted}), "
                 f"{elapsed:.0f} s elapsed, ETA {'unknown' if eta is None else f'{eta:.0f} s'}")
 
     def bar(self, **_: Any) -> "_StepHook":

@@ -19,7 +19,6 @@ if TYPE_CHECKING:
     from engine.pooling_params import PoolingParams
     from engine.reasoning import ReasoningTracker
     from engine.sample.sampler import SampledToken
-    from engine.spec_decode.ngram_proposer import SpecState
     from engine.structured_output.backend_types import StructuredOutputGrammar
 
 
@@ -36,6 +35,16 @@ class BeamGroupState(Protocol):
 
     def output(self, tokenizer: "PreTrainedTokenizerBase") -> "BeamSearchOutput":
         """The finished beams, best first."""
+
+
+class SpeculationState(Protocol):
+    """A speculating sequence's proposer state, as the proposer keeps it on the sequence
+    (`engine.spec_decode.ngram_proposer.SpecState` implements it; declared here so that a
+    sequence does not import its proposer)."""
+
+    @property
+    def acceptance(self) -> float:
+        """The chance that its next proposed token is accepted."""
 
 
 class SequenceStatus(enum.Enum):
@@ -130,7 +139,7 @@ class Sequence:
         # With speculative decoding: the tokens proposed for its next step (verified in it
         # after its last token) and its proposer's state.
         self.spec_token_ids: list[int] = []
-        self.spec: "SpecState | None" = None
+        self.spec: SpeculationState | None = None
         self.logprobs: list[dict] | None = [] if sampling_params.logprobs is not None else None
         self.cumulative_logprob: float | None = 0.0 if sampling_params.logprobs is not None else None
         self.prompt_logprobs: list[dict | None] | None = (

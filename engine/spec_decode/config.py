@@ -3,11 +3,6 @@
 from dataclasses import dataclass, fields
 from typing import Any
 
-# Below this acceptance rate (accepted over proposed tokens, over its recent proposals) a
-# sequence stops speculating for a while: its proposals cost more rows than they save.
-DEFAULT_MIN_ACCEPTANCE_RATE = 0.1
-
-
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """How the engine proposes tokens for one forward pass of the model to verify.
@@ -15,15 +10,13 @@ class SpeculativeConfig:
     method "ngram" (vLLM's prompt lookup): the tokens that followed the last earlier
     occurrence of the sequence's last n tokens (n from prompt_lookup_max down to
     prompt_lookup_min) in its prompt and output. `num_speculative_tokens` is the most
-    tokens proposed per sequence and step. `min_acceptance_rate`: a sequence whose recent
-    proposals were accepted less often than this stops proposing for a while.
+    tokens proposed per sequence and step.
     """
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_min: int
     prompt_lookup_max: int
-    min_acceptance_rate: float = DEFAULT_MIN_ACCEPTANCE_RATE
 
     @classmethod
     def parse(cls, value: "dict[str, Any] | SpeculativeConfig") -> "SpeculativeConfig":
@@ -55,9 +48,6 @@ class SpeculativeConfig:
         if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in (low, high)) or low > high:
             problems.append(f"speculative_config['prompt_lookup_min'] and ['prompt_lookup_max']: positive integers, "
                             f"min <= max, got {low!r} and {high!r}")
-        rate = value.get("min_acceptance_rate", DEFAULT_MIN_ACCEPTANCE_RATE)
-        if not isinstance(rate, (int, float)) or not 0 <= rate <= 1:
-            problems.append(f"speculative_config['min_acceptance_rate']: a rate in [0, 1], got {rate!r}")
         if problems:
             raise ValueError("; ".join(problems))
-        return cls("ngram", k, low, high, float(rate))
+        return cls("ngram", k, low, high)

@@ -2,19 +2,15 @@
 history. Summaries, extractions and rewrites copy spans of their input, and once their
 last few tokens match an earlier span, the tokens that followed it are a good guess."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.core.sequence import Sequence
 from engine.spec_decode.config import SpeculativeConfig
+from engine.spec_decode.step_cost import StepCost
 
-# Acceptance is followed over the recent proposals: each verification's counts weigh this
-# much less at the next one.
+# A sequence's acceptance is followed over its recent steps: its counts weigh this much
+# less at each step it decodes.
 _DECAY = 0.8
-# Proposed tokens (decayed) before the acceptance rate is trusted to pause a sequence, and
-# the output tokens it then generates without proposing.
-_EVIDENCE = 8.0
-_PAUSE_TOKENS = 16
-
 
 class NgramIndex:
     """Where each n-gram of a sequence's tokens (n in [low, high]) last occurred, as the
@@ -43,47 +39,76 @@ class NgramIndex:
 
 @dataclass
 class SpecState:
-    """A sequence's speculation: its n-gram index, its recent acceptance (decayed counts)
-    and the output length before which it does not propose (after a run of rejections)."""
+    """A sequence's speculation: its n-gram index and its recent acceptance, as counts that
+    decay at each of its decode steps, so that a sequence whose proposals failed a while ago
+    is tried again."""
 
     index: NgramIndex
     proposed: float = 0.0
     accepted: float = 0.0
-    paused_until: int = 0
 
-    def record(self, proposed: int, accepted: int, num_output_tokens: int, min_rate: float) -> None:
-        """Counts one verification; pauses the sequence when its proposals keep failing."""
+    @property
+    def acceptance(self) -> float:
+        """The chance that its next proposed token is accepted (its recent rate, starting
+        from one half)."""
+        return (self.accepted + 1) / (self.proposed + 2)
+
+    def record(self, proposed: int, accepted: int) -> None:
         self.proposed = self.proposed * _DECAY + proposed
         self.accepted = self.accepted * _DECAY + accepted
-        if self.proposed >= _EVIDENCE and self.accepted < min_rate * self.proposed:
-            self.paused_until = num_output_tokens + _PAUSE_TOKENS
-            self.proposed = self.accepted = 0.0
 
 
 @dataclass
 class NgramProposer:
-    """Proposes up to `num_speculative_tokens` tokens per sequence and step."""
+    """Proposes tokens for each decoding sequence, then keeps those worth their rows: a
+    proposed token is a row of the next step, worth the chance that it and the ones before
+    it are accepted (`SpecState.acceptance` to the power of its place), and a row costs what
+    the measured step times say (`StepCost`). Proposals are kept, most promising first,
+    while each adds more expected tokens per second than the step already makes: all of
+    them for one sequence on a CPU, where a step's fixed cost dwarfs a row's, few in a
+    large batch, where rows are most of the cost."""
 
     config: SpeculativeConfig
     max_model_len: int
+    step_cost: StepCost = field(default_factory=StepCost)
 
-    def propose(self, seq: Sequence) -> list[int]:
-        """The sequence's proposals for its next step: none for a sequence that cannot
-        speculate (beam search, pooling, a structured output, paused), and never past its
-        last allowed token or the context."""
+    def propose(self, seq: Sequence) -> None:
+        """Sets the sequence's proposals for its next step: none for a sequence that cannot
+        speculate (beam search, pooling, a structured output), and never past its last
+        allowed token or the context."""
+        seq.spec_token_ids = []
         if seq.beam is not None or seq.pooling is not None or seq.sampling_params.structured_outputs is not None:
-            return []
+            return
         state = seq.spec
         if state is None:
             state = seq.spec = SpecState(NgramIndex(self.config.prompt_lookup_min, self.config.prompt_lookup_max))
-        if seq.num_output_tokens < state.paused_until:
-            return []
         # The step computes the last token and the proposals; the last one verified may
         # add one more token, which must stay within max_num_tokens and the context.
         room = min(seq.max_num_tokens, self.max_model_len) - seq.num_tokens - 1
         limit = min(self.config.num_speculative_tokens, room)
-        return state.index.lookup(seq.token_ids, limit) if limit > 0 else []
+        if limit > 0:
+            seq.spec_token_ids = state.index.lookup(seq.token_ids, limit)
+
+    def keep_worthwhile(self, seqs: list[Sequence]) -> None:
+        """Trims the proposals of the sequences that decode next (`seqs`) to those worth
+        their rows."""
+        proposals = [(seq.spec.acceptance ** (j + 1), seq) for seq in seqs if seq.spec_token_ids
+                     for j in range(len(seq.spec_token_ids))]
+        if not proposals:
+            return
+        fixed, per_row = self.step_cost.estimate()
+        rows = tokens = float(len(seqs))
+        kept = dict.fromkeys((seq for _, seq in proposals), 0)
+        for gain, seq in sorted(proposals, key=lambda p: -p[0]):
+            if gain * (fixed + per_row * rows) <= per_row * tokens:
+                break
+            rows, tokens = rows + 1, tokens + gain
+            kept[seq] += 1
+        for seq, count in kept.items():
+            del seq.spec_token_ids[count:]
 
     def record(self, seq: Sequence, proposed: int, accepted: int) -> None:
-        """Counts a verification of the sequence's proposals."""
-        seq.spec.record(proposed, accepted, seq.num_output_tokens, self.config.min_acceptance_rate)
+        """Counts a decode step of the sequence: `proposed` tokens verified (maybe none),
+        `accepted` of them accepted."""
+        if seq.spec is not None:
+            seq.spec.record(proposed, accepted)

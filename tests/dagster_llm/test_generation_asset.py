@@ -387,3 +387,27 @@ def test_unset_sampling_fields_take_the_models_generation_config_as_llm_generate
         # Set fields win over the model's defaults; the table records what ran (greedy turns top_k off).
         b = pd.read_parquet(partition_file(env["root"], dg.AssetKey("gen"), "b"))
         assert (b["temperature"] == 0).all() and (b["max_tokens"] == 2).all() and (b["top_k"] == 0).all()
+
+
+def test_speculative_decoding_on_the_resource_keeps_the_table_and_reports_acceptance(env, tiny_models):
+    """A resource with n-gram speculation writes the same greedy table as one without, and the
+    materialization records how many proposed tokens were accepted."""
+    frames = {"a": pd.DataFrame({"id": ["r1", "r2"], "prompt": ["a b c a b c a b c a b", "x y x y x y x y x"]})}
+    parts = dg.StaticPartitionsDefinition(["a"])
+    tables = []
+    with dg.instance_for_test() as instance:
+        for speculative in (None, {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                   "prompt_lookup_max": 3}):
+            gen = build_generation_asset("gen", upstream="prompts", partitions_def=parts,
+                                         sampling=SamplingConfig(temperature=0, max_tokens=24, ignore_eos=True))
+            resources = {**env["resources"], "llm": LLMResource(model_id=str(tiny_models["llama"]), dtype="float32",
+                                                                kv_cache_memory=10 << 20,
+                                                                speculative_config=speculative)}
+            dg.materialize([prompts_asset(frames, parts), gen], partition_key="a", resources=resources,
+                           instance=instance, run_config={"ops": {"gen": {"config": {"resume": False}}}})
+            tables.append(pd.read_parquet(partition_file(env["root"], dg.AssetKey("gen"), "a")))
+            meta = latest(instance, "gen", "a").metadata
+    pd.testing.assert_frame_equal(tables[0], tables[1])
+    speculation = meta["speculative_decoding"].value
+    assert speculation["accepted_tokens"] > 0 and 0 < speculation["acceptance_rate"] <= 1
+    assert speculation["mean_acceptance_length"] > 1

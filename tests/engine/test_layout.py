@@ -29,6 +29,7 @@ TIERS: list[list[str]] = [
     ["engine.inputs"],  # prompts -> requests
     ["engine.llm_engine"],  # add_request / step / outputs
     ["engine.worker"],  # the device side of a step
+    ["engine.spec_decode"],  # speculative decoding: proposals, their worth, their verification rows
     ["engine.core"],  # the scheduler side: bookkeeping only
     ["engine.model_loader"],  # model folder -> built, loaded, routed model
     ["engine.models"],  # model families
@@ -41,7 +42,7 @@ TIERS: list[list[str]] = [
      "engine.tool_parsers"],
     ["engine.beam_search"],  # API types, from here down
     ["engine.pooling_params", "engine.sampling_params"],
-    ["engine.outputs", "engine.sampling_rules", "engine.structured_output.params"],
+    ["engine.outputs", "engine.sampling_rules", "engine.structured_output.params", "engine.spec_decode.config"],
     ["engine.exceptions", "engine.hardware", "engine.kv_cache_dtype", "engine.lazy_exports", "engine.lora.request"],
 ]
 RANK = {part: rank for rank, row in enumerate(TIERS) for part in row}
