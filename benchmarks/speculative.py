@@ -1,9 +1,13 @@
 """Output tokens per second with n-gram speculative decoding against none, on summarisation
-prompts (a paragraph to summarise in its own words, as the example pipeline's tickets are),
-at several batch sizes, in one run: two engines on the same model, their runs alternating,
-the best of `--repeats` rounds each. Greedy outputs must be the same token for token.
+prompts, at several batch sizes (that many prompts at once), in one run: two engines on the
+same model, their runs alternating, the best of `--repeats` rounds each. Greedy outputs must
+be the same token for token.
 
-    .venv/bin/python benchmarks/speculative.py --batches 1,4,16,64 --repeats 3
+Workloads: "paragraphs" (a paragraph of prose to summarise in two or three sentences keeping
+its key phrases) and "tickets" (the example pipeline's own prompt over its support tickets,
+one-sentence summaries, cycled with numbers to fill large batches).
+
+    .venv/bin/python benchmarks/speculative.py --batches 1,4,16,64 --repeats 3 --workload paragraphs
 """
 
 import argparse
@@ -14,17 +18,26 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import pandas as pd  # noqa: E402
+
 from benchmarks.workloads import PARAGRAPHS  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 
 INSTRUCTION = "Summarise this text in two or three sentences, keeping its own key phrases:\n\n"
+TICKETS = Path(__file__).resolve().parent.parent / "example_pipelines" / "data" / "support_tickets.csv"
 
 
-def summarisation_prompts(tokenizer, count: int) -> list[dict]:
-    """`count` chat prompts, each a paragraph (cycling, numbered so that no two are alike)."""
+def summarisation_prompts(tokenizer, count: int, workload: str = "paragraphs") -> list[dict]:
+    """`count` chat prompts of the workload (cycling, numbered so that no two are alike)."""
+    if workload == "tickets":
+        from example_pipelines.defs.daily_tickets import PROMPT as TICKET_PROMPT  # Dagster: imported only here
+
+        bodies = [body.strip() for body in pd.read_csv(TICKETS)["body"].fillna("") if body.strip()]
+        texts = [TICKET_PROMPT.format(body=f"{bodies[i % len(bodies)]} (Ticket {i + 1}.)") for i in range(count)]
+    else:
+        texts = [f"{INSTRUCTION}{PARAGRAPHS[i % len(PARAGRAPHS)]} (Text {i + 1}.)" for i in range(count)]
     prompts = []
-    for i in range(count):
-        text = f"{INSTRUCTION}{PARAGRAPHS[i % len(PARAGRAPHS)]} (Text {i + 1}.)"
+    for text in texts:
         rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                                  tokenize=False)
         prompts.append({"prompt_token_ids": tokenizer(rendered, add_special_tokens=False).input_ids})
@@ -46,6 +59,7 @@ def main() -> None:
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--prompt-lookup", default="2,4", help="min,max n-gram length")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--workload", choices=("paragraphs", "tickets"), default="paragraphs")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     low, high = (int(n) for n in args.prompt_lookup.split(","))
@@ -55,9 +69,10 @@ def main() -> None:
     settings = dict(dtype=args.dtype, max_num_seqs=max(batches))
     engines = {"off": LLM(**settings), "ngram": LLM(**settings, speculative_config=spec)}
     params = SamplingParams(temperature=0, max_tokens=args.output_len)
-    prompts = summarisation_prompts(engines["off"].get_tokenizer(), max(batches))
+    prompts = summarisation_prompts(engines["off"].get_tokenizer(), max(batches), args.workload)
     print(f"model {engines['off'].llm_engine.model_config.path.name}, dtype {engines['off'].dtype}, "
-          f"speculative_config {spec}, greedy, max_tokens {args.output_len}, best of {args.repeats}")
+          f"speculative_config {spec}, {args.workload}, greedy, max_tokens {args.output_len}, "
+          f"best of {args.repeats}")
     print(f"{'batch':>5} {'off tok/s':>10} {'ngram tok/s':>12} {'ratio':>6} {'accepted':>9} {'mean len':>9}")
     for batch in batches:
         chosen = prompts[:batch]

@@ -270,7 +270,7 @@ class LLMEngine:
                 finished.append(seq)
         logprobs = output.logprobs or itertools.repeat(None)
         appended = 0
-        proposals = launched.inputs.spec_token_ids
+        proposals = output.spec_token_ids
         rows = zip(output.seqs, output.token_ids, logprobs)
         for seq, seq_rows in itertools.groupby(rows, key=lambda row: row[0]) if proposals else (
                 (row[0], [row]) for row in rows):

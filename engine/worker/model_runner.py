@@ -31,14 +31,16 @@ if TYPE_CHECKING:
 @dataclass
 class StepOutput:
     """What one step produced, read back on the host: the token each of `seqs` sampled
-    (with its logprobs when any row asked), prompt logprobs by position, and the output
-    vector of each pooling prompt the step finished."""
+    (with its logprobs when any row asked), prompt logprobs by position, the output
+    vector of each pooling prompt the step finished, and the proposals each speculating
+    sequence's rows verified (its rows follow each other in `seqs`)."""
 
     seqs: list[Sequence]
     token_ids: list[int]
     logprobs: list[SampledToken] | None
     prompt_logprobs: dict[Sequence, list[tuple[int, SampledToken]]]
     pooled: dict[Sequence, list[float]] = field(default_factory=dict)
+    spec_token_ids: dict[Sequence, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -216,7 +218,7 @@ class ModelRunner:
         result = step.sampling.result()
         sampled, prompt = result.sampled, result.prompt
         step.forward = step.sampling = None  # the hidden states go
-        output = StepOutput(step.sample_seqs, [], None, {})
+        output = StepOutput(step.sample_seqs, [], None, {}, spec_token_ids=step.inputs.spec_token_ids)
         if result.pooled is not None:
             output.pooled = dict(zip(result.pooled_seqs, result.pooled.tolist()))
         if sampled is not None and sampled.logprobs is not None:

@@ -158,6 +158,7 @@ def make_engine(num_blocks: int, block_size: int, max_num_seqs: int, max_num_bat
     engine.stats = EngineStats()
     engine._seq_ids = itertools.count()
     engine.reasoning_parser = engine.tool_parser = None
+    engine.proposer = None  # no speculative decoding
     return engine
 
 

@@ -179,11 +179,14 @@ def test_unseeded_sampled_rows_keep_the_models_distribution(make_llm, monkeypatc
 
 
 @pytest.mark.slow
-def test_the_embedded_model_gives_the_same_greedy_summaries(make_llm):
+def test_the_embedded_model_gives_the_same_greedy_summaries():
+    """One engine, with its proposer and then without (what an engine without
+    speculative_config runs), so that the model loads once."""
     prompts = ["Repeat this sentence twice: the invoice for May shows two charges for one subscription.",
                "Summarise: The export to CSV button does nothing when I click it in Firefox. Summary:"]
     params = SamplingParams(temperature=0, max_tokens=40)
-    with LLM(dtype="float32") as plain, LLM(dtype="float32", speculative_config=NGRAM) as spec:
-        assert token_ids(spec.generate(prompts, params, use_tqdm=False)) == token_ids(
-            plain.generate(prompts, params, use_tqdm=False))
-        assert spec.get_stats().num_accepted_tokens > 0
+    with LLM(dtype="float32", speculative_config=NGRAM) as llm:
+        speculated = token_ids(llm.generate(prompts, params, use_tqdm=False))
+        assert llm.get_stats().num_accepted_tokens > 0
+        llm.llm_engine.proposer = None
+        assert speculated == token_ids(llm.generate(prompts, params, use_tqdm=False))
