@@ -5,6 +5,8 @@ last few tokens match an earlier span, the tokens that followed it are a good gu
 from dataclasses import dataclass, field
 
 from engine.core.sequence import Sequence
+from engine.reasoning import Phase
+from engine.structured_output.backend_types import StructuredOutputGrammar
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.step_cost import StepCost
 
@@ -74,10 +76,11 @@ class NgramProposer:
 
     def propose(self, seq: Sequence) -> None:
         """Sets the sequence's proposals for its next step: none for a sequence that cannot
-        speculate (beam search, pooling, a structured output), and never past its last
-        allowed token or the context."""
+        speculate (beam search, pooling, a structured output still inside the model's
+        reasoning), never past its last allowed token or the context, and with a grammar,
+        only as many as it allows."""
         seq.spec_token_ids = []
-        if seq.beam is not None or seq.pooling is not None or seq.sampling_params.structured_outputs is not None:
+        if seq.beam is not None or seq.pooling is not None or not _grammar_settled(seq):
             return
         state = seq.spec
         if state is None:
@@ -88,6 +91,8 @@ class NgramProposer:
         limit = min(self.config.num_speculative_tokens, room)
         if limit > 0:
             seq.spec_token_ids = state.index.lookup(seq.token_ids, limit)
+        if seq.grammar is not None and seq.spec_token_ids:
+            del seq.spec_token_ids[_allowed_prefix(seq.grammar, seq.spec_token_ids):]
 
     def keep_worthwhile(self, seqs: list[Sequence]) -> None:
         """Trims the proposals of the sequences that decode next (`seqs`) to those worth
@@ -112,3 +117,23 @@ class NgramProposer:
         `accepted` of them accepted."""
         if seq.spec is not None:
             seq.spec.record(proposed, accepted)
+
+
+def _grammar_settled(seq: Sequence) -> bool:
+    """Whether the sequence's constraint, if it has one, applies to all its next tokens: its
+    grammar runs (not waiting for the end of the model's reasoning)."""
+    if seq.sampling_params.structured_outputs is None:
+        return True
+    return seq.grammar is not None and (seq.reasoning is None or seq.reasoning.phase is Phase.ANSWER)
+
+
+def _allowed_prefix(grammar: StructuredOutputGrammar, proposals: list[int]) -> int:
+    """How many of the proposals, in order, the grammar allows (up to the one that completes
+    it); the grammar is left as it was."""
+    count = 0
+    for token in proposals:
+        if grammar.is_terminated or not grammar.accept(token):
+            break
+        count += 1
+    grammar.rollback(count)
+    return count

@@ -14,6 +14,7 @@ class ProposalRow:
 
     def __init__(self, seq: Sequence, proposed: list[int]) -> None:
         self.seq = seq
+        self.proposed = proposed
         self.token_ids = seq.token_ids + proposed
 
     def __getattr__(self, name: str) -> Any:

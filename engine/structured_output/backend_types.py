@@ -24,6 +24,9 @@ class StructuredOutputGrammar(Protocol):
     def accept(self, token_id: int) -> bool:
         """Advances past a sampled token; False when the constraint forbids it."""
 
+    def rollback(self, num_tokens: int) -> None:
+        """Undoes the last `num_tokens` accepted tokens (speculative decoding's proposals)."""
+
     @property
     def is_terminated(self) -> bool:
         """Whether the constraint is complete and allows nothing more."""

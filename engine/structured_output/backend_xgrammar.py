@@ -100,6 +100,10 @@ class Grammar:
         """Advances past a sampled token; False when the grammar does not allow it."""
         return self.matcher.accept_token(token_id)
 
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self.matcher.rollback(num_tokens)
+
     @property
     def is_terminated(self) -> bool:
         """Whether the grammar is complete and its stop token was accepted."""

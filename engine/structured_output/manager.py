@@ -63,16 +63,28 @@ class StructuredOutputManager:
 
 
 def grammar_bitmask(grammars: list[StructuredOutputGrammar | None],
-                    device: torch.device = torch.device("cpu")) -> GrammarBitmask | None:
+                    device: torch.device = torch.device("cpu"),
+                    ahead: list[list[int]] | None = None) -> GrammarBitmask | None:
     """The bitmask of a step whose sampled rows have these grammars (None: unconstrained),
     on `device`, or None when no row is constrained. Filled on the host; to a GPU it goes
-    through pinned memory without waiting for the work queued there."""
+    through pinned memory without waiting for the work queued there. `ahead[i]`: tokens
+    that row i's grammar takes before its row is filled, and gives back after (a
+    speculating sequence's proposals before the row; the grammar allows them all)."""
     rows = [row for row, grammar in enumerate(grammars) if grammar is not None]
     if not rows:
         return None
     backend = grammars[rows[0]].backend
     bitmask = backend.allocate_bitmask(len(grammars))
-    backend.fill_bitmask([grammars[row] for row in rows], bitmask, rows)
+    later = [row for row in rows if ahead and ahead[row]]
+    now = [row for row in rows if not (ahead and ahead[row])] if later else rows
+    if now:
+        backend.fill_bitmask([grammars[row] for row in now], bitmask, now)
+    for row in later:
+        grammar = grammars[row]
+        for token in ahead[row]:
+            grammar.accept(token)
+        backend.fill_bitmask([grammar], bitmask, [row])
+        grammar.rollback(len(ahead[row]))
     for row in rows:
         if (token := grammars[row].also_allowed) is not None:
             _allow(bitmask, row, token)

@@ -16,6 +16,7 @@ import torch
 
 from engine.core.sequence import Sequence
 from engine.sample.sampler import DrawRows, Penalties, SamplingMetadata, TokenPairs, seeded_uniform
+from engine.spec_decode.rows import ProposalRow
 from engine.structured_output.manager import grammar_bitmask
 from engine.worker.input_batch import upload
 
@@ -28,7 +29,7 @@ class SamplingMetadataBuilder:
         self.eos_token_ids = sorted(eos_token_ids)
         self.device = device
 
-    def build(self, seqs: list[Sequence]) -> SamplingMetadata:
+    def build(self, seqs: list[Sequence | ProposalRow]) -> SamplingMetadata:
         params = [s.sampling_params for s in seqs]
         meta = SamplingMetadata(all_greedy=all(p.greedy for p in params))
         if not meta.all_greedy:
@@ -36,7 +37,10 @@ class SamplingMetadataBuilder:
         counts = [p.logprobs for p in params]
         if any(k is not None for k in counts):
             meta.num_logprobs = counts
-        meta.grammar = grammar_bitmask([s.grammar for s in seqs], self.device)
+        # A speculating sequence's later rows see its grammar past the proposals before them.
+        ahead = ([s.proposed if isinstance(s, ProposalRow) else [] for s in seqs]
+                 if any(isinstance(s, ProposalRow) for s in seqs) else None)
+        meta.grammar = grammar_bitmask([s.grammar for s in seqs], self.device, ahead)
         processed = [row for row, seq in enumerate(seqs) if seq.processes_logits]
         if processed:
             self._processors(meta, seqs, processed)

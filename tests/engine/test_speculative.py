@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, StructuredOutputsParams
 from engine.config import EngineConfig
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.ngram_proposer import NgramIndex, NgramProposer, SpecState
@@ -128,6 +128,26 @@ def test_seeded_rows_are_the_same_with_penalties_stops_and_logprobs(make_llm):
     assert [o.outputs[0].finish_reason for o in got] == [o.outputs[0].finish_reason for o in expected]
     for a, b in zip(got[0].outputs[0].logprobs, expected[0].outputs[0].logprobs):
         assert {t: round(v.logprob, 4) for t, v in a.items()} == {t: round(v.logprob, 4) for t, v in b.items()}
+    assert spec.get_stats().num_accepted_tokens > 0
+
+
+def test_structured_outputs_verify_proposals_their_grammar_allows(make_llm):
+    """A constrained row proposes only what its grammar allows, each verification row is
+    masked by the grammar past the proposals before it, and the grammar advances over the
+    kept tokens only: the same completions as without speculation."""
+    plain, spec = both(make_llm)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+              "required": ["a", "b"], "additionalProperties": False}
+    constraint = SamplingParams(temperature=0, max_tokens=48, structured_outputs=StructuredOutputsParams(json=schema))
+    example = '{"a": 11, "b": 12} {"a": 11, "b": 12} {"a": 11, "b": 12} {"a": 1'
+    prompts = [example, "choose: yes no yes no yes no yes", "x"]
+    params = [constraint, SamplingParams(temperature=0, max_tokens=16, structured_outputs=StructuredOutputsParams(
+        choice=["yes no yes", "no yes no"])), constraint]
+    expected = plain.generate(prompts, params, use_tqdm=False)
+    got = spec.generate(prompts, params, use_tqdm=False)
+    assert token_ids(got) == token_ids(expected)
+    assert [o.outputs[0].finish_reason for o in got] == [o.outputs[0].finish_reason for o in expected]
+    assert got[1].outputs[0].text in ("yes no yes", "no yes no")
     assert spec.get_stats().num_accepted_tokens > 0
 
 
