@@ -68,11 +68,13 @@ class NgramProposer:
     the measured step times say (`StepCost`). Proposals are kept, most promising first,
     while each adds more expected tokens per second than the step already makes: all of
     them for one sequence on a CPU, where a step's fixed cost dwarfs a row's, few in a
-    large batch, where rows are most of the cost."""
+    large batch, where rows are most of the cost. Until the step times tell the two costs
+    apart, every other step keeps all proposals and the others none, so that they do."""
 
     config: SpeculativeConfig
     max_model_len: int
     step_cost: StepCost = field(default_factory=StepCost)
+    _exploring: bool = False
 
     def propose(self, seq: Sequence) -> None:
         """Sets the sequence's proposals for its next step: none for a sequence that cannot
@@ -101,7 +103,14 @@ class NgramProposer:
                      for j in range(len(seq.spec_token_ids))]
         if not proposals:
             return
-        fixed, per_row = self.step_cost.estimate()
+        cost = self.step_cost.estimate()
+        if cost is None:
+            self._exploring = not self._exploring
+            if not self._exploring:
+                for _, seq in proposals:
+                    seq.spec_token_ids.clear()
+            return
+        fixed, per_row = cost
         rows = tokens = float(len(seqs))
         kept = dict.fromkeys((seq for _, seq in proposals), 0)
         for gain, seq in sorted(proposals, key=lambda p: -p[0]):

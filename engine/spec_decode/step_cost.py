@@ -3,10 +3,8 @@ steps the engine timed: speculation weighs a proposed token's row against it."""
 
 from collections import deque
 
-# Steps the fit remembers, and the fixed cost assumed (in rows) until their row counts
-# spread enough to separate the two parts.
+# Steps the fit remembers.
 _WINDOW = 64
-_PRIOR_FIXED_ROWS = 8.0
 
 
 class StepCost:
@@ -18,18 +16,15 @@ class StepCost:
     def add(self, rows: int, seconds: float) -> None:
         self.steps.append((rows, seconds))
 
-    def estimate(self) -> tuple[float, float]:
-        """(fixed seconds, seconds per row): least squares over the remembered steps once
-        their row counts span a factor of 1.5, the fixed part kept in [0, fastest step];
-        before that, a fixed part worth `_PRIOR_FIXED_ROWS` rows."""
+    def estimate(self) -> tuple[float, float] | None:
+        """(fixed seconds, seconds per row): least squares over the remembered steps, the
+        fixed part kept in [0, fastest step]; None until there are 8 whose row counts span
+        a factor of 1.5 (the two parts cannot be told apart before)."""
         steps = self.steps
-        if not steps:
-            return _PRIOR_FIXED_ROWS, 1.0
         rows = [r for r, _ in steps]
         times = [t for _, t in steps]
         if len(steps) < 8 or max(rows) < 1.5 * min(rows):
-            per_row = sum(times) / (sum(rows) + _PRIOR_FIXED_ROWS * len(steps))
-            return _PRIOR_FIXED_ROWS * per_row, per_row
+            return None
         mean_r, mean_t = sum(rows) / len(rows), sum(times) / len(times)
         slope = sum((r - mean_r) * (t - mean_t) for r, t in steps) / sum((r - mean_r) ** 2 for r in rows)
         fixed = min(max(mean_t - slope * mean_r, 0.0), min(times))

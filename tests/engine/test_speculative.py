@@ -8,11 +8,12 @@ import math
 
 import pytest
 
-from engine import LLM, SamplingParams, StructuredOutputsParams
+from engine import LLM, LoRARequest, SamplingParams, StructuredOutputsParams
 from engine.config import EngineConfig
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.ngram_proposer import NgramIndex, NgramProposer, SpecState
 from tests.engine.test_correctness import assert_no_leaks
+from tests.lora_adapters import build_lora_adapter
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 FAMILIES = ("llama", "qwen3", "gemma2", "phi3", "qwen2_moe")
@@ -109,6 +110,22 @@ def test_through_chunked_prefill_preemption_and_prefix_hits(make_llm, tiny_model
     assert stats.num_accepted_tokens > 0 and stats.num_cached_prompt_tokens > 0
     assert spec.llm_engine.scheduler.num_preemptions > 0
     assert_no_leaks(spec)
+
+
+def test_lora_rows_verify_with_their_adapter(make_llm, tiny_models, tmp_path):
+    """Rows with different adapters (and none) speculate in one batch; each verifies its
+    proposals with its own adapter: the same tokens as without speculation."""
+    folders = [build_lora_adapter(tiny_models["llama"], tmp_path / f"a{i}", rank=8, alpha=16, seed=i,
+                                  target_modules=["q_proj", "v_proj", "down_proj"]) for i in range(2)]
+    adapters = [None, *(LoRARequest(f"a{i}", i + 1, str(folder)) for i, folder in enumerate(folders))]
+    plain, spec = both(make_llm, enable_lora=True, max_loras=2, max_lora_rank=8)
+    prompts = [{"prompt_token_ids": ids} for ids in REPEATING for _ in adapters]
+    requests = adapters * len(REPEATING)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expected = token_ids(plain.generate(prompts, params, lora_request=requests, use_tqdm=False))
+    assert token_ids(spec.generate(prompts, params, lora_request=requests, use_tqdm=False)) == expected
+    assert expected[0] != expected[1] != expected[2]  # the adapters change the completions
+    assert spec.get_stats().num_accepted_tokens > 0
 
 
 def test_seeded_rows_are_the_same_with_penalties_stops_and_logprobs(make_llm):
