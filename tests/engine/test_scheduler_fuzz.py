@@ -3,9 +3,10 @@
 Two levels:
 
 * The engine's own step loop (`LLMEngine.step`: scheduling, forks of n > 1 requests, token
-  appends, finishes) over the real Scheduler and BlockManager, with a stand-in model runner
-  that writes a fingerprint of each token's prefix into a simulated KV cache and checks
-  that every slot a sequence attends to holds its own prefix. Fast: hundreds of workloads.
+  appends, finishes, speculative proposals verified and partly accepted) over the real
+  Scheduler and BlockManager, with a stand-in model runner that writes a fingerprint of each
+  token's prefix into a simulated KV cache and checks that every slot a sequence attends to
+  holds its own prefix. Fast: hundreds of workloads.
 * `engine.LLM` end to end on a tiny llama with a KV cache small enough to force preemption,
   against an unconstrained LLM: same tokens, every block back afterwards.
 """
@@ -71,6 +72,30 @@ class _FakeTokenizer:
         return [self.decode(ids) for ids in sequences]
 
 
+class FakeProposer:
+    """Stands in for the n-gram proposer: up to three tokens for a decoding sequence, each
+    the stand-in model's next token or, one time in three, another, so that proposals are
+    accepted in part; never past the sequence's last allowed token."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.step_cost = SimpleNamespace(add=lambda rows, seconds: None)
+
+    def propose(self, seq: Sequence) -> None:
+        tokens, proposals = list(seq.token_ids), []
+        for _ in range(min(self.rng.randint(0, 3), seq.max_num_tokens - seq.num_tokens - 1)):
+            right = fake_next_token(tokens, seq.index)
+            proposals.append(right if self.rng.random() < 0.67 else (right + 1) % _VOCAB)
+            tokens.append(proposals[-1])
+        seq.spec_token_ids = proposals
+
+    def keep_worthwhile(self, seqs: list[Sequence]) -> None:
+        pass
+
+    def record(self, seq: Sequence, proposed: int, accepted: int) -> None:
+        pass
+
+
 class FakeModelRunner:
     """Stands in for `ModelRunner`: checks each step against the scheduler's limits,
     simulates the paged KV cache and samples `fake_next_token`.
@@ -105,10 +130,13 @@ class FakeModelRunner:
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             assert seq.status is SequenceStatus.RUNNING and seq in self.scheduler.running
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
-            assert end <= seq.num_tokens + seq.num_pending_tokens
+            drafts = batch.spec_token_ids.get(seq, [])
+            assert not drafts or start == seq.num_tokens - 1, "proposals follow a sequence's last token"
+            known = seq.num_tokens + seq.num_pending_tokens + len(drafts)
+            assert end <= known
             assert len(seq.block_table) * self.block_size >= end
-            rows.append((seq, start, end, list(seq.block_table), end == seq.num_tokens + seq.num_pending_tokens))
-        return SimpleNamespace(copies=batch.block_copies, rows=rows, forks=batch.forks, seqs=[])
+            rows.append((seq, start, end, list(seq.block_table), end == known, drafts))
+        return SimpleNamespace(copies=batch.block_copies, rows=rows, forks=batch.forks, seqs=[], drafts={})
 
     def release_rows(self, seqs: list[Sequence]) -> None:
         pass
@@ -116,11 +144,12 @@ class FakeModelRunner:
     def launch_sampling(self, step: SimpleNamespace) -> None:
         for src, dst in step.copies:
             self.kv[dst] = list(self.kv.get(src, [None] * self.block_size))
-        for seq, start, end, table, samples in step.rows:
+        for seq, start, end, table, samples, drafts in step.rows:
             if seq.is_finished:
                 continue  # finished or aborted since: its rows are computed, never read
-            assert len(seq.token_ids) >= end, "a step samples before its input token is on the host"
-            prefix_hashes = [hash(tuple(seq.token_ids[: p + 1])) for p in range(end)]
+            tokens = seq.token_ids + drafts
+            assert len(tokens) >= end, "a step samples before its input token is on the host"
+            prefix_hashes = [hash(tuple(tokens[: p + 1])) for p in range(end)]
             for p in range(start, end):
                 block = self.kv.setdefault(table[p // self.block_size], [None] * self.block_size)
                 block[p % self.block_size] = prefix_hashes[p]
@@ -129,6 +158,8 @@ class FakeModelRunner:
                 assert slot == prefix_hashes[p], f"{seq} reads a foreign key/value at position {p}"
             if samples:
                 step.seqs.append(seq)
+                if drafts:
+                    step.drafts[seq] = drafts
         for child, parent in step.forks:
             assert parent in step.seqs and child.token_ids == parent.token_ids
             step.seqs.append(child)
@@ -136,13 +167,17 @@ class FakeModelRunner:
             seq.num_pending_tokens = 1
 
     def collect(self, step: SimpleNamespace) -> StepOutput:
-        tokens = [fake_next_token(seq.token_ids, seq.index) for seq in step.seqs]
-        return StepOutput(step.seqs, tokens, None, {})
+        """One token per row: a speculating sequence's row j continues its tokens and its
+        first j proposals."""
+        rows = [(seq, seq.token_ids + step.drafts.get(seq, [])[:j]) for seq in step.seqs
+                for j in range(len(step.drafts.get(seq, [])) + 1)]
+        return StepOutput([seq for seq, _ in rows], [fake_next_token(tokens, seq.index) for seq, tokens in rows],
+                          None, {}, spec_token_ids=step.drafts)
 
 
 def make_engine(num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
                 enable_chunked_prefill: bool, policy: str, enable_prefix_caching: bool,
-                async_scheduling: bool) -> LLMEngine:
+                async_scheduling: bool, speculate: bool = False) -> LLMEngine:
     """An LLMEngine whose step loop is the real one, over a stand-in model runner."""
     engine = LLMEngine.__new__(LLMEngine)
     engine.config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -158,7 +193,7 @@ def make_engine(num_blocks: int, block_size: int, max_num_seqs: int, max_num_bat
     engine.stats = EngineStats()
     engine._seq_ids = itertools.count()
     engine.reasoning_parser = engine.tool_parser = None
-    engine.proposer = None  # no speculative decoding
+    engine.proposer = FakeProposer(num_blocks * 1000 + max_num_seqs) if speculate else None
     return engine
 
 
@@ -226,6 +261,7 @@ class FuzzWorkload:
     enable_prefix_caching: bool
     abort_all_at: int | None
     async_scheduling: bool
+    speculate: bool = False  # with proposals (and without asynchronous scheduling)
     requests: list[FuzzRequest] = field(default_factory=list)
 
 
@@ -262,11 +298,13 @@ def workloads(draw: st.DrawFn) -> FuzzWorkload:
     # max_num_batched_tokens >= max_model_len then).
     low = 1 if chunked else longest
     budget = draw(st.integers(low, max(low, 40)))
+    asynchronous = draw(st.booleans())
     return FuzzWorkload(
         num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=budget, enable_chunked_prefill=chunked,
         policy=draw(st.sampled_from(["fcfs", "priority"])), enable_prefix_caching=draw(st.booleans()),
-        abort_all_at=draw(st.none() | st.integers(0, 30)), async_scheduling=draw(st.booleans()), requests=requests,
+        abort_all_at=draw(st.none() | st.integers(0, 30)), async_scheduling=asynchronous,
+        speculate=not asynchronous and draw(st.booleans()), requests=requests,
     )
 
 
@@ -277,7 +315,7 @@ def run_workload(workload: FuzzWorkload, max_steps: int = 20_000) -> tuple[LLMEn
     """
     engine = make_engine(workload.num_blocks, workload.block_size, workload.max_num_seqs,
                          workload.max_num_batched_tokens, workload.enable_chunked_prefill, workload.policy,
-                         workload.enable_prefix_caching, workload.async_scheduling)
+                         workload.enable_prefix_caching, workload.async_scheduling, workload.speculate)
     pending = sorted(range(len(workload.requests)), key=lambda i: workload.requests[i].arrival_step)
     parents: dict[int, Sequence] = {}
     aborted: set[int] = set()
