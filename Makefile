@@ -56,17 +56,21 @@ LAUNCHES := $(CURDIR)/test-artifacts/triton-launches
 prepare: $(STAMP)
 	$(PY) -c "from engine.kernels import cpu_build; from engine.model_loader.embedded_model import ensure_embedded_model; cpu_build.load(); ensure_embedded_model()"
 
+# $(call debian_package,CHECK,PACKAGE,OTHERWISE): nothing where the shell command CHECK succeeds;
+# else Debian's PACKAGE, installed when this runs as root, or else the shell commands OTHERWISE.
+debian_package = @$(1) && exit 0; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get install -y --no-install-recommends $(2) || \
+		{ apt-get update && apt-get install -y --no-install-recommends $(2); }; \
+	else $(3); fi
+
 # The PostgreSQL server that the instance tests start on loopback (tests/postgres.py): Debian's
 # package, installed here when this runs as root; elsewhere those tests are skipped, saying why.
+NO_POSTGRES = echo "No PostgreSQL server here: the tests of a PostgreSQL-backed instance will be skipped." >&2; \
+	echo "Install Debian's package as root (sudo apt-get install postgresql) to run them." >&2
+
 postgres:
-	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || command -v initdb >/dev/null && exit 0; \
-	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-		apt-get install -y --no-install-recommends postgresql || \
-		{ apt-get update && apt-get install -y --no-install-recommends postgresql; }; \
-	else \
-		echo "No PostgreSQL server here: the tests of a PostgreSQL-backed instance will be skipped." >&2; \
-		echo "Install Debian's package as root (sudo apt-get install postgresql) to run them." >&2; \
-	fi
+	$(call debian_package,{ ls /usr/lib/postgresql/*/bin/initdb || command -v initdb; } >/dev/null 2>&1,postgresql,$(NO_POSTGRES))
 
 test: prepare postgres
 	rm -rf $(LAUNCHES)
@@ -89,17 +93,13 @@ $(UI_STAMP): $(STAMP)
 	$(PY) -m pip install -e '.[test,ui]'
 	touch $(UI_STAMP)
 
+NO_CHROMIUM = echo "make test-ui needs a Chromium browser and found none ('$(CHROMIUM)' is not on PATH)." >&2; \
+	echo "Install Debian's package as root (sudo apt-get install chromium), or point CHROMIUM at one:" >&2; \
+	echo "make test-ui CHROMIUM=/path/to/chromium. Playwright's own browser download is not used." >&2; \
+	exit 1
+
 chromium:
-	@command -v $(CHROMIUM) >/dev/null && exit 0; \
-	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-		apt-get install -y --no-install-recommends chromium || \
-		{ apt-get update && apt-get install -y --no-install-recommends chromium; }; \
-	else \
-		echo "make test-ui needs a Chromium browser and found none ('$(CHROMIUM)' is not on PATH)." >&2; \
-		echo "Install Debian's package as root (sudo apt-get install chromium), or point CHROMIUM at one:" >&2; \
-		echo "make test-ui CHROMIUM=/path/to/chromium. Playwright's own browser download is not used." >&2; \
-		exit 1; \
-	fi
+	$(call debian_package,command -v $(CHROMIUM) >/dev/null,chromium,$(NO_CHROMIUM))
 
 test-ui: $(UI_STAMP) chromium
 	DAGSTER_LLM_CHROMIUM="$$(command -v $(CHROMIUM))" $(PY) -m pytest -m ui
