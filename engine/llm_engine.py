@@ -222,7 +222,7 @@ class LLMEngine:
                 finished += self._process(launched)
         if self.proposer is not None and batch.seqs and batch.num_tokens == len(batch.seqs) + sum(
                 map(len, batch.spec_token_ids.values())):  # a decode step: its time is a cost of rows
-            self.proposer.step_cost.add(batch.num_tokens, time.perf_counter() - started)
+            self.proposer.step_times.add(batch.num_tokens, time.perf_counter() - started)
         return finished
 
     def step_requests(self) -> list[Sequence]:

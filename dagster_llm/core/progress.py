@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine import EngineStats, UnfinishedOutput
+from engine.step_cost import StepCost, StepTimes
 
 # Cost of computing one prompt token relative to generating one output token. Prompt
 # tokens run many to a step; output tokens one per sequence per step.
@@ -71,7 +72,7 @@ class WorkCounters:
             left = (self.prompt_tokens_total - prompt_done) * PROMPT_TOKEN_WEIGHT + sum(remaining)
             return elapsed_s * left / done
         cost = self.step_cost
-        return cost.overhead_s * max(remaining, default=0.0) + cost.per_token_s * sum(remaining)
+        return cost.overhead_s * max(remaining, default=0.0) + cost.per_row_s * sum(remaining)
 
 
 def speculation_summary(start: EngineStats, now: EngineStats) -> dict[str, float | int] | None:
@@ -85,39 +86,6 @@ def speculation_summary(start: EngineStats, now: EngineStats) -> dict[str, float
     accepted = now.num_accepted_tokens - start.num_accepted_tokens
     return {"drafts": drafts, "draft_tokens": proposed, "accepted_tokens": accepted,
             "acceptance_rate": round(accepted / proposed, 4), "mean_acceptance_length": round(1 + accepted / drafts, 3)}
-
-
-@dataclass(frozen=True)
-class StepCost:
-    """A decode step's time as a fixed overhead plus a cost per row in the batch (seconds)."""
-
-    overhead_s: float
-    per_token_s: float
-
-
-class StepTimes:
-    """Decode step times by batch size, fitted as `overhead + per_token * batch`."""
-
-    def __init__(self) -> None:
-        self.batches: list[float] = []  # rows per step
-        self.times: list[float] = []  # seconds per step
-
-    def add(self, batch: float, step_s: float) -> None:
-        self.batches.append(batch)
-        self.times.append(step_s)
-
-    def fit(self) -> StepCost | None:
-        """The cost by least squares, once the batch sizes seen span at least a factor of
-        two; the overhead is kept within [0, fastest step]."""
-        batches, times = self.batches, self.times
-        if len(batches) < 3 or max(batches) < 2 * min(batches):
-            return None
-        mean_b = sum(batches) / len(batches)
-        mean_t = sum(times) / len(times)
-        spread = sum((b - mean_b) ** 2 for b in batches)
-        slope = sum((b - mean_b) * (t - mean_t) for b, t in zip(batches, times)) / spread
-        overhead = min(max(mean_t - slope * mean_b, 0.0), min(times))
-        return StepCost(overhead, sum(t - overhead for t in times) / sum(batches))
 
 
 @dataclass(frozen=True)

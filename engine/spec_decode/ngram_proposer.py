@@ -8,7 +8,7 @@ from engine.core.sequence import Sequence
 from engine.reasoning import Phase
 from engine.structured_output.backend_types import StructuredOutputGrammar
 from engine.spec_decode.config import SpeculativeConfig
-from engine.spec_decode.step_cost import StepCost
+from engine.step_cost import StepTimes
 
 # A sequence's acceptance is followed over its recent steps: its counts weigh this much
 # less at each step it decodes.
@@ -65,7 +65,7 @@ class NgramProposer:
     """Proposes tokens for each decoding sequence, then keeps those worth their rows: a
     proposed token is a row of the next step, worth the chance that it and the ones before
     it are accepted (`SpecState.acceptance` to the power of its place), and a row costs what
-    the measured step times say (`StepCost`). Proposals are kept, most promising first,
+    the measured step times say (`StepTimes`). Proposals are kept, most promising first,
     while each adds more expected tokens per second than the step already makes: all of
     them for one sequence on a CPU, where a step's fixed cost dwarfs a row's, few in a
     large batch, where rows are most of the cost. Until the step times tell the two costs
@@ -73,7 +73,8 @@ class NgramProposer:
 
     config: SpeculativeConfig
     max_model_len: int
-    step_cost: StepCost = field(default_factory=StepCost)
+    # Decode steps' times, the last 64 (a step's cost changes as the contexts grow).
+    step_times: StepTimes = field(default_factory=lambda: StepTimes(min_steps=8, min_spread=1.5, window=64))
     _exploring: bool = False
 
     def propose(self, seq: Sequence) -> None:
@@ -103,14 +104,14 @@ class NgramProposer:
                      for j in range(len(seq.spec_token_ids))]
         if not proposals:
             return
-        cost = self.step_cost.estimate()
+        cost = self.step_times.fit()
         if cost is None:
             self._exploring = not self._exploring
             if not self._exploring:
                 for _, seq in proposals:
                     seq.spec_token_ids.clear()
             return
-        fixed, per_row = cost
+        fixed, per_row = cost.overhead_s, cost.per_row_s
         rows = tokens = float(len(seqs))
         kept = dict.fromkeys((seq for _, seq in proposals), 0)
         for gain, seq in sorted(proposals, key=lambda p: -p[0]):

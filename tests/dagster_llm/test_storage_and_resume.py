@@ -257,7 +257,7 @@ def test_step_times_fit_overhead_and_per_token_cost_once_batches_differ():
     for batch in (90, 40, 10):
         times.add(batch, 0.04 + 0.002 * batch)
     cost = times.fit()
-    assert cost.overhead_s == pytest.approx(0.04) and cost.per_token_s == pytest.approx(0.002)
+    assert cost.overhead_s == pytest.approx(0.04) and cost.per_row_s == pytest.approx(0.002)
 
 
 def test_progress_lines_keep_coming_while_one_step_blocks():

@@ -43,7 +43,8 @@ TIERS: list[list[str]] = [
     ["engine.beam_search"],  # API types, from here down
     ["engine.pooling_params", "engine.sampling_params"],
     ["engine.outputs", "engine.sampling_rules", "engine.structured_output.params", "engine.spec_decode.config"],
-    ["engine.exceptions", "engine.hardware", "engine.kv_cache_dtype", "engine.lazy_exports", "engine.lora.request"],
+    ["engine.exceptions", "engine.hardware", "engine.kv_cache_dtype", "engine.lazy_exports", "engine.lora.request",
+     "engine.step_cost"],
 ]
 RANK = {part: rank for rank, row in enumerate(TIERS) for part in row}
 

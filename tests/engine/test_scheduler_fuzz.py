@@ -79,7 +79,7 @@ class FakeProposer:
 
     def __init__(self, seed: int) -> None:
         self.rng = random.Random(seed)
-        self.step_cost = SimpleNamespace(add=lambda rows, seconds: None)
+        self.step_times = SimpleNamespace(add=lambda rows, seconds: None)
 
     def propose(self, seq: Sequence) -> None:
         tokens, proposals = list(seq.token_ids), []

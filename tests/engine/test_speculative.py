@@ -56,10 +56,11 @@ class Decoding:
 
 def test_proposals_are_kept_where_their_expected_tokens_are_worth_their_rows():
     proposer = NgramProposer(SpeculativeConfig("ngram", 4, 1, 3), max_model_len=1000)
+    assert proposer.step_times.fit() is None
     for rows in (1, 2, 4, 8, 16, 32, 64, 96) * 2:  # a fixed 20 ms a step and 0.25 ms a row
-        proposer.step_cost.add(rows, 0.020 + 0.00025 * rows)
-    fixed, per_row = proposer.step_cost.estimate()
-    assert abs(fixed - 0.020) < 1e-6 and abs(per_row - 0.00025) < 1e-8
+        proposer.step_times.add(rows, 0.020 + 0.00025 * rows)
+    cost = proposer.step_times.fit()
+    assert abs(cost.overhead_s - 0.020) < 1e-6 and abs(cost.per_row_s - 0.00025) < 1e-8
     alone = [Decoding(0.5, 4)]
     proposer.keep_worthwhile(alone)
     assert len(alone[0].spec_token_ids) == 4  # one sequence: rows are nearly free
