@@ -43,7 +43,7 @@ def test_the_definitions_load_without_torch_or_the_engine():
                  "engine.lora.request", "engine.model_loader", "engine.model_loader.embedded_model",
                  "engine.multimodal", "engine.multimodal.image", "engine.outputs",
                  "engine.pooling_params", "engine.sampling_params", "engine.sampling_rules",
-                 "engine.structured_output", "engine.structured_output.params"}
+                 "engine.step_cost", "engine.structured_output", "engine.structured_output.params"}
     assert set(eval(out.stdout)) <= api_types  # a printed list of module names
 
 
