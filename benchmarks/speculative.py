@@ -1,18 +1,29 @@
-"""Output tokens per second with n-gram speculative decoding against none, on summarisation
-prompts, at several batch sizes (that many prompts at once), in one run: two engines on the
-same model, their runs alternating, the best of `--repeats` rounds each. Greedy outputs must
-be the same token for token.
+"""Output tokens per second with speculative decoding against none, on summarisation prompts,
+at several batch sizes, in one run: engines on the same model, their runs alternating, the
+best of `--repeats` rounds each. Greedy outputs must be the same token for token.
+
+A batch of b is b prompts at once; with `--waves w`, b * w prompts, at most b running at a
+time (max_num_seqs=b), so that one slow row does not decide the batch's time.
+
+Methods: "ngram" (prompt lookup) and "draft" (a draft model: `--draft random`, a random
+two-layer model of the target's vocabulary, whose proposals are seldom right, shows what a
+draft costs; `--draft self`, the target as its own draft, what its proposals cost when all
+are right; or a model folder).
 
 Workloads: "paragraphs" (a paragraph of prose to summarise in two or three sentences keeping
 its key phrases) and "tickets" (the example pipeline's own prompt over its support tickets,
 one-sentence summaries, cycled with numbers to fill large batches).
 
     .venv/bin/python benchmarks/speculative.py --batches 1,4,16,64 --repeats 3 --workload paragraphs
+    .venv/bin/python benchmarks/speculative.py --batches 4 --waves 4 --repeats 3
+    .venv/bin/python benchmarks/speculative.py --method draft --draft random --batches 1,4,16
 """
 
 import argparse
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -22,6 +33,7 @@ import pandas as pd  # noqa: E402
 
 from benchmarks.workloads import PARAGRAPHS  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
+from engine.model_loader.folder import resolve_model_path  # noqa: E402
 
 INSTRUCTION = "Summarise this text in two or three sentences, keeping its own key phrases:\n\n"
 TICKETS = Path(__file__).resolve().parent.parent / "example_pipelines" / "data" / "support_tickets.csv"
@@ -44,6 +56,33 @@ def summarisation_prompts(tokenizer, count: int, workload: str = "paragraphs") -
     return prompts
 
 
+def random_draft(target: Path, folder: Path) -> Path:
+    """A random two-layer Llama of the target's vocabulary, with the target's tokenizer."""
+    import torch
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(target)
+    draft = transformers.LlamaConfig(vocab_size=config.vocab_size, hidden_size=128, intermediate_size=256,
+                                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                     max_position_embeddings=config.max_position_embeddings, tie_word_embeddings=True,
+                                     bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(draft).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(target / name, folder / name)
+    return folder
+
+
+def speculative_config(args: argparse.Namespace, target: Path, scratch: Path) -> dict:
+    if args.method == "ngram":
+        low, high = (int(n) for n in args.prompt_lookup.split(","))
+        return {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
+                "prompt_lookup_min": low, "prompt_lookup_max": high}
+    folder = {"random": lambda: random_draft(target, scratch / "draft"), "self": lambda: target}.get(
+        args.draft, lambda: Path(args.draft))()
+    return {"model": str(folder), "num_speculative_tokens": args.num_speculative_tokens}
+
+
 def timed(llm: LLM, prompts: list[dict], params: SamplingParams) -> tuple[float, list[list[int]]]:
     llm.reset_prefix_cache()
     started = time.perf_counter()
@@ -60,41 +99,47 @@ def main() -> None:
     parser.add_argument("--prompt-lookup", default="2,4", help="min,max n-gram length")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--workload", choices=("paragraphs", "tickets"), default="paragraphs")
+    parser.add_argument("--waves", type=int, default=1, help="prompts per batch, in batches' worth")
+    parser.add_argument("--method", choices=("ngram", "draft"), default="ngram")
+    parser.add_argument("--draft", default="random", help="the draft model: random, self or a folder")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
-    low, high = (int(n) for n in args.prompt_lookup.split(","))
-    spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
-            "prompt_lookup_min": low, "prompt_lookup_max": high}
     print(subprocess.run(["lscpu"], capture_output=True, text=True).stdout.split("Flags:")[0].strip())
-    settings = dict(dtype=args.dtype, max_num_seqs=max(batches))
-    engines = {"off": LLM(**settings), "ngram": LLM(**settings, speculative_config=spec)}
+    with tempfile.TemporaryDirectory() as scratch:
+        target = resolve_model_path(None)  # the embedded model's folder
+        spec = speculative_config(args, target, Path(scratch))
+        print(f"model {target.name}, speculative_config {spec}, {args.workload}, greedy, max_tokens "
+              f"{args.output_len}, best of {args.repeats}, {args.waves} wave(s) of prompts per batch")
+        print(f"{'batch':>5} {'off tok/s':>10} {'spec tok/s':>11} {'ratio':>6} {'accepted':>9} {'mean len':>9}")
+        for batch in batches:
+            run_batch(args, batch, spec)
+
+
+def run_batch(args: argparse.Namespace, batch: int, spec: dict) -> None:
+    """Both engines at this batch size (max_num_seqs=batch), their runs alternating."""
+    settings = dict(dtype=args.dtype, max_num_seqs=batch)
+    engines = {"off": LLM(**settings), "spec": LLM(**settings, speculative_config=spec)}
     params = SamplingParams(temperature=0, max_tokens=args.output_len)
-    prompts = summarisation_prompts(engines["off"].get_tokenizer(), max(batches), args.workload)
-    print(f"model {engines['off'].llm_engine.model_config.path.name}, dtype {engines['off'].dtype}, "
-          f"speculative_config {spec}, {args.workload}, greedy, max_tokens {args.output_len}, "
-          f"best of {args.repeats}")
-    print(f"{'batch':>5} {'off tok/s':>10} {'ngram tok/s':>12} {'ratio':>6} {'accepted':>9} {'mean len':>9}")
-    for batch in batches:
-        chosen = prompts[:batch]
-        for llm in engines.values():
-            llm.generate(chosen[:2], params, use_tqdm=False)  # warm-up
-        times: dict[str, list[float]] = {name: [] for name in engines}
-        tokens: dict[str, list[list[int]]] = {}
-        before = engines["ngram"].get_stats()
-        for _ in range(args.repeats):
-            for name, llm in engines.items():
-                seconds, tokens[name] = timed(llm, chosen, params)
-                times[name].append(seconds)
-        after = engines["ngram"].get_stats()
-        assert tokens["off"] == tokens["ngram"], f"batch {batch}: greedy outputs differ with speculation"
-        count = sum(len(t) for t in tokens["off"])
-        off, ngram = count / min(times["off"]), count / min(times["ngram"])
-        drafted = after.num_draft_tokens - before.num_draft_tokens
-        accepted = after.num_accepted_tokens - before.num_accepted_tokens
-        drafts = after.num_drafts - before.num_drafts
-        rate = f"{accepted / drafted:9.2f}" if drafted else f"{'-':>9}"
-        length = f"{1 + accepted / drafts:9.2f}" if drafts else f"{'-':>9}"
-        print(f"{batch:>5} {off:10.1f} {ngram:12.1f} {ngram / off:6.2f} {rate} {length}")
+    chosen = summarisation_prompts(engines["off"].get_tokenizer(), batch * args.waves, args.workload)
+    for llm in engines.values():
+        llm.generate(chosen[:2], params, use_tqdm=False)  # warm-up
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    tokens: dict[str, list[list[int]]] = {}
+    before = engines["spec"].get_stats()
+    for _ in range(args.repeats):
+        for name, llm in engines.items():
+            seconds, tokens[name] = timed(llm, chosen, params)
+            times[name].append(seconds)
+    after = engines["spec"].get_stats()
+    assert tokens["off"] == tokens["spec"], f"batch {batch}: greedy outputs differ with speculation"
+    count = sum(len(t) for t in tokens["off"])
+    off, fast = count / min(times["off"]), count / min(times["spec"])
+    drafted = after.num_draft_tokens - before.num_draft_tokens
+    accepted = after.num_accepted_tokens - before.num_accepted_tokens
+    drafts = after.num_drafts - before.num_drafts
+    rate = f"{accepted / drafted:9.2f}" if drafted else f"{'-':>9}"
+    length = f"{1 + accepted / drafts:9.2f}" if drafts else f"{'-':>9}"
+    print(f"{batch:>5} {off:10.1f} {fast:11.1f} {fast / off:6.2f} {rate} {length}", flush=True)
     for llm in engines.values():
         llm.close()
 

@@ -147,10 +147,12 @@ class EngineConfig:
     speculative_config: dict[str, Any] | None = _setting(
         None, "Speculative decoding, as vLLM's: {'method': 'ngram', 'num_speculative_tokens': k, "
               "'prompt_lookup_min': a, 'prompt_lookup_max': b} proposes up to k tokens per sequence and step from "
-              "its own prompt and output (the tokens after the last earlier match of its last a to b tokens), "
-              "which one forward pass verifies; proposals are kept where their expected acceptance is worth "
-              "their rows' measured cost (most at small batches). Outputs are the same as without it: greedy "
-              "and seeded rows token for token, other sampled rows in distribution. Not with async_scheduling.")
+              "its own prompt and output (the tokens after the last earlier match of its last a to b tokens); "
+              "{'model': folder, 'num_speculative_tokens': k} has a smaller model of the same vocabulary propose "
+              "them (its own KV cache sharing the target's blocks and memory budget). One forward pass verifies "
+              "them; proposals are kept where their expected acceptance is worth their rows' measured cost (most "
+              "at small batches). Outputs are the same as without it: greedy and seeded rows token for token, "
+              "other sampled rows in distribution. Not with async_scheduling.")
     attention_backend: str = _setting("auto", "'auto' (Triton kernels on a GPU; on a CPU the compiled "
                                               "paged-attention kernel where it builds, else PyTorch's products), "
                                               "'triton' (a GPU, or Triton's interpreter under TRITON_INTERPRET=1), "

@@ -38,6 +38,7 @@ from engine.pooling_params import PoolingParams
 from engine.reasoning import Phase, ReasoningParser, detect_reasoning_parser, reasoning_parser
 from engine.sample.sampler import SampledToken
 from engine.sampling_params import SamplingParams
+from engine.spec_decode.draft_model import DraftModelProposer
 from engine.spec_decode.ngram_proposer import NgramProposer
 from engine.structured_output.manager import StructuredOutputManager
 from engine.tool_parsers import ToolParser, detect_tool_parser, tool_parser
@@ -62,6 +63,8 @@ class LLMEngine:
         path = resolve_model_path(config.model)
         tokenizer_path = Path(config.tokenizer).expanduser() if config.tokenizer else path
         check_model_folder(path, tokenizer_path)
+        if config.speculative is not None and config.speculative.model is not None:
+            check_model_folder(resolve_model_path(config.speculative.model), tokenizer_path)
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(tokenizer_path)
         model_config = resolve_model_config(path, config, self.tokenizer.eos_token_id)
         check_tensor_parallel(model_config.hf_config, config.tensor_parallel_size)
@@ -88,7 +91,9 @@ class LLMEngine:
         encoder_cache = (EncoderCacheManager(max(config.max_num_batched_tokens, config.max_model_len))
                          if self.mm_processor is not None else None)
         self.scheduler = Scheduler(config, self.block_manager, encoder_cache)
-        self.proposer = NgramProposer(config.speculative, config.max_model_len) if config.speculative else None
+        spec = config.speculative
+        self.proposer = ((DraftModelProposer if spec.method == "draft_model" else NgramProposer)(
+            spec, config.max_model_len) if spec is not None else None)
         self.stats = EngineStats()
         self._seq_ids = itertools.count()
         self._token_texts: dict[tuple[bool, bool], dict[int, str]] = {}  # by detokenizer settings

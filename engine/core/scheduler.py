@@ -238,6 +238,8 @@ class Scheduler:
         self.block_manager.free(seq)
         self._release_images(seq)
         seq.num_computed_tokens = 0
+        # Its proposals and its proposer's state (a draft model's cache entries) go with its blocks.
+        seq.spec_token_ids, seq.spec = [], None
         seq.status = SequenceStatus.WAITING
         seq.metrics.num_preemptions += 1
         self.num_preemptions += 1

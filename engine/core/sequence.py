@@ -39,7 +39,7 @@ class BeamGroupState(Protocol):
 
 class SpeculationState(Protocol):
     """A speculating sequence's proposer state, as the proposer keeps it on the sequence
-    (`engine.spec_decode.ngram_proposer.SpecState` implements it; declared here so that a
+    (`engine.spec_decode.proposer.SpecState` implements it; declared here so that a
     sequence does not import its proposer)."""
 
     @property

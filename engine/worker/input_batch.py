@@ -169,7 +169,7 @@ class InputBatch:
                 self._free_slots.append(seq.batch_slot)
                 seq.batch_slot, seq.num_blocks_in_batch = None, 0
 
-    def _sync_rows(self, seqs: list[Sequence]) -> None:
+    def sync_rows(self, seqs: list[Sequence]) -> None:
         """Gives a row to each sequence that has none, and writes the block-table entries
         that changed since the sequences' last step."""
         rows, cols, values = [], [], []
@@ -193,9 +193,9 @@ class InputBatch:
         if lora_slots:
             order = sorted(range(len(seqs)), key=lambda i: lora_slots.get(seqs[i].lora_int_id, -1))
             seqs, nums = [seqs[i] for i in order], [nums[i] for i in order]
-        self._sync_rows(seqs + [child for child, _ in batch.forks] if batch.forks else seqs)
+        self.sync_rows(seqs + [child for child, _ in batch.forks] if batch.forks else seqs)
 
-        device, size = self.device, self.block_size
+        device = self.device
         starts = [seq.num_computed_tokens for seq in seqs]
         ends = list(itertools.accumulate(nums))
         context_lens = list(map(operator.add, starts, nums))
@@ -216,25 +216,8 @@ class InputBatch:
             token_ids = list(itertools.chain.from_iterable(pieces))
         input_ids = upload(token_ids, torch.long, device)
         slots = upload([seq.batch_slot for seq in seqs], torch.long, device)
-
-        if decode:
-            positions = upload(starts, torch.long, device)
-            row_slots = slots
-        else:
-            row_seq = torch.repeat_interleave(torch.arange(len(seqs), device=device),
-                                              upload(nums, torch.long, device), output_size=num_tokens)
-            first_rows = upload([end - n - start for end, n, start in zip(ends, nums, starts)], torch.long, device)
-            positions = torch.arange(num_tokens, device=device) - first_rows[row_seq]
-            row_slots = slots[row_seq]
-        blocks = self.block_tables[row_slots, positions // size]
-        width = -(-max(context_lens) // size)
-        attention = AttentionMetadata(
-            slot_mapping=blocks.long() * size + positions % size,
-            query_start_loc=upload([0, *ends], torch.int32, device),
-            seq_lens=upload(context_lens, torch.int32, device),
-            block_tables=self.block_tables[slots, :width],
-            positions=positions, query_lens=nums, context_lens=context_lens, block_size=size)
-        step = StepInputs(input_ids, positions, attention, num_tokens, spec_token_ids=spec)
+        attention = self.attention_metadata(slots, starts, nums)
+        step = StepInputs(input_ids, attention.positions, attention, num_tokens, spec_token_ids=spec)
         if len(pending) == len(seqs):
             step.pending_rows = upload([end - 1 for end in ends], torch.long, device)
             step.pending_slots = slots
@@ -252,6 +235,32 @@ class InputBatch:
         if lora_slots:
             step.lora_ranges = _lora_ranges(seqs, ends, nums, lora_slots)
         return step
+
+    def attention_metadata(self, slots: torch.Tensor, starts: list[int], nums: list[int]) -> AttentionMetadata:
+        """The attention metadata of `nums[i]` new tokens of the sequence in batch row
+        `slots[i]` (on the device), from its position `starts[i]`: as many of its leading
+        tokens' keys and values are cached. Its block table must cover the new tokens."""
+        device, size = self.device, self.block_size
+        ends = list(itertools.accumulate(nums))
+        num_tokens = ends[-1]
+        context_lens = list(map(operator.add, starts, nums))
+        if num_tokens == len(nums):  # a decode step
+            positions = upload(starts, torch.long, device)
+            row_slots = slots
+        else:
+            row_seq = torch.repeat_interleave(torch.arange(len(nums), device=device),
+                                              upload(nums, torch.long, device), output_size=num_tokens)
+            first_rows = upload([end - n - start for end, n, start in zip(ends, nums, starts)], torch.long, device)
+            positions = torch.arange(num_tokens, device=device) - first_rows[row_seq]
+            row_slots = slots[row_seq]
+        blocks = self.block_tables[row_slots, positions // size]
+        width = -(-max(context_lens) // size)
+        return AttentionMetadata(
+            slot_mapping=blocks.long() * size + positions % size,
+            query_start_loc=upload([0, *ends], torch.int32, device),
+            seq_lens=upload(context_lens, torch.int32, device),
+            block_tables=self.block_tables[slots, :width],
+            positions=positions, query_lens=nums, context_lens=context_lens, block_size=size)
 
     def _prompt_pool_and_image_rows(self, step: StepInputs, seqs: list[Sequence], starts: list[int],
                                     nums: list[int], ends: list[int]) -> None:

@@ -99,10 +99,12 @@ class KVCache:
                     slots[dst] = slots[src]
 
 
-def plan_num_blocks(config: EngineConfig, model: nn.Module, kv_cache: KVCache, gpu_used_at_start: int) -> int:
+def plan_num_blocks(config: EngineConfig, model: nn.Module, kv_cache: KVCache, gpu_used_at_start: int,
+                    draft_cache: KVCache | None = None) -> int:
     """Blocks that fit the memory budget (kv_cache_memory, or on a GPU what
     gpu_memory_utilization leaves after a measured step), at most what max_num_seqs
-    sequences of max_model_len need; logged with how the number was arrived at.
+    sequences of max_model_len need; logged with how the number was arrived at. With a
+    draft model's cache (`draft_cache`), which holds as many blocks, a block counts both.
 
     Raises:
         ValueError: the budget holds no block, or no GPU memory is left for one.
@@ -111,7 +113,8 @@ def plan_num_blocks(config: EngineConfig, model: nn.Module, kv_cache: KVCache, g
         budget = CacheBudget(config.kv_cache_memory, f"kv_cache_memory={config.kv_cache_memory / 2**30:.2f} GiB")
     else:
         budget = _gpu_cache_budget(config, model, kv_cache, gpu_used_at_start)
-    block_bytes = kv_cache.bytes_per_token * config.block_size
+    bytes_per_token = kv_cache.bytes_per_token + (draft_cache.bytes_per_token if draft_cache is not None else 0)
+    block_bytes = bytes_per_token * config.block_size
     num_blocks = budget.num_bytes // block_bytes
     how = budget.how
     if num_blocks < 1:
@@ -123,7 +126,7 @@ def plan_num_blocks(config: EngineConfig, model: nn.Module, kv_cache: KVCache, g
     logger.info(
         "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %d bytes per token) from %s",
         num_blocks, config.block_size, num_blocks * config.block_size,
-        num_blocks * block_bytes / 2**30, kv_cache.bytes_per_token, how,
+        num_blocks * block_bytes / 2**30, bytes_per_token, how,
     )
     return num_blocks
 

@@ -26,6 +26,7 @@ from engine.worker.worker_group import WorkerGroup
 
 if TYPE_CHECKING:
     from engine.worker.cuda_graphs import CUDAGraphRunner
+    from engine.worker.draft_model_runner import DraftModelRunner
 
 
 @dataclass
@@ -112,6 +113,11 @@ class ModelRunner:
         return self.workers.local.lora_manager
 
     @property
+    def draft(self) -> "DraftModelRunner | None":
+        """The draft model (speculative decoding's "draft_model" method), on rank 0."""
+        return self.workers.local.draft
+
+    @property
     def cuda_graphs(self) -> "CUDAGraphRunner | None":
         return self.workers.local.cuda_graphs
 
@@ -131,6 +137,9 @@ class ModelRunner:
         for identifier in batch.freed_encoder_outputs:
             del self.encoder_outputs[identifier]
         lora_slots = self._activate_adapters(batch.seqs)
+        if batch.spec_token_ids and self.draft is not None:
+            self.input_batch.sync_rows(list(batch.spec_token_ids))
+            self.draft.propose(batch, self.input_batch)
         inputs = self.input_batch.prepare(batch, lora_slots)
         inputs.kept = self._kept_rows(inputs)
 

@@ -31,6 +31,7 @@ from engine.multimodal.inputs import MultiModalEmbeds, encoder_inputs_on
 from engine.worker.calibration import (
     calibration_images, calibration_prompts, layers_wanting_ranges, record_input_ranges,
 )
+from engine.worker.draft_model_runner import DraftModelRunner
 from engine.worker.kv_cache import KVCache, plan_num_blocks
 
 if TYPE_CHECKING:
@@ -74,11 +75,19 @@ class Worker:
                                     calibrate=self._calibrate)
             if config.batch_invariant:
                 use_absorbed_attention_only(self.model)
+            # A draft model runs on the first rank only, its cache beside the target's.
+            spec = config.speculative
+            self.draft = (DraftModelRunner(config, model_config)
+                          if spec is not None and spec.method == "draft_model" and group.rank == 0 else None)
             self.kv_cache = KVCache(self.model, config.attention_backend, config.block_size,
                                     cache_torch_dtype(config.kv_cache_dtype), self.device)
+            draft_cache = self.draft.kv_cache if self.draft is not None else None
             # Every rank holds as many blocks: the fewest any rank's budget allows.
-            self.kv_cache.allocate(group.all_reduce_min(plan_num_blocks(config, self.model, self.kv_cache,
-                                                                        used_at_start)))
+            num_blocks = group.all_reduce_min(plan_num_blocks(config, self.model, self.kv_cache, used_at_start,
+                                                              draft_cache))
+            self.kv_cache.allocate(num_blocks)
+            if draft_cache is not None:
+                draft_cache.allocate(num_blocks)
         self.lora_manager = self._make_lora_manager() if config.enable_lora else None
         self.cuda_graphs = self._capture_cuda_graphs()
 
@@ -204,6 +213,9 @@ class Worker:
         """Drops the model, the KV cache and the adapters so that their memory can be returned."""
         self.kv_cache.free()
         del self.model
+        if self.draft is not None:
+            self.draft.release()
+            self.draft = None
         self.hidden = None
         self.lora_manager = None  # it holds the model's projections and the adapters
         self.cuda_graphs = None

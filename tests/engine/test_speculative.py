@@ -1,6 +1,7 @@
-"""Speculative decoding by prompt lookup: the settings, the n-gram index, and outputs that
-are the same as without speculation (greedy and seeded rows token for token, other sampled
-rows in distribution) through chunked prefill, preemption and prefix-cache hits."""
+"""Speculative decoding by prompt lookup and by a draft model: the settings, the n-gram
+index, and outputs that are the same as without speculation (greedy and seeded rows token
+for token, other sampled rows in distribution) through chunked prefill, preemption and
+prefix-cache hits."""
 
 import collections
 import json
@@ -11,7 +12,9 @@ import pytest
 from engine import LLM, LoRARequest, SamplingParams, StructuredOutputsParams
 from engine.config import EngineConfig
 from engine.spec_decode.config import SpeculativeConfig
-from engine.spec_decode.ngram_proposer import NgramIndex, NgramProposer, SpecState
+from engine.spec_decode.ngram_proposer import NgramIndex, NgramProposer
+from engine.spec_decode.proposer import Proposer, SpecState
+from tests.tiny_models import build_tiny_model
 from tests.engine.test_correctness import assert_no_leaks
 from tests.lora_adapters import build_lora_adapter
 
@@ -23,6 +26,15 @@ def test_settings_follow_vllm_and_name_every_bad_key():
     assert SpeculativeConfig.parse({"num_speculative_tokens": 4}) == SpeculativeConfig("ngram", 4, 5, 5)
     assert SpeculativeConfig.parse({"method": "[ngram]", "num_speculative_tokens": 2, "prompt_lookup_max": 3}
                                    ) == SpeculativeConfig("ngram", 2, 3, 3)
+    assert SpeculativeConfig.parse({"model": "/m", "num_speculative_tokens": 3}) == SpeculativeConfig(
+        "draft_model", 3, model="/m")
+    assert SpeculativeConfig.parse({"method": "draft_model", "model": "/m", "num_speculative_tokens": 3}
+                                   ).method == "draft_model"
+    with pytest.raises(ValueError) as caught:
+        SpeculativeConfig.parse({"method": "draft_model", "num_speculative_tokens": 2, "prompt_lookup_max": 3})
+    assert "needs the draft model's folder" in str(caught.value) and "['prompt_lookup_max']" in str(caught.value)
+    with pytest.raises(ValueError, match="not with method 'ngram'"):
+        SpeculativeConfig.parse({"method": "ngram", "model": "/m", "num_speculative_tokens": 2})
     with pytest.raises(ValueError) as caught:
         EngineConfig(speculative_config={"method": "eagle", "num_speculative_tokens": 0, "lookup": 2,
                                          "prompt_lookup_min": 4, "prompt_lookup_max": 2})
@@ -50,7 +62,7 @@ class Decoding:
     """A sequence as the proposer's trimming sees it: proposals and a recent acceptance."""
 
     def __init__(self, acceptance: float, proposals: int) -> None:
-        self.spec = SpecState(NgramIndex(1, 1), proposed=100.0, accepted=acceptance * 102 - 1)
+        self.spec = SpecState(proposed=100.0, accepted=acceptance * 102 - 1)
         self.spec_token_ids = list(range(proposals))
 
 
@@ -200,7 +212,7 @@ def test_unseeded_sampled_rows_keep_the_models_distribution(make_llm, monkeypatc
     Every proposal is verified here (in a batch this large the engine would keep few: their
     rows would cost more than they save), so that the verification is what is tested.
     The engines' seeds fix the draws, so the test is repeatable."""
-    monkeypatch.setattr(NgramProposer, "keep_worthwhile", lambda self, seqs: None)
+    monkeypatch.setattr(Proposer, "keep_worthwhile", lambda self, seqs: None)
     plain, spec = both(make_llm, max_num_seqs=64)
     prompt = {"prompt_token_ids": REPEATING[0]}
     params = SamplingParams(temperature=0.15, max_tokens=6, ignore_eos=True)
@@ -228,3 +240,79 @@ def test_the_embedded_model_gives_the_same_greedy_summaries():
         assert llm.get_stats().num_accepted_tokens > 0
         llm.llm_engine.proposer = None
         assert speculated == token_ids(llm.generate(prompts, params, use_tqdm=False))
+
+
+def draft(folder, k=3):
+    return {"model": str(folder), "num_speculative_tokens": k}
+
+
+@pytest.mark.parametrize("drafter", ["llama", "qwen3"])
+def test_a_draft_model_gives_the_same_greedy_tokens(make_llm, tiny_models, drafter):
+    """The target as its own draft proposes what it would decode: nearly every proposal is
+    accepted (its cache entries right through lazy catch-up and rejected proposals); a
+    random model of another family is seldom right, and the tokens are the same either way."""
+    plain = make_llm("llama", dtype="float32")
+    spec = make_llm("llama", dtype="float32", speculative_config=draft(tiny_models[drafter]))
+    prompts = [{"prompt_token_ids": ids} for ids in REPEATING]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    assert token_ids(spec.generate(prompts, params, use_tqdm=False)) == token_ids(
+        plain.generate(prompts, params, use_tqdm=False))
+    stats = spec.get_stats()
+    assert stats.num_draft_tokens > 0
+    if drafter == "llama":
+        assert stats.acceptance_rate > 0.95, stats.acceptance_rate
+
+
+def test_a_draft_model_through_chunked_prefill_preemption_prefix_hits_and_forks(make_llm, tiny_models):
+    """The draft's cache shares the target's block tables: small steps chunk the prompts, a
+    KV cache sized for both models preempts sequences (which forget their draft entries),
+    repeated prompts start from cached blocks and n=2 forks share them. With the target as
+    its own draft, acceptance stays near one: no draft entry is read stale."""
+    config = json.loads((tiny_models["llama"] / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    token_bytes = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 4
+    settings = dict(dtype="float32", max_num_batched_tokens=16, kv_cache_memory=2 * 12 * 16 * token_bytes,
+                    max_num_seqs=6)
+    plain = make_llm("llama", **settings)
+    spec = make_llm("llama", speculative_config=draft(tiny_models["llama"], k=4), **settings)
+    assert spec.llm_engine.block_manager.num_blocks == plain.llm_engine.block_manager.num_blocks // 2
+    prompts = [{"prompt_token_ids": REPEATING[i % 3]} for i in range(6)]
+    params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)] * 5 + [
+        SamplingParams(temperature=0.5, seed=3, n=2, max_tokens=30, ignore_eos=True)]
+    expected = [[list(c.token_ids) for c in o.outputs] for o in plain.generate(prompts, params, use_tqdm=False)]
+    got = [[list(c.token_ids) for c in o.outputs] for o in spec.generate(prompts, params, use_tqdm=False)]
+    assert got == expected
+    stats = spec.get_stats()
+    assert stats.num_cached_prompt_tokens > 0 and spec.llm_engine.scheduler.num_preemptions > 0
+    assert stats.acceptance_rate > 0.9, stats.acceptance_rate
+    assert_no_leaks(spec)
+
+
+def test_a_draft_model_keeps_every_setting(make_llm, tiny_models):
+    """Seeded rows with penalties, min_tokens, stops and logprobs give the same tokens and
+    logprobs; a structured-output row decodes without proposals (its grammar could judge
+    the draft's tokens only once they exist) and gives the same text."""
+    plain = make_llm("llama", dtype="float32")
+    spec = make_llm("llama", dtype="float32", speculative_config=draft(tiny_models["llama"]))
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    prompts = [{"prompt_token_ids": ids} for ids in REPEATING] + ["x"]
+    params = [SamplingParams(temperature=0.8, seed=11, max_tokens=20, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.9, top_k=20, seed=12, max_tokens=20, min_tokens=5,
+                             repetition_penalty=1.05, frequency_penalty=0.1, bad_words=["a"]),
+              SamplingParams(temperature=0.7, top_p=0.9, seed=13, max_tokens=20, stop_token_ids=[21]),
+              SamplingParams(temperature=0, max_tokens=24, structured_outputs=StructuredOutputsParams(json=schema))]
+    expected = plain.generate(prompts, params, use_tqdm=False)
+    got = spec.generate(prompts, params, use_tqdm=False)
+    assert token_ids(got) == token_ids(expected)
+    assert [o.outputs[0].finish_reason for o in got] == [o.outputs[0].finish_reason for o in expected]
+    for a, b in zip(got[0].outputs[0].logprobs, expected[0].outputs[0].logprobs):
+        assert {t: round(v.logprob, 4) for t, v in a.items()} == {t: round(v.logprob, 4) for t, v in b.items()}
+    assert spec.get_stats().num_accepted_tokens > 0
+
+
+def test_a_draft_model_that_cannot_serve_is_refused_at_start(tiny_models, tmp_path):
+    other_vocab = build_tiny_model(tmp_path / "wide", "llama", vocab_size=400)
+    with pytest.raises(ValueError, match="its vocabulary has 400 tokens, the target's 320"):
+        LLM(str(tiny_models["llama"]), speculative_config=draft(other_vocab))
+    with pytest.raises(ValueError, match="is not a local folder"):
+        LLM(str(tiny_models["llama"]), speculative_config=draft(tmp_path / "missing"))

@@ -1,0 +1,119 @@
+"""What every proposer shares: a sequence's recent acceptance, and the rule that keeps a
+step's proposals only where they are worth their rows."""
+
+from dataclasses import dataclass, field
+
+from engine.core.sequence import Sequence
+from engine.reasoning import Phase
+from engine.spec_decode.config import SpeculativeConfig
+from engine.step_cost import StepTimes
+from engine.structured_output.backend_types import StructuredOutputGrammar
+
+# A sequence's acceptance is followed over its recent steps: its counts weigh this much
+# less at each step it decodes.
+_DECAY = 0.8
+
+
+@dataclass
+class SpecState:
+    """A sequence's speculation: its recent acceptance, as counts that decay at each of its
+    decode steps, so that a sequence whose proposals failed a while ago is tried again."""
+
+    proposed: float = 0.0
+    accepted: float = 0.0
+
+    @property
+    def acceptance(self) -> float:
+        """The chance that its next proposed token is accepted (its recent rate, starting
+        from one half)."""
+        return (self.accepted + 1) / (self.proposed + 2)
+
+    def record(self, seq: Sequence, proposed: int, accepted: int) -> None:
+        """Counts a decode step of `seq` (its tokens appended): `proposed` tokens verified,
+        `accepted` of them accepted."""
+        self.proposed = self.proposed * _DECAY + proposed
+        self.accepted = self.accepted * _DECAY + accepted
+
+
+@dataclass
+class Proposer:
+    """Proposes tokens for each decoding sequence (`propose`, a method's own), then keeps
+    those worth their rows: a proposed token is a row of the next step, worth the chance
+    that it and the ones before it are accepted (`SpecState.acceptance` to the power of
+    its place), and a row costs what the measured step times say (`StepTimes`). Proposals
+    are kept, most promising first, while each adds more expected tokens per second than
+    the step already makes: all of them for one sequence on a CPU, where a step's fixed
+    cost dwarfs a row's, few in a large batch, where rows are most of the cost. Until the
+    step times tell the two costs apart, every other step keeps all proposals and the
+    others none, so that they do."""
+
+    config: SpeculativeConfig
+    max_model_len: int
+    # Decode steps' times, the last 64 (a step's cost changes as the contexts grow).
+    step_times: StepTimes = field(default_factory=lambda: StepTimes(min_steps=8, min_spread=1.5, window=64))
+    _exploring: bool = False
+
+    def propose(self, seq: Sequence) -> None:
+        """Sets the sequence's proposals for its next step (`Sequence.spec_token_ids`)."""
+        raise NotImplementedError
+
+    def limit(self, seq: Sequence) -> int:
+        """How many tokens the sequence may be proposed: none where it cannot speculate (beam
+        search, pooling, a structured output still inside the model's reasoning), never past
+        its last allowed token or the context. The step computes the last token and the
+        proposals; the last one verified may add one more token."""
+        if seq.beam is not None or seq.pooling is not None or not grammar_settled(seq):
+            return 0
+        room = min(seq.max_num_tokens, self.max_model_len) - seq.num_tokens - 1
+        return max(0, min(self.config.num_speculative_tokens, room))
+
+    def keep_worthwhile(self, seqs: list[Sequence]) -> None:
+        """Trims the proposals of the sequences that decode next (`seqs`) to those worth
+        their rows."""
+        proposals = [(seq.spec.acceptance ** (j + 1), seq) for seq in seqs if seq.spec_token_ids
+                     for j in range(len(seq.spec_token_ids))]
+        if not proposals:
+            return
+        cost = self.step_times.fit()
+        if cost is None:
+            self._exploring = not self._exploring
+            if not self._exploring:
+                for _, seq in proposals:
+                    seq.spec_token_ids.clear()
+            return
+        fixed, per_row = cost.overhead_s, cost.per_row_s
+        rows = tokens = float(len(seqs))
+        kept = dict.fromkeys((seq for _, seq in proposals), 0)
+        for gain, seq in sorted(proposals, key=lambda p: -p[0]):
+            if gain * (fixed + per_row * rows) <= per_row * tokens:
+                break
+            rows, tokens = rows + 1, tokens + gain
+            kept[seq] += 1
+        for seq, count in kept.items():
+            del seq.spec_token_ids[count:]
+
+    def record(self, seq: Sequence, proposed: int, accepted: int) -> None:
+        """Counts a decode step of the sequence (its tokens appended): `proposed` tokens
+        verified (maybe none), `accepted` of them accepted."""
+        if seq.spec is not None:
+            seq.spec.record(seq, proposed, accepted)
+
+
+def grammar_settled(seq: Sequence) -> bool:
+    """Whether the sequence's constraint, if it has one, applies to all its next tokens: its
+    grammar runs (not waiting for the end of the model's reasoning)."""
+    if seq.sampling_params.structured_outputs is None:
+        return True
+    return seq.grammar is not None and (seq.reasoning is None or seq.reasoning.phase is Phase.ANSWER)
+
+
+def allowed_prefix(grammar: StructuredOutputGrammar, proposals: list[int]) -> int:
+    """How many of the proposals, in order, the grammar allows (up to the one that completes
+    it); the grammar is left as it was."""
+    count = 0
+    for token in proposals:
+        if grammar.is_terminated or not grammar.accept(token):
+            break
+        count += 1
+    grammar.rollback(count)
+    return count

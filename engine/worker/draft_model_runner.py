@@ -1,0 +1,117 @@
+"""The draft model of speculative decoding (`speculative_config={"model": folder}`): a
+smaller model of the target's vocabulary proposes each speculating sequence's next tokens
+at the start of the step that verifies them.
+
+Its paged KV cache is its own but shares the target's block tables: as many blocks, the
+same block size, each sequence's draft keys and values in the blocks the scheduler gave
+the sequence. The step's slots cover the sequence's last token and all its proposals, so
+the draft writes only where the target will. A sequence's draft cache is filled lazily:
+the first time it speculates the draft computes all its tokens (a prefill), afterwards
+only those it lacks (the step's accepted proposal it did not compute, the token sampled
+after them), then one forward pass per further proposal, the rows of every speculating
+sequence together. Proposals are the draft's greedy choices, as vLLM's: verification then
+samples each row from the target and keeps the proposals its rows sampled, which for a
+single proposed token is rejection sampling exactly (greedy rows give the target's greedy
+tokens, sampled rows the target's distribution).
+"""
+
+import itertools
+import logging
+from dataclasses import replace
+
+import torch
+
+from engine.config import EngineConfig, ModelConfig
+from engine.core.sched_output import ScheduledBatch
+from engine.distributed.communicator import TensorParallelGroup
+from engine.kv_cache_dtype import cache_torch_dtype
+from engine.model_loader.folder import resolve_model_path
+from engine.model_loader.loader import load_model
+from engine.model_loader.model_config import resolve_model_config
+from engine.spec_decode.draft_model import DraftState
+from engine.worker.input_batch import InputBatch, KeptRows, upload
+from engine.worker.kv_cache import KVCache
+
+logger = logging.getLogger(__name__)
+
+
+class DraftModelRunner:
+    """The draft model and its KV cache (allocated by the worker, as many blocks as the
+    target's), on the target's first rank's device."""
+
+    def __init__(self, config: EngineConfig, target: ModelConfig) -> None:
+        """`config` is the engine's, resolved. The draft runs in the target's dtype, its own
+        checkpoint's quantization if it has one, else unquantized.
+
+        Raises:
+            ValueError: the draft's vocabulary is not the target's, it generates from images
+                or pools, or its context is shorter than the target's.
+        """
+        path = resolve_model_path(config.speculative.model)
+        settings = replace(config, quantization=None, runner="generate", pooling_type=None)
+        try:
+            self.model_config = resolve_model_config(path, settings, None)
+        except ValueError as exc:
+            raise ValueError(f"speculative_config['model']={str(path)!r}: {exc}") from exc
+        draft, vocab = self.model_config.hf_config, target.hf_config.vocab_size
+        if draft.vocab_size != vocab:
+            raise ValueError(f"speculative_config['model']={str(path)!r}: its vocabulary has {draft.vocab_size} "
+                             f"tokens, the target's {vocab}; a draft model must share the target's tokenizer")
+        if self.model_config.multimodal_config is not None:
+            raise ValueError(f"speculative_config['model']={str(path)!r}: a vision-language model; the draft "
+                             f"model reads text (give its language model's own folder, or a text model)")
+        self.model = load_model(self.model_config, TensorParallelGroup(),
+                                triton_kernels=config.attention_backend == "triton")
+        self.kv_cache = KVCache(self.model, config.attention_backend, config.block_size,
+                                cache_torch_dtype(config.kv_cache_dtype), target.device)
+        self.device = target.device
+        logger.info("speculative decoding: draft model %s (%s), up to %d tokens per step", path,
+                    draft.architectures[0] if getattr(draft, "architectures", None) else draft.model_type,
+                    config.speculative.num_speculative_tokens)
+
+    def release(self) -> None:
+        self.kv_cache.free()
+        del self.model
+
+    @torch.inference_mode()
+    def propose(self, batch: ScheduledBatch, input_batch: InputBatch) -> None:
+        """Replaces the placeholders of the step's speculating sequences
+        (`batch.spec_token_ids`) by the draft's tokens; their batch rows must hold their
+        block tables (`InputBatch.sync_rows`)."""
+        seqs = list(batch.spec_token_ids)
+        counts = [len(batch.spec_token_ids[seq]) for seq in seqs]
+        states: list[DraftState] = [seq.spec for seq in seqs]
+        # First the tokens each lacks in the draft's cache, up to its last (the step's first row).
+        starts = [state.num_computed for state in states]
+        last = [seq.num_tokens - 1 for seq in seqs]
+        ids = upload([t for seq, start in zip(seqs, starts) for t in seq.token_ids[start:]], torch.long, self.device)
+        slots = upload([seq.batch_slot for seq in seqs], torch.long, self.device)
+        live = list(range(len(seqs)))
+        rounds = [(live, self._next_tokens(input_batch, ids, slots, starts, [n + 1 - s for n, s in zip(last, starts)]))]
+        for j in range(1, max(counts)):  # then each proposal, to propose the next
+            previous, tokens = rounds[-1]
+            live = [i for i in previous if counts[i] > j]
+            if len(live) < len(previous):
+                kept = upload([k for k, i in enumerate(previous) if counts[i] > j], torch.long, self.device)
+                tokens, slots = tokens[kept], slots[kept]
+            rounds.append((live, self._next_tokens(input_batch, tokens, slots, [last[i] + j for i in live],
+                                                   [1] * len(live))))
+        drafts: list[list[int]] = [[] for _ in seqs]
+        for live, tokens in rounds:
+            for i, token in zip(live, tokens.tolist()):
+                drafts[i].append(token)
+        for seq, state, proposals, end in zip(seqs, states, drafts, last):
+            batch.spec_token_ids[seq] = proposals
+            state.num_computed = end + len(proposals)  # all but the last proposal's keys and values
+
+    def _next_tokens(self, input_batch: InputBatch, ids: torch.Tensor, slots: torch.Tensor, starts: list[int],
+                     nums: list[int]) -> torch.Tensor:
+        """The draft's greedy token after each sequence's `nums[i]` new tokens (`ids`, back
+        to back; batch row `slots[i]`) from position `starts[i]`, whose keys and values its
+        cache takes."""
+        meta = input_batch.attention_metadata(slots, starts, nums)
+        ends = list(itertools.accumulate(nums))
+        kept = KeptRows.of([end - 1 for end in ends], ends[-1], self.device)
+        self.kv_cache.backend.prepare(meta)
+        logits = self.model.compute_logits(self.model(ids, meta.positions, meta, kept.index))
+        return logits[:, : self.model_config.hf_config.vocab_size].argmax(dim=-1)
