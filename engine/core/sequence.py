@@ -42,9 +42,8 @@ class SpeculationState(Protocol):
     (`engine.spec_decode.proposer.SpecState` implements it; declared here so that a
     sequence does not import its proposer)."""
 
-    @property
-    def acceptance(self) -> float:
-        """The chance that its next proposed token is accepted."""
+    def record(self, seq: "Sequence", proposed: int, accepted: int) -> None:
+        """Counts a decode step of the sequence: `proposed` tokens verified, `accepted` of them accepted."""
 
 
 class SequenceStatus(enum.Enum):

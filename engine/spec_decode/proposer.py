@@ -10,47 +10,65 @@ from engine.step_cost import StepTimes
 from engine.structured_output.backend_types import StructuredOutputGrammar
 
 # A sequence's acceptance is followed over its recent steps: its counts weigh this much
-# less at each step it decodes.
-_DECAY = 0.8
+# less at each step it decodes. The engine's, over all sequences, weigh this much less at
+# each step: without proposals for a few hundred steps, it drifts back to one half, so
+# that proposals that failed everywhere are tried again after a while.
+_SEQUENCE_DECAY = 0.8
+_ENGINE_DECAY = 0.99
+# A sequence's rate starts from the engine's, worth this many proposed tokens of its own.
+_PRIOR_WEIGHT = 2.0
+
+
+@dataclass
+class Acceptance:
+    """Proposed and accepted tokens, counts that decay (`decay` at each `add`)."""
+
+    decay: float
+    proposed: float = 0.0
+    accepted: float = 0.0
+
+    def add(self, proposed: int, accepted: int) -> None:
+        self.proposed = self.proposed * self.decay + proposed
+        self.accepted = self.accepted * self.decay + accepted
+
+    def rate(self, prior: float, weight: float) -> float:
+        """The chance that a next proposed token is accepted: the counts' rate, starting
+        from `prior` worth `weight` proposed tokens."""
+        return (self.accepted + prior * weight) / (self.proposed + weight)
 
 
 @dataclass
 class SpecState:
-    """A sequence's speculation: its recent acceptance, as counts that decay at each of its
-    decode steps, so that a sequence whose proposals failed a while ago is tried again."""
+    """A sequence's speculation: its recent acceptance (`recent`), counts that decay at each
+    of its decode steps, so that a sequence whose proposals failed a while ago is tried again."""
 
-    proposed: float = 0.0
-    accepted: float = 0.0
-
-    @property
-    def acceptance(self) -> float:
-        """The chance that its next proposed token is accepted (its recent rate, starting
-        from one half)."""
-        return (self.accepted + 1) / (self.proposed + 2)
+    recent: Acceptance = field(default_factory=lambda: Acceptance(_SEQUENCE_DECAY))
 
     def record(self, seq: Sequence, proposed: int, accepted: int) -> None:
         """Counts a decode step of `seq` (its tokens appended): `proposed` tokens verified,
         `accepted` of them accepted."""
-        self.proposed = self.proposed * _DECAY + proposed
-        self.accepted = self.accepted * _DECAY + accepted
+        self.recent.add(proposed, accepted)
 
 
 @dataclass
 class Proposer:
     """Proposes tokens for each decoding sequence (`propose`, a method's own), then keeps
     those worth their rows: a proposed token is a row of the next step, worth the chance
-    that it and the ones before it are accepted (`SpecState.acceptance` to the power of
-    its place), and a row costs what the measured step times say (`StepTimes`). Proposals
-    are kept, most promising first, while each adds more expected tokens per second than
-    the step already makes: all of them for one sequence on a CPU, where a step's fixed
-    cost dwarfs a row's, few in a large batch, where rows are most of the cost. Until the
-    step times tell the two costs apart, every other step keeps all proposals and the
-    others none, so that they do."""
+    that it and the ones before it are accepted (the sequence's acceptance, its recent rate
+    starting from the engine's, to the power of its place), and a row costs what the
+    measured step times say (`StepTimes`). Proposals are kept, most promising first, while
+    each adds more expected tokens per second than the step already makes: all of them for
+    one sequence on a CPU, where a step's fixed cost dwarfs a row's, few in a large batch,
+    where rows are most of the cost, none where they keep failing (a draft model that is
+    seldom right). Until the step times tell the two costs apart, every other step keeps
+    all proposals and the others none, so that they do."""
 
     config: SpeculativeConfig
     max_model_len: int
     # Decode steps' times, the last 64 (a step's cost changes as the contexts grow).
     step_times: StepTimes = field(default_factory=lambda: StepTimes(min_steps=8, min_spread=1.5, window=64))
+    # Every sequence's proposals, over the last few hundred steps.
+    overall: Acceptance = field(default_factory=lambda: Acceptance(_ENGINE_DECAY))
     _exploring: bool = False
 
     def propose(self, seq: Sequence) -> None:
@@ -67,10 +85,16 @@ class Proposer:
         room = min(seq.max_num_tokens, self.max_model_len) - seq.num_tokens - 1
         return max(0, min(self.config.num_speculative_tokens, room))
 
+    def acceptance(self, seq: Sequence) -> float:
+        """The chance that the sequence's next proposed token is accepted: its recent rate,
+        starting from the engine's (which starts from one half)."""
+        return seq.spec.recent.rate(self.overall.rate(0.5, _PRIOR_WEIGHT), _PRIOR_WEIGHT)
+
     def keep_worthwhile(self, seqs: list[Sequence]) -> None:
         """Trims the proposals of the sequences that decode next (`seqs`) to those worth
-        their rows."""
-        proposals = [(seq.spec.acceptance ** (j + 1), seq) for seq in seqs if seq.spec_token_ids
+        their rows; a step of the engine's acceptance counts."""
+        self.overall.add(0, 0)
+        proposals = [(self.acceptance(seq) ** (j + 1), seq) for seq in seqs if seq.spec_token_ids
                      for j in range(len(seq.spec_token_ids))]
         if not proposals:
             return
@@ -97,6 +121,8 @@ class Proposer:
         verified (maybe none), `accepted` of them accepted."""
         if seq.spec is not None:
             seq.spec.record(seq, proposed, accepted)
+            self.overall.proposed += proposed
+            self.overall.accepted += accepted
 
 
 def grammar_settled(seq: Sequence) -> bool:

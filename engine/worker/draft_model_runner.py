@@ -17,11 +17,13 @@ tokens, sampled rows the target's distribution).
 
 import itertools
 import logging
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
+from torch import nn
 
-from engine.config import EngineConfig, ModelConfig
+from engine.config import AT_LOAD, EngineConfig, ModelConfig
 from engine.core.sched_output import ScheduledBatch
 from engine.distributed.communicator import TensorParallelGroup
 from engine.kv_cache_dtype import cache_torch_dtype
@@ -39,18 +41,23 @@ class DraftModelRunner:
     """The draft model and its KV cache (allocated by the worker, as many blocks as the
     target's), on the target's first rank's device."""
 
-    def __init__(self, config: EngineConfig, target: ModelConfig) -> None:
-        """`config` is the engine's, resolved. The draft runs in the target's dtype, its own
-        checkpoint's quantization if it has one, else unquantized.
+    def __init__(self, config: EngineConfig, target: ModelConfig,
+                 calibrate: Callable[[nn.Module], None] | None = None) -> None:
+        """`config` is the engine's, resolved. The draft runs in the target's dtype, and
+        quantized as its own checkpoint is, else as the target is quantized at load (int8,
+        FP8; `calibrate` measures int8's input ranges), else unquantized.
 
         Raises:
-            ValueError: the draft's vocabulary is not the target's, it generates from images
-                or pools, or its context is shorter than the target's.
+            ValueError: the draft's vocabulary is not the target's, it generates from images,
+                or its context is shorter than the target's.
         """
         path = resolve_model_path(config.speculative.model)
         settings = replace(config, quantization=None, runner="generate", pooling_type=None)
         try:
             self.model_config = resolve_model_config(path, settings, None)
+            if self.model_config.quantization is None and config.quantization in AT_LOAD:
+                self.model_config = resolve_model_config(path, replace(settings, quantization=config.quantization),
+                                                         None)
         except ValueError as exc:
             raise ValueError(f"speculative_config['model']={str(path)!r}: {exc}") from exc
         draft, vocab = self.model_config.hf_config, target.hf_config.vocab_size
@@ -61,12 +68,13 @@ class DraftModelRunner:
             raise ValueError(f"speculative_config['model']={str(path)!r}: a vision-language model; the draft "
                              f"model reads text (give its language model's own folder, or a text model)")
         self.model = load_model(self.model_config, TensorParallelGroup(),
-                                triton_kernels=config.attention_backend == "triton")
+                                triton_kernels=config.attention_backend == "triton", calibrate=calibrate)
         self.kv_cache = KVCache(self.model, config.attention_backend, config.block_size,
                                 cache_torch_dtype(config.kv_cache_dtype), target.device)
         self.device = target.device
-        logger.info("speculative decoding: draft model %s (%s), up to %d tokens per step", path,
+        logger.info("speculative decoding: draft model %s (%s, %s), up to %d tokens per step", path,
                     draft.architectures[0] if getattr(draft, "architectures", None) else draft.model_type,
+                    self.model_config.quantization or self.model_config.dtype_name,
                     config.speculative.num_speculative_tokens)
 
     def release(self) -> None:

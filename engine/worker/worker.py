@@ -77,7 +77,7 @@ class Worker:
                 use_absorbed_attention_only(self.model)
             # A draft model runs on the first rank only, its cache beside the target's.
             spec = config.speculative
-            self.draft = (DraftModelRunner(config, model_config)
+            self.draft = (DraftModelRunner(config, model_config, lambda draft: self._calibrate(draft, images=False))
                           if spec is not None and spec.method == "draft_model" and group.rank == 0 else None)
             self.kv_cache = KVCache(self.model, config.attention_backend, config.block_size,
                                     cache_torch_dtype(config.kv_cache_dtype), self.device)
@@ -91,9 +91,11 @@ class Worker:
         self.lora_manager = self._make_lora_manager() if config.enable_lora else None
         self.cuda_graphs = self._capture_cuda_graphs()
 
-    def _calibrate(self, model: torch.nn.Module) -> None:
+    def _calibrate(self, model: torch.nn.Module, images: bool = True) -> None:
         """Measures the input ranges that int8's smoothing reads, when the model has
-        projections that want them: one prefill of the calibration text on scratch blocks."""
+        projections that want them: one prefill of the calibration text on scratch blocks,
+        and with `images`, a vision-language model's encoder over the calibration pictures
+        (a draft model, which reads text, takes none)."""
         if not layers_wanting_ranges(model):
             return
         from transformers import AutoTokenizer
@@ -104,7 +106,7 @@ class Worker:
         scratch = KVCache(model, config.attention_backend, config.block_size,
                           cache_torch_dtype(config.kv_cache_dtype), self.device)
         record_input_ranges(model, scratch, calibration_prompts(tokenizer, self.model_config.max_model_len),
-                            self._calibration_images(tokenizer))
+                            self._calibration_images(tokenizer) if images else [])
 
     def _calibration_images(self, tokenizer: "PreTrainedTokenizerBase") -> list[dict[str, torch.Tensor]]:
         """A vision-language model's encoder inputs of the calibration pictures (none for a text model)."""

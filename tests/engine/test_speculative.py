@@ -62,7 +62,8 @@ class Decoding:
     """A sequence as the proposer's trimming sees it: proposals and a recent acceptance."""
 
     def __init__(self, acceptance: float, proposals: int) -> None:
-        self.spec = SpecState(proposed=100.0, accepted=acceptance * 102 - 1)
+        self.spec = SpecState()
+        self.spec.recent.proposed, self.spec.recent.accepted = 1000.0, acceptance * 1000
         self.spec_token_ids = list(range(proposals))
 
 
