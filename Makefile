@@ -80,9 +80,10 @@ test: prepare postgres
 test-quick: prepare postgres
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal -m "not slow and not ui"
 
-# The tests whose path depends on the CPU (marked cpu_kinds), as each kind this CPU can stand in for.
+# The tests whose path depends on the CPU (marked cpu_kinds), as each kind this CPU can stand in for;
+# CI passes CPU_KINDS_ARGS=--except-own after make test, which ran this CPU's own kind.
 test-cpu-kinds: prepare
-	$(PY) -m tests.cpu_kinds
+	$(PY) -m tests.cpu_kinds $(CPU_KINDS_ARGS)
 
 # The browser test of the UI: Debian's chromium (installed here when this runs as root) driven by
 # Playwright's Python client against `dagster dev`. Screenshots land in test-artifacts/ui/.

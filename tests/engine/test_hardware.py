@@ -21,7 +21,7 @@ from engine import LLM, SamplingParams
 import engine.hardware as hardware
 from engine.hardware import CPU_KIND_ENV, CPU_KINDS, CpuInfo, available_cpus, cpu_dtype, default_num_threads, detect_cpu
 import engine.layers.linear as linear
-from tests.cpu_kinds import stand_ins
+from tests.cpu_kinds import own_kind, stand_ins
 
 pytestmark = pytest.mark.cpu_kinds
 
@@ -227,6 +227,15 @@ def test_a_machine_stands_in_for_the_kinds_whose_flags_it_has():
     assert missing == {"amx": {"amx_bf16", "amx_tile", "amx_int8"}}
     runnable, missing = stand_ins(frozenset({"asimd", "bf16"}))  # no x86 kind on ARM
     assert runnable == [] and set(missing) == set(CPU_KINDS)
+
+
+def test_ci_leaves_out_the_kind_the_suite_just_ran_as():
+    """After `make test`, CI runs the lower kinds only: the suite ran the machine's own kind's
+    path and kernels, except on AMX, where the suite keeps oneDNN off AMX."""
+    assert own_kind(stand_ins(CPU_KINDS["avx512_bf16"].flags)[0], amx=False) is CPU_KINDS["avx512_bf16"]
+    assert own_kind(stand_ins(CPU_KINDS["avx2"].flags)[0], amx=False) is CPU_KINDS["avx2"]
+    assert own_kind(stand_ins(CPU_KINDS["amx"].flags)[0], amx=True) is None
+    assert own_kind([], amx=False) is None
 
 
 def test_bfloat16_runs_on_any_cpu(tiny_models):
