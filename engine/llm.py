@@ -493,7 +493,7 @@ class LLM:
             self._replicas.close()
             self._replicas = None
         if self._llm_engine is not None:
-            self._llm_engine.release()
+            self._llm_engine.release()  # and detaches its finalizer: the collection below is the one
             self._llm_engine = None
             gc.collect()
             release_freed_memory()

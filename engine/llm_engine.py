@@ -98,8 +98,10 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._token_texts: dict[tuple[bool, bool], dict[int, str]] = {}  # by detokenizer settings
         self._in_flight: LaunchedStep | None = None  # launched, its tokens not yet read back
+        self._finalizer: weakref.finalize | None = None
         if self.model_config.device.type == "cpu":
-            weakref.finalize(self, _free_dropped_engine, self.__dict__).atexit = False
+            self._finalizer = weakref.finalize(self, _free_dropped_engine, self.__dict__)
+            self._finalizer.atexit = False
 
     @property
     def lora_manager(self) -> LoRAManager | None:
@@ -515,8 +517,12 @@ class LLMEngine:
         return output
 
     def release(self) -> None:
+        """Frees the model and the KV cache (`LLM.close`, which then collects and trims once:
+        the finalizer for an engine dropped without it is detached)."""
         self.abort_all()
         self.model_runner.release()
+        if self._finalizer is not None:
+            self._finalizer.detach()
 
 
 def _multimodal_processor(model_config: ModelConfig,
