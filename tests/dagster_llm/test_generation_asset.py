@@ -390,14 +390,16 @@ def test_unset_sampling_fields_take_the_models_generation_config_as_llm_generate
 
 
 def test_speculative_decoding_on_the_resource_keeps_the_table_and_reports_acceptance(env, tiny_models):
-    """A resource with n-gram speculation writes the same greedy table as one without, and the
+    """A resource with n-gram speculation, and one with a draft model (the target itself, so
+    that its proposals are accepted), write the same greedy table as one without, and the
     materialization records how many proposed tokens were accepted."""
     frames = {"a": pd.DataFrame({"id": ["r1", "r2"], "prompt": ["a b c a b c a b c a b", "x y x y x y x y x"]})}
     parts = dg.StaticPartitionsDefinition(["a"])
-    tables = []
+    tables, speculations = [], []
     with dg.instance_for_test() as instance:
         for speculative in (None, {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-                                   "prompt_lookup_max": 3}):
+                                   "prompt_lookup_max": 3},
+                            {"model": str(tiny_models["llama"]), "num_speculative_tokens": 3}):
             gen = build_generation_asset("gen", upstream="prompts", partitions_def=parts,
                                          sampling=SamplingConfig(temperature=0, max_tokens=24, ignore_eos=True))
             resources = {**env["resources"], "llm": LLMResource(model_id=str(tiny_models["llama"]), dtype="float32",
@@ -406,8 +408,10 @@ def test_speculative_decoding_on_the_resource_keeps_the_table_and_reports_accept
             dg.materialize([prompts_asset(frames, parts), gen], partition_key="a", resources=resources,
                            instance=instance, run_config={"ops": {"gen": {"config": {"resume": False}}}})
             tables.append(pd.read_parquet(partition_file(env["root"], dg.AssetKey("gen"), "a")))
-            meta = latest(instance, "gen", "a").metadata
-    pd.testing.assert_frame_equal(tables[0], tables[1])
-    speculation = meta["speculative_decoding"].value
-    assert speculation["accepted_tokens"] > 0 and 0 < speculation["acceptance_rate"] <= 1
-    assert speculation["mean_acceptance_length"] > 1
+            speculations.append(latest(instance, "gen", "a").metadata.get("speculative_decoding"))
+    assert speculations[0] is None
+    for table, speculation in zip(tables[1:], speculations[1:]):
+        pd.testing.assert_frame_equal(tables[0], table)
+        speculation = speculation.value
+        assert speculation["accepted_tokens"] > 0 and 0 < speculation["acceptance_rate"] <= 1
+        assert speculation["mean_acceptance_length"] > 1
