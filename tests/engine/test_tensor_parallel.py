@@ -210,6 +210,23 @@ def test_asynchronous_scheduling_on_two_ranks_gives_one_ranks_tokens(pair: Engin
     assert llama_tp2_async.llm_engine.scheduler.num_preemptions > preemptions
 
 
+@pytest.mark.parametrize("pair", ["llama"], indirect=True)
+def test_a_draft_model_on_two_ranks_gives_one_ranks_tokens(pair: EnginePair, models: dict[str, Path]) -> None:
+    """Speculative decoding with a draft model (the target itself, whole, on the first rank)
+    on two ranks gives one rank's greedy tokens through chunks and preemption. The first
+    rank's budget holds its half of the target's cache and the whole draft's: given three
+    times a half's budget, the ranks agree on one rank's blocks."""
+    folder = models["llama"]
+    settings = engine_settings(folder, 2, speculative_config={"model": str(folder), "num_speculative_tokens": 3})
+    settings["kv_cache_memory"] *= 3
+    with LLM(str(folder), **settings) as llm:
+        speculated = llm.generate(MIXED_BATCH, GREEDY, use_tqdm=False)
+        assert llm.llm_engine.kv_cache_tokens == KV_CACHE_TOKENS
+        assert llm.llm_engine.scheduler.num_preemptions > 0
+        assert llm.get_stats().acceptance_rate > 0.9
+    assert token_ids(speculated) == token_ids(pair.tp1.generate(MIXED_BATCH, GREEDY, use_tqdm=False))
+
+
 @pytest.mark.parametrize("scheduling", ["sync", "async"])
 @pytest.mark.parametrize("pair", ["llama"], indirect=True)
 def test_structured_outputs_on_two_ranks(pair: EnginePair, llama_tp2_async: LLM, scheduling: str) -> None:
