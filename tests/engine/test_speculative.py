@@ -311,6 +311,23 @@ def test_a_draft_model_keeps_every_setting(make_llm, tiny_models):
     assert spec.get_stats().num_accepted_tokens > 0
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_each_attention_backend_verifies_proposals(make_llm, tiny_models, backend):
+    """The verification rows are short query runs over cached context, like chunks of a
+    prefill, in every attention backend (the compiled CPU one is the default of the tests
+    above; Triton's kernels run in its interpreter here): the same greedy tokens with prompt
+    lookup and with a draft model."""
+    prompts = [{"prompt_token_ids": ids} for ids in REPEATING[:2]]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outputs, accepted = [], []
+    for spec in (None, NGRAM, draft(tiny_models["llama"])):
+        llm = make_llm("llama", dtype="float32", attention_backend=backend, speculative_config=spec)
+        outputs.append(token_ids(llm.generate(prompts, params, use_tqdm=False)))
+        accepted.append(llm.get_stats().num_accepted_tokens)
+    assert outputs[1] == outputs[0] and outputs[2] == outputs[0]
+    assert accepted[1] > 0 and accepted[2] > 0
+
+
 def test_a_draft_model_that_cannot_serve_is_refused_at_start(tiny_models, tmp_path):
     other_vocab = build_tiny_model(tmp_path / "wide", "llama", vocab_size=400)
     with pytest.raises(ValueError, match="its vocabulary has 400 tokens, the target's 320"):
