@@ -10,7 +10,10 @@ planned for an H100), ending in one table to paste into benchmarks/RESULTS.md:
     load): against 10,000 and 15,000 output tok/s;
 (d) a JSON schema against the same rows unconstrained (Llama-3.2-1B shape): ratio >= 0.9;
 (e) the decode step at batch 256 (Llama-3.2-1B shape) against the HBM roofline: >= 50%;
-(f) asynchronous scheduling on against off on one workload: tok/s of each, outputs equal.
+(f) asynchronous scheduling on against off on one workload: tok/s of each, outputs equal;
+(g) speculative decoding (prompt lookup, and a two-layer draft model of random weights)
+    against none at batch 1 and 4 on prompts that repeat a span: tok/s ratio, acceptance,
+    outputs equal.
 
 The models have random weights, built on the GPU into a temporary folder (in /dev/shm where
 it has room), each with a byte-level tokenizer of the model's whole vocabulary (random
@@ -99,11 +102,19 @@ def llama_3_1_8b() -> transformers.PretrainedConfig:
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
 
 
+def llama_draft() -> transformers.PretrainedConfig:
+    """Llama-3.2-1B's shape with two of its sixteen layers: a draft model of its vocabulary."""
+    config = model_config("llama-1b")
+    config.num_hidden_layers = 2
+    return config
+
+
 # name: (label, full-size config)
 SHAPES: dict[str, tuple[str, Callable[[], transformers.PretrainedConfig]]] = {
     "qwen3-0.6b": ("Qwen3-0.6B", qwen3_0_6b),
     "llama-3.2-1b": ("Llama-3.2-1B", partial(model_config, "llama-1b")),
     "llama-3.1-8b": ("Llama-3.1-8B", llama_3_1_8b),
+    "llama-draft": ("two-layer Llama-3.2-1B draft", llama_draft),
 }
 
 
@@ -213,10 +224,12 @@ class Sizes:
     min_prompts: int  # fewer than this and a run is not run
     warm_prompts: int  # the warm-up of each engine
     warm_tokens: int
+    spec_span: int  # (g): a prompt is a random span of this many tokens, four times
+    spec_tokens: int
 
 
-FULL_SIZES = Sizes(256, (100, 1024), 256, 1000, 256, 160, 256, 128, 128, 128, 32, 4, 8)
-DRY_SIZES = Sizes(4, (8, 24), 2, 16, 3, 12, 4, 8, 4, 4, 1, 2, 2)
+FULL_SIZES = Sizes(256, (100, 1024), 256, 1000, 256, 160, 256, 128, 128, 128, 32, 4, 8, 64, 256)
+DRY_SIZES = Sizes(4, (8, 24), 2, 16, 3, 12, 4, 8, 4, 4, 1, 2, 2, 6, 12)
 
 
 @dataclass
@@ -624,6 +637,50 @@ def stage_async(check: Check, rows: list[Row]) -> None:
                     DRY if check.dry_run else PASS if equal == len(workload.prompts) else FAIL))
 
 
+def repeating_workload(count: int, span: int, tokens: int, vocab: int, seed: int = 0) -> Workload:
+    """`count` prompts, each a random span of `span` token ids four times over: a random
+    model's greedy continuation of such a prompt tends to go on repeating it, which is what
+    prompt lookup proposes (the copying of summaries and extractions, in miniature)."""
+    rng = random.Random(seed)
+    spans = [[rng.randrange(3, vocab) for _ in range(span)] for _ in range(count)]
+    return Workload([piece * 4 for piece in spans], [tokens] * count)
+
+
+def stage_speculative(check: Check, rows: list[Row]) -> None:
+    """(g) speculative decoding against none on the Llama-3.2-1B shape, at batch 1 and 4 (that
+    many prompts at once): prompt lookup, and a two-layer draft model of its vocabulary and
+    random weights (what a draft costs, and how often such a draft is right). Engines without
+    speculation run
+    with asynchronous scheduling (the GPU's default), those with it without (they refuse it)."""
+    s, name = check.sizes, "llama-3.2-1b"
+    vocab = check.config(name).vocab_size
+    workloads = {batch: repeating_workload(batch, s.spec_span, s.spec_tokens, vocab, seed=11) for batch in (1, 4)}
+    draft = check.folder("llama-draft")
+    engines = [("off", {}), ("ngram", {"async_scheduling": False, "speculative_config": {
+        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}}),
+               ("draft model", {"async_scheduling": False, "speculative_config": {
+                   "model": str(draft), "num_speculative_tokens": 4}})]
+    runs: dict[tuple[str, int], Timed] = {}
+    acceptance: dict[tuple[str, int], str] = {}
+    for label, settings in engines:
+        llm = check.llm(name, **settings)
+        for batch, workload in workloads.items():
+            before = llm.get_stats()
+            runs[label, batch] = check.timed(llm, workload)
+            after = llm.get_stats()
+            drafted = after.num_draft_tokens - before.num_draft_tokens
+            accepted = after.num_accepted_tokens - before.num_accepted_tokens
+            acceptance[label, batch] = f"{accepted / drafted:.2f} accepted" if drafted else "none proposed"
+    for label, _ in engines[1:]:
+        for batch, workload in workloads.items():
+            off, on = runs["off", batch], runs[label, batch]
+            equal = on.token_ids() == off.token_ids()
+            rows.append(Row("g", f"{SHAPES[name][0]} {label} against none, batch {batch}, {workload.describe()}",
+                            f"{on.rate / off.rate:.2f}x ({on.rate:,.0f} / {off.rate:,.0f} out tok/s), "
+                            f"{acceptance[label, batch]}", "outputs equal",
+                            DRY if check.dry_run else PASS if equal else FAIL))
+
+
 @dataclass(frozen=True)
 class Stage:
     title: str
@@ -638,10 +695,11 @@ STAGES = {
     "d": Stage("structured outputs", 30, stage_structured),
     "e": Stage("decode step against the HBM roofline", 10, stage_decode_roofline),
     "f": Stage("asynchronous scheduling on / off", 30, stage_async),
+    "g": Stage("speculative decoding on / off", 40, stage_speculative),
 }
 # The order they run in: the tests alone on the GPU first, then the stages that share the
 # Llama-3.2-1B engine one after another, the 8B (the largest, most able to shrink) last.
-RUN_ORDER = "abedfc"
+RUN_ORDER = "abedfgc"
 
 
 # ---------------------------------------------------------------- the run and its table
@@ -755,7 +813,7 @@ def main() -> int:
     parser.add_argument("--budget-s", type=float, default=480.0, help="the whole run's time (default 480)")
     parser.add_argument("--dry-run", action="store_true",
                         help="every stage at tiny size on a CPU, without a time limit; nothing judged")
-    parser.add_argument("--stages", default="".join(STAGES), help="which stages run, e.g. 'bcdef' (default all)")
+    parser.add_argument("--stages", default="".join(STAGES), help="which stages run, e.g. 'bcdefg' (default all)")
     parser.add_argument("--output", type=Path, default=None,
                         help="the markdown table (default $OUT/gpu-check.md where OUT is set, else benchmarks/)")
     parser.add_argument("--commit", default=None, help="the commit to name (default: git's, where there is one)")
