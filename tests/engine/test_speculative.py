@@ -203,24 +203,30 @@ def _chi_square(a: collections.Counter, b: collections.Counter) -> tuple[float, 
     return statistic, len(bins) - 1
 
 
-def test_unseeded_sampled_rows_keep_the_models_distribution(make_llm, monkeypatch):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_unseeded_sampled_rows_keep_the_models_distribution(make_llm, tiny_models, monkeypatch, method):
     """1,000 completions of six tokens with and without speculation, drawn from the engine's
-    generator (no seeds), at a temperature where the tiny model mostly repeats a pattern
-    that the proposals follow (about a quarter of them are accepted) and often leaves it:
-    the distributions of each position's token agree (a two-sample chi-square at the 0.1%
-    level per position). Its power, tried: a verifier that takes the proposal in place of a
-    differing sample 30% of the time gives a statistic of 156 against a critical value of 33.
+    generator (no seeds), where the proposals are often right and often wrong: the
+    distributions of each position's token agree (a two-sample chi-square at the 0.1% level
+    per position). Prompt lookup at a temperature where the tiny model mostly repeats a
+    pattern that the proposals follow and often leaves it (a quarter of them accepted); the
+    target as its own draft (its greedy tokens proposed) at a temperature where its samples
+    mostly differ from them (an eighth accepted). Its
+    power, tried: a verifier that takes the proposal in place of a differing sample 30% of
+    the time gives a statistic of 156 against a critical value of 33 (prompt lookup).
     Every proposal is verified here (in a batch this large the engine would keep few: their
     rows would cost more than they save), so that the verification is what is tested.
     The engines' seeds fix the draws, so the test is repeatable."""
     monkeypatch.setattr(Proposer, "keep_worthwhile", lambda self, seqs: None)
-    plain, spec = both(make_llm, max_num_seqs=64)
+    spec_config, temperature = (NGRAM, 0.15) if method == "ngram" else (draft(tiny_models["llama"]), 0.5)
+    plain = make_llm("llama", dtype="float32", max_num_seqs=64)
+    spec = make_llm("llama", dtype="float32", max_num_seqs=64, speculative_config=spec_config)
     prompt = {"prompt_token_ids": REPEATING[0]}
-    params = SamplingParams(temperature=0.15, max_tokens=6, ignore_eos=True)
+    params = SamplingParams(temperature=temperature, max_tokens=6, ignore_eos=True)
     samples = {name: token_ids(llm.generate([prompt] * 1000, params, use_tqdm=False))
                for name, llm in (("plain", plain), ("spec", spec))}
     stats = spec.get_stats()
-    assert stats.num_accepted_tokens > 200 and stats.acceptance_rate < 0.6  # often right, often wrong
+    assert stats.num_accepted_tokens > 200 and stats.acceptance_rate < 0.6, stats  # often right, often wrong
     for position in range(6):
         statistic, dof = _chi_square(collections.Counter(s[position] for s in samples["plain"]),
                                      collections.Counter(s[position] for s in samples["spec"]))
