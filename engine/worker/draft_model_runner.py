@@ -25,6 +25,7 @@ from torch import nn
 
 from engine.config import AT_LOAD, EngineConfig, ModelConfig
 from engine.core.sched_output import ScheduledBatch
+from engine.core.sequence import Sequence
 from engine.distributed.communicator import TensorParallelGroup
 from engine.kv_cache_dtype import cache_torch_dtype
 from engine.model_loader.folder import resolve_model_path
@@ -72,6 +73,7 @@ class DraftModelRunner:
         self.kv_cache = KVCache(self.model, config.attention_backend, config.block_size,
                                 cache_torch_dtype(config.kv_cache_dtype), target.device)
         self.device = target.device
+        self.max_tokens = config.max_num_batched_tokens
         logger.info("speculative decoding: draft model %s (%s, %s), up to %d tokens per step", path,
                     draft.architectures[0] if getattr(draft, "architectures", None) else draft.model_type,
                     self.model_config.quantization or self.model_config.dtype_name,
@@ -89,13 +91,9 @@ class DraftModelRunner:
         seqs = list(batch.spec_token_ids)
         counts = [len(batch.spec_token_ids[seq]) for seq in seqs]
         states: list[DraftState] = [seq.spec for seq in seqs]
-        # First the tokens each lacks in the draft's cache, up to its last (the step's first row).
-        starts = [state.num_computed for state in states]
         last = [seq.num_tokens - 1 for seq in seqs]
-        ids = upload([t for seq, start in zip(seqs, starts) for t in seq.token_ids[start:]], torch.long, self.device)
         slots = upload([seq.batch_slot for seq in seqs], torch.long, self.device)
-        live = list(range(len(seqs)))
-        rounds = [(live, self._next_tokens(input_batch, ids, slots, starts, [n + 1 - s for n, s in zip(last, starts)]))]
+        rounds = [(list(range(len(seqs))), self._catch_up(input_batch, seqs, [s.num_computed for s in states]))]
         for j in range(1, max(counts)):  # then each proposal, to propose the next
             previous, tokens = rounds[-1]
             live = [i for i in previous if counts[i] > j]
@@ -111,6 +109,34 @@ class DraftModelRunner:
         for seq, state, proposals, end in zip(seqs, states, drafts, last):
             batch.spec_token_ids[seq] = proposals
             state.num_computed = end + len(proposals)  # all but the last proposal's keys and values
+
+    def _catch_up(self, input_batch: InputBatch, seqs: list[Sequence], starts: list[int]) -> torch.Tensor:
+        """Each sequence's first proposal: the draft's greedy token once it has computed the
+        sequence's tokens from `starts[i]` to its last (the step's first row). A pass takes at
+        most the step budget's tokens (`max_num_batched_tokens`, which the activations were
+        sized for): a long catch-up goes in pieces, as a chunked prefill."""
+        budget = self.max_tokens
+        pieces = [(i, first, min(first + budget, seq.num_tokens))
+                  for i, (seq, start) in enumerate(zip(seqs, starts))
+                  for first in range(start, seq.num_tokens, budget)]
+        passes: list[list[tuple[int, int, int]]] = [[]]
+        for piece in pieces:  # a full piece fills a pass: a sequence has at most one piece in each
+            if passes[-1] and sum(end - first for _, first, end in passes[-1]) + piece[2] - piece[1] > budget:
+                passes.append([])
+            passes[-1].append(piece)
+        first_tokens = torch.empty(len(seqs), dtype=torch.long, device=self.device)
+        for pieces in passes:
+            ids = upload([t for i, first, end in pieces for t in seqs[i].token_ids[first:end]], torch.long,
+                         self.device)
+            slots = upload([seqs[i].batch_slot for i, _, _ in pieces], torch.long, self.device)
+            tokens = self._next_tokens(input_batch, ids, slots, [first for _, first, _ in pieces],
+                                       [end - first for _, first, end in pieces])
+            ending = [k for k, (i, _, end) in enumerate(pieces) if end == seqs[i].num_tokens]
+            if len(passes) == 1 and len(ending) == len(seqs):  # the usual step: a token or two each, one pass
+                return tokens
+            first_tokens[upload([pieces[k][0] for k in ending], torch.long, self.device)] = tokens[
+                upload(ending, torch.long, self.device)]
+        return first_tokens
 
     def _next_tokens(self, input_batch: InputBatch, ids: torch.Tensor, slots: torch.Tensor, starts: list[int],
                      nums: list[int]) -> torch.Tensor:

@@ -277,8 +277,9 @@ def test_a_draft_model_gives_the_same_greedy_tokens(make_llm, tiny_models, draft
 
 
 def test_a_draft_model_through_chunked_prefill_preemption_prefix_hits_and_forks(make_llm, tiny_models):
-    """The draft's cache shares the target's block tables: small steps chunk the prompts, a
-    KV cache sized for both models preempts sequences (which forget their draft entries),
+    """The draft's cache shares the target's block tables: small steps chunk the prompts (and
+    the draft's first catch-up over a 40-token prompt goes in passes of 16 tokens), a KV
+    cache sized for both models preempts sequences (which forget their draft entries),
     repeated prompts start from cached blocks and n=2 forks share them. With the target as
     its own draft, acceptance stays near one: no draft entry is read stale."""
     config = json.loads((tiny_models["llama"] / "config.json").read_text())
