@@ -1,6 +1,7 @@
 """What every proposer shares: a sequence's recent acceptance, and the rule that keeps a
 step's proposals only where they are worth their rows."""
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 from engine.core.sequence import Sequence
@@ -51,7 +52,7 @@ class SpecState:
 
 
 @dataclass
-class Proposer:
+class Proposer(ABC):
     """Proposes tokens for each decoding sequence (`propose`, a method's own), then keeps
     those worth their rows: a proposed token is a row of the next step, worth the chance
     that it and the ones before it are accepted (the sequence's acceptance, its recent rate
@@ -71,9 +72,9 @@ class Proposer:
     overall: Acceptance = field(default_factory=lambda: Acceptance(_ENGINE_DECAY))
     _exploring: bool = False
 
+    @abstractmethod
     def propose(self, seq: Sequence) -> None:
         """Sets the sequence's proposals for its next step (`Sequence.spec_token_ids`)."""
-        raise NotImplementedError
 
     def limit(self, seq: Sequence) -> int:
         """How many tokens the sequence may be proposed: none where it cannot speculate (beam
