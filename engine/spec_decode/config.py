@@ -5,6 +5,9 @@ from typing import Any
 
 # vLLM's method names -> ours (a list-style "[ngram]" is vLLM's older spelling).
 _METHODS = {"ngram": "ngram", "[ngram]": "ngram", "draft_model": "draft_model"}
+# The keys of one method only.
+_NGRAM_KEYS = ("prompt_lookup_min", "prompt_lookup_max")
+_DRAFT_KEYS = ("model", "quantization", "draft_tensor_parallel_size")
 
 
 @dataclass(frozen=True)
@@ -15,8 +18,11 @@ class SpeculativeConfig:
     occurrence of the sequence's last n tokens (n from prompt_lookup_max down to
     prompt_lookup_min) in its prompt and output. method "draft_model" (given `model`, a
     model folder): a smaller model sharing the target's tokenizer proposes them, its own
-    greedy choices one forward pass each. `num_speculative_tokens` is the most tokens
-    proposed per sequence and step.
+    greedy choices one forward pass each, quantized with `quantization` where given (else
+    as its checkpoint is, or as the target is at load); `draft_tensor_parallel_size` may
+    only be 1 (it runs on the target's first rank). `num_speculative_tokens` is the most
+    tokens proposed per sequence and step; with `disable_by_batch_size`, none while more
+    sequences than that are running (on top of the engine's own measure of their worth).
     """
 
     method: str
@@ -24,6 +30,9 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 5
     prompt_lookup_max: int = 5
     model: str | None = None
+    quantization: str | None = None
+    draft_tensor_parallel_size: int = 1
+    disable_by_batch_size: int | None = None
 
     @classmethod
     def parse(cls, value: "dict[str, Any] | SpeculativeConfig") -> "SpeculativeConfig":
@@ -48,30 +57,50 @@ class SpeculativeConfig:
             problems.append(f"speculative_config['method']: {value['method']!r} is not supported; 'ngram' "
                             f"(prompt lookup) and 'draft_model' (with 'model': a folder) are")
         k = value.get("num_speculative_tokens")
-        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        if not _positive(k):
             problems.append(f"speculative_config['num_speculative_tokens']: give the most tokens proposed per step, "
                             f"a positive integer, got {k!r}")
-        model = value.get("model")
+        limit = value.get("disable_by_batch_size")
+        if limit is not None and not _positive(limit):
+            problems.append(f"speculative_config['disable_by_batch_size']: a positive integer (no proposals while "
+                            f"more sequences run) or None, got {limit!r}")
+        common = dict(num_speculative_tokens=k, disable_by_batch_size=limit)
         if method == "draft_model":
-            if not isinstance(model, str) or not model:
-                problems.append(f"speculative_config['model']: method 'draft_model' needs the draft model's "
-                                f"folder, got {model!r}")
-            problems += [f"speculative_config[{key!r}]: prompt lookup's, not the draft model's; drop it"
-                         for key in ("prompt_lookup_min", "prompt_lookup_max") if key in value]
-            return cls._checked(problems, "draft_model", k, model=model)
-        if model is not None:
-            problems.append("speculative_config['model']: a draft model's folder, not with method 'ngram'; "
-                            "drop 'method' or the model")
+            return cls._checked(problems + _draft_problems(value), method="draft_model", model=value.get("model"),
+                                quantization=value.get("quantization"), **common)
+        problems += [f"speculative_config[{key!r}]: a draft model's, not with method 'ngram'; drop it"
+                     for key in _DRAFT_KEYS if key in value]
         low, high = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
         low, high = (5, 5) if low is None and high is None else (low if low is not None else high,
                                                                    high if high is not None else low)
-        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in (low, high)) or low > high:
+        if not (_positive(low) and _positive(high)) or low > high:
             problems.append(f"speculative_config['prompt_lookup_min'] and ['prompt_lookup_max']: positive integers, "
                             f"min <= max, got {low!r} and {high!r}")
-        return cls._checked(problems, "ngram", k, low, high)
+        return cls._checked(problems, method="ngram", prompt_lookup_min=low, prompt_lookup_max=high, **common)
 
     @classmethod
-    def _checked(cls, problems: list[str], *args: Any, **kwargs: Any) -> "SpeculativeConfig":
+    def _checked(cls, problems: list[str], **values: Any) -> "SpeculativeConfig":
         if problems:
             raise ValueError("; ".join(problems))
-        return cls(*args, **kwargs)
+        return cls(**values)
+
+
+def _positive(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _draft_problems(value: dict[str, Any]) -> list[str]:
+    """What is wrong with a draft model's keys."""
+    problems = [f"speculative_config[{key!r}]: prompt lookup's, not the draft model's; drop it"
+                for key in _NGRAM_KEYS if key in value]
+    model, quantization = value.get("model"), value.get("quantization")
+    if not isinstance(model, str) or not model:
+        problems.append(f"speculative_config['model']: method 'draft_model' needs the draft model's folder, "
+                        f"got {model!r}")
+    if quantization is not None and not isinstance(quantization, str):
+        problems.append(f"speculative_config['quantization']: a method name such as 'int8' or 'fp8', or None, "
+                        f"got {quantization!r}")
+    if value.get("draft_tensor_parallel_size", 1) != 1:
+        problems.append(f"speculative_config['draft_tensor_parallel_size']: the draft runs whole on the target's "
+                        f"first rank; give 1 or leave it out, got {value['draft_tensor_parallel_size']!r}")
+    return problems

@@ -93,11 +93,17 @@ class Proposer(ABC):
 
     def keep_worthwhile(self, seqs: list[Sequence]) -> None:
         """Trims the proposals of the sequences that decode next (`seqs`) to those worth
-        their rows; a step of the engine's acceptance counts."""
+        their rows, or to none with more of them than `disable_by_batch_size`; a step of
+        the engine's acceptance counts."""
         self.overall.add(0, 0)
         proposals = [(self.acceptance(seq) ** (j + 1), seq) for seq in seqs if seq.spec_token_ids
                      for j in range(len(seq.spec_token_ids))]
         if not proposals:
+            return
+        limit = self.config.disable_by_batch_size
+        if limit is not None and len(seqs) > limit:
+            for _, seq in proposals:
+                seq.spec_token_ids.clear()
             return
         cost = self.step_times.fit()
         if cost is None:

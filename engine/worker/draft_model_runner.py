@@ -45,18 +45,21 @@ class DraftModelRunner:
     def __init__(self, config: EngineConfig, target: ModelConfig,
                  calibrate: Callable[[nn.Module], None] | None = None) -> None:
         """`config` is the engine's, resolved. The draft runs in the target's dtype, and
-        quantized as its own checkpoint is, else as the target is quantized at load (int8,
-        FP8; `calibrate` measures int8's input ranges), else unquantized.
+        quantized with speculative_config's `quantization` where given, else as its own
+        checkpoint is, else as the target is quantized at load (int8, FP8; `calibrate`
+        measures int8's input ranges), else unquantized.
 
         Raises:
             ValueError: the draft's vocabulary is not the target's, it generates from images,
                 or its context is shorter than the target's.
         """
-        path = resolve_model_path(config.speculative.model)
-        settings = replace(config, quantization=None, runner="generate", pooling_type=None)
+        spec = config.speculative
+        path = resolve_model_path(spec.model)
+        settings = replace(config, quantization=spec.quantization, runner="generate", pooling_type=None)
         try:
             self.model_config = resolve_model_config(path, settings, None)
-            if self.model_config.quantization is None and config.quantization in AT_LOAD:
+            unquantized = spec.quantization is None and self.model_config.quantization is None
+            if unquantized and config.quantization in AT_LOAD:
                 self.model_config = resolve_model_config(path, replace(settings, quantization=config.quantization),
                                                          None)
         except ValueError as exc:
@@ -77,7 +80,7 @@ class DraftModelRunner:
         logger.info("speculative decoding: draft model %s (%s, %s), up to %d tokens per step", path,
                     draft.architectures[0] if getattr(draft, "architectures", None) else draft.model_type,
                     self.model_config.quantization or self.model_config.dtype_name,
-                    config.speculative.num_speculative_tokens)
+                    spec.num_speculative_tokens)
 
     def release(self) -> None:
         self.kv_cache.free()

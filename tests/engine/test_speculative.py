@@ -35,6 +35,17 @@ def test_settings_follow_vllm_and_name_every_bad_key():
     assert "needs the draft model's folder" in str(caught.value) and "['prompt_lookup_max']" in str(caught.value)
     with pytest.raises(ValueError, match="not with method 'ngram'"):
         SpeculativeConfig.parse({"method": "ngram", "model": "/m", "num_speculative_tokens": 2})
+    # vLLM's other keys that apply here.
+    assert SpeculativeConfig.parse({"model": "/m", "num_speculative_tokens": 3, "quantization": "int8",
+                                    "draft_tensor_parallel_size": 1, "disable_by_batch_size": 8}) == \
+        SpeculativeConfig("draft_model", 3, model="/m", quantization="int8", disable_by_batch_size=8)
+    with pytest.raises(ValueError) as caught:
+        SpeculativeConfig.parse({"model": "/m", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 2,
+                                 "disable_by_batch_size": 0})
+    assert "runs whole on the target's first rank" in str(caught.value)
+    assert "['disable_by_batch_size']: a positive integer" in str(caught.value)
+    with pytest.raises(ValueError, match=r"\['quantization'\]: a draft model's, not with method 'ngram'"):
+        SpeculativeConfig.parse({"num_speculative_tokens": 2, "quantization": "int8"})
     with pytest.raises(ValueError) as caught:
         EngineConfig(speculative_config={"method": "eagle", "num_speculative_tokens": 0, "lookup": 2,
                                          "prompt_lookup_min": 4, "prompt_lookup_max": 2})
@@ -322,6 +333,17 @@ def test_a_draft_model_keeps_every_setting(make_llm, tiny_models):
     assert_same_completions(plain, spec, prompts, params)
 
 
+def test_no_proposals_above_disable_by_batch_size(make_llm):
+    """vLLM's `disable_by_batch_size`: with more sequences running than it allows, none
+    speculates; alone, one does."""
+    spec = make_llm("llama", dtype="float32", speculative_config={**NGRAM, "disable_by_batch_size": 2})
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    spec.generate([{"prompt_token_ids": ids} for ids in REPEATING], params, use_tqdm=False)
+    assert spec.get_stats().num_drafts == 0
+    spec.generate([{"prompt_token_ids": REPEATING[0]}], params, use_tqdm=False)
+    assert spec.get_stats().num_drafts > 0
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_each_attention_backend_verifies_proposals(make_llm, tiny_models, backend):
     """The verification rows are short query runs over cached context, like chunks of a
@@ -343,5 +365,7 @@ def test_a_draft_model_that_cannot_serve_is_refused_at_start(tiny_models, tmp_pa
     other_vocab = build_tiny_model(tmp_path / "wide", "llama", vocab_size=400)
     with pytest.raises(ValueError, match="its vocabulary has 400 tokens, the target's 320"):
         LLM(str(tiny_models["llama"]), speculative_config=draft(other_vocab))
+    with pytest.raises(ValueError, match=r"speculative_config\['model'\]=.*quantization='awq' needs a checkpoint"):
+        LLM(str(tiny_models["llama"]), speculative_config={**draft(tiny_models["llama"]), "quantization": "awq"})
     with pytest.raises(ValueError, match="is not a local folder"):
         LLM(str(tiny_models["llama"]), speculative_config=draft(tmp_path / "missing"))
