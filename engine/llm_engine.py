@@ -42,6 +42,7 @@ from engine.spec_decode.draft_model import DraftModelProposer
 from engine.spec_decode.ngram_proposer import NgramProposer
 from engine.structured_output.manager import StructuredOutputManager
 from engine.tool_parsers import ToolParser, detect_tool_parser, tool_parser
+from engine.worker.draft_model_runner import resolve_draft_config
 from engine.worker.model_runner import LaunchedStep, ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -63,8 +64,9 @@ class LLMEngine:
         path = resolve_model_path(config.model)
         tokenizer_path = Path(config.tokenizer).expanduser() if config.tokenizer else path
         check_model_folder(path, tokenizer_path)
-        if config.speculative is not None and config.speculative.model is not None:
-            check_model_folder(resolve_model_path(config.speculative.model), tokenizer_path)
+        spec = config.speculative
+        if spec is not None and spec.model is not None:
+            check_model_folder(resolve_model_path(spec.model), tokenizer_path)
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(tokenizer_path)
         model_config = resolve_model_config(path, config, self.tokenizer.eos_token_id)
         check_tensor_parallel(model_config.hf_config, config.tensor_parallel_size)
@@ -82,7 +84,8 @@ class LLMEngine:
             self.tokenizer, model_config.hf_config.vocab_size, sorted(model_config.eos_token_ids))
         self.reasoning_parser = _reasoning_parser(config.reasoning_parser, self.tokenizer)
         self.tool_parser = _tool_parser(config.tool_call_parser, self.tokenizer)
-        self.model_runner = ModelRunner(config, model_config, replica)
+        draft_config = resolve_draft_config(config, model_config) if spec is not None and spec.model else None
+        self.model_runner = ModelRunner(config, model_config, replica, draft_config)
         self.block_manager = BlockManager(
             self.model_runner.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -91,7 +94,6 @@ class LLMEngine:
         encoder_cache = (EncoderCacheManager(max(config.max_num_batched_tokens, config.max_model_len))
                          if self.mm_processor is not None else None)
         self.scheduler = Scheduler(config, self.block_manager, encoder_cache)
-        spec = config.speculative
         self.proposer = ((DraftModelProposer if spec.method == "draft_model" else NgramProposer)(
             spec, config.max_model_len) if spec is not None else None)
         self.stats = EngineStats()

@@ -38,49 +38,56 @@ from engine.worker.kv_cache import KVCache
 logger = logging.getLogger(__name__)
 
 
+def resolve_draft_config(config: EngineConfig, target: ModelConfig) -> ModelConfig:
+    """The draft model's facts, resolved and checked before anything loads: in the target's
+    dtype, on its first device, quantized with speculative_config's `quantization` where
+    given, else as its own checkpoint is, else as the target is quantized at load (int8,
+    FP8), else unquantized. `config` is the engine's, resolved.
+
+    Raises:
+        ValueError: naming the draft's folder: its vocabulary is not the target's, it
+            generates from images, its context is shorter than the target's, or it cannot
+            take the quantization.
+    """
+    spec = config.speculative
+    path = resolve_model_path(spec.model)
+    settings = replace(config, quantization=spec.quantization, runner="generate", pooling_type=None)
+    try:
+        draft = resolve_model_config(path, settings, None)
+        if spec.quantization is None and draft.quantization is None and config.quantization in AT_LOAD:
+            draft = resolve_model_config(path, replace(settings, quantization=config.quantization), None)
+    except ValueError as exc:
+        raise ValueError(f"speculative_config['model']={str(path)!r}: {exc}") from exc
+    vocab = target.hf_config.vocab_size
+    if draft.hf_config.vocab_size != vocab:
+        raise ValueError(f"speculative_config['model']={str(path)!r}: its vocabulary has "
+                         f"{draft.hf_config.vocab_size} tokens, the target's {vocab}; a draft model must share the "
+                         f"target's tokenizer")
+    if draft.multimodal_config is not None:
+        raise ValueError(f"speculative_config['model']={str(path)!r}: a vision-language model; the draft "
+                         f"model reads text (give its language model's own folder, or a text model)")
+    return draft
+
+
 class DraftModelRunner:
     """The draft model and its KV cache (allocated by the worker, as many blocks as the
     target's), on the target's first rank's device."""
 
-    def __init__(self, config: EngineConfig, target: ModelConfig,
+    def __init__(self, config: EngineConfig, model_config: ModelConfig,
                  calibrate: Callable[[nn.Module], None] | None = None) -> None:
-        """`config` is the engine's, resolved. The draft runs in the target's dtype, and
-        quantized with speculative_config's `quantization` where given, else as its own
-        checkpoint is, else as the target is quantized at load (int8, FP8; `calibrate`
-        measures int8's input ranges), else unquantized.
-
-        Raises:
-            ValueError: the draft's vocabulary is not the target's, it generates from images,
-                or its context is shorter than the target's.
-        """
-        spec = config.speculative
-        path = resolve_model_path(spec.model)
-        settings = replace(config, quantization=spec.quantization, runner="generate", pooling_type=None)
-        try:
-            self.model_config = resolve_model_config(path, settings, None)
-            unquantized = spec.quantization is None and self.model_config.quantization is None
-            if unquantized and config.quantization in AT_LOAD:
-                self.model_config = resolve_model_config(path, replace(settings, quantization=config.quantization),
-                                                         None)
-        except ValueError as exc:
-            raise ValueError(f"speculative_config['model']={str(path)!r}: {exc}") from exc
-        draft, vocab = self.model_config.hf_config, target.hf_config.vocab_size
-        if draft.vocab_size != vocab:
-            raise ValueError(f"speculative_config['model']={str(path)!r}: its vocabulary has {draft.vocab_size} "
-                             f"tokens, the target's {vocab}; a draft model must share the target's tokenizer")
-        if self.model_config.multimodal_config is not None:
-            raise ValueError(f"speculative_config['model']={str(path)!r}: a vision-language model; the draft "
-                             f"model reads text (give its language model's own folder, or a text model)")
-        self.model = load_model(self.model_config, TensorParallelGroup(),
+        """Loads the draft (`model_config`, from `resolve_draft_config`); `config` is the
+        engine's, resolved; `calibrate` measures int8's input ranges."""
+        self.model_config = model_config
+        self.model = load_model(model_config, TensorParallelGroup(),
                                 triton_kernels=config.attention_backend == "triton", calibrate=calibrate)
         self.kv_cache = KVCache(self.model, config.attention_backend, config.block_size,
-                                cache_torch_dtype(config.kv_cache_dtype), target.device)
-        self.device = target.device
+                                cache_torch_dtype(config.kv_cache_dtype), model_config.device)
+        self.device = model_config.device
         self.max_tokens = config.max_num_batched_tokens
-        logger.info("speculative decoding: draft model %s (%s, %s), up to %d tokens per step", path,
+        draft = model_config.hf_config
+        logger.info("speculative decoding: draft model %s (%s, %s), up to %d tokens per step", model_config.path,
                     draft.architectures[0] if getattr(draft, "architectures", None) else draft.model_type,
-                    self.model_config.quantization or self.model_config.dtype_name,
-                    spec.num_speculative_tokens)
+                    model_config.quantization or model_config.dtype_name, config.speculative.num_speculative_tokens)
 
     def release(self) -> None:
         self.kv_cache.free()
@@ -123,10 +130,13 @@ class DraftModelRunner:
                   for i, (seq, start) in enumerate(zip(seqs, starts))
                   for first in range(start, seq.num_tokens, budget)]
         passes: list[list[tuple[int, int, int]]] = [[]]
+        size = 0  # the last pass's tokens
         for piece in pieces:  # a full piece fills a pass: a sequence has at most one piece in each
-            if passes[-1] and sum(end - first for _, first, end in passes[-1]) + piece[2] - piece[1] > budget:
+            if passes[-1] and size + piece[2] - piece[1] > budget:
                 passes.append([])
+                size = 0
             passes[-1].append(piece)
+            size += piece[2] - piece[1]
         first_tokens = torch.empty(len(seqs), dtype=torch.long, device=self.device)
         for pieces in passes:
             ids = upload([t for i, first, end in pieces for t in seqs[i].token_ids[first:end]], torch.long,

@@ -79,15 +79,17 @@ class ModelRunner:
     forward passes and their slices of the logits.
     """
 
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, replica: ReplicaPlan) -> None:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, replica: ReplicaPlan,
+                 draft_config: ModelConfig | None = None) -> None:
         """`config` is resolved (`EngineConfig.resolve`); `replica` places the ranks (one
-        without tensor parallelism), rank 0 on `model_config.device`."""
+        without tensor parallelism), rank 0 on `model_config.device`; `draft_config`: a
+        draft model's (`resolve_draft_config`), loaded on rank 0."""
         self.config = config
         self.model_config = model_config
         self.device = model_config.device
         self.block_size = config.block_size
         self.attention_backend = config.attention_backend
-        self.workers = WorkerGroup(config, model_config, replica)
+        self.workers = WorkerGroup(config, model_config, replica, draft_config)
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
         self.sampling_metadata = SamplingMetadataBuilder(model_config.hf_config.vocab_size,
                                                          model_config.eos_token_ids, self.device)

@@ -61,8 +61,11 @@ class ModelInputs:
 class Worker:
     """The model's share on one rank (all of it with one rank), its KV cache and adapter slots."""
 
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, group: TensorParallelGroup) -> None:
-        """`config` is resolved (`EngineConfig.resolve`); `model_config.device` is this rank's."""
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, group: TensorParallelGroup,
+                 draft_config: ModelConfig | None = None) -> None:
+        """`config` is resolved (`EngineConfig.resolve`); `model_config.device` is this rank's.
+        `draft_config`: speculative decoding's draft model, loaded beside the target (on the
+        first rank only)."""
         self.config = config
         self.model_config = model_config
         self.group = group
@@ -75,10 +78,9 @@ class Worker:
                                     calibrate=self._calibrate)
             if config.batch_invariant:
                 use_absorbed_attention_only(self.model)
-            # A draft model runs on the first rank only, its cache beside the target's.
-            spec = config.speculative
-            self.draft = (DraftModelRunner(config, model_config, lambda draft: self._calibrate(draft, images=False))
-                          if spec is not None and spec.method == "draft_model" and group.rank == 0 else None)
+            # Its cache sits beside the target's, in the same budget.
+            self.draft = (DraftModelRunner(config, draft_config, lambda draft: self._calibrate(draft, images=False))
+                          if draft_config is not None else None)
             self.kv_cache = KVCache(self.model, config.attention_backend, config.block_size,
                                     cache_torch_dtype(config.kv_cache_dtype), self.device)
             draft_cache = self.draft.kv_cache if self.draft is not None else None

@@ -95,8 +95,10 @@ class RankStart:
 class WorkerGroup:
     """Every rank's `Worker`: rank 0's here, the others in child processes."""
 
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, replica: ReplicaPlan) -> None:
-        """Starts the other ranks, joins them and loads rank 0's share with theirs.
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, replica: ReplicaPlan,
+                 draft_config: ModelConfig | None = None) -> None:
+        """Starts the other ranks, joins them and loads rank 0's share with theirs, and on
+        rank 0 the draft model of `draft_config` where given.
 
         Raises:
             WorkerError: a rank failed to start or load (the message is that rank's error).
@@ -106,7 +108,7 @@ class WorkerGroup:
         placements, backend = replica.placements, replica.backend
         size = len(placements)
         if size == 1:
-            self.local = Worker(config, model_config, TensorParallelGroup())
+            self.local = Worker(config, model_config, TensorParallelGroup(), draft_config)
             return
         store = TensorParallelGroup.open_store(size)
         try:
@@ -117,7 +119,7 @@ class WorkerGroup:
             for child in self.remote:
                 child.recv()  # imported and about to join: a rank that cannot start fails here, not in a wait
             group = TensorParallelGroup.connect(0, size, store, backend, placements[0].device)
-            self.local = Worker(config, model_config, group)
+            self.local = Worker(config, model_config, group, draft_config)
             for child in self.remote:
                 child.recv()
         except BaseException as exc:

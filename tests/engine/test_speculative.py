@@ -361,7 +361,14 @@ def test_each_attention_backend_verifies_proposals(make_llm, tiny_models, backen
     assert accepted[1] > 0 and accepted[2] > 0
 
 
-def test_a_draft_model_that_cannot_serve_is_refused_at_start(tiny_models, tmp_path):
+def test_a_draft_model_that_cannot_serve_is_refused_at_start(tiny_models, tmp_path, monkeypatch):
+    """Before any model loads: the draft's settings are resolved and checked first."""
+    import engine.worker.worker
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded before the draft was checked")
+
+    monkeypatch.setattr(engine.worker.worker, "load_model", no_loading)
     other_vocab = build_tiny_model(tmp_path / "wide", "llama", vocab_size=400)
     with pytest.raises(ValueError, match="its vocabulary has 400 tokens, the target's 320"):
         LLM(str(tiny_models["llama"]), speculative_config=draft(other_vocab))
