@@ -10,7 +10,8 @@ import math
 import pytest
 
 from engine import LLM, LoRARequest, SamplingParams, StructuredOutputsParams
-from engine.config import EngineConfig
+from engine.config import AT_LOAD, EngineConfig
+from engine.hardware import detect_cpu
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.ngram_proposer import NgramIndex, NgramProposer
 from engine.spec_decode.proposer import Proposer, SpecState
@@ -331,6 +332,27 @@ def test_a_draft_model_keeps_every_setting(make_llm, tiny_models):
               SamplingParams(temperature=0.7, top_p=0.9, seed=13, max_tokens=20, stop_token_ids=[21]),
               SamplingParams(temperature=0, max_tokens=24, structured_outputs=StructuredOutputsParams(json=schema))]
     assert_same_completions(plain, spec, prompts, params)
+
+
+@pytest.mark.cpu_kinds
+@pytest.mark.parametrize("quantization", ["auto", "int8"])
+def test_a_draft_model_is_quantized_as_the_target_is_at_load(make_llm, tiny_models, quantization):
+    """The draft follows the target's quantization at load, which the CPU decides (int8 with
+    VNNI, else none; `make test-cpu-kinds` runs this as each kind), its int8 input ranges
+    measured on the calibration text: the target as its own draft then proposes what it
+    decodes, and the tokens are the same as without speculation."""
+    if quantization == "int8" and not detect_cpu().int8_vnni:
+        pytest.skip("int8 products at load need VNNI (or AMX)")
+    plain = make_llm("llama", quantization=quantization)
+    spec = make_llm("llama", quantization=quantization, speculative_config=draft(tiny_models["llama"]))
+    target = spec.llm_engine.config.quantization
+    assert spec.llm_engine.model_runner.draft.model_config.quantization == (target if target in AT_LOAD else None)
+    assert spec.llm_engine.model_runner.draft.model_config.dtype == spec.llm_engine.model_config.dtype
+    prompts = [{"prompt_token_ids": ids} for ids in REPEATING]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    assert token_ids(spec.generate(prompts, params, use_tqdm=False)) == token_ids(
+        plain.generate(prompts, params, use_tqdm=False))
+    assert spec.get_stats().acceptance_rate > 0.5
 
 
 def test_no_proposals_above_disable_by_batch_size(make_llm):
