@@ -152,7 +152,14 @@ def _yarn(exponents: torch.Tensor, base: float, rope: dict) -> tuple[torch.Tenso
 
 def _cos_sin_tables(rotary_dim: int, max_position: int, rope: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """The [max_position, rotary_dim] cos and signed sin tables (-sin on the first half), the
-    frequencies repeated for both halves of the rotated features."""
+    frequencies repeated for both halves of the rotated features.
+
+    Under the loader's meta device they are placeholders of that shape, built for real by the
+    model's `build_buffers` on its device: computed on meta, PyTorch runs its Python reference
+    kernels, whose first use imports torch._dynamo (1.2 s of every engine process's start)."""
+    if torch.get_default_device().type == "meta":
+        placeholder = torch.empty(max_position, rotary_dim)
+        return placeholder, placeholder
     inv_freq, attention_factor = _inverse_frequencies(rotary_dim, rope, max_position)
     freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
     cos, sin = freqs.cos() * attention_factor, freqs.sin() * attention_factor

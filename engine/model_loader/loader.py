@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from engine.config import ModelConfig
 from engine.distributed.communicator import TensorParallelGroup
@@ -18,6 +19,20 @@ from engine.models import MODEL_REGISTRY, model_class_for
 from engine.quantization import apply_quantization, checkpoint_format
 
 logger = logging.getLogger(__name__)
+
+
+class SkipInitializers(TorchFunctionMode):
+    """Leaves out `torch.nn.init`'s initializers while a model is built on the meta device,
+    where they would fill nothing: the weights come from the checkpoint. On meta tensors they
+    run PyTorch's Python reference kernels, whose first use imports torch._dynamo (0.7 s of
+    every engine process's start)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return kwargs["tensor"] if "tensor" in kwargs else args[0]
+        return func(*args, **kwargs)
+
 
 def load_model(model_config: ModelConfig, group: TensorParallelGroup | None = None,
                triton_kernels: bool = False, calibrate: Callable[[nn.Module], None] | None = None) -> nn.Module:
@@ -38,7 +53,7 @@ def load_model(model_config: ModelConfig, group: TensorParallelGroup | None = No
             f"(supported: {sorted(MODEL_REGISTRY)}, and each family's Model and ForSequenceClassification)"
         )
     files = check_model_folder(model_config.path)
-    with torch.device("meta"):
+    with torch.device("meta"), SkipInitializers():
         model = model_class(model_config.multimodal_config or hf_config, max_position=model_config.max_model_len,
                             group=group)
     if model_config.quantization is not None:
