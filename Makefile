@@ -74,16 +74,17 @@ postgres:
 
 test: prepare postgres
 	rm -rf $(LAUNCHES)
-	TRITON_LAUNCHES_DIR=$(LAUNCHES) $(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal --durations=25 --ignore=tests/engine/test_triton_compile.py
+	TRITON_LAUNCHES_DIR=$(LAUNCHES) $(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal --durations=30 --ignore=tests/engine/test_triton_compile.py
 	TRITON_LAUNCHES_DIR=$(LAUNCHES) $(PY) -m pytest tests/engine/test_triton_compile.py
 
 test-quick: prepare postgres
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal -m "not slow and not ui"
 
-# The tests whose path depends on the CPU (marked cpu_kinds), as each kind this CPU can stand in for;
-# CI passes CPU_KINDS_ARGS=--except-own after make test, which ran this CPU's own kind.
+# The tests whose path depends on the CPU (marked cpu_kinds), as each kind this CPU can stand in for,
+# each kind's run on TEST_WORKERS workers; CI passes CPU_KINDS_ARGS=--except-own after make test,
+# which ran this CPU's own kind.
 test-cpu-kinds: prepare
-	$(PY) -m tests.cpu_kinds $(CPU_KINDS_ARGS)
+	$(PY) -m tests.cpu_kinds $(CPU_KINDS_ARGS) -n $(TEST_WORKERS) --dist worksteal
 
 # The browser test of the UI: Debian's chromium (installed here when this runs as root) driven by
 # Playwright's Python client against `dagster dev`. Screenshots land in test-artifacts/ui/.

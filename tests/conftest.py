@@ -14,6 +14,12 @@ import pytest
 # the tests start).
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # Each worker, with the processes its tests start, takes its share of the cores: with two
+    # threads each on two cores, the threads of one process wait on those of another (a tiny
+    # model's step measured 18x slower so; on a Sapphire Rapids the tests that start engines in
+    # child processes took 6-30x their time on a Zen 4). The kernels' tests ask for two threads.
+    _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // _workers)))
 
 import torch  # noqa: E402
 
@@ -27,6 +33,7 @@ from engine import LLM  # noqa: E402
 from engine.hardware import (  # noqa: E402
     BATCH_INVARIANT_ONEDNN_ISA, ONEDNN_ISA_ENV, chosen_cpu_kind, detect_cpu, machine_cpu,
 )
+from engine.layers.linear import rows_kept_apart  # noqa: E402
 from tests.tiny_models import FAMILIES, build_tiny_model  # noqa: E402
 from tests.triton_launches import LAUNCHES_DIR_ENV, record_launches, save_launches  # noqa: E402
 
@@ -41,8 +48,15 @@ if _kind := chosen_cpu_kind():
 # in the `amx` run of tests/cpu_kinds.py, whose batch-invariance tests check each mode.
 elif machine_cpu().amx:
     os.environ.setdefault(ONEDNN_ISA_ENV, BATCH_INVARIANT_ONEDNN_ISA)
+# oneDNN reads its cap once, at its first product: one runs now, so that the cap holds for the
+# whole process whatever a test sets later (`onednn_uncapped` unsets it for the engine's choices;
+# a `make test-cpu-kinds` worker whose first product came under it ran uncapped from then on, its
+# `avx2` run's bfloat16 rows a Zen 4's, which depend on the batch).
+rows_kept_apart(torch.float32)
 # The launches the interpreter runs, compiled for a GPU by the session's last test.
 TRITON_LAUNCHES = record_launches() if os.environ.get("TRITON_INTERPRET") == "1" else set()
+# Each test's time against the suite's budget, in the session's summary.
+pytest_plugins = ["tests.budget"]
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -8,7 +8,7 @@ import pandas as pd
 
 from dagster_llm import LLMResource, ParquetIOManager, build_embedding_asset
 
-ROWS = 60
+ROWS = 24
 parts = dg.StaticPartitionsDefinition(["p1"])
 
 

@@ -135,43 +135,33 @@ def assert_complete(folder: UPath, partition: str) -> pd.DataFrame:
     return table
 
 
-def test_killed_in_the_middle_of_a_partition_then_resumed(setup):
-    """The launcher SIGKILLed: its step worker stops without writing, and the rerun resumes
-    the saved rows. (On the store, resuming after a kill is the last test's: the writer stops
-    the same way whatever it writes to.)"""
-    env, folder = setup
-    cli = materialize(env, ["--partition", "p1"])
-    wait_for(lambda: shard_rows(folder, "p1") >= 4, 120, "shards of p1")
-    kill_launcher_and_wait_for_worker(cli, folder, "p1")
-    saved = shard_rows(folder, "p1")
-    time.sleep(2)
-    assert shard_rows(folder, "p1") == saved and not exists(folder, "p1.parquet")  # nothing written after
-    assert 0 < saved < ROWS and not latest(env, "p1")
-
-    finish(env, ["--partition", "p1"])
-    assert_complete(folder, "p1")
-    meta = latest(env, "p1")
-    assert meta["resumed_rows"] == saved and meta["generated_rows"] == ROWS - saved
-    assert meta["generated_tokens"] == MAX_TOKENS * (ROWS - saved)
-
-
-def test_killed_in_the_second_partition_of_a_range_keeps_the_first(setup):
+@pytest.mark.long("two `dagster asset materialize` runs of three partitions, the first SIGKILLed in the second")
+def test_killed_in_the_middle_of_a_range_keeps_what_it_finished_and_resumes_the_rest(setup):
+    """The launcher of a run of three partitions SIGKILLed in the middle of the second: its
+    step worker stops without writing (no shard after, no table, no materialization), the
+    first partition stays committed, and the rerun reuses the first, resumes the saved rows
+    of the second (generating only the rest, each id once) and generates the third. (On the
+    store, resuming after a kill is the last test's: the writer stops the same way whatever
+    it writes to.)"""
     env, folder = setup
     cli = materialize(env, ["--partition-range", "p1...p3"])
-    wait_for(lambda: (folder / "p1.parquet").exists() and shard_rows(folder, "p2") >= 2, 180, "p1 and shards of p2")
+    wait_for(lambda: (folder / "p1.parquet").exists() and shard_rows(folder, "p2") >= 4, 180, "p1 and shards of p2")
     kill_launcher_and_wait_for_worker(cli, folder, "p2")
     first = read(folder, "p1")
     saved = shard_rows(folder, "p2")
+    time.sleep(2)
+    assert shard_rows(folder, "p2") == saved and not exists(folder, "p2.parquet")  # nothing written after
+    assert 0 < saved < ROWS and not latest(env, "p2") and not exists(folder, "p3.parquet")
     assert latest(env, "p1")["dagster/row_count"] == ROWS  # committed with its materialization
-    assert not exists(folder, "p2.parquet") and not exists(folder, "p3.parquet")
 
     finish(env, ["--partition-range", "p1...p3"])
     pd.testing.assert_frame_equal(assert_complete(folder, "p1"), first)
     for partition in ("p2", "p3"):
         assert_complete(folder, partition)
-    resumed = {p: latest(env, p)["resumed_rows"] for p in ("p1", "p2", "p3")}
-    assert resumed == {"p1": ROWS, "p2": saved, "p3": 0}
-    assert latest(env, "p2")["generated_tokens"] == MAX_TOKENS * (ROWS - saved)
+    meta = {p: latest(env, p) for p in ("p1", "p2", "p3")}
+    assert {p: m["resumed_rows"] for p, m in meta.items()} == {"p1": ROWS, "p2": saved, "p3": 0}
+    assert meta["p2"]["generated_rows"] == ROWS - saved
+    assert meta["p2"]["generated_tokens"] == MAX_TOKENS * (ROWS - saved)
 
 
 def generated_rows(home: Path, partition: str) -> list[int]:
@@ -182,6 +172,7 @@ def generated_rows(home: Path, partition: str) -> list[int]:
     return sorted(r.asset_materialization.metadata["generated_rows"].value for r in records)
 
 
+@pytest.mark.long("an instance set up by `make instance`, then two `dagster asset materialize` runs of a partition, the second waiting for the first's pool slot")
 def test_two_runs_of_one_partition_on_a_fresh_instance_take_turns(setup, tmp_path, instance_storage):
     """A second run launched while the first generates succeeds: it waits for the pool's
     slot, then resumes every row. The second starts once the first's step holds the slot
@@ -198,6 +189,7 @@ def test_two_runs_of_one_partition_on_a_fresh_instance_take_turns(setup, tmp_pat
     assert generated_rows(Path(env["DAGSTER_HOME"]), "p1") == [0, ROWS]  # never both at once
 
 
+@pytest.mark.long("an instance set up by `make instance`, then two `dagster asset materialize` runs of a partition launched together")
 def test_two_runs_launched_at_the_same_instant_never_both_write(setup, tmp_path, instance_storage):
     """Two runs of one partition launched together. Dagster 1.13's pool claim is not atomic
     on either storage (it selects a free slot row, then updates it, in autocommit), so both
@@ -213,6 +205,7 @@ def test_two_runs_launched_at_the_same_instant_never_both_write(setup, tmp_path,
     assert generated_rows(Path(env["DAGSTER_HOME"]), "p1") == [0, ROWS][len(failed):]
 
 
+@pytest.mark.long("two `dagster asset materialize` runs on two instances sharing a bucket, the first paused while the second fails")
 def test_a_second_instance_sharing_the_bucket_fails_fast_naming_the_first(s3_setup, tmp_path):
     """Two runs of one partition from two processes with their own DAGSTER_HOMEs (two pods):
     the second fails at once naming the first, which finishes undisturbed. The first's worker
@@ -237,6 +230,7 @@ def test_a_second_instance_sharing_the_bucket_fails_fast_naming_the_first(s3_set
     assert store_lease(folder, "p1").latest().released
 
 
+@pytest.mark.long("a `dagster asset materialize` run killed with its worker, 8 s for its lease to expire, then two more runs")
 def test_a_killed_pods_lease_expires_and_the_next_run_takes_over(s3_setup, tmp_path, postgres_server):
     """The run and its step worker killed together (a pod gone): the lease stays until it
     expires, then a run in another pod takes over, resumes the saved rows, and a downstream

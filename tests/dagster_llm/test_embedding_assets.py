@@ -86,7 +86,7 @@ def materialize(env: dict) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
-@pytest.mark.slow
+@pytest.mark.long("two `dagster asset materialize` runs embedding 24 texts with the embedded model on one thread, the first SIGKILLed; then the same texts in this process")
 def test_killed_in_the_middle_of_a_partition_then_resumed(tmp_path):
     """`dagster asset materialize` SIGKILLed while the partition's rows are being embedded:
     its step worker stops, the saved shards stay, and the rerun embeds only the rest, each id

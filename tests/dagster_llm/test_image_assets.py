@@ -250,9 +250,10 @@ def test_an_image_on_an_object_store_is_read_through_its_file_system(resources, 
                                  "fix the path or drop the row")
 
 
-@pytest.mark.slow
+@pytest.mark.long("two `dagster asset materialize` runs of a partition of photos on a tiny LLaVA, the first SIGKILLed")
 def test_killed_in_the_middle_of_an_image_partition_then_resumed(vlm, tmp_path):
-    """As test_crash_resume's first test, with a photo per row on the tiny LLaVA."""
+    """As test_crash_resume's kill in the middle of a partition, with a photo per row on the tiny
+    LLaVA."""
     env = {**os.environ, "DAGSTER_HOME": str(tmp_path / "home"), "DAGSTER_LLM_OUTPUT_DIR": str(tmp_path / "out"),
            "CRASH_TEST_MODEL": str(vlm), "CRASH_TEST_IMAGES": "1"}
     (tmp_path / "home").mkdir()

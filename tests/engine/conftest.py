@@ -12,12 +12,25 @@ from engine.hardware import ONEDNN_ISA_ENV
 from engine.kernels import cpu_build
 
 
+@pytest.fixture
+def two_threads() -> Iterator[None]:
+    """PyTorch's CPU threads at two or more for the test, where `make test`'s workers run one
+    each (tests/conftest.py): the compiled kernels split their work across threads, and the
+    split is tested too."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(2, before))
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(params=["cpu_kernel", "pytorch"])
 def cpu_path(request, monkeypatch):
-    """The compiled CPU kernels, or PyTorch's operations that stand in for them where they
-    cannot be built (`cpu_build.load` returning None)."""
+    """The compiled CPU kernels (on two threads or more), or PyTorch's operations that stand
+    in for them where they cannot be built (`cpu_build.load` returning None)."""
     if request.param == "cpu_kernel" and (torch.cuda.is_available() or cpu_build.load() is None):
         pytest.skip("the C++ kernels run on a CPU where they can be built")
+    if request.param == "cpu_kernel":
+        request.getfixturevalue("two_threads")
     if request.param == "pytorch":
         monkeypatch.setattr(cpu_build, "load", lambda: None)
     return request.param
@@ -44,9 +57,10 @@ def llama_with_biases(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def onednn_uncapped() -> Iterator[None]:
-    """`ONEDNN_MAX_CPU_ISA` unset for the test, and back as it was after it, whatever the
-    engine's batch-invariant mode set meanwhile (monkeypatch does not restore a variable
-    it deleted while it was unset)."""
+    """`ONEDNN_MAX_CPU_ISA` unset for the test, as the engine's choices read it, and back as
+    it was after it, whatever the engine's batch-invariant mode set meanwhile (monkeypatch
+    does not restore a variable it deleted while it was unset). oneDNN itself keeps the cap
+    the process started with (tests/conftest.py runs its first product at once)."""
     before = os.environ.pop(ONEDNN_ISA_ENV, None)
     yield
     os.environ.pop(ONEDNN_ISA_ENV, None)

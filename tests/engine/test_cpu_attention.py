@@ -16,7 +16,8 @@ from engine.attention.layer import Attention
 import engine.attention.selector as attention_selector
 from engine.kernels import cpu_attention, cpu_build
 
-pytestmark = pytest.mark.cpu_kinds
+# On two threads or more: the kernels' split of the work across threads is tested too.
+pytestmark = [pytest.mark.cpu_kinds, pytest.mark.usefixtures("two_threads")]
 
 BLOCK = 16
 

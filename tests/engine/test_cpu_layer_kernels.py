@@ -15,7 +15,8 @@ from engine.layers.rotary import RotaryEmbedding
 from engine.model_loader.kernel_routing import route_through_cpu_kernels
 from engine.models.llama import LlamaMLP
 
-pytestmark = pytest.mark.cpu_kinds
+# On two threads or more: the kernels' split of the work across threads is tested too.
+pytestmark = [pytest.mark.cpu_kinds, pytest.mark.usefixtures("two_threads")]
 
 
 @pytest.fixture(scope="module")
