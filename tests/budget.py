@@ -37,6 +37,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                           "lists the tests over it, and those over it without a `long` marker as a warning")
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by markers: a `long` test is `slow`
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Carries each `long` test's reason in its reports (to the controller, under xdist)."""
     for item in items:

@@ -36,6 +36,7 @@ telemetry:
 """
 STARTUP_TIMEOUT_S = 120
 RUN_TIMEOUT_S = 240
+POLL_S = 0.25  # between two looks at the server: each a GraphQL query of a few milliseconds
 
 WORKSPACE = """
 { workspaceOrError { __typename
@@ -119,7 +120,7 @@ def wait_until_up(server: Webserver, process: subprocess.Popen[bytes]) -> None:
                 return
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             assert time.monotonic() < deadline, f"webserver not up after {STARTUP_TIMEOUT_S}s:\n{server.log_tail()}"
-            time.sleep(1)
+            time.sleep(POLL_S)
 
 
 def stop(process: subprocess.Popen[bytes]) -> None:
@@ -174,7 +175,7 @@ def wait_for_location(server: Webserver) -> str:
             assert entry["locationOrLoadError"]["__typename"] == "RepositoryLocation", entry["locationOrLoadError"]
             return entry["name"]
         assert time.monotonic() < deadline, f"code location not loaded after {STARTUP_TIMEOUT_S}s: {entry}"
-        time.sleep(1)
+        time.sleep(POLL_S)
 
 
 def run_errors(server: Webserver, run_id: str) -> str:
@@ -200,7 +201,7 @@ def wait_for_run(server: Webserver, run_id: str) -> str:
         if run["status"] in ("SUCCESS", "FAILURE", "CANCELED"):
             return run["status"]
         assert time.monotonic() < deadline, f"run {run_id} still {run['status']} after {RUN_TIMEOUT_S}s"
-        time.sleep(2)
+        time.sleep(POLL_S)
 
 
 def metadata_values(entries: list[dict]) -> dict[str, object]:
