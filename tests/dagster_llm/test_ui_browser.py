@@ -244,6 +244,8 @@ def test_asset_page_shows_row_count_model_tokens_and_preview(ui, page):
     page.set_viewport_size({"width": 1600, "height": 1000})
 
 
+@pytest.mark.long("the backfill the dialog launches waits for the daemon's backfill loop (it runs every 30 s) to "
+                  "become a run, which then generates two days")
 def test_two_day_range_from_the_materialize_dialog_is_one_run(ui, page):
     before = {run["runId"] for run in ui.runs()}
     page.goto(f"{ui.url}/assets/ticket_summaries", wait_until="networkidle")
@@ -258,7 +260,7 @@ def test_two_day_range_from_the_materialize_dialog_is_one_run(ui, page):
     dialog.get_by_role("button", name="Launch backfill").click()
     deadline = time.monotonic() + 120
     while not (new := [r for r in ui.runs() if r["runId"] not in before]) and time.monotonic() < deadline:
-        time.sleep(2)  # the daemon turns the backfill into its run
+        time.sleep(0.5)  # the daemon turns the backfill into its run
     assert len(new) == 1, new
     run = ui.finished_run(new[0]["runId"])
     assert run["status"] == "SUCCESS", ui.messages(run["runId"])[-5:]

@@ -98,7 +98,8 @@ def test_seeded_requests_do_not_depend_on_the_batch(tiny_models, family, dtype):
 
 
 @pytest.mark.cpu_kinds
-@pytest.mark.slow
+@pytest.mark.long("the embedded SmolLM2 (135M parameters) on 32 requests three times and 4 alone twice, then 32 in a "
+                  "small cache; 15-18 s here, 33-52 s as a CPU without native bfloat16 (make test-cpu-kinds)")
 @pytest.mark.parametrize("settings", [{}, {"dtype": "bfloat16", "quantization": None, "batch_invariant": True}],
                          ids=["default", "batch_invariant_bfloat16"])
 def test_seeded_requests_do_not_depend_on_the_batch_on_the_embedded_model(settings, request):

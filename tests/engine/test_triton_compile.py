@@ -25,6 +25,8 @@ KERNEL_TESTS = ["tests/engine/test_triton_kernels.py", "tests/engine/test_fused_
                 "-k", "triton or fused_moe or w4a16 or fp8_kernel"]
 
 
+@pytest.mark.long("compiles each of the ~190 launches the session ran for sm_90, about half a second each on "
+                  "one core with an empty Triton cache (seconds with a warm one)")
 def test_every_kernel_launched_under_the_interpreter_compiles_for_hopper(tmp_path):
     path = tmp_path / "launches.json"
     if launches := TRITON_LAUNCHES | saved_launches():
