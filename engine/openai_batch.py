@@ -615,6 +615,7 @@ def finished_lines(path: Path) -> FinishedLines:
                 stream.truncate(len(whole))
     except OSError as exc:
         raise BatchRunError(f"output file {path}: cannot be read and appended to ({exc})") from exc
+    if len(whole) < len(data):
         logger.warning("%s: dropped a torn last line (%d bytes); its request runs again", path, len(data) - len(whole))
     ids, numbers = set(), set()
     for i, raw in enumerate(whole.splitlines(), 1):

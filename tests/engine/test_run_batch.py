@@ -4,6 +4,7 @@ the embedded SmolLM2 with mixed good and bad lines."""
 
 import base64
 import json
+import logging
 import os
 import struct
 import subprocess
@@ -282,14 +283,22 @@ def test_embedding_body_as_floats_and_base64():
 # --- resume and the command line without a model -----------------------------------------------
 
 
-def test_finished_lines_cut_a_torn_line_and_keep_a_duplicates_first_id_open(tmp_path):
+def test_finished_lines_cut_a_torn_line_and_keep_a_duplicates_first_id_open(tmp_path, caplog):
     out = tmp_path / "out.jsonl"
     records = [{"custom_id": "a", "response": {}, "error": None},
                {"custom_id": "b", "response": None, "error": {"code": DUPLICATE_CUSTOM_ID, "line": 4}},
                {"custom_id": None, "response": None, "error": {"code": INVALID_JSON, "line": 5}}]
-    out.write_text("".join(json.dumps(r) + "\n" for r in records) + '{"custom_id": "c", "resp')
-    done = finished_lines(out)
+    torn = '{"custom_id": "c", "resp'
+    out.write_text("".join(json.dumps(r) + "\n" for r in records) + torn)
+    with caplog.at_level(logging.WARNING, logger="engine.openai_batch"):
+        done = finished_lines(out)
     assert out.read_text().endswith("}\n") and len(out.read_text().splitlines()) == 3
+    assert [r.getMessage() for r in caplog.records] == [f"{out}: dropped a torn last line ({len(torn)} bytes); its request "
+                                                        "runs again"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="engine.openai_batch"):
+        assert finished_lines(out) == done  # whole lines only now: nothing dropped, nothing said
+    assert not caplog.records
     assert done.covers(BatchLine(1, "a", CHAT_URL, {})) and not done.covers(BatchLine(2, "b", CHAT_URL, {}))
     assert done.covers(BadLine(4, "b", LineError(DUPLICATE_CUSTOM_ID, "")))
     assert done.covers(BadLine(5, None, LineError(INVALID_JSON, "")))
