@@ -13,9 +13,13 @@ IMAGE_PARTS = {"image_url": "image_url", "image_pil": "image_pil", "image": "ima
 def chat_messages_problem(messages: object) -> str | None:
     """Why `messages` is not a conversation a chat template can render (a list of
     {"role": str, "content": str or a list of text and image parts} with valid Unicode),
-    or None. Images are decoded later, with the row's other checks."""
+    or None. Images are decoded later, with the row's other checks.
+
+    The problem does not name the field that holds the conversation (the caller does:
+    "messages: ...", "prompt: ..."); a message's own problem starts with "message i: "."""
     if not isinstance(messages, list) or not messages:
-        return f"messages: expected a non-empty list of {{'role', 'content'}} dicts, got {type(messages).__name__}"
+        got = "an empty list" if isinstance(messages, list) else type(messages).__name__
+        return f"expected a non-empty list of messages ({{'role', 'content'}} dicts), got {got}"
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or "role" not in message or "content" not in message:
             return f"message {i}: expected a dict with 'role' and 'content', got {message!r:.80}"

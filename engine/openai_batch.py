@@ -37,6 +37,9 @@ COMPLETIONS_URL = "/v1/completions"
 EMBEDDINGS_URL = "/v1/embeddings"
 URLS = (CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL)
 
+# The body field that holds a url's prompts (one per element of a list), which the engine calls "prompt".
+PROMPT_FIELDS = {CHAT_URL: "messages", COMPLETIONS_URL: "prompt", EMBEDDINGS_URL: "input"}
+
 # The `error.code` of an output line that did not run.
 INVALID_JSON = "invalid_json"  # the line is not a JSON object (or not UTF-8)
 INVALID_LINE = "invalid_line"  # custom_id, method or body missing or of the wrong type
@@ -322,11 +325,26 @@ def _structured_outputs(body: Mapping[str, Any]) -> StructuredOutputsParams | No
             return _response_format(response_format)
         if name == "structured_outputs":
             if not isinstance(body[name], dict):
-                raise _BodyError(name, f"expected an object such as {{'json': schema}}, got {body[name]!r}")
+                raise _BodyError(name, f"expected an object such as {{'json': schema}}, got {body[name]!r:.80}")
+            if unknown := sorted(set(body[name]) - {f.name for f in fields(StructuredOutputsParams)}, key=str):
+                raise _BodyError(f"{name}.{unknown[0]}", "not a key of structured_outputs: give one of json, regex, "
+                                                         "choice, grammar, json_object (and disable_any_whitespace)")
             return StructuredOutputsParams(**body[name])
         return StructuredOutputsParams(**{GUIDED_FIELDS[name]: body[name]})
     except (TypeError, ValueError) as exc:  # an unknown key, or a constraint of the wrong form
-        raise _BodyError(name, str(exc).removeprefix("Invalid StructuredOutputsParams: ")) from exc
+        raise _BodyError(*_nested_problem(name, str(exc).removeprefix("Invalid StructuredOutputsParams: "))) from exc
+
+
+def _nested_problem(name: str, problem: str) -> tuple[str, str]:
+    """A StructuredOutputsParams problem ("json: reason") as the body's field and reason:
+    `structured_outputs.json` for a key of structured_outputs, the guided_* field itself
+    for its own kind (its key is not the body's: "guided_json: json: ..." would name it twice)."""
+    key, sep, reason = problem.partition(": ")
+    if not sep or " " in key:
+        return name, problem
+    if name in GUIDED_FIELDS:
+        return name, reason if key == GUIDED_FIELDS[name] else problem
+    return f"{name}.{key}", reason
 
 
 def _response_format(value: Any) -> StructuredOutputsParams:
@@ -809,9 +827,9 @@ def _run_rows(requests: list[tuple[BatchLine, GenerationRequest | EmbeddingReque
     for row, problem in zip(rows, check(rows) if rows else []):
         if problem is not None and id(row.pending) not in refused:
             refused.add(id(row.pending))
-            where = f"prompt {row.index}: " if len(row.pending.request.prompts) > 1 else ""
-            writer.error(row.pending.line.number, row.pending.line.custom_id, LineError(INVALID_REQUEST,
-                                                                                        where + problem))
+            line = row.pending.line
+            writer.error(line.number, line.custom_id,
+                         prompt_error(line.url, row.index, len(row.pending.request.prompts), problem))
     rows = [row for row in rows if id(row.pending) not in refused]
     if not rows:
         return
@@ -821,6 +839,18 @@ def _run_rows(requests: list[tuple[BatchLine, GenerationRequest | EmbeddingReque
         done.waiting -= 1
         if done.waiting == 0:
             writer.response(done.line.custom_id, respond(done.request, done.outputs))
+
+
+def prompt_error(url: str, index: int, count: int, problem: str) -> LineError:
+    """The engine's problem with prompt `index` of a line's `count` prompts (`LLM.validate`'s
+    "prompt: reason") as the line's error, naming the body field that holds the prompt once:
+    "prompt[1]: is empty", "messages: has 600 tokens", "input: ..."; other fields' problems
+    keep their own name ("max_tokens: ..."), after the prompt's index when there are several."""
+    where = PROMPT_FIELDS[url] + (f"[{index}]" if count > 1 else "")
+    for name in ("prompt: ", "prompt_token_ids: "):
+        if problem.startswith(name):
+            return LineError(INVALID_REQUEST, f"{where}: {problem.removeprefix(name)}")
+    return LineError(INVALID_REQUEST, f"{where}: {problem}" if count > 1 else problem)
 
 
 def _refuse_all(lines: list[BatchLine], writer: ResultWriter, reason: str) -> None:

@@ -27,9 +27,9 @@ from dagster_llm.core.generation import digest
 from dagster_llm.core.schema import TOOL_CALLS_TYPE
 from dagster_llm.core.table_store import PartitionFiles, with_data_version
 from engine.openai_batch import (
-    CHAT_URL, DUPLICATE_CUSTOM_ID, EMBEDDINGS_URL, INVALID_JSON, INVALID_REQUEST, UNSUPPORTED_URL, BadLine,
+    CHAT_URL, DUPLICATE_CUSTOM_ID, EMBEDDINGS_URL, INVALID_JSON, UNSUPPORTED_URL, BadLine,
     BatchLine, EmbeddingRequest, GenerationRequest, LineError, embedding_request, embedding_response_body,
-    generation_request, generation_response_body, model_sampling_defaults, parse_line,
+    generation_request, generation_response_body, model_sampling_defaults, parse_line, prompt_error,
 )
 
 if TYPE_CHECKING:
@@ -430,8 +430,8 @@ class OpenAIBatchRun:
         for (p, i), problem in zip(units, kind.check(units) if units else []):
             if problem is not None and id(p) not in refused:
                 refused.add(id(p))
-                where = f"prompt {i}: " if len(p.request.prompts) > 1 else ""
-                yield from self._settle(p.part, p.row, error_record(p.row, LineError(INVALID_REQUEST, where + problem)))
+                error = prompt_error(p.row.line.url, i, len(p.request.prompts), problem)
+                yield from self._settle(p.part, p.row, error_record(p.row, error))
         units = [(p, i) for p, i in units if id(p) not in refused]
         for index, output in kind.run(units) if units else []:
             p, i = units[index]

@@ -216,6 +216,18 @@ def test_chat_rows_take_openai_text_parts(tiny_models):
     assert rows[0].prompt == rows[1].prompt and rows[0].prompt["prompt_token_ids"]
 
 
+def test_a_bad_chat_cell_names_its_column_once(tiny_models):
+    """A conversation's problem comes after the column's name, which it does not repeat
+    (a column called "messages" once gave "messages: messages: expected a non-empty list")."""
+    frame = pd.DataFrame({"id": ["empty", "text", "role"],
+                          "messages": pd.Series([[], "hi", [{"role": "user"}]], dtype=object)})
+    rows = read_rows(frame, PartitionSettings("p", SAMPLING, None, None, SamplingParams()),
+                     PromptTableRules(prompt_column="messages"), AutoTokenizer.from_pretrained(tiny_models["llama"]))
+    assert [r.error for r in rows] == [
+        "messages: expected a non-empty list of messages ({'role', 'content'} dicts), got an empty list", None,
+        "messages: message 0: expected a dict with 'role' and 'content', got {'role': 'user'}"]
+
+
 def test_duplicate_ids_can_be_kept_by_the_definition(env):
     frame = pd.DataFrame({"id": ["x", "x"], "prompt": ["one", "two"]})
     prompts = prompts_asset({"a": frame, "b": PROMPTS["b"]})

@@ -6,6 +6,7 @@ import base64
 import json
 import logging
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from engine.openai_batch import (
     CHAT_URL, COMPLETIONS_URL, DUPLICATE_CUSTOM_ID, EMBEDDINGS_URL, INVALID_JSON, INVALID_LINE, INVALID_REQUEST,
     UNSUPPORTED_FIELD, UNSUPPORTED_URL, BadLine, BatchLine, EmbeddingRequest, GenerationRequest, LineError,
     embedding_request, embedding_response_body, finished_lines, generation_request, generation_response_body,
-    parse_lines, run_batch_file,
+    parse_lines, prompt_error, run_batch_file,
 )
 from engine.outputs import (
     CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, FunctionCall, Logprob, RequestOutput, ToolCall,
@@ -195,6 +196,53 @@ def test_bad_chat_bodies_name_the_field(body, code, names):
     assert isinstance(error, LineError) and error.code == code and names in error.message, error
 
 
+def named_twice(message: str) -> str | None:
+    """The field a "field: reason" message names twice in a row ("messages: messages: ...",
+    "guided_json: json: ...", "prompt[1]: prompt: ..."), or None."""
+    parts = message.split(": ")
+    return next((b for a, b in zip(parts, parts[1:]) if b in re.split(r"[\s\[\]._]+", a)), None)
+
+
+@pytest.mark.parametrize(("url", "body", "message"), [
+    (CHAT_URL, {"messages": []},
+     "messages: expected a non-empty list of messages ({'role', 'content'} dicts), got an empty list"),
+    (CHAT_URL, {"messages": "hi"}, "messages: expected a non-empty list of messages ({'role', 'content'} dicts), got str"),
+    (CHAT_URL, {"messages": [{"role": "user"}]},
+     "messages: message 0: expected a dict with 'role' and 'content', got {'role': 'user'}"),
+    (COMPLETIONS_URL, {"prompt": "a", "guided_json": 5}, "guided_json: a JSON schema is an object, got int"),
+    (COMPLETIONS_URL, {"prompt": "a", "guided_regex": ""}, "guided_regex: must be a non-empty string, got ''"),
+    (COMPLETIONS_URL, {"prompt": "a", "guided_choice": []},
+     "guided_choice: must be a non-empty list of non-empty strings, got []"),
+    (COMPLETIONS_URL, {"prompt": "a", "structured_outputs": {"json": 5}},
+     "structured_outputs.json: a JSON schema is an object, got int"),
+    (COMPLETIONS_URL, {"prompt": "a", "structured_outputs": {"jsn": {}}},
+     "structured_outputs.jsn: not a key of structured_outputs: give one of json, regex, choice, grammar, json_object "
+     "(and disable_any_whitespace)"),
+])
+def test_a_bodys_error_names_its_field_once(url, body, message):
+    error = generation_request(url, body, TOKENIZER)
+    assert isinstance(error, LineError) and error.message == message
+    assert named_twice(error.message) is None and named_twice("messages: messages: x") == "messages"
+
+
+@pytest.mark.parametrize(("url", "index", "count", "problem", "message"), [
+    (COMPLETIONS_URL, 1, 2, "prompt: is empty: drop the row or give it text",
+     "prompt[1]: is empty: drop the row or give it text"),
+    (COMPLETIONS_URL, 0, 1, "prompt_token_ids: holds ids outside the vocabulary [0, 9): fix the ids",
+     "prompt: holds ids outside the vocabulary [0, 9): fix the ids"),
+    (CHAT_URL, 0, 1, "prompt: has 600 tokens, but max_model_len is 512: shorten it",
+     "messages: has 600 tokens, but max_model_len is 512: shorten it"),
+    (EMBEDDINGS_URL, 2, 3, "prompt: is empty", "input[2]: is empty"),
+    (COMPLETIONS_URL, 0, 2, "max_tokens: lower max_tokens", "prompt[0]: max_tokens: lower max_tokens"),
+    (CHAT_URL, 0, 1, "logprobs: asks for 50", "logprobs: asks for 50"),
+])
+def test_an_engine_problem_names_the_bodys_prompt_field_once(url, index, count, problem, message):
+    """The engine calls every prompt "prompt"; the line's error names the body's own field
+    (messages, prompt, input), indexed where the body holds several."""
+    error = prompt_error(url, index, count, problem)
+    assert error == LineError(INVALID_REQUEST, message) and named_twice(error.message) is None
+
+
 def test_offline_meaningless_fields_are_accepted():
     ignored = {"user": "u", "store": False, "metadata": {"a": "b"}, "service_tier": "auto",
                "stream_options": {"include_usage": True}, "parallel_tool_calls": False, "tool_choice": "auto",
@@ -347,7 +395,7 @@ def test_lines_are_written_as_they_finish_and_a_rerun_after_a_crash_completes_th
         run_batch_file(str(source), str(out))
     written = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["custom_id"], r["error"] and r["error"]["message"]) for r in written] == [
-        ("refused", "line 2: prompt 1: prompt: is empty"), ("last", None), ("one", None)]
+        ("refused", "line 2: prompt[1]: is empty"), ("last", None), ("one", None)]
     monkeypatch.setattr("engine.openai_batch._load", lambda model, settings: FakeLLM())
     summary = run_batch_file(str(source), str(out))
     assert (summary.ok, summary.errors, summary.skipped) == (1, 0, 3)
