@@ -51,24 +51,60 @@ UNSUPPORTED_FIELD = "unsupported_field"  # a documented field this runner cannot
 # OpenAI's log-probability for tokens the model rules out: JSON has no -Infinity (vLLM's choice).
 MIN_LOGPROB = -9999.0
 
-# Documented by OpenAI but meaningless offline: accepted and ignored, on every url.
+# Documented by OpenAI but meaningless offline: accepted and ignored, whatever their value, on every url.
 IGNORED_FIELDS = frozenset({"user", "store", "metadata", "service_tier", "stream_options", "parallel_tool_calls",
                             "prompt_cache_key", "safety_identifier"})
 
-# Documented fields taken only at their "off" values: name -> (those values, why not otherwise and the fix).
-OFF_ONLY_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
-    "stream": ((None, False), "a batch writes whole responses: drop stream"),
-    "echo": ((None, False), "the prompt is not repeated in the output (it is in the input file): drop echo"),
-    "suffix": ((None, ""), "text after the insertion point is not supported: drop suffix"),
-    "best_of": ((None, 1), "best_of > 1 is not supported: ask for n completions with logprobs and keep the best"),
-    "tool_choice": ((None, "auto"), "only 'auto' is supported (the model decides whether to call a tool): "
-                                    "drop tool_choice or set it to 'auto'"),
-    "modalities": ((None, ["text"]), "only text output is supported: drop modalities"),
-    "audio": ((None,), "audio output is not supported: drop audio"),
-    "prediction": ((None,), "predicted outputs are not supported: drop prediction"),
-    "web_search_options": ((None,), "web search is not available offline: drop web_search_options"),
-    "functions": ((None,), "the deprecated functions field is not supported: give them as tools"),
-    "function_call": ((None,), "the deprecated function_call field is not supported: give tools instead"),
+
+@dataclass(frozen=True)
+class LineError:
+    """Why a line or a body does not run: an `error.code` and the message, "field: reason
+    and fix" (the runner adds "line N: " in front)."""
+
+    code: str
+    message: str
+
+
+@dataclass(frozen=True)
+class NoOpField:
+    """A documented field this runner takes only at the values that change nothing here
+    (null always among them): on `urls` those are accepted and ignored, any other value is
+    an error that gives `reason` and the fix; on other urls the field is not a field."""
+
+    values: tuple[Any, ...]
+    reason: str
+    urls: tuple[str, ...] = URLS
+
+    def takes(self, value: Any) -> bool:
+        """Whether `value` is one of the no-op values, of the same JSON type (`0` is not `false`)."""
+        return value is None or any(type(value) is type(v) and value == v for v in self.values)
+
+    def problem(self, name: str, value: Any) -> LineError:
+        """The error of a body whose field holds another value: unsupported_field where it
+        is a value of the field's type, invalid_request where it is not even that."""
+        taken = " or ".join(json.dumps(v) for v in self.values)
+        fix = f"drop {name}" + (f" or set it to {taken}" if taken else "")
+        if any(type(value) is type(v) for v in self.values) or not self.values:
+            return LineError(UNSUPPORTED_FIELD, f"{name}: {_shown(value)} is not supported ({self.reason}): {fix}")
+        return LineError(INVALID_REQUEST, f"{name}: must be {taken} here ({self.reason}), got {_shown(value)}: {fix}")
+
+
+# The one declaration of the documented fields taken only at their no-op values (docs/openai-batch.md's table
+# derives from it, tests/engine/test_run_batch.py checks). OpenAI defines stream on chat and completions, echo,
+# best_of and suffix on completions, modalities on chat; clients send their defaults everywhere, and vLLM's server
+# ignores a field its request lacks, so those four are taken on every url.
+NO_OP_FIELDS: dict[str, NoOpField] = {
+    "stream": NoOpField((False,), "a batch writes whole responses"),
+    "echo": NoOpField((False,), "the prompt is not repeated in the output; it is in the input file"),
+    "best_of": NoOpField((1,), "each choice is one completion: ask for n completions with logprobs and keep the best"),
+    "modalities": NoOpField((["text"],), "the output is text only"),
+    "suffix": NoOpField(("",), "text after the insertion point is not implemented", (COMPLETIONS_URL,)),
+    "tool_choice": NoOpField(("auto",), "the model alone decides whether to call a tool", (CHAT_URL,)),
+    "audio": NoOpField((), "the output is text only", (CHAT_URL,)),
+    "prediction": NoOpField((), "predicted outputs are not implemented", (CHAT_URL,)),
+    "web_search_options": NoOpField((), "there is no web search offline", (CHAT_URL,)),
+    "functions": NoOpField((), "the deprecated form of tools: give them as tools", (CHAT_URL,)),
+    "function_call": NoOpField((), "the deprecated form of tool_choice, with functions: give tools", (CHAT_URL,)),
 }
 
 # Body fields that are SamplingParams fields of the same name: OpenAI's, then vLLM's extra ones.
@@ -80,25 +116,15 @@ SAMPLING_FIELDS = ("temperature", "top_p", "n", "seed", "stop", "presence_penalt
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 STRUCTURED_FIELDS = ("response_format", "structured_outputs", *GUIDED_FIELDS)
 
-_GENERATION_FIELDS = frozenset({"model", "max_tokens", "priority", "stream", "echo", *SAMPLING_FIELDS,
-                                *STRUCTURED_FIELDS})
+_GENERATION_FIELDS = frozenset({"model", "max_tokens", "priority", *SAMPLING_FIELDS, *STRUCTURED_FIELDS})
+# The fields each url reads, besides IGNORED_FIELDS and the NO_OP_FIELDS it takes.
 KNOWN_FIELDS: dict[str, frozenset[str]] = {
     CHAT_URL: _GENERATION_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
-                                    "tool_choice", "chat_template", "chat_template_kwargs", "add_generation_prompt",
-                                    "continue_final_message", "reasoning_effort", "modalities", "audio", "prediction",
-                                    "web_search_options", "functions", "function_call"},
-    COMPLETIONS_URL: _GENERATION_FIELDS | {"prompt", "logprobs", "best_of", "suffix"},
+                                    "chat_template", "chat_template_kwargs", "add_generation_prompt",
+                                    "continue_final_message", "reasoning_effort"},
+    COMPLETIONS_URL: _GENERATION_FIELDS | {"prompt", "logprobs"},
     EMBEDDINGS_URL: frozenset({"model", "input", "encoding_format", "dimensions"}),
 }
-
-
-@dataclass(frozen=True)
-class LineError:
-    """Why a line or a body does not run: an `error.code` and the message, "field: reason
-    and fix" (the runner adds "line N: " in front)."""
-
-    code: str
-    message: str
 
 
 @dataclass(frozen=True)
@@ -153,6 +179,21 @@ class _BodyError(Exception):
     def __init__(self, name: str | None, reason: str, code: str = INVALID_REQUEST) -> None:
         super().__init__(reason)
         self.error = LineError(code, reason if name is None else f"{name}: {reason}")
+
+
+class _LineFailure(_BodyError):
+    """A _BodyError whose LineError is already made."""
+
+    def __init__(self, error: LineError) -> None:
+        Exception.__init__(self, error.message)
+        self.error = error
+
+
+def _shown(value: Any) -> str:
+    """A body value as an error message quotes it: its JSON, cut at 80 characters, a lone
+    surrogate escaped (the message is written to a UTF-8 file)."""
+    text = json.dumps(value, ensure_ascii=False, default=repr).encode("utf-8", "backslashreplace").decode("utf-8")
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 # ---------------------------------------------------------------------------------------------
@@ -281,13 +322,14 @@ def model_sampling_defaults(llm: "LLM") -> dict[str, Any]:
 
 def _check_fields(url: str, body: Mapping[str, Any]) -> None:
     """Refuses fields no API of `url` has, those it cannot honour, and a model that is not a name."""
-    unknown = sorted(set(body) - KNOWN_FIELDS[url] - IGNORED_FIELDS)
+    no_op = {name: field for name, field in NO_OP_FIELDS.items() if url in field.urls}
+    unknown = sorted(set(body) - KNOWN_FIELDS[url] - IGNORED_FIELDS - set(no_op), key=str)
     if unknown:
-        raise _BodyError(", ".join(unknown), f"not a field of {url} (OpenAI's or vLLM's): remove it or fix its "
-                                             "spelling")
-    for name, (allowed, reason) in OFF_ONLY_FIELDS.items():
-        if name in body and body[name] not in allowed:
-            raise _BodyError(name, f"{body[name]!r} is not supported: {reason}", UNSUPPORTED_FIELD)
+        raise _BodyError(", ".join(map(str, unknown)), f"not a field of {url} (OpenAI's or vLLM's): remove it or fix "
+                                                       "its spelling")
+    for name, field in no_op.items():
+        if name in body and not field.takes(body[name]):
+            raise _LineFailure(field.problem(name, body[name]))
     if not isinstance(body.get("model", ""), str):
         raise _BodyError("model", f"must be a string, got {body['model']!r}")
 

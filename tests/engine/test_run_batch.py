@@ -21,8 +21,8 @@ from engine import LLM, SamplingParams
 from engine.config import engine_settings
 from engine.openai_batch import (
     CHAT_URL, COMPLETIONS_URL, DUPLICATE_CUSTOM_ID, EMBEDDINGS_URL, INVALID_JSON, INVALID_LINE, INVALID_REQUEST,
-    UNSUPPORTED_FIELD, UNSUPPORTED_URL, BadLine, BatchLine, EmbeddingRequest, GenerationRequest, LineError,
-    embedding_request, embedding_response_body, finished_lines, generation_request, generation_response_body,
+    IGNORED_FIELDS, NO_OP_FIELDS, UNSUPPORTED_FIELD, UNSUPPORTED_URL, URLS, BadLine, BatchLine, EmbeddingRequest,
+    GenerationRequest, LineError, embedding_request, embedding_response_body, finished_lines, generation_request, generation_response_body,
     parse_lines, prompt_error, run_batch_file,
 )
 from engine.outputs import (
@@ -243,12 +243,91 @@ def test_an_engine_problem_names_the_bodys_prompt_field_once(url, index, count, 
     assert error == LineError(INVALID_REQUEST, message) and named_twice(error.message) is None
 
 
-def test_offline_meaningless_fields_are_accepted():
-    ignored = {"user": "u", "store": False, "metadata": {"a": "b"}, "service_tier": "auto",
-               "stream_options": {"include_usage": True}, "parallel_tool_calls": False, "tool_choice": "auto",
-               "stream": False, "modalities": ["text"], "model": "gpt-4o-mini"}
-    assert isinstance(chat(**ignored), GenerationRequest)
-    assert isinstance(completion(echo=False, best_of=1, suffix=None, user="u"), GenerationRequest)
+def body_request(url: str, **fields: Any) -> GenerationRequest | EmbeddingRequest | LineError:
+    """A minimal good body of `url` with `fields` added, as engine inputs or its error."""
+    if url == EMBEDDINGS_URL:
+        return embedding_request({"input": "a", **fields})
+    return generation_request(url, {CHAT_URL: {"messages": USER}, COMPLETIONS_URL: {"prompt": "Once"}}[url] | fields,
+                              TOKENIZER)
+
+
+def other_values(value: Any) -> tuple[Any, Any]:
+    """A value of the same JSON type as the no-op `value` that is not it, and one of another type."""
+    if value is None:  # a field taken only when null: any object is another value of its own
+        return {"voice": "alloy"}, {"voice": "alloy"}
+    same = {bool: True, int: 2, str: "required", list: ["text", "audio"]}[type(value)]
+    return same, ("yes" if not isinstance(value, str) else 0)
+
+
+@pytest.mark.parametrize(("url", "field"), [(CHAT_URL, {"best_of": 1}), (COMPLETIONS_URL, {"modalities": ["text"]}),
+                                           (EMBEDDINGS_URL, {"stream": False}), (EMBEDDINGS_URL, {"echo": False})])
+def test_a_clients_defaults_run_on_every_url(url, field):
+    """stream: false, echo: false, best_of: 1 and modalities: ["text"] run wherever a client
+    sends them, as the docs say (these were refused on the urls OpenAI does not give them)."""
+    assert not isinstance(body_request(url, **field), LineError)
+
+
+@pytest.mark.parametrize("url", URLS)
+@pytest.mark.parametrize("name", [*NO_OP_FIELDS, *sorted(IGNORED_FIELDS)])
+def test_each_documented_field_on_each_url(url, name):
+    """Every url against every field taken at its no-op values (NO_OP_FIELDS) or ignored
+    whatever its value (IGNORED_FIELDS): the no-op values and null run where the field is
+    taken, another value of its type is unsupported_field, one of another type invalid_request,
+    and on a url that does not take it the field is unknown."""
+    if name in IGNORED_FIELDS:
+        for value in ("u", 7, {"a": "b"}, [1], True, None):
+            assert not isinstance(body_request(url, **{name: value}), LineError), value
+        return
+    field = NO_OP_FIELDS[name]
+    for value in (*field.values, None):
+        result = body_request(url, **{name: value})
+        if url in field.urls:
+            assert not isinstance(result, LineError), (value, result)
+        else:
+            assert result == LineError(INVALID_REQUEST, f"{name}: not a field of {url} (OpenAI's or vLLM's): remove it "
+                                                        "or fix its spelling")
+    if url not in field.urls:
+        return
+    same, other = other_values(field.values[0] if field.values else None)
+    refused = body_request(url, **{name: same})
+    assert refused.code == UNSUPPORTED_FIELD and refused.message.startswith(f"{name}: {json.dumps(same)} is not "
+                                                                            f"supported ({field.reason}): drop {name}")
+    wrong_type = body_request(url, **{name: other})
+    assert wrong_type.code == (INVALID_REQUEST if field.values else UNSUPPORTED_FIELD)
+    assert wrong_type.message.startswith(f"{name}: ") and f"drop {name}" in wrong_type.message
+
+
+@pytest.mark.parametrize(("body", "code", "message"), [
+    ({"stream": 0}, INVALID_REQUEST, 'stream: must be false here (a batch writes whole responses), got 0: drop stream '
+                                     'or set it to false'),
+    ({"best_of": True}, INVALID_REQUEST, "best_of: must be 1 here"),
+    ({"best_of": 1.0}, INVALID_REQUEST, "best_of: must be 1 here"),
+    ({"best_of": 3}, UNSUPPORTED_FIELD, "best_of: 3 is not supported (each choice is one completion: ask for n "
+                                        "completions with logprobs and keep the best): drop best_of or set it to 1"),
+    ({"modalities": "text"}, INVALID_REQUEST, 'modalities: must be ["text"] here'),
+    ({"modalities": ["text", "audio"]}, UNSUPPORTED_FIELD, 'modalities: ["text", "audio"] is not supported'),
+    ({"echo": "\ud800"}, INVALID_REQUEST, 'echo: must be false here (the prompt is not repeated in the output; it is '
+                                         'in the input file), got "\\ud800": drop echo'),
+])
+def test_a_no_op_field_is_taken_at_its_value_and_type_only(body, code, message):
+    """JSON's types are kept apart (0 is not false, true not 1), as a typed OpenAI client would;
+    the value is quoted as JSON, a lone surrogate escaped (the error is written to a UTF-8 file)."""
+    error = completion(**body)
+    assert error.code == code and error.message.startswith(message), error
+    error.message.encode("utf-8")
+
+
+def test_the_docs_table_of_no_op_fields_is_the_declaration():
+    rows = ["| field | on | accepted and ignored | any other value is refused because |", "| --- | --- | --- | --- |"]
+    for name, field in NO_OP_FIELDS.items():
+        urls = "every url" if field.urls == URLS else ", ".join(f"`{url}`" for url in field.urls)
+        values = ", ".join(f"`{json.dumps(value)}`" for value in (*field.values, None))
+        rows.append(f"| `{name}` | {urls} | {values} | {field.reason} |")
+    table = "\n".join(rows)
+    docs = (ROOT / "docs" / "openai-batch.md").read_text()
+    assert table in docs, f"docs/openai-batch.md: replace the table of no-op fields with\n{table}"
+    assert all(f"`{name}`" in docs.partition("Accepted and ignored on every url")[2][:400]
+               for name in IGNORED_FIELDS)
 
 
 def test_embedding_bodies():
