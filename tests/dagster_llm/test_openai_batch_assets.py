@@ -58,7 +58,7 @@ FILES = {
 }
 # Each bad line of a: its custom_id, error code, and what its message names.
 BAD = [("bad-field", INVALID_REQUEST, "line 4 (custom_id 'bad-field'): temprature: not a field"),
-       ("bad-echo", UNSUPPORTED_FIELD, "line 5 (custom_id 'bad-echo'): echo: True is not supported"),
+       ("bad-echo", UNSUPPORTED_FIELD, "line 5 (custom_id 'bad-echo'): echo: true is not supported"),
        ("bad-logprobs", INVALID_REQUEST, "line 6 (custom_id 'bad-logprobs'): logprobs"),
        ("bad-empty", INVALID_REQUEST, "line 7 (custom_id 'bad-empty'): "),
        ("bad-url", UNSUPPORTED_URL, "line 8 (custom_id 'bad-url'): url: '/v1/moderations' is not supported"),
