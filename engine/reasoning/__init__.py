@@ -18,7 +18,9 @@ REASONING_FORMATS: dict[str, ReasoningFormat] = {
         # channel (tool calls, preambles: the `openai` tool parser reads its messages).
         ReasoningFormat("openai_gptoss", "<|channel|>analysis<|message|>", "<|channel|>final<|message|>",
                         opens_itself=True, trailer="<|end|><|start|>assistant",
-                        signature=("<|channel|>", "<|message|>"), other_ends=("<|channel|>commentary",)),
+                        signature=("<|channel|>", "<|message|>"), other_ends=("<|channel|>commentary",),
+                        special_tokens=("<|start|>", "<|end|>", "<|channel|>", "<|message|>"),
+                        family="gpt-oss", syntax="harmony"),
     )
 }
 

@@ -47,7 +47,10 @@ class ReasoningFormat:
     a special token (matched by id), after which the answer is the rest of the output,
     marker included (harmony's commentary channel, whose header the tool parser reads);
     tokens between the trailer and such a marker (harmony's recipient, `to=functions.f`)
-    start the answer."""
+    start the answer. `special_tokens`: the tokens of the markers that the model's
+    vocabulary must hold as special tokens, so that markers are matched by id (required
+    with `other_ends`); `family` and `syntax` name the models that write them and their
+    format, for messages ("gpt-oss", "harmony")."""
 
     name: str
     start: str
@@ -56,10 +59,31 @@ class ReasoningFormat:
     trailer: str = ""
     signature: tuple[str, ...] = ()
     other_ends: tuple[str, ...] = ()
+    special_tokens: tuple[str, ...] = ()
+    family: str = ""
+    syntax: str = ""
+
+    def __post_init__(self) -> None:
+        if self.other_ends and not self.special_tokens:
+            raise ValueError(f"reasoning format {self.name!r}: other_ends are matched by id, so the format must name "
+                             "the special_tokens its markers hold")
 
     @property
     def tokens(self) -> tuple[str, ...]:
         return self.signature or (self.start, self.end)
+
+    def tokenizer_problem(self, tokenizer: "PreTrainedTokenizerBase") -> str | None:
+        """Why the format cannot be read on this tokenizer (it lacks the special tokens the
+        format needs: a model of another family), or None."""
+        special = _special_ids(tokenizer)
+        lacking = [token for token in self.special_tokens
+                   if len(ids := tokenizer(token, add_special_tokens=False).input_ids) != 1 or ids[0] not in special]
+        if not lacking:
+            return None
+        return (f"reasoning_parser={self.name!r} reads {self.family}'s {self.syntax} output, and this model's "
+                f"tokenizer lacks {self.syntax}'s special tokens {', '.join(lacking)} (it is not a {self.family} "
+                f"tokenizer): use a {self.family} model with its own tokenizer, or another reasoning_parser that "
+                "fits this model ('auto' picks it from the tokenizer), or None")
 
 
 @dataclass(frozen=True)
@@ -81,13 +105,13 @@ class ReasoningParser:
     and the split of a finished completion."""
 
     def __init__(self, fmt: ReasoningFormat, tokenizer: "PreTrainedTokenizerBase") -> None:
+        if (problem := fmt.tokenizer_problem(tokenizer)) is not None:
+            raise ValueError(problem)
         self.format = fmt
         self.tokenizer = tokenizer
         self.start_ids = _marker_ids(tokenizer, fmt.start)
         self.end_ids = _marker_ids(tokenizer, fmt.end)
         self.other_end_ids = tuple(_marker_ids(tokenizer, end) for end in fmt.other_ends)
-        if None in self.other_end_ids or (self.other_end_ids and self.end_ids is None):
-            raise ValueError(f"reasoning format {fmt.name!r}: its other_ends must hold special tokens, as its end does")
         self.trailer_ids = tuple(tokenizer(fmt.trailer, add_special_tokens=False).input_ids) if fmt.trailer else ()
 
     @property
@@ -270,5 +294,9 @@ def _marker_ids(tokenizer: "PreTrainedTokenizerBase", marker: str) -> tuple[int,
     """The marker's ids when it is matched by id: one token, or a sequence holding a special
     token (a model writes such headers always the same way); None: matched by text."""
     ids = tuple(tokenizer(marker, add_special_tokens=False).input_ids)
-    special = set(tokenizer.all_special_ids) | {int(i) for i in getattr(tokenizer, "added_tokens_decoder", {})}
-    return ids if len(ids) == 1 or special.intersection(ids) else None
+    return ids if len(ids) == 1 or _special_ids(tokenizer).intersection(ids) else None
+
+
+def _special_ids(tokenizer: "PreTrainedTokenizerBase") -> set[int]:
+    """The ids of the tokenizer's special and added tokens (never split, whatever the text around)."""
+    return set(tokenizer.all_special_ids) | {int(i) for i in getattr(tokenizer, "added_tokens_decoder", {})}

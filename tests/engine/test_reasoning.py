@@ -278,6 +278,33 @@ COMMENTARY = "<|channel|>commentary"
 CALL_ARGUMENTS = '<|message|>{"city": "Paris"}<|call|>'
 
 
+def test_a_parser_forced_on_another_familys_tokenizer_blames_the_tokenizer(tiny_models):
+    """openai_gptoss matches harmony's markers by their special tokens: on a tokenizer without
+    them (at load, before the weights) the error says which of them the model's tokenizer
+    lacks and what to do, not that the format is ill-defined. The `<think>` and `[THINK]`
+    formats and every tool-call parser read their markers as text on such a tokenizer (a
+    model may write them so) and never refuse it."""
+    from engine.tool_parsers import TOOL_CALL_PARSERS, ToolCallResult, tool_parser
+
+    plain = AutoTokenizer.from_pretrained(tiny_models["qwen3"])
+    fix = ("(it is not a gpt-oss tokenizer): use a gpt-oss model with its own tokenizer, or another reasoning_parser "
+           "that fits this model ('auto' picks it from the tokenizer), or None")
+    with pytest.raises(ValueError) as error:
+        LLM(str(tiny_models["qwen3"]), reasoning_parser="openai_gptoss")
+    assert str(error.value) == ("reasoning_parser='openai_gptoss' reads gpt-oss's harmony output, and this model's "
+                                "tokenizer lacks harmony's special tokens <|start|>, <|end|>, <|channel|>, "
+                                f"<|message|> {fix}")
+    half = AutoTokenizer.from_pretrained(tiny_models["qwen3"])
+    half.add_special_tokens({"additional_special_tokens": ["<|channel|>", "<|message|>"]})
+    with pytest.raises(ValueError, match=r"lacks harmony's special tokens <\|start\|>, <\|end\|> \(it is not"):
+        reasoning_parser("openai_gptoss", half)
+    for name in ("qwen3", "deepseek_r1", "mistral"):
+        assert reasoning_parser(name, plain).matches_text, name
+    ids = plain("It is sunny.", add_special_tokens=False).input_ids
+    for name in TOOL_CALL_PARSERS:
+        assert tool_parser(name, plain).parse("It is sunny.", ids) == ToolCallResult("It is sunny.", None, None), name
+
+
 @pytest.mark.parametrize("output, answer_head", [
     ("<|channel|>analysis<|message|>Needs the weather.<|end|><|start|>assistant" + COMMENTARY
      + " to=functions.get_weather <|constrain|>json" + CALL_ARGUMENTS, COMMENTARY + " to=functions.get_weather"),

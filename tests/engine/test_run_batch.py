@@ -22,8 +22,8 @@ from engine.config import engine_settings
 from engine.openai_batch import (
     CHAT_URL, COMPLETIONS_URL, DUPLICATE_CUSTOM_ID, EMBEDDINGS_URL, INVALID_JSON, INVALID_LINE, INVALID_REQUEST,
     IGNORED_FIELDS, NO_OP_FIELDS, UNSUPPORTED_FIELD, UNSUPPORTED_URL, URLS, BadLine, BatchLine, EmbeddingRequest,
-    GenerationRequest, LineError, embedding_request, embedding_response_body, finished_lines, generation_request, generation_response_body,
-    parse_lines, prompt_error, run_batch_file,
+    GenerationRequest, LineError, embedding_request, embedding_response_body, finished_lines, generation_request,
+    generation_response_body, parse_lines, prompt_error, run_batch_file,
 )
 from engine.outputs import (
     CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, FunctionCall, Logprob, RequestOutput, ToolCall,
@@ -206,7 +206,8 @@ def named_twice(message: str) -> str | None:
 @pytest.mark.parametrize(("url", "body", "message"), [
     (CHAT_URL, {"messages": []},
      "messages: expected a non-empty list of messages ({'role', 'content'} dicts), got an empty list"),
-    (CHAT_URL, {"messages": "hi"}, "messages: expected a non-empty list of messages ({'role', 'content'} dicts), got str"),
+    (CHAT_URL, {"messages": "hi"},
+     "messages: expected a non-empty list of messages ({'role', 'content'} dicts), got str"),
     (CHAT_URL, {"messages": [{"role": "user"}]},
      "messages: message 0: expected a dict with 'role' and 'content', got {'role': 'user'}"),
     (COMPLETIONS_URL, {"prompt": "a", "guided_json": 5}, "guided_json: a JSON schema is an object, got int"),
