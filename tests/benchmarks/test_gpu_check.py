@@ -8,9 +8,14 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
-from benchmarks.gpu_check import DRY_SIZES, NOT_RUN_TIME, STAGES, Check, outcome_counts, run_stages
+from benchmarks.gpu_check import (
+    DRY_SIZES, NEAR_TIE_NATS, NOT_RUN_TIME, STAGES, Check, Divergence, compare_greedy, outcome_counts, run_stages,
+)
+from engine import CompletionOutput, RequestOutput
+from engine.outputs import Logprob
 from tests.triton_launches import LAUNCHES_DIR_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,3 +67,36 @@ FAILED tests/engine/test_gpu.py::test_quantized_checkpoints_use_the_gpu_products
 """
     counts = outcome_counts(output)
     assert {k: v for k, v in counts.items() if v} == {"xfailed": 1, "passed": 1, "failed": 1}
+
+
+def greedy_row(token_ids: list[int], top: list[dict[int, float]] | None = None) -> RequestOutput:
+    """A greedy row's output: its tokens and, per token, its top logprobs by token id."""
+    logprobs = None if top is None else [{t: Logprob(lp, rank) for rank, (t, lp) in enumerate(step.items(), 1)}
+                                         for step in top]
+    return RequestOutput("0", None, [1], [CompletionOutput(0, "", token_ids, logprobs=logprobs)], finished=True)
+
+
+# The reference's token 5 leads token 6 by 0.02 nats at the second position (a near tie), 1.5 at the third.
+REFERENCE = [greedy_row([4, 5, 7], [{4: -0.1, 9: -3.0}, {5: -0.70, 6: -0.72}, {7: -0.2, 8: -1.7}]),
+             greedy_row([3, 3, 3], [{3: -0.1, 9: -3.0}] * 3)]
+
+
+def test_greedy_runs_agree_where_they_must_and_may_part_at_a_near_tie():
+    """(g)'s rule: identical rows agree; in bfloat16 a row may part where the reference's two
+    tokens were within NEAR_TIE_NATS, not at a clear lead nor at a token it did not rank; in
+    float32 every row must be identical."""
+    same = compare_greedy(REFERENCE, REFERENCE, torch.bfloat16)
+    assert same.ok and same.describe() == "2 of 2 rows identical"
+    near = compare_greedy(REFERENCE, [greedy_row([4, 6, 1]), REFERENCE[1]], torch.bfloat16)
+    assert near.ok and near.divergences == [Divergence(0, 1, pytest.approx(0.02))]
+    assert near.describe() == ("1 of 2 rows differ, each at a near tie (gap at most 0.1 nats): row 0 at token 1 "
+                               "(gap 0.020)")
+    clear = compare_greedy(REFERENCE, [greedy_row([4, 5, 8]), greedy_row([3, 2, 3])], torch.bfloat16)
+    assert not clear.ok and [(d.row, d.position) for d in clear.clear] == [(0, 2), (1, 1)]
+    assert clear.divergences[0].gap == pytest.approx(1.5) and clear.divergences[1].gap is None  # 2 was not ranked
+    assert clear.describe().startswith("2 of 2 rows differ, 2 clearly (gap over 0.1 nats): row 0 at token 2 (gap "
+                                       "1.500), row 1 at token 1 (gap -)")
+    assert not compare_greedy(REFERENCE, [greedy_row([4, 6, 1]), REFERENCE[1]], torch.float32).ok
+    assert NEAR_TIE_NATS[torch.float32] == 0
+    cut = compare_greedy(REFERENCE, [greedy_row([4, 5]), REFERENCE[1]], torch.bfloat16)  # a row cut short
+    assert not cut.ok and cut.divergences == [Divergence(0, 2, None)]
