@@ -55,8 +55,10 @@ def build_generation_asset(name: str, upstream: str | dg.AssetKey | dg.AssetsDef
     materialization, checks) as soon as its rows are done, and a rerun after a crash
     generates only the rows that are missing (`resumed_rows` in the metadata). A
     partition's data version digests its rows (id, prompt, the sampling used, adapter and
-    its fingerprint, the sha256 of each image), the model weights, the numerics the engine
-    resolved (dtype, quantization, KV cache dtype) and the code version. When it changes,
+    its fingerprint, the sha256 of each image), the model's files (weights, config, tokenizer,
+    chat template, generation_config.json), every engine setting that can change a row as the
+    engine resolved it (dtype, quantization, KV cache dtype, max_model_len, the reasoning and
+    tool-call parsers...) and the code version. When it changes,
     a reproducible row (greedy, seeded or beam search) whose row digest matches a
     committed row of the asset is reused rather than generated (`reused_rows`;
     `reuse_rows=False` turns this off), so adding rows or editing one generates just those.
@@ -278,7 +280,7 @@ class _GenerationStep(PartitionedStep):
                 settings = PartitionSettings(key, sampling[key], self.d.adapter.for_partition(key),
                                              self.d.output.for_partition(key), defaults, self.d.beam.for_partition(key))
                 self.settings[key] = settings
-                rows = read_rows(frames[key], settings, self.spec, tokenizer, llm.image_placeholder)
+                rows = read_rows(frames[key], settings, self.spec, tokenizer, llm.image_placeholder, llm.image_limits)
                 store = self.store.partition(self.spec.asset_key.path, key) if self.store else None
                 parts.append(PartitionInput(key, rows, store, settings.output, self.spec.image_column is not None,
                                             self.d.tool))
@@ -335,7 +337,7 @@ class _GenerationStep(PartitionedStep):
             spec=self.spec, output=settings.output, tool=self.d.tool,
             location=self.store.partition(self.spec.asset_key.path, key).location if self.store else None,
             model_id=self.resource.model_id, model_fingerprint=self.resource.get_llm().model_fingerprint,
-            numerics=self.resource.get_llm().numerics, partitions_in_run=len(self.keys), adapter=settings.adapter,
+            output_settings=self.resource.get_llm().output_settings, partitions_in_run=len(self.keys), adapter=settings.adapter,
             sampling_used=used_values(settings.params(settings.sampling)),
             upstream_data_version=upstream_data_version(self.context, self.spec.upstream_key, key),
         )

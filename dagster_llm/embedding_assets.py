@@ -125,7 +125,7 @@ class _EmbeddingStep(PartitionedStep):
             try:
                 for result in run.embed(parts):
                     results[result.key] = result
-                    yield from self.committed(result, self._metadata(result, llm.model_fingerprint, llm.numerics),
+                    yield from self.committed(result, self._metadata(result, llm.model_fingerprint, llm.output_settings),
                                               evaluate_embeddings(result.table, llm.hidden_size))
             except (LaunchingProcessDied, LeaseLostError) as exc:
                 raise dg.Failure(str(exc)) from None
@@ -149,7 +149,7 @@ class _EmbeddingStep(PartitionedStep):
             raise dg.Failure(f"{self.spec.name}: {exc}; nothing was run") from None
         return frames
 
-    def _metadata(self, result: EmbeddingResult, fingerprint: str, numerics: dict) -> dict[str, object]:
+    def _metadata(self, result: EmbeddingResult, fingerprint: str, output_settings: dict) -> dict[str, object]:
         stats = result.stats
         location = self.store.partition(self.asset_key.path, result.key).location if self.store else None
         lineage = dg.TableColumnLineage(deps_by_column={
@@ -161,7 +161,7 @@ class _EmbeddingStep(PartitionedStep):
             "dagster/column_lineage": lineage, "error_rows": stats.error_rows, "resumed_rows": stats.resumed_rows,
             "embedded_rows": stats.embedded_rows, "prompt_tokens": stats.prompt_tokens,
             "dimension": stats.dimension, "model": self.resource.model_id, "model_fingerprint": fingerprint,
-            "engine_numerics": dg.MetadataValue.json(numerics),
+            "engine_output_settings": dg.MetadataValue.json(output_settings),
             "elapsed_s": stats.elapsed_s, "data_version": result.data_version,
             "preview": dg.MetadataValue.md(_preview(result.table)),
         }

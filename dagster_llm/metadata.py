@@ -27,7 +27,7 @@ class PartitionFacts:
     location: str | None
     model_id: str
     model_fingerprint: str
-    numerics: dict[str, Any]
+    output_settings: dict[str, Any]
     partitions_in_run: int
     adapter: str | None
     sampling_used: dict[str, Any]
@@ -81,7 +81,7 @@ def partition_metadata(result: PartitionResult, run: PartitionFacts) -> dict[str
         "path": dg.MetadataValue.path(run.location) if run.location else "(stored by the IO manager)",
         "model_id": run.model_id,
         "model_fingerprint": run.model_fingerprint,
-        "engine_numerics": dg.MetadataValue.json(run.numerics),
+        "engine_output_settings": dg.MetadataValue.json(run.output_settings),
         "engine_version": engine.__version__,
         "partitions_in_run": run.partitions_in_run,
         "elapsed_s": stats.elapsed_s,

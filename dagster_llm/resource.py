@@ -34,7 +34,7 @@ from pydantic import Field, PrivateAttr, create_model
 
 from dagster_llm.core.devices import GPULease, lease_gpus
 from dagster_llm.core.model_files import local_model_folder
-from engine.config import engine_settings
+from engine.config import MODEL_FILES, OPERATIONAL, engine_settings
 
 if TYPE_CHECKING:
     from engine import LLM
@@ -42,7 +42,8 @@ if TYPE_CHECKING:
 
 def _engine_fields() -> dict[str, Any]:
     return {
-        setting.name: (setting.type, Field(default=setting.default, description=setting.metadata["help"]))
+        setting.name: (setting.type, Field(default=setting.default, description=setting.metadata["help"],
+                                           json_schema_extra={"affects": setting.metadata.get("affects")}))
         for setting in engine_settings() if setting.name != "model"
     }
 
@@ -98,6 +99,7 @@ class LLMResource(_EngineSettings):
         description="A local Hugging Face model folder, 'smollm2-135m-instruct' for the embedded model, or a "
                     "folder on an object store (s3://bucket/models/name, gs://, az://), fetched once per machine into "
                     "$DAGSTER_LLM_CACHE/remote-models (credentials from the store's environment, as for the tables).",
+        json_schema_extra={"affects": MODEL_FILES},
     )
 
     gpu_lease_timeout_s: float = Field(
@@ -105,6 +107,7 @@ class LLMResource(_EngineSettings):
         description="With device 'auto' or 'cuda' on a GPU machine, the engine leases the GPUs it needs (its first "
                     "free ones, tensor_parallel_size x data_parallel_size in a row) for its life, so that runs "
                     "launched together use different GPUs; this is how long it waits for them before failing.",
+        json_schema_extra={"affects": OPERATIONAL},
     )
 
     _llm: "LLM | None" = PrivateAttr(default=None)

@@ -130,8 +130,8 @@ class GenerationSpec(CheckThresholds, PromptTableRules, AssetKeys):
     shard_rows: int = _operational(64, "Finished rows per shard (a shard is also written every 30 s).")
     reuse_rows: bool = _operational(
         True, "Reuse a committed row of this asset (any partition, any data version) whose row digest matches a row "
-              "to generate: its prompt, the sampling it resolved to, adapter, output, images, the model, the "
-              "engine's numerics and the code version. Only reproducible rows (greedy, seeded or beam search) are "
+              "to generate: its prompt, the sampling it resolved to, adapter, output, images, the model's files, the "
+              "engine's output settings and the code version. Only reproducible rows (greedy, seeded or beam search) are "
               "reused; False generates every row of a partition whose data version changed.")
 
     @field_validator("output_schema", mode="before")

@@ -12,7 +12,7 @@ import torch
 
 from engine.beam_search import BeamSearchOutput, BeamSearchParams
 from engine.chat_utils import chat_messages_problem, render_chat, text_only_problem
-from engine.config import EngineConfig, PoolerConfig, engine_settings
+from engine.config import OUTPUT, EngineConfig, PoolerConfig, engine_settings
 from engine.data_parallel import ReplicaPool, deal
 from engine.distributed.plan import plan_parallelism
 from engine.hardware import release_freed_memory, resolve_device
@@ -22,7 +22,7 @@ from engine.inputs import (
 )
 from engine.llm_engine import LLMEngine
 from engine.lora.request import LoRARequest
-from engine.model_loader.folder import weights_fingerprint
+from engine.model_loader.folder import model_fingerprint
 from engine.outputs import (
     ClassificationRequestOutput, EmbeddingRequestOutput, EngineStats, RequestOutput, ScoringOutput,
     ScoringRequestOutput, UnfinishedOutput,
@@ -100,20 +100,25 @@ class LLM:
 
     @property
     def model_fingerprint(self) -> str:
-        """sha256 of the weight files: what changes when the weights do."""
-        return weights_fingerprint(self.llm_engine.model_config.path)
+        """sha256 of the model folder's files that decide its outputs (weights, config.json,
+        generation_config.json, tokenizer, chat template, processor configs) and of the
+        tokenizer folder's: what changes when any of them does (`model_fingerprint`)."""
+        tokenizer = self.llm_engine.config.tokenizer
+        return model_fingerprint(self.model_path, Path(tokenizer).expanduser() if tokenizer else None)
 
     @property
-    def numerics(self) -> dict[str, str | bool]:
-        """What the engine resolved that decides a completion's bits besides the weights and
-        the request: the device kind, compute dtype, quantization ("none" without), KV cache
-        dtype and batch-invariant mode. Two engines that differ here give different rows for
-        the same prompts (dtype="auto" is float32 on an AVX2 CPU, bfloat16 with int8 products
-        on an AVX-512 one), so a table's version should include it."""
-        engine, model_config = self.llm_engine, self.llm_engine.model_config
-        return {"device": model_config.device.type, "dtype": model_config.dtype_name,
-                "quantization": model_config.quantization or "none", "kv_cache_dtype": engine.config.kv_cache_dtype,
-                "batch_invariant": engine.config.batch_invariant}
+    def output_settings(self) -> dict[str, object]:
+        """Everything of this engine's that decides a completion besides the request: the
+        model's fingerprint, and each setting of class OUTPUT (`engine.config`) as the engine
+        resolved it, the device by its type. Two engines that differ here may give different
+        rows for the same prompts (dtype="auto" is float32 on an AVX2 CPU, bfloat16 with int8
+        products on an AVX-512 one; reasoning_parser="auto" is the parser the tokenizer
+        implies), so row digests and data versions hold it; operational settings (threads,
+        block size, speculation...) stay out, and changing them reuses rows."""
+        config = self.llm_engine.config
+        settings = {setting.name: getattr(config, setting.name) for setting in engine_settings()
+                    if setting.metadata.get("affects") == OUTPUT}
+        return {"model": self.model_fingerprint, **settings, "device": torch.device(config.device).type}
 
     @property
     def dtype(self) -> str:

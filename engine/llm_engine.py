@@ -79,11 +79,13 @@ class LLMEngine:
         self.model_config = model_config = replace(model_config, device=replica.placements[0].device)
         backend = resolve_backend_name(config.attention_backend, model_config.device)
         config = config.resolve(model_config, backend)  # every default decided, once
-        self.config = config
         self.structured_output = StructuredOutputManager(
             self.tokenizer, model_config.hf_config.vocab_size, sorted(model_config.eos_token_ids))
         self.reasoning_parser = _reasoning_parser(config.reasoning_parser, self.tokenizer)
         self.tool_parser = _tool_parser(config.tool_call_parser, self.tokenizer)
+        self.config = config = replace(  # the parsers 'auto' chose, by name: they decide how outputs are split
+            config, reasoning_parser=self.reasoning_parser.format.name if self.reasoning_parser else None,
+            tool_call_parser=self.tool_parser.name if self.tool_parser else None)
         draft_config = resolve_draft_config(config, model_config) if spec is not None and spec.model else None
         self.model_runner = ModelRunner(config, model_config, replica, draft_config)
         self.block_manager = BlockManager(

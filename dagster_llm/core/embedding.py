@@ -140,7 +140,7 @@ class EmbeddingRun:
         started = time.monotonic()
         parts = [_Partition(p.key, p.rows, p.files) for p in partitions]
         self._check_rows([row for part in parts for row in part.rows])
-        model = {"weights": self.llm.model_fingerprint, "numerics": self.llm.numerics}
+        model = self.llm.output_settings
         for part in parts:
             part.data_version = self._data_version(part, model)
             self._resume(part)
@@ -176,7 +176,7 @@ class EmbeddingRun:
                 row.error = problem
 
     def _data_version(self, part: _Partition, model: dict) -> str:
-        """Digest of the code version, the model's weights and resolved numerics, and the rows."""
+        """Digest of the code version, the model's files and resolved output settings, and the rows."""
         rows = [(str(r.id), r.text, r.error) for r in part.rows]
         return digest({"code_version": self.options.code_version, "model": model, "rows": rows,
                        "normalize": self.options.normalize, "task": "embed"})[:24]

@@ -151,7 +151,7 @@ class GenerationRun:
         parts = [_Partition(p.key, p.rows, p.files, p.output, p.images, p.tool) for p in partitions]
         self._check_outputs(parts)
         self._check_rows([row for part in parts for row in part.rows])
-        model = {"weights": self.llm.model_fingerprint, "numerics": self.llm.numerics}
+        model = self.llm.output_settings
         for part in parts:
             part.data_version = self._data_version(part, model)
             part.row_digests = self._row_digests(part, model)
@@ -210,7 +210,7 @@ class GenerationRun:
 
     def _data_version(self, part: _Partition, model: dict) -> str:
         """Digest of everything the partition's table depends on: the code version, the model's
-        weights and the numerics the engine resolved for them (rows of other numerics never
+        files and the output settings the engine resolved for them (rows of other settings never
         join the table: a resume on a machine that resolves otherwise regenerates), the rows;
         images by their contents' digests, so that new bytes under the same path are a new
         version."""
@@ -225,7 +225,7 @@ class GenerationRun:
         """The digest of each row whose result is reproducible (greedy, seeded or beam search),
         by position: what its result depends on (its prompt as text and as token ids, the
         sampling it resolved to, adapter and fingerprint, beam search, output, images), the
-        model and the engine's numerics, the asset's row settings and the table's columns.
+        model's files and the engine's output settings, the asset's row settings and the table's columns.
         Not the row's id or partition: a row of the same digest anywhere in the asset is
         the same result. Unseeded sampled rows get none: they are never reused."""
         shared = digest({"settings": self.options.row_settings or self.options.code_version, "model": model,
@@ -265,11 +265,11 @@ class GenerationRun:
             return
         committed = part.files.committed_version
         if committed is not None and committed != part.data_version:
-            numerics = ", ".join(f"{name} {value}" for name, value in self.llm.numerics.items())
+            settings = ", ".join(f"{name} {value}" for name, value in self.llm.output_settings.items())
             self.log(f"partition {part.key!r}: its committed table is of data version {committed}, this run's is "
-                     f"{part.data_version} (the prompts, sampling, adapters, weights, code or the engine's numerics "
-                     f"changed; this engine: {numerics}): its rows are generated again, but for those whose "
-                     "digest matches a committed row")
+                     f"{part.data_version} (the prompts, sampling, adapters, model files, code or the engine's "
+                     f"output settings changed; this engine: {settings}): its rows are generated again, but for "
+                     "those whose digest matches a committed row")
         part.records = part.files.finished_records(part.data_version,
                                                    {row.position for row in part.rows if row.error is None})
         part.resumed_rows = len(part.records)

@@ -376,7 +376,7 @@ class OpenAIBatchRun:
         self.code_version = code_version
         self.log = log
         self.check_alive = check_alive
-        self.models: dict[str, str] = {}  # task -> "name@weights fingerprint" of the models loaded
+        self.models: dict[str, str] = {}  # task -> "name@digest of its output settings" of the models loaded
         self.started = time.monotonic()
 
     def run(self, partitions: Sequence[RequestPartition]) -> Iterator[BatchResult]:
@@ -411,7 +411,7 @@ class OpenAIBatchRun:
         """The rows of one task on its model: each body's error, each refused prompt's, then
         the others in one engine call."""
         llm = engine.load()
-        self.models[task] = f"{engine.name}@{llm.model_fingerprint}"
+        self.models[task] = f"{engine.name}@{digest(llm.output_settings)}"
         if llm.task != task:
             error = LineError(UNSUPPORTED_URL, f"url: {engine.source} loads {engine.name!r}, which does not {task} "
                                                f"({llm.task}): {_FIX[task]}")
@@ -486,7 +486,7 @@ class OpenAIBatchRun:
 
     def _data_version(self, rows: list[TableRow]) -> str:
         """Digest of the rows as they were read (each line, or each bad row's error), the
-        code version, and the models the rows ran on."""
+        code version, and the models the rows ran on (their files and output settings)."""
         tasks = {"embed" if row.line.url == EMBEDDINGS_URL else "generate" for row in rows if row.line is not None}
         return digest({"code_version": self.code_version,
                        "models": {task: self.models.get(task, "none") for task in sorted(tasks)},

@@ -19,7 +19,7 @@ current one are deleted, never mixed in.
 
 The row index lists, for each committed row whose result is reproducible (greedy, seeded or
 beam search), its row digest (`GenerationRun` computes it: the prompt, the sampling used,
-the adapter, the output, the images, the model, the engine's numerics, the code version)
+the adapter, the output, the images, the model's files, the engine's output settings, the code version)
 and its position. A later run of the asset reuses a committed row of any partition whose
 digest matches instead of generating it again. The index carries the data version of the
 table it indexes; an index whose table was since replaced is ignored.

@@ -1,5 +1,5 @@
 """The model folder: where a model name points (the embedded default or a local folder), what
-it must hold, and a fingerprint of its weights."""
+it must hold, and a fingerprint of the files that decide its outputs."""
 
 import functools
 import hashlib
@@ -65,14 +65,42 @@ def _file_sha256(path: Path, size: int, mtime_ns: int) -> str:
     return digest.hexdigest()
 
 
-def weights_fingerprint(path: Path) -> str:
-    """sha256 over the names and contents of the folder's weight files.
+# Files of a model folder that no loader here reads and that cannot change a row: documentation
+# and weights in formats other than safetensors (PyTorch pickles, GGUF, ONNX, TensorFlow, Flax).
+_NOT_READ = ("*.md", "LICENSE*", "NOTICE*", "USE_POLICY*", "*.bin", "*.pt", "*.pth", "*.gguf", "*.onnx", "*.onnx_data",
+             "*.h5", "*.msgpack", "*.ot", "*.tflite", "*.png", "*.jpg", "*.jpeg", "*.gif", "*.svg")
 
-    Identifies the weights in lineage metadata and data versions; cached per process by
-    each file's size and modification time, so only the first call reads the files.
+
+def model_fingerprint(path: Path, tokenizer_path: Path | None = None) -> str:
+    """sha256 over the names and contents of every file of the model folder (and of the
+    tokenizer's, when it is another) that can change a completion: the weights the engine
+    reads, config.json, generation_config.json (sampling defaults), the tokenizer and its
+    chat template, processor configs, sentence-transformers modules; not documentation,
+    hidden files, nor weights in formats never loaded (nor *.safetensors that the
+    checkpoint's index does not list).
+
+    Identifies the model in lineage metadata, row digests and data versions; cached per
+    process by each file's size and modification time, so only the first call reads the files.
     """
+    weights = set(check_model_folder(path, tokenizer_path))
+    files = [(f"model/{file.relative_to(path).as_posix()}", file) for file in _read_files(path, weights)]
+    if tokenizer_path is not None and tokenizer_path.resolve() != path.resolve():
+        files += [(f"tokenizer/{file.relative_to(tokenizer_path).as_posix()}", file)
+                  for file in _read_files(tokenizer_path, set())]
     digest = hashlib.sha256()
-    for file in check_model_folder(path):
+    for name, file in sorted(files):
         stat = file.stat()
-        digest.update(f"{file.name}:{_file_sha256(file, stat.st_size, stat.st_mtime_ns)}\n".encode())
+        digest.update(f"{name}:{_file_sha256(file, stat.st_size, stat.st_mtime_ns)}\n".encode())
     return digest.hexdigest()
+
+
+def _read_files(folder: Path, weights: set[Path]) -> list[Path]:
+    """The folder's files, through its subfolders, that a loader may read: `weights`, and
+    every file that is neither hidden, nor in _NOT_READ, nor other safetensors."""
+    found = []
+    for file in folder.rglob("*"):
+        if not file.is_file() or any(part.startswith(".") for part in file.relative_to(folder).parts):
+            continue
+        if file in weights or not (file.suffix == ".safetensors" or any(file.match(p) for p in _NOT_READ)):
+            found.append(file)
+    return found

@@ -52,7 +52,8 @@ class SpeculativeConfig:
         known = {f.name for f in fields(cls)}
         problems = [f"speculative_config[{key!r}]: not a key; the keys are {', '.join(sorted(known))}"
                     for key in value if key not in known]
-        method = _METHODS.get(value.get("method", "ngram" if value.get("model") is None else "draft_model"))
+        name = value.get("method", "ngram" if value.get("model") is None else "draft_model")
+        method = _METHODS.get(name) if isinstance(name, str) else None
         if method is None:
             problems.append(f"speculative_config['method']: {value['method']!r} is not supported; 'ngram' "
                             f"(prompt lookup) and 'draft_model' (with 'model': a folder) are")

@@ -23,7 +23,7 @@ PROMPTS = {
 }
 METADATA_KEYS = {
     "dagster/row_count", "dagster/column_schema", "dagster/column_lineage", "path", "model_id",
-    "model_fingerprint", "engine_numerics", "engine_version", "elapsed_s", "partitions_in_run", "prompt_tokens",
+    "model_fingerprint", "engine_output_settings", "engine_version", "elapsed_s", "partitions_in_run", "prompt_tokens",
     "completion_tokens", "reasoning_tokens", "tool_call_rows", "finish_reasons", "error_rows", "generated_rows",
     "resumed_rows", "reused_rows", "adapter", "sampling_config", "data_version", "upstream_data_version", "preview",
 }
@@ -75,8 +75,12 @@ def test_partition_contents_equal_direct_generation_and_carry_full_metadata(env)
         assert meta["completion_tokens"].value == int(table["completion_tokens"].sum())
         assert meta["sampling_config"].value["max_tokens"] == 6
         assert len(meta["model_fingerprint"].value) == 64
-        assert meta["engine_numerics"].value == {"device": "cpu", "dtype": "float32", "quantization": "none",
-                                                 "kv_cache_dtype": "float32", "batch_invariant": False}
+        settings = meta["engine_output_settings"].value
+        assert settings["model"] == meta["model_fingerprint"].value
+        assert {name: settings[name] for name in ("device", "dtype", "quantization", "kv_cache_dtype", "batch_invariant",
+                                                  "reasoning_parser", "runner")} == {
+            "device": "cpu", "dtype": "float32", "quantization": None, "kv_cache_dtype": "float32",
+            "batch_invariant": False, "reasoning_parser": None, "runner": "generate"}
         assert [c.name for c in meta["dagster/column_schema"].value.columns][:4] == ["id", "prompt", "generated_text", "finish_reason"]
         deps = meta["dagster/column_lineage"].value.deps_by_column["generated_text"]
         assert deps[0].asset_key == dg.AssetKey("prompts") and deps[0].column_name == "prompt"
@@ -304,7 +308,7 @@ def test_resource_creates_the_engine_lazily_and_frees_it(env):
 
 
 def test_rows_of_other_numerics_never_join_a_table(env, tiny_models, monkeypatch):
-    """The engine's resolved numerics are part of the data version: materialized again under
+    """The engine's resolved output settings are part of the data version: materialized again under
     the same CPU kind, the partition's rows are all reused; under another kind (mocked: AVX2,
     where dtype "auto" is float32, after this machine's own kind, where it is bfloat16, or an
     explicit bfloat16 where that is not native), every row is generated again, and the
@@ -323,7 +327,7 @@ def test_rows_of_other_numerics_never_join_a_table(env, tiny_models, monkeypatch
                                                                 kv_cache_memory=10 << 20)}
             result = dg.materialize([prompts, gen], partition_key="a", resources=resources, instance=instance)
             meta = latest(instance, "gen", "a").metadata
-            seen.append((meta["resumed_rows"].value, meta["generated_rows"].value, meta["engine_numerics"].value,
+            seen.append((meta["resumed_rows"].value, meta["generated_rows"].value, meta["engine_output_settings"].value,
                          meta["data_version"].value))
         said = [r.user_message for r in instance.all_logs(result.run_id) if "generated again" in r.user_message]
     detect_cpu.cache_clear()

@@ -97,7 +97,7 @@ def test_rows_of_another_partition_are_reused_and_sampled_rows_only_when_seeded(
 
 
 class OtherModel:
-    """The engine with other weights or numerics, as the row digests see it."""
+    """The engine with other model files or output settings, as the row digests see it."""
 
     def __init__(self, llm, **changes) -> None:
         self._llm, self._changes = llm, changes
@@ -106,15 +106,15 @@ class OtherModel:
         return self._changes[name] if name in self._changes else getattr(self._llm, name)
 
 
-@pytest.mark.parametrize("change", ["code_version", "model_fingerprint", "numerics", "reuse_rows", "resume"])
-def test_nothing_is_reused_across_models_numerics_or_code_versions_or_when_turned_off(llm, tmp_path, change):
+@pytest.mark.parametrize("change", ["code_version", "model_files", "output_settings", "reuse_rows", "resume"])
+def test_nothing_is_reused_across_models_output_settings_or_code_versions_or_when_turned_off(llm, tmp_path, change):
     generate = Generator(llm, tmp_path)
     generate(FRAME)
     frame = FRAME.assign(id=[f"x{i}" for i in range(6)])  # another data version, the same row digests
     changes = {
         "code_version": {"code_version": "2"},
-        "model_fingerprint": {"llm": OtherModel(llm, model_fingerprint="0" * 64)},
-        "numerics": {"llm": OtherModel(llm, numerics={**llm.numerics, "dtype": "bfloat16"})},
+        "model_files": {"llm": OtherModel(llm, output_settings={**llm.output_settings, "model": "0" * 64})},
+        "output_settings": {"llm": OtherModel(llm, output_settings={**llm.output_settings, "dtype": "bfloat16"})},
         "reuse_rows": {"reuse_rows": False},
         "resume": {"resume": False},
     }[change]
