@@ -158,8 +158,9 @@ class RequestChecker:
     def _images(self, prompt: Any, ids: list[int] | None) -> tuple[ProcessedPrompt | None, str | None]:
         """The prompt's images processed into its token ids (None: a prompt without images),
         or the problem with them: images for a text-only model, more than
-        limit_mm_per_prompt, an image that does not decode, placeholders and images that
-        do not pair up."""
+        limit_mm_per_prompt, an image that does not decode or is outside the model's limits
+        (decode budget, aspect ratio), one its image processor refuses, placeholders and
+        images that do not pair up."""
         data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
         processor = self.engine.mm_processor
         if ids is None or (data is None and (processor is None or processor.image_token_id not in ids)):
@@ -180,7 +181,7 @@ class RequestChecker:
         loaded = []
         for i, image in enumerate(images):
             try:
-                loaded.append(read_image(image))
+                loaded.append(read_image(image, processor.limits))
             except ImageInputError as exc:
                 return None, f"multi_modal_data['image'][{i}]: {exc}"
         try:

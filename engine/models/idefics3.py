@@ -61,6 +61,10 @@ class Idefics3Processor(BaseMultiModalProcessor):
         side = self.image_processor.max_image_size["longest_edge"] // hf_config.vision_config.patch_size
         self.image_seq_len = side * side // hf_config.scale_factor**2  # the encoder rows of one sub-image
 
+    def kept_pixels(self) -> int:
+        """The image resized to longest_edge on its longer side, and the global image."""
+        return self.image_processor.size.longest_edge**2 + self.image_processor.max_image_size["longest_edge"]**2
+
     def special_tokens(self) -> SpecialTokens:
         """The image's special tokens as this family's processor names them."""
         return SpecialTokens()

@@ -190,6 +190,18 @@ class LlavaMultiModalProcessor(BaseMultiModalProcessor):
         self.patch_size = hf_config.vision_config.patch_size
         self.keep_cls = strategy_keeps_cls(hf_config)
 
+    def kept_pixels(self) -> int:
+        """The crop (or the resize, where the processor does not crop)."""
+        processor = self.image_processor
+        size = processor.crop_size if getattr(processor, "do_center_crop", False) else processor.size
+        return size.height * size.width if size.height else size.shortest_edge**2
+
+    def max_aspect_ratio(self, budget: int) -> float | None:
+        """The processor resizes an image's shorter side to shortest_edge before it crops: an
+        aspect ratio of r makes it shortest_edge**2 * r pixels, which must stay within the budget."""
+        side = self.image_processor.size.shortest_edge if self.image_processor.do_resize else None
+        return budget // side**2 if side else None
+
     def process_image(self, image: Image.Image) -> ProcessedImage:
         pixel_values = self.image_processor(images=[image], return_tensors="pt")["pixel_values"]
         return ProcessedImage({"pixel_values": pixel_values}, self._tokens(*pixel_values.shape[-2:]))
@@ -211,6 +223,15 @@ class LlavaNextMultiModalProcessor(LlavaMultiModalProcessor):
     """An image becomes its crops (the resized whole first, then the grid) with its size,
     and one "<image>" token per embedding: the whole's patches, then each kept grid row's
     patches and its newline."""
+
+    def kept_pixels(self) -> int:
+        """The whole at the crop's size and the grid of the largest pinpoint."""
+        return super().kept_pixels() + max(height * width for height, width in self.hf_config.image_grid_pinpoints)
+
+    def max_aspect_ratio(self, budget: int) -> None:
+        """Any: the whole is resized to the crop's size and the grid to its pinpoint, neither
+        at the image's aspect ratio."""
+        return None
 
     def process_image(self, image: Image.Image) -> ProcessedImage:
         data = self.image_processor(images=[image], return_tensors="pt")

@@ -39,6 +39,10 @@ from engine.multimodal.inputs import ImageTokens, MultiModalFeature, ProcessedIm
 from engine.multimodal.processing import BaseMultiModalProcessor
 
 
+# transformers' `smart_resize` raises for a wider aspect ratio (vLLM's Qwen2-VL processor too).
+QWEN2_VL_MAX_ASPECT_RATIO = 200
+
+
 class Qwen2VLProcessor(BaseMultiModalProcessor):
     """An image to its flattened patches, grid and "<|image_pad|>" run, as transformers'
     `Qwen2VLProcessor` expands one; and the prompt's M-RoPE positions, as its model's
@@ -50,6 +54,14 @@ class Qwen2VLProcessor(BaseMultiModalProcessor):
         super().__init__(path, hf_config, tokenizer)
         self.image_token_id = hf_config.image_token_id
         self.merge_size = hf_config.vision_config.spatial_merge_size
+
+    def kept_pixels(self) -> int:
+        """max_pixels: `smart_resize` scales every image to at most that."""
+        return self.image_processor.size.longest_edge
+
+    def max_aspect_ratio(self, budget: int) -> float:
+        """`smart_resize` refuses an image whose longer side is over 200 times its shorter one."""
+        return QWEN2_VL_MAX_ASPECT_RATIO
 
     def process_image(self, image: Image.Image) -> ProcessedImage:
         """pixel_values [patches, channels * temporal_patch * patch**2], image_grid_thw [1, 3]

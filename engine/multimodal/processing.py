@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-from engine.multimodal.image import PromptImage, image_hash, load_image
+from engine.multimodal.image import ImageLimits, PromptImage, decode_budget, image_hash, load_image
 from engine.multimodal.inputs import ImageTokens, MultiModalFeature, ProcessedImage, ProcessedPrompt
 
 
@@ -48,6 +48,19 @@ class BaseMultiModalProcessor:
         template = path / "chat_template.json"
         if tokenizer.chat_template is None and template.exists():  # the processor's, in its older file
             tokenizer.chat_template = json.loads(template.read_text())["chat_template"]
+        budget = decode_budget(self.kept_pixels())
+        self.limits = ImageLimits(budget, self.max_aspect_ratio(budget),
+                                  f"the {hf_config.model_type} image processor")
+
+    def kept_pixels(self) -> int:
+        """The most pixels of an image the image processor keeps (what it resizes to), which
+        sizes the decode budget."""
+        raise NotImplementedError
+
+    def max_aspect_ratio(self, budget: int) -> float | None:
+        """The widest aspect ratio the image processor takes (None: any), for an image within
+        `budget` pixels."""
+        return None
 
     def process_image(self, image: Image.Image) -> ProcessedImage:
         """The encoder inputs and prompt tokens of one image."""
@@ -60,8 +73,9 @@ class BaseMultiModalProcessor:
         return self.process_image(image).tokens
 
     def encoder_inputs(self, feature: MultiModalFeature) -> dict[str, torch.Tensor]:
-        """The encoder's inputs for an image of a prompt, made from its source."""
-        return self.process_image(load_image(feature.source)).data
+        """The encoder's inputs for an image of a prompt, made from its source (decoded as
+        when its row was checked)."""
+        return self.process_image(load_image(feature.source, self.limits)).data
 
     def rope_positions(self, token_ids: list[int],
                        features: list[MultiModalFeature]) -> tuple[torch.Tensor, int] | None:
@@ -86,7 +100,7 @@ class BaseMultiModalProcessor:
                 if len(features) == len(images):
                     raise MultiModalInputError(self._count_problem(len(features) + 1, len(images)))
                 image = images[len(features)]
-                tokens = self.image_tokens(image.image)
+                tokens = self._checked_tokens(image.image, len(features))
                 expanded = tokens.replacement
                 taken = len(expanded) if token_ids[position : position + len(expanded)] == expanded else 1
                 features.append(MultiModalFeature(image_hash(image.image), len(ids), len(expanded), image.source,
@@ -101,6 +115,22 @@ class BaseMultiModalProcessor:
         if (rope := self.rope_positions(ids, features)) is not None:
             prompt.rope_positions, prompt.rope_delta = rope
         return prompt
+
+    def _checked_tokens(self, image: Image.Image, index: int) -> ImageTokens:
+        """The tokens of the prompt's image `index`. The image processor is transformers' code
+        run on a row's image: whatever it raises (a ValueError for a size it refuses, a
+        TypeError, ...) is that image's problem, not the call's.
+
+        Raises:
+            MultiModalInputError: naming the image, the processor's reason and the fix.
+        """
+        try:
+            return self.image_tokens(image)
+        except Exception as exc:
+            raise MultiModalInputError(
+                f"multi_modal_data['image'][{index}]: {self.limits.processor} refuses the {image.width}x"
+                f"{image.height} {image.mode} image ({type(exc).__name__}: {exc}): convert it to an RGB image of "
+                "ordinary size and aspect ratio upstream") from exc
 
     def _placeholder_runs(self, token_ids: list[int]) -> list[tuple[int, int]]:
         """(start, length) of each run of image tokens: single placeholders side by side,
