@@ -22,6 +22,7 @@ from engine.inputs import (
 )
 from engine.llm_engine import LLMEngine
 from engine.lora.request import LoRARequest
+from engine.multimodal.image import ImageLimits
 from engine.model_loader.folder import model_fingerprint
 from engine.outputs import (
     ClassificationRequestOutput, EmbeddingRequestOutput, EngineStats, RequestOutput, ScoringOutput,
@@ -330,6 +331,14 @@ class LLM:
         for a model that reads text only."""
         processor = self.llm_engine.mm_processor
         return processor.image_placeholder if processor is not None else None
+
+    @property
+    def image_limits(self) -> ImageLimits:
+        """What an image may be for this model, checked on its header before it is decoded:
+        the decode budget in pixels and the aspect ratio its image processor takes (the
+        engine's default budget for a model that reads text only)."""
+        processor = self.llm_engine.mm_processor
+        return processor.limits if processor is not None else ImageLimits()
 
     @property
     def max_num_seqs(self) -> int:

@@ -1,7 +1,8 @@
 """A prompt table's image column: each row's images read to bytes before any work (local
 paths, `file://` and `data:` URIs, object stores through the fsspec file systems the tables
-use), checked to decode, and digested, so that a row's data version follows its images'
-content rather than their names.
+use), checked to decode within the model's limits (its decode budget, read on the header
+before any pixel, and the aspect ratio its image processor takes: docs/engine.md, "Images in"),
+and digested, so that a row's data version follows its images' content rather than their names.
 
 A cell is one image or a list of them; an image is encoded bytes (Parquet binary), a path
 or URI, or a `{"bytes", "path"}` struct (how Hugging Face datasets store images)."""
@@ -14,10 +15,13 @@ from dataclasses import dataclass, field
 import pandas as pd
 from upath import UPath
 
-from engine.multimodal.image import ImageInputError, load_image
+from engine.multimodal.image import ImageInputError, ImageLimits, load_image
 
 # Images read at once: an object store answers each request slowly, but many side by side.
 READ_THREADS = 16
+# Protocols of the local file system, whose devices and pipes are refused unread (a read of
+# /dev/zero never ends).
+LOCAL_PROTOCOLS = ("", "file", "local")
 
 
 @dataclass(frozen=True)
@@ -30,20 +34,21 @@ class RowImages:
     problem: str | None = None
 
 
-def read_images(cells: Sequence[object]) -> list[RowImages]:
-    """Each cell's images, read and checked on `READ_THREADS` threads."""
+def read_images(cells: Sequence[object], limits: ImageLimits = ImageLimits()) -> list[RowImages]:
+    """Each cell's images, read and checked against the model's `limits` (`LLM.image_limits`)
+    on `READ_THREADS` threads."""
     with ThreadPoolExecutor(READ_THREADS) as pool:
-        return list(pool.map(_read_cell, cells))
+        return list(pool.map(lambda cell: _read_cell(cell, limits), cells))
 
 
-def _read_cell(cell: object) -> RowImages:
+def _read_cell(cell: object, limits: ImageLimits) -> RowImages:
     sources = _sources(cell)
     data = []
     for index, source in enumerate(sources):
         where = f"image {index + 1} of {len(sources)}: " if len(sources) > 1 else ""
         try:
-            blob = _read(source)
-            load_image(blob)  # decoded here too, so a row's broken image is its error before any work
+            blob = _read(source, limits)
+            load_image(blob, limits)  # decoded here too, so a row's broken image is its error before any work
         except ImageInputError as exc:
             return RowImages(problem=f"{where}{exc}")
         data.append(blob)
@@ -61,11 +66,12 @@ def _sources(cell: object) -> list[object]:
     return [cell]
 
 
-def _read(source: object) -> bytes:
+def _read(source: object, limits: ImageLimits) -> bytes:
     """The encoded bytes of one image.
 
     Raises:
-        ImageInputError: a location that cannot be read, or a value that names no image.
+        ImageInputError: a location that cannot be read, a local device, pipe or file larger
+            than an image within the limits, or a value that names no image.
     """
     if isinstance(source, dict) and ("bytes" in source or "path" in source):
         source = source.get("bytes") if source.get("bytes") is not None else source.get("path")
@@ -75,7 +81,9 @@ def _read(source: object) -> bytes:
         raise ImageInputError(f"expected encoded image bytes, a path or a URI (file://, data:, s3://, gs://, ...), "
                               f"got {type(source).__name__} {source!r:.40}: fix the cell upstream")
     try:
-        return UPath(source).read_bytes()
+        return _read_location(UPath(source), source, limits)
+    except ImageInputError:
+        raise
     except FileNotFoundError:
         raise ImageInputError(f"{_short(source)}: no such file or object: fix the path or drop the row") from None
     except (OSError, ValueError, ImportError) as exc:  # permissions, network, an unknown protocol
@@ -83,5 +91,21 @@ def _read(source: object) -> bytes:
                               "or the store's credentials (AWS_*, Google's, AZURE_STORAGE_* environment)") from None
 
 
+def _read_location(path: UPath, source: str, limits: ImageLimits) -> bytes:
+    """The bytes at `path`; on the local file system only a file of at most `limits.max_file_bytes`
+    (an object store's objects are read as they are: a stat would cost a request each)."""
+    if path.protocol in LOCAL_PROTOCOLS and path.exists():
+        if not path.is_file():
+            raise ImageInputError(f"{_short(source)}: is not a file (a directory, device or pipe): give the path "
+                                  "of an image file")
+        if (size := path.stat().st_size) > limits.max_file_bytes:
+            raise ImageInputError(f"{_short(source)}: is {size:,} bytes, more than an image within the decode budget "
+                                  f"takes ({limits.max_file_bytes:,}): give the image file itself, resized")
+    return path.read_bytes()
+
+
 def _short(location: str) -> str:
-    return location if len(location) <= 100 else location[:70] + "..." + location[-20:]
+    """A location as a one-line error shows it: quoted where it holds an unprintable character,
+    its middle cut where it is long."""
+    shown = location if location.isprintable() else repr(location)
+    return shown if len(shown) <= 100 else shown[:70] + "..." + shown[-20:]

@@ -15,6 +15,7 @@ from dagster_llm.core.sampling import SAMPLING_FIELD_NAMES, BeamSearchConfig, Sa
 from dagster_llm.core.structured import StructuredOutput
 from engine import SamplingParams
 from engine.chat_utils import chat_images, chat_messages_problem, invalid_unicode_problem, render_chat
+from engine.multimodal.image import ImageLimits
 
 
 class PromptTableError(ValueError):
@@ -149,10 +150,12 @@ class PartitionSettings:
 
 
 def read_rows(frame: pd.DataFrame, partition: PartitionSettings, spec: PromptTableRules,
-              tokenizer: Any, image_placeholder: str | None = None) -> list[PromptRow]:
+              tokenizer: Any, image_placeholder: str | None = None,
+              image_limits: ImageLimits = ImageLimits()) -> list[PromptRow]:
     """The partition's rows, rendered to token ids, with their images read (`image_column`);
     a row that cannot run gets its error. `image_placeholder` is the text that stands for
-    one image in the model's prompts (None: a text-only model).
+    one image in the model's prompts (None: a text-only model), `image_limits` what an image
+    may be for it (`LLM.image_limits`: its decode budget and aspect ratio).
 
     Raises:
         PromptTableError: the partition's own sampling clashes with the model's defaults.
@@ -164,7 +167,7 @@ def read_rows(frame: pd.DataFrame, partition: PartitionSettings, spec: PromptTab
         raise PromptTableError(f"the sampling{where}: {exc}") from None
     overrides = [c for c in SAMPLING_FIELD_NAMES if c in frame.columns]
     first_position: dict[str, int] = {}
-    images = read_images(frame[spec.image_column].tolist()) if spec.image_column is not None else None
+    images = read_images(frame[spec.image_column].tolist(), image_limits) if spec.image_column is not None else None
     rows = []
     for position, record in enumerate(frame.to_dict("records")):
         raw_id = record[spec.id_column]
