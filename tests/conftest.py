@@ -7,6 +7,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import settings as hypothesis_settings
+
+# Property-based tests run their own bounded example counts in the suite; HYPOTHESIS_PROFILE=thorough
+# runs 10,000 examples of each (tests/image_fuzz.py's `examples` reads it), to search before a release.
+hypothesis_settings.register_profile("thorough", max_examples=10_000)
+if os.environ.get("HYPOTHESIS_PROFILE"):
+    hypothesis_settings.load_profile(os.environ["HYPOTHESIS_PROFILE"])
 
 # Under pytest-xdist (`make test` runs two workers) the workers' OpenMP threads share the cores:
 # a waiting thread sleeps instead of spinning on a core another worker needs. Read once, when
