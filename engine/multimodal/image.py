@@ -148,10 +148,15 @@ def read_image(value: ImageLike, limits: ImageLimits = ImageLimits()) -> PromptI
 
 
 def image_hash(image: Image.Image) -> str:
-    """sha256 of the decoded pixels, mode and size: equal for the same picture however it was
-    given (bytes, path, PIL object), different for any other."""
+    """sha256 of the decoded pixels, mode and size, and of what else the image processor's
+    conversion to RGB reads (a palette image's palette, a transparent colour): equal for the
+    same picture however it was given (bytes, path, PIL object), different for any other."""
     digest = hashlib.sha256(f"{image.mode}:{image.size[0]}x{image.size[1]}:".encode())
     digest.update(image.tobytes())
+    if image.palette is not None:  # a palette image's pixels are indices into it
+        digest.update(b"palette:" + bytes(image.getpalette("RGBA") or []))
+    if (transparency := image.info.get("transparency")) is not None:
+        digest.update(f"transparency:{transparency!r}".encode())
     return digest.hexdigest()
 
 

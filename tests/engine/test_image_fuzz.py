@@ -30,7 +30,7 @@ from engine import LLM, SamplingParams, openai_batch
 from engine.inputs import RequestChecker
 from engine.multimodal.image import SUPPORTED_MODES, ImageInputError, ImageLimits, image_hash, load_image
 from tests.image_fuzz import (
-    BOMB, HostileImage, decodable_images, examples, good_picture, hostile_images, png_header, strip_png,
+    BOMB, HostileImage, decodable_images, encode, examples, good_picture, hostile_images, png_header, strip_png,
 )
 from tests.vision_models.idefics3 import build_tiny_idefics3
 from tests.vision_models.llava import build_tiny_llava
@@ -224,3 +224,15 @@ def test_run_batch_gives_a_hostile_images_line_its_error_and_answers_the_others(
 def monkeypatch_module():
     with pytest.MonkeyPatch.context() as patch:
         yield patch
+
+
+def test_palette_images_that_differ_only_in_their_palette_or_transparency_hash_apart():
+    """Their pixels are the same indices but the processor sees other colours: they must not
+    share an encoder output or prefix-cache blocks."""
+    red, blue = Image.new("P", (8, 8), 1), Image.new("P", (8, 8), 1)
+    red.putpalette([0, 0, 0, 255, 0, 0])
+    blue.putpalette([0, 0, 0, 0, 0, 255])
+    see_through = red.copy()
+    see_through.info["transparency"] = 1
+    assert len({image_hash(red), image_hash(blue), image_hash(see_through)}) == 3
+    assert image_hash(red) == image_hash(load_image(encode(red, "PNG")))
