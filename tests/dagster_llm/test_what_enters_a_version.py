@@ -186,3 +186,23 @@ def test_a_materialization_under_another_reasoning_parser_generates_again(model_
             seen.append((meta["generated_rows"].value, meta["engine_output_settings"].value["reasoning_parser"]))
     assert seen == [(len(FRAME), "qwen3"), (len(FRAME), None)]
 
+
+
+def test_an_openai_batch_tables_version_follows_the_same_classes(model_folder, tmp_path):
+    """An OpenAI batch partition (whose version once left the engine's settings out): another
+    max_model_len gives another data version, another block size the same one."""
+    from dagster_llm.core.openai_batch import BatchEngines, Engine, OpenAIBatchRun, RequestPartition, table_rows
+
+    folder = tmp_path / "model"
+    shutil.copytree(model_folder, folder)
+    frame = pd.DataFrame({"custom_id": ["a", "b"], "url": ["/v1/completions"] * 2,
+                          "body": [{"model": "tiny", "prompt": text, "max_tokens": 2, "temperature": 0}
+                                   for text in ("Row 0 says", "Row 1 says")]})
+    versions = []
+    for settings in ({}, {"block_size": 32}, {"max_model_len": 128}):
+        with LLM(str(folder), **{**BASE, **settings}) as llm:
+            engines = BatchEngines(Engine("tiny", "the test's engine", lambda: llm))
+            [result] = OpenAIBatchRun(engines, "1", lambda _: None).run([RequestPartition("p", table_rows(frame))])
+            assert result.stats.ok_rows == 2
+            versions.append(result.data_version)
+    assert versions[1] == versions[0] != versions[2]
