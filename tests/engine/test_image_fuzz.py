@@ -236,3 +236,15 @@ def test_palette_images_that_differ_only_in_their_palette_or_transparency_hash_a
     see_through.info["transparency"] = 1
     assert len({image_hash(red), image_hash(blue), image_hash(see_through)}) == 3
     assert image_hash(red) == image_hash(load_image(encode(red, "PNG")))
+
+
+def test_a_jpeg_over_the_budget_decodes_at_a_reduced_scale_and_other_formats_are_refused():
+    photo = Image.new("RGB", (400, 300), (30, 120, 200))
+    limits = ImageLimits(max_pixels=40_000)  # 400x300 is 120,000: half a side fits
+    assert load_image(encode(photo, "JPEG"), limits).size == (200, 150)
+    assert load_image(encode(photo, "JPEG"), ImageLimits(max_pixels=2_000)).size == (50, 38)  # an eighth
+    with pytest.raises(ImageInputError, match=r"the image is 400x300 \(120,000 pixels\), over the decode budget of "
+                                              r"40,000 pixels: resize it below 40,000 pixels \(e.g. to 230x173\)"):
+        load_image(encode(photo, "PNG"), limits)
+    with pytest.raises(ImageInputError, match="over the decode budget of 1,000 pixels"):  # an eighth is 1,900
+        load_image(encode(photo, "JPEG"), ImageLimits(max_pixels=1_000))
