@@ -37,6 +37,8 @@ DECODE_OVERSAMPLING = 4
 # The most bytes a pixel of an image file within the budget takes: 16-bit RGBA uncompressed (Pillow
 # reads it as RGBA); a larger local file is refused before it is read.
 MAX_FILE_BYTES_PER_PIXEL = 8
+# The attribute that keeps, on a PIL image given lazily opened, why its decoding failed (`_loaded`).
+DECODE_PROBLEM = "_engine_decode_problem"
 # The reduced scales a JPEG decoder can decode at (Pillow's `Image.draft`), smallest reduction first.
 JPEG_DRAFT_SCALES = (2, 4, 8)
 
@@ -216,10 +218,20 @@ def _decode(data: bytes, what: str, limits: ImageLimits) -> Image.Image:
 
 
 def _loaded(image: Image.Image, limits: ImageLimits) -> Image.Image:
-    """A PIL image as given, checked within `limits` and decoded where it was opened lazily."""
-    if (problem := limits.size_problem(*image.size)) is not None:
+    """A PIL image as given, checked within `limits` and decoded where it was opened lazily.
+
+    A lazily opened image whose decoding fails keeps the pixels decoded so far, and Pillow
+    takes it as loaded from then on (a second `load()` raises nothing): its failure is kept
+    on the image (`DECODE_PROBLEM`), so that every later check (`generate` after `validate`,
+    the step that encodes it) refuses it alike rather than run on what was partly decoded.
+    """
+    if (problem := limits.size_problem(*image.size) or getattr(image, DECODE_PROBLEM, None)) is not None:
         raise ImageInputError(problem)
-    _pillow(image.load, "the PIL image's pixels", limits)
+    try:
+        _pillow(image.load, "the PIL image's pixels", limits)
+    except ImageInputError as exc:
+        setattr(image, DECODE_PROBLEM, str(exc))
+        raise
     return image
 
 

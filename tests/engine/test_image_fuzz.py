@@ -17,6 +17,7 @@ test (300 where each example generates).
 
 import base64
 import contextlib
+import io
 import json
 import warnings
 from pathlib import Path
@@ -248,3 +249,13 @@ def test_a_jpeg_over_the_budget_decodes_at_a_reduced_scale_and_other_formats_are
         load_image(encode(photo, "PNG"), limits)
     with pytest.raises(ImageInputError, match="over the decode budget of 1,000 pixels"):  # an eighth is 1,900
         load_image(encode(photo, "JPEG"), ImageLimits(max_pixels=1_000))
+
+
+def test_a_lazily_opened_image_that_fails_to_decode_stays_refused():
+    """Pillow takes a lazily opened image whose load failed as loaded (a second load() returns
+    the pixels decoded so far): the engine refuses it every time, not only the first."""
+    cut = encode(Image.effect_noise((48, 48), 60).convert("RGB"), "PNG")[:400]
+    lazy = Image.open(io.BytesIO(cut))
+    first = pytest.raises(ImageInputError, load_image, lazy)
+    second = pytest.raises(ImageInputError, load_image, lazy)
+    assert str(first.value) == str(second.value) and "truncated" in str(first.value)
