@@ -196,6 +196,9 @@ def _apply_overrides(row: PromptRow, changes: dict[str, Any], partition: Partiti
 def _check_id(row: PromptRow, first_position: dict[str, int], spec: PromptTableRules) -> None:
     if row.id is None:
         row.fail(f"{spec.id_column}: is null: give every row an id")
+    elif (problem := invalid_unicode_problem(row.id, spec.id_column)) is not None:
+        row.fail(problem)  # stored as '?' there: Parquet holds UTF-8 only
+        row.id = row.id.encode("utf-8", "replace").decode("utf-8")
     elif row.id in first_position and spec.duplicate_ids == "error":
         row.fail(f"{spec.id_column}: {row.id!r} repeats the id of row {first_position[row.id]}; ids must be "
                  "unique: fix the table upstream, or pass duplicate_ids='keep' to generate every copy")
