@@ -1,7 +1,8 @@
-"""Prompt tables of any content, however hostile: ids, prompt cells (text, chat messages of any
-shape, numbers, bytes, nested values) and per-row sampling columns of any type. Reading the
-table, checking its rows against the engine and generating never raise: each bad row gets an
-error naming its column, and every other row is answered."""
+"""Prompt and text tables of any content, however hostile: ids, prompt cells (text, chat messages
+of any shape, numbers, bytes, nested values), per-row sampling columns of any type, and the
+embedding asset's text cells. Reading the table, checking its rows against the engine,
+generating and embedding never raise: each bad row gets an error naming its column, and every
+other row is answered."""
 
 import pandas as pd
 import pytest
@@ -9,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dagster_llm import GenerationRun, PartitionInput, RunOptions, SamplingConfig
+from dagster_llm.core.embedding import EmbeddingOptions, EmbeddingRun, TextPartition, text_rows
 from dagster_llm.core.prompts import PartitionSettings, PromptTableRules, read_rows
 from dagster_llm.core.sampling import SAMPLING_FIELD_NAMES
 from engine import LLM
@@ -89,3 +91,36 @@ def test_any_table_generates_its_good_rows_and_names_its_bad_ones(llm, table, ch
             assert record["finish_reason"] in ("length", "stop") and isinstance(record["generated_text"], str)
         else:
             assert record["error"] == row.error and pd.isna(record["generated_text"])
+
+
+@pytest.fixture(scope="module")
+def embedder(tmp_path_factory):
+    folder = build_reasoning_model(tmp_path_factory.mktemp("qwen3"), "qwen3")
+    with LLM(str(folder), dtype="float32", kv_cache_memory=4 << 20, max_model_len=64, runner="pooling") as llm:
+        yield llm
+
+
+@settings(max_examples=examples(60, thorough=2000), deadline=None, derandomize=True, suppress_health_check=HEALTH)
+@given(ids=st.lists(st.one_of(st.integers(0, 3), st.text(max_size=3), SCALARS, st.just(pd.NA)), min_size=1,
+                    max_size=5),
+       texts=st.lists(st.one_of(st.text(max_size=300), JSON, st.just(pd.NA)), min_size=5, max_size=5))
+def test_any_text_table_embeds_its_good_rows_and_names_its_bad_ones(embedder, ids, texts):
+    """The embedding asset's boundary: ids and text cells of anything."""
+    rows = text_rows(ids, texts[:len(ids)])
+    [result] = EmbeddingRun(embedder, EmbeddingOptions(model_id="tiny", code_version="1"),
+                            lambda _: None).embed([TextPartition(None, rows, None)])
+    out = result.table.to_pylist()
+    assert len(out) == len(ids)
+    for row, record in zip(rows, out):
+        if row.error is None:
+            assert record["error"] is None and len(record["embedding"]) == embedder.hidden_size
+        else:
+            assert record["error"] == row.error and record["embedding"] is None
+            assert row.error.startswith(("id:", "text:", "prompt")), row.error
+
+
+@pytest.mark.parametrize("null", [None, float("nan"), pd.NA, pd.NaT])
+def test_every_kind_of_null_id_is_named(null):
+    """pandas' NA and NaT were ids '<NA>' and 'NaT' of an embedding table, not null ones."""
+    [row] = text_rows([null], ["a text"])
+    assert row.error == "id: is null: give every row an id"
