@@ -78,8 +78,9 @@ def _read(source: object, limits: ImageLimits) -> bytes:
     if isinstance(source, (bytes, bytearray)):
         return bytes(source)
     if not isinstance(source, str) or not source:
+        shown = " ".join(repr(source).split())[:40]  # on one line: a numpy array's repr spans several
         raise ImageInputError(f"expected encoded image bytes, a path or a URI (file://, data:, s3://, gs://, ...), "
-                              f"got {type(source).__name__} {source!r:.40}: fix the cell upstream")
+                              f"got {type(source).__name__} {shown}: fix the cell upstream")
     try:
         return _read_location(UPath(source), source, limits)
     except ImageInputError:

@@ -8,6 +8,7 @@ HYPOTHESIS_PROFILE=thorough runs 10,000 examples."""
 from pathlib import Path
 
 import dagster as dg
+import numpy as np
 import pandas as pd
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -108,3 +109,10 @@ def test_a_strip_and_a_bomb_get_row_errors_while_the_partition_generates_the_oth
     assert table.loc["strip", "error"].startswith("photo: row 'strip': the image is 500x2, an aspect ratio of 250")
     assert table.loc["strip", "error"].endswith("crop or pad it to an aspect ratio of at most 200")
     assert table.loc["bomb", "error"].startswith("photo: row 'bomb': the bytes claim more pixels than Pillow opens")
+
+
+def test_a_cell_that_holds_no_image_is_named_on_one_line():
+    """A numpy array's repr spans lines; a row's error is one line (found by the fuzz test)."""
+    (row,) = read_images([[GOOD, np.zeros((4, 4, 3))]])
+    assert row.problem.startswith("image 2 of 2: expected encoded image bytes") and "\n" not in row.problem
+    assert "got ndarray array([[[0., 0., 0.], [0., 0., 0" in row.problem
