@@ -1,7 +1,7 @@
 """No image cell, however hostile, fails a partition (issue 62): a property-based test of the
 Dagster image column (`read_rows`, then the engine's checks the generation step runs on the
 rows that pass) on a tiny random Qwen2-VL, the family with the strictest limits, and the two
-reported cases (a 500x2 strip, a 60-byte PNG claiming 20000x10000) materialized end to end:
+reported cases (a 500x2 strip, a 57-byte PNG claiming 20000x10000) materialized end to end:
 their rows get errors naming the row and the fix, the others their completions.
 HYPOTHESIS_PROFILE=thorough runs 10,000 examples."""
 

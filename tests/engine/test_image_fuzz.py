@@ -10,7 +10,7 @@ processors (tests/vision_models/).
 * `run_batch_file` (python -m engine.run_batch): a line with a hostile image_url gets an error
   record naming the line, every other line its response.
 
-The two reported cases (a 500x2 strip on Qwen2-VL, a 60-byte PNG claiming 20000x10000 on each
+The two reported cases (a 500x2 strip on Qwen2-VL, a 57-byte PNG claiming 20000x10000 on each
 family) are tests of their own. HYPOTHESIS_PROFILE=thorough runs 10,000 examples of each fuzz
 test (300 where each example generates).
 """
