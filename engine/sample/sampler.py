@@ -482,6 +482,7 @@ def _nucleus_cut(values: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tenso
     k_last = (top_ks.clamp(max=window) - 1).unsqueeze(1)
     totals = torch.where(top_ks < vocab, mass.gather(1, k_last).squeeze(1), totals)
     ranks = torch.arange(window, device=values.device)
-    in_nucleus = (mass - weights) < (top_ps * totals).unsqueeze(1)
+    # The most likely token always stays: a top_p too small for float32 (5e-324) would keep none.
+    in_nucleus = ((mass - weights) < (top_ps * totals).unsqueeze(1)) | (ranks == 0)
     prefix = (ranks < top_ks.unsqueeze(1)) & ((top_ps >= 1).unsqueeze(1) | in_nucleus)
     return values.gather(1, prefix.sum(dim=-1, keepdim=True) - 1)

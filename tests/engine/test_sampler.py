@@ -192,6 +192,17 @@ def test_top_k_only_and_top_p_only_match_transformers(kind):
 
 
 @TOP_K_TOP_P_KINDS
+def test_a_top_p_too_small_for_float32_keeps_the_most_likely_token(kind):
+    """top_p=5e-324 passes validation (it is above 0) but is 0 in float32: the nucleus still
+    holds the most likely token, as at any top_p, instead of none (an index of -1 raised out
+    of the sampler, a batch line with such a top_p stopping the whole run)."""
+    logits = random_logits(3, 1000, seed=4, scale=3.0)
+    out = filter_top_k_top_p(logits, torch.tensor([0, 0, 5]), torch.tensor([5e-324, 1e-45, 5e-324]), kind)
+    for row in range(3):
+        assert (~torch.isinf(out[row])).nonzero().flatten().tolist() == [int(logits[row].argmax())]
+
+
+@TOP_K_TOP_P_KINDS
 def test_top_p_off_row_is_not_filtered_by_other_rows_top_p(kind):
     """A row with top_p = 1 (off) must keep its whole vocabulary whether or not another
     row of the batch uses top-p (vLLM / transformers never drop a token at top_p = 1)."""
