@@ -12,6 +12,7 @@ so the engine (`engine.llm`) is imported where a file is run.
 import base64
 import json
 import logging
+import re
 import struct
 import sys
 import time
@@ -48,6 +49,10 @@ UNSUPPORTED_URL = "unsupported_url"  # a url other than URLS, or one the loaded 
 INVALID_REQUEST = "invalid_request"  # the body: an unknown field, a bad value, a prompt the engine refuses
 UNSUPPORTED_FIELD = "unsupported_field"  # a documented field this runner cannot honour
 
+# The deepest nesting of lists and objects a line may have: far more than a request body needs (a JSON schema
+# included), far less than where Python's recursion (json, repr) gives out.
+MAX_DEPTH = 100
+
 # OpenAI's log-probability for tokens the model rules out: JSON has no -Infinity (vLLM's choice).
 MIN_LOGPROB = -9999.0
 
@@ -59,10 +64,14 @@ IGNORED_FIELDS = frozenset({"user", "store", "metadata", "service_tier", "stream
 @dataclass(frozen=True)
 class LineError:
     """Why a line or a body does not run: an `error.code` and the message, "field: reason
-    and fix" (the runner adds "line N: " in front)."""
+    and fix" (the runner adds "line N: " in front). A lone surrogate the message quotes from
+    the line is escaped: the message is written to a UTF-8 file or a Parquet table."""
 
     code: str
     message: str
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "message", self.message.encode("utf-8", "backslashreplace").decode("utf-8"))
 
 
 @dataclass(frozen=True)
@@ -112,6 +121,8 @@ SAMPLING_FIELDS = ("temperature", "top_p", "n", "seed", "stop", "presence_penalt
                    "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos",
                    "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens", "bad_words",
                    "allowed_token_ids")
+# A SamplingParams problem, "temperature must be ...", to be written as the body's "temperature: must be ...".
+_SAMPLING_PROBLEM = re.compile(r"(^|; )(%s) must" % "|".join(f.name for f in fields(SamplingParams)))
 # Where a body constrains its output: OpenAI's response_format, vLLM's structured_outputs and guided_* fields.
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 STRUCTURED_FIELDS = ("response_format", "structured_outputs", *GUIDED_FIELDS)
@@ -190,10 +201,15 @@ class _LineFailure(_BodyError):
 
 
 def _shown(value: Any) -> str:
-    """A body value as an error message quotes it: its JSON, cut at 80 characters, a lone
-    surrogate escaped (the message is written to a UTF-8 file)."""
-    text = json.dumps(value, ensure_ascii=False, default=repr).encode("utf-8", "backslashreplace").decode("utf-8")
+    """A body value as an error message quotes it: its JSON, cut at 80 characters."""
+    text = json.dumps(value, ensure_ascii=False, default=repr)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _field_name(name: Any) -> str:
+    """A field's name as a message names it: as it is when it is a plain name, else as its
+    JSON string ("", a name with spaces, a colon or control characters stays readable)."""
+    return name if isinstance(name, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name) else _shown(name)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,25 +224,56 @@ def parse_line(text: str, number: int) -> BatchLine | BadLine:
     except json.JSONDecodeError as exc:
         return BadLine(number, None, LineError(
             INVALID_JSON, f"is not JSON ({exc.msg} at column {exc.colno}): write one JSON object per line"))
+    except RecursionError:  # nested deeper than Python's parser goes
+        return BadLine(number, None, LineError(INVALID_JSON, too_deep_problem()))
+    if (problem := nesting_problem(data)) is not None:  # before anything recurses into it (repr, json.dumps)
+        named = data.get("custom_id") if isinstance(data, dict) else None
+        custom_id = named if isinstance(named, str) and named and invalid_unicode_problem(named) is None else None
+        return BadLine(number, custom_id, LineError(INVALID_JSON if problem.startswith("is ") else INVALID_LINE,
+                                                    problem))
     if not isinstance(data, dict):
         return BadLine(number, None, LineError(
             INVALID_JSON, f"expected a JSON object {{custom_id, method, url, body}}, got {type(data).__name__}"))
     custom_id = data.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
         return BadLine(number, None, LineError(
-            INVALID_LINE, f"custom_id: expected a non-empty string, got {custom_id!r}: give each line a unique id"))
+            INVALID_LINE, f"custom_id: expected a non-empty string, got {custom_id!r:.80}: give each line a unique id"))
     if (problem := invalid_unicode_problem(custom_id, "custom_id")) is not None:  # it could not be written back
         return BadLine(number, None, LineError(INVALID_LINE, problem))
     url, method, body = data.get("url"), data.get("method", "POST"), data.get("body")
     if method != "POST":
-        return BadLine(number, custom_id, LineError(INVALID_LINE, f"method: must be 'POST', got {method!r}"))
+        return BadLine(number, custom_id, LineError(INVALID_LINE, f"method: must be 'POST', got {method!r:.80}"))
     if url not in URLS:
         return BadLine(number, custom_id, LineError(
-            UNSUPPORTED_URL, f"url: {url!r} is not supported: use one of {', '.join(URLS)}"))
+            UNSUPPORTED_URL, f"url: {url!r:.80} is not supported: use one of {', '.join(URLS)}"))
     if not isinstance(body, dict):
         return BadLine(number, custom_id, LineError(
             INVALID_LINE, f"body: expected the request as a JSON object, got {type(body).__name__}"))
     return BatchLine(number, custom_id, url, body)
+
+
+def too_deep_problem(where: str = "") -> str:
+    """The problem of a value nested past MAX_DEPTH, under the field `where` ("": the line)."""
+    subject = f"{where}: is" if where else "is"
+    return f"{subject} nested more than {MAX_DEPTH} levels deep: flatten it (a request body needs a few levels)"
+
+
+def nesting_problem(value: Any) -> str | None:
+    """Why a decoded line is nested too deeply to handle (over MAX_DEPTH levels of lists
+    and objects, where Python's own recursion in repr and json gives out), naming the field
+    it is under ("body.stop: ...", "is nested ..." for the line itself), or None."""
+    stack: list[tuple[Any, int, str]] = [(value, 0, "")]
+    while stack:
+        item, depth, path = stack.pop()
+        if depth > MAX_DEPTH:
+            return too_deep_problem(path)
+        if isinstance(item, dict):  # the path names the first two levels under the line's object
+            stack.extend((child, depth + 1, f"{path}.{_field_name(key)}".lstrip(".") if depth < 2 else path)
+                         for key, child in item.items())
+        elif isinstance(item, list):
+            stack.extend((child, depth + 1, f"{path}[{i}]" if path and depth < 2 else path)
+                         for i, child in enumerate(item))
+    return None
 
 
 def parse_lines(raw_lines: Iterable[bytes]) -> list[BatchLine | BadLine]:
@@ -325,13 +372,35 @@ def _check_fields(url: str, body: Mapping[str, Any]) -> None:
     no_op = {name: field for name, field in NO_OP_FIELDS.items() if url in field.urls}
     unknown = sorted(set(body) - KNOWN_FIELDS[url] - IGNORED_FIELDS - set(no_op), key=str)
     if unknown:
-        raise _BodyError(", ".join(map(str, unknown)), f"not a field of {url} (OpenAI's or vLLM's): remove it or fix "
-                                                       "its spelling")
+        raise _BodyError(", ".join(map(_field_name, unknown)), f"not a field of {url} (OpenAI's or vLLM's): remove "
+                                                               "it or fix its spelling")
     for name, field in no_op.items():
         if name in body and not field.takes(body[name]):
             raise _LineFailure(field.problem(name, body[name]))
+    for name in [name for name in body if name not in IGNORED_FIELDS]:
+        if (found := _lone_surrogate(body[name])) is not None:  # no text it reaches could encode it
+            raise _BodyError(None, invalid_unicode_problem(found[1], name + found[0]))
     if not isinstance(body.get("model", ""), str):
         raise _BodyError("model", f"must be a string, got {body['model']!r}")
+
+
+def _lone_surrogate(value: Any) -> tuple[str, str] | None:
+    """The first text in a body value (a string, or a key or value within its lists and
+    objects) that holds a lone surrogate: where it is ("[0].content", "" for the value
+    itself, a key's own place for a key) and the text; None when there is none."""
+    stack: list[tuple[Any, str]] = [(value, "")]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, str) and invalid_unicode_problem(item) is not None:
+            return path, item
+        if isinstance(item, dict):
+            bad_key = next((k for k in item if isinstance(k, str) and invalid_unicode_problem(k) is not None), None)
+            if bad_key is not None:
+                return f"{path}.{_field_name(bad_key)}", bad_key
+            stack.extend((v, f"{path}.{_field_name(k)}") for k, v in reversed(item.items()))
+        elif isinstance(item, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in reversed(list(enumerate(item))))
+    return None
 
 
 def _sampling_params(body: Mapping[str, Any], defaults: Mapping[str, Any] | None, max_tokens: Any,
@@ -343,7 +412,8 @@ def _sampling_params(body: Mapping[str, Any], defaults: Mapping[str, Any] | None
     try:
         return SamplingParams.from_optional(**values)
     except ValueError as exc:  # VLLMValidationError, ParameterTypeError included; each problem names its field
-        raise _BodyError(None, str(exc).removeprefix("Invalid SamplingParams: ")) from exc
+        problems = str(exc).removeprefix("Invalid SamplingParams: ")
+        raise _BodyError(None, _SAMPLING_PROBLEM.sub(r"\1\2: must", problems)) from exc
 
 
 def _first_set(body: Mapping[str, Any], *names: str) -> Any:
@@ -369,8 +439,8 @@ def _structured_outputs(body: Mapping[str, Any]) -> StructuredOutputsParams | No
             if not isinstance(body[name], dict):
                 raise _BodyError(name, f"expected an object such as {{'json': schema}}, got {body[name]!r:.80}")
             if unknown := sorted(set(body[name]) - {f.name for f in fields(StructuredOutputsParams)}, key=str):
-                raise _BodyError(f"{name}.{unknown[0]}", "not a key of structured_outputs: give one of json, regex, "
-                                                         "choice, grammar, json_object (and disable_any_whitespace)")
+                raise _BodyError(f"{name}.{_field_name(unknown[0])}", "not a key of structured_outputs: give one of "
+                                 "json, regex, choice, grammar, json_object (and disable_any_whitespace)")
             return StructuredOutputsParams(**body[name])
         return StructuredOutputsParams(**{GUIDED_FIELDS[name]: body[name]})
     except (TypeError, ValueError) as exc:  # an unknown key, or a constraint of the wrong form
@@ -722,8 +792,18 @@ class ResultWriter:
         self.summary.errors += 1
 
     def _write(self, record: dict[str, Any]) -> None:
-        self.stream.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self.stream.write(jsonl_line(record))
         self.stream.flush()
+
+
+def jsonl_line(record: dict[str, Any]) -> str:
+    """A record as one JSONL line: Unicode as it is, but the characters that Python's
+    str.splitlines() also ends a line at (U+0085, U+2028, U+2029; JSON escapes the control
+    ones) written as escapes, so that a reader splitting the text finds whole records."""
+    return json.dumps(record, ensure_ascii=False).translate(_LINE_BREAKS) + "\n"
+
+
+_LINE_BREAKS = {ord(c): f"\\u{ord(c):04x}" for c in "\u0085\u2028\u2029"}
 
 
 @dataclass(frozen=True)
@@ -871,7 +951,7 @@ def _run_rows(requests: list[tuple[BatchLine, GenerationRequest | EmbeddingReque
             refused.add(id(row.pending))
             line = row.pending.line
             writer.error(line.number, line.custom_id,
-                         prompt_error(line.url, row.index, len(row.pending.request.prompts), problem))
+                         prompt_error(line.url, row.index, len(row.pending.request.prompts), problem, line.body))
     rows = [row for row in rows if id(row.pending) not in refused]
     if not rows:
         return
@@ -883,15 +963,19 @@ def _run_rows(requests: list[tuple[BatchLine, GenerationRequest | EmbeddingReque
             writer.response(done.line.custom_id, respond(done.request, done.outputs))
 
 
-def prompt_error(url: str, index: int, count: int, problem: str) -> LineError:
+def prompt_error(url: str, index: int, count: int, problem: str, body: Mapping[str, Any] | None = None) -> LineError:
     """The engine's problem with prompt `index` of a line's `count` prompts (`LLM.validate`'s
     "prompt: reason") as the line's error, naming the body field that holds the prompt once:
     "prompt[1]: is empty", "messages: has 600 tokens", "input: ..."; other fields' problems
-    keep their own name ("max_tokens: ..."), after the prompt's index when there are several."""
+    keep their own name ("max_tokens: ..."), after the prompt's index when there are several;
+    a constraint's problem names the `body` field that gave it (guided_regex, response_format...)."""
     where = PROMPT_FIELDS[url] + (f"[{index}]" if count > 1 else "")
     for name in ("prompt: ", "prompt_token_ids: "):
         if problem.startswith(name):
             return LineError(INVALID_REQUEST, f"{where}: {problem.removeprefix(name)}")
+    given = [name for name in STRUCTURED_FIELDS if (body or {}).get(name) is not None]
+    if problem.startswith("structured_outputs: ") and len(given) == 1:
+        problem = given[0] + problem.removeprefix("structured_outputs")
     return LineError(INVALID_REQUEST, f"{where}: {problem}" if count > 1 else problem)
 
 

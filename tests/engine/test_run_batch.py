@@ -6,7 +6,6 @@ import base64
 import json
 import logging
 import os
-import re
 import struct
 import subprocess
 import sys
@@ -29,6 +28,7 @@ from engine.outputs import (
     CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, FunctionCall, Logprob, RequestOutput, ToolCall,
 )
 from engine.run_batch import build_parser, main
+from tests.openai_batch_fuzz import named_twice
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -159,7 +159,7 @@ def test_output_constraints(body, expected):
 
 @pytest.mark.parametrize(("body", "code", "names"), [
     ({"temperature": 3}, INVALID_REQUEST, "temperature"),
-    ({"n": 2, "temperature": 0}, INVALID_REQUEST, "n must be 1"),
+    ({"n": 2, "temperature": 0}, INVALID_REQUEST, "n: must be 1"),
     ({"frobnicate": 1, "zeal": 2}, INVALID_REQUEST, "frobnicate, zeal: not a field"),
     ({"echo": True}, UNSUPPORTED_FIELD, "echo"),
     ({"suffix": "end"}, UNSUPPORTED_FIELD, "suffix"),
@@ -194,13 +194,6 @@ def test_bad_completion_bodies_name_the_field(body, code, names):
 def test_bad_chat_bodies_name_the_field(body, code, names):
     error = chat(**body)
     assert isinstance(error, LineError) and error.code == code and names in error.message, error
-
-
-def named_twice(message: str) -> str | None:
-    """The field a "field: reason" message names twice in a row ("messages: messages: ...",
-    "guided_json: json: ...", "prompt[1]: prompt: ..."), or None."""
-    parts = message.split(": ")
-    return next((b for a, b in zip(parts, parts[1:]) if b in re.split(r"[\s\[\]._]+", a)), None)
 
 
 @pytest.mark.parametrize(("url", "body", "message"), [
@@ -482,6 +475,37 @@ def test_lines_are_written_as_they_finish_and_a_rerun_after_a_crash_completes_th
     two = json.loads(out.read_text().splitlines()[-1])
     assert two["custom_id"] == "two"
     assert [c["text"] for c in two["response"]["body"]["choices"]] == ["B", "C"]  # in prompt order
+
+
+def test_lines_the_fuzz_found_are_each_their_error_and_the_run_goes_on(tmp_path, monkeypatch):
+    """What tests/engine/test_openai_batch_fuzz.py found first, each now its line's error
+    (or its answer) beside a good line: a field named with a lone surrogate (its error could
+    not be written: UnicodeEncodeError stopped the run), JSON nested past Python's parser
+    (RecursionError) or past MAX_DEPTH, a lone surrogate in a value the engine would read
+    (xgrammar raised on it), an unknown field whose name is no name, and a custom_id holding
+    U+2028, which str.splitlines() once split the output line at."""
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    good = {"url": COMPLETIONS_URL, "body": {"prompt": "ok"}}
+    lines = [json.dumps({"custom_id": "surrogate-name", **good, "body": {"prompt": "a", "\ud800": 1}}),
+             "[" * 5000 + "]" * 5000,
+             json.dumps({"custom_id": "deep", **good, "body": {"prompt": "a", "stop": "X"}}).replace(
+                 '"X"', "[" * 150 + "]" * 150),
+             json.dumps({"custom_id": "surrogate-choice", **good, "body": {"prompt": "a", "guided_choice": ["\ud800"]}}),
+             json.dumps({"custom_id": "odd-name", **good, "body": {"prompt": "a", "": 1, "a: b": 2}}),
+             json.dumps({"custom_id": "line\u2028break", **good}, ensure_ascii=False),
+             json.dumps({"custom_id": "good", **good})]
+    source.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    monkeypatch.setattr("engine.openai_batch._load", lambda model, settings: FakeLLM())
+    summary = run_batch_file(str(source), str(out))
+    assert (summary.ok, summary.errors) == (2, 5)
+    records = {r["custom_id"] or r["error"]["line"]: r for r in map(json.loads, out.read_text("utf-8").splitlines())}
+    assert {key: r["error"] and r["error"]["message"].split(" (")[0].split(", which")[0] for key, r in records.items()} == {
+        "surrogate-name": 'line 1: "\\ud800": not a field of /v1/completions',
+        2: "line 2: is nested more than 100 levels deep: flatten it",
+        "deep": "line 3: body.stop: is nested more than 100 levels deep: flatten it",
+        "surrogate-choice": "line 4: guided_choice[0]: holds a lone surrogate '\\ud800' at character 0",
+        "odd-name": 'line 5: "", "a: b": not a field of /v1/completions',
+        "line\u2028break": None, "good": None}
 
 
 def test_every_engine_setting_is_a_flag():
