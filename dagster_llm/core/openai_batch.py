@@ -26,10 +26,12 @@ from dagster_llm.core.checks import CheckOutcome
 from dagster_llm.core.generation import digest
 from dagster_llm.core.schema import TOOL_CALLS_TYPE
 from dagster_llm.core.table_store import PartitionFiles, with_data_version
+from engine.chat_utils import invalid_unicode_problem
 from engine.openai_batch import (
-    CHAT_URL, DUPLICATE_CUSTOM_ID, EMBEDDINGS_URL, INVALID_JSON, UNSUPPORTED_URL, BadLine,
+    CHAT_URL, DUPLICATE_CUSTOM_ID, EMBEDDINGS_URL, INVALID_JSON, INVALID_LINE, UNSUPPORTED_URL, BadLine,
     BatchLine, EmbeddingRequest, GenerationRequest, LineError, embedding_request, embedding_response_body,
-    generation_request, generation_response_body, model_sampling_defaults, parse_line, prompt_error,
+    generation_request, generation_response_body, model_sampling_defaults, nesting_problem, parse_line, prompt_error,
+    too_deep_problem,
 )
 
 if TYPE_CHECKING:
@@ -112,25 +114,32 @@ def read_openai_batch_file(path_or_url: str) -> pd.DataFrame:
 
 
 def _file_row(raw: bytes, number: int) -> dict[str, Any]:
-    """One line as a table row; envelope values of another type than a string stay visible
-    as their JSON text (a custom_id that is not a string is dropped: as text it would pass)."""
+    """One line as a table row that Parquet stores (valid UTF-8 in every cell). Envelope
+    values other than a string of valid Unicode stay visible as their JSON text, escaped (a
+    custom_id is dropped instead: as text it would pass); the body is its JSON text, escaped
+    where it holds a lone surrogate. A line that is not a JSON object, or nested past
+    MAX_DEPTH, keeps its text as the body, which the row's check then refuses."""
     try:
         data = json.loads(raw)
-    except ValueError:  # UnicodeDecodeError included
+    except (ValueError, RecursionError):  # UnicodeDecodeError included; RecursionError: nested too deeply
         data = None
-    if not isinstance(data, dict):
+    if not isinstance(data, dict) or nesting_problem(data) is not None:
         return {"custom_id": None, "method": None, "url": None, "body": raw.decode("utf-8", "replace"),
                 "line": number}
 
     def text(name: str) -> str | None:
         value = data.get(name)
-        return value if value is None or isinstance(value, str) else json.dumps(value)
+        return value if value is None or _storable(value) else json.dumps(value)
 
-    custom_id = data.get("custom_id")
-    body = data.get("body")
-    return {"custom_id": custom_id if isinstance(custom_id, str) else None, "method": text("method"),
-            "url": text("url"), "body": None if body is None else json.dumps(body, ensure_ascii=False),
-            "line": number}
+    custom_id, body = data.get("custom_id"), data.get("body")
+    body_text = None if body is None else json.dumps(body, ensure_ascii=False)
+    return {"custom_id": custom_id if _storable(custom_id) else None, "method": text("method"), "url": text("url"),
+            "body": body_text if body_text is None or _storable(body_text) else json.dumps(body), "line": number}
+
+
+def _storable(value: Any) -> bool:
+    """Whether `value` is text a Parquet string column holds as it is (valid Unicode)."""
+    return isinstance(value, str) and invalid_unicode_problem(value) is None
 
 
 @dataclass(frozen=True)
@@ -184,20 +193,43 @@ def _checked_row(position: int, record: dict[str, Any], has_url: bool) -> TableR
     """One row: its body's JSON text parsed, then its envelope checked by `parse_line`
     (custom_id, method, url, body)."""
     line_number = _missing_to_none(record.get("line"))
-    numbered = isinstance(line_number, numbers.Real) and not isinstance(line_number, bool)
+    numbered = (isinstance(line_number, numbers.Real) and not isinstance(line_number, bool)
+                and math.isfinite(line_number))
     where = f"line {int(line_number)}" if numbered else f"row {position}"
     method = _missing_to_none(record.get("method"))
     url = _missing_to_none(record["url"]) if has_url else DEFAULT_URL
     body, body_error = _body(_missing_to_none(record["body"]))
     envelope = {"custom_id": _missing_to_none(record["custom_id"]), "url": url, "body": {} if body_error else body,
                 **({"method": method} if method is not None else {})}
-    parsed = parse_line(json.dumps(envelope, default=_plain, ensure_ascii=False), position + 1)
+    text, cell_error = _envelope_text(envelope)
+    body_error = body_error or cell_error
+    parsed = parse_line(text, position + 1)
     row = TableRow(position, where, parsed.custom_id, url if isinstance(url, str) else None, None, None)
     if body_error is not None:  # first: a line that is not JSON at all (read_openai_batch_file) says so
         return replace(row, error=body_error)
     if isinstance(parsed, BadLine):
         return replace(row, error=parsed.error)
     return replace(row, line=parsed)
+
+
+def _envelope_text(envelope: dict[str, Any]) -> tuple[str, LineError | None]:
+    """The row's envelope as the JSON line `parse_line` reads; where a cell is no JSON value
+    (a key that is not text, a cycle, nesting past Python's recursion), the envelope with
+    its text cells only and an empty body, and the error naming that cell."""
+    try:
+        return json.dumps(envelope, default=_plain, ensure_ascii=False), None
+    except (TypeError, ValueError, RecursionError):
+        pass
+    error = None
+    for name, value in envelope.items():
+        try:
+            json.dumps(value, default=_plain)
+        except (TypeError, ValueError, RecursionError) as exc:
+            error = LineError(INVALID_LINE, f"{name}: cannot be written as JSON ({type(exc).__name__}: {exc}): give "
+                                            "it as JSON values (objects with text keys, lists, text, numbers)")
+            break
+    text_cells = {name: value if isinstance(value, str) else None for name, value in envelope.items()}
+    return json.dumps({**text_cells, "body": {}}, ensure_ascii=False), error
 
 
 def _missing_to_none(value: Any) -> Any:
@@ -208,15 +240,20 @@ def _missing_to_none(value: Any) -> Any:
 
 
 def _body(value: Any) -> tuple[Any, LineError | None]:
-    """A body cell as the request body: a dict as it is, text parsed as JSON."""
-    if not isinstance(value, (str, bytes)):
-        return value, None
-    try:
-        return json.loads(value), None
-    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
-        reason = f"{exc.msg} at column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else str(exc)
-        return None, LineError(INVALID_JSON, f"body: is not JSON ({reason}): give the request body as an object, or "
-                                             "its JSON text")
+    """A body cell as the request body: a dict as it is, text parsed as JSON; nested no
+    deeper than engine.openai_batch.MAX_DEPTH."""
+    if isinstance(value, (str, bytes)):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+            reason = f"{exc.msg} at column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else str(exc)
+            return None, LineError(INVALID_JSON, f"body: is not JSON ({reason}): give the request body as an object, "
+                                                 "or its JSON text")
+        except RecursionError:  # nested past Python's parser, so past MAX_DEPTH
+            return None, LineError(INVALID_JSON, too_deep_problem("body"))
+    if (problem := nesting_problem({"body": value})) is not None:
+        return None, LineError(INVALID_JSON, problem)
+    return value, None
 
 
 def _plain(value: Any) -> Any:
@@ -430,7 +467,7 @@ class OpenAIBatchRun:
         for (p, i), problem in zip(units, kind.check(units) if units else []):
             if problem is not None and id(p) not in refused:
                 refused.add(id(p))
-                error = prompt_error(p.row.line.url, i, len(p.request.prompts), problem)
+                error = prompt_error(p.row.line.url, i, len(p.request.prompts), problem, p.row.line.body)
                 yield from self._settle(p.part, p.row, error_record(p.row, error))
         units = [(p, i) for p, i in units if id(p) not in refused]
         for index, output in kind.run(units) if units else []:
