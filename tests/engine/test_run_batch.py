@@ -414,8 +414,8 @@ def test_finished_lines_cut_a_torn_line_and_keep_a_duplicates_first_id_open(tmp_
     with caplog.at_level(logging.WARNING, logger="engine.openai_batch"):
         done = finished_lines(out)
     assert out.read_text().endswith("}\n") and len(out.read_text().splitlines()) == 3
-    assert [r.getMessage() for r in caplog.records] == [f"{out}: dropped a torn last line ({len(torn)} bytes); its request "
-                                                        "runs again"]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{out}: dropped a torn last line ({len(torn)} bytes); its request runs again"]
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="engine.openai_batch"):
         assert finished_lines(out) == done  # whole lines only now: nothing dropped, nothing said
@@ -490,7 +490,8 @@ def test_lines_the_fuzz_found_are_each_their_error_and_the_run_goes_on(tmp_path,
              "[" * 5000 + "]" * 5000,
              json.dumps({"custom_id": "deep", **good, "body": {"prompt": "a", "stop": "X"}}).replace(
                  '"X"', "[" * 150 + "]" * 150),
-             json.dumps({"custom_id": "surrogate-choice", **good, "body": {"prompt": "a", "guided_choice": ["\ud800"]}}),
+             json.dumps({"custom_id": "surrogate-choice", **good,
+                         "body": {"prompt": "a", "guided_choice": ["\ud800"]}}),
              json.dumps({"custom_id": "odd-name", **good, "body": {"prompt": "a", "": 1, "a: b": 2}}),
              json.dumps({"custom_id": "line\u2028break", **good}, ensure_ascii=False),
              json.dumps({"custom_id": "good", **good})]
@@ -499,7 +500,9 @@ def test_lines_the_fuzz_found_are_each_their_error_and_the_run_goes_on(tmp_path,
     summary = run_batch_file(str(source), str(out))
     assert (summary.ok, summary.errors) == (2, 5)
     records = {r["custom_id"] or r["error"]["line"]: r for r in map(json.loads, out.read_text("utf-8").splitlines())}
-    assert {key: r["error"] and r["error"]["message"].split(" (")[0].split(", which")[0] for key, r in records.items()} == {
+    messages = {key: r["error"] and r["error"]["message"].split(" (")[0].split(", which")[0]
+                for key, r in records.items()}
+    assert messages == {
         "surrogate-name": 'line 1: "\\ud800": not a field of /v1/completions',
         2: "line 2: is nested more than 100 levels deep: flatten it",
         "deep": "line 3: body.stop: is nested more than 100 levels deep: flatten it",
