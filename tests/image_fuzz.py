@@ -7,13 +7,11 @@ that are no image at all.
 
 A drawn `HostileImage` is a description; `HostileImage.value(folder)` makes the value a row gives
 (writing a file under `folder` for the path forms), so that the strategies need no fixture.
-`examples(quick)` is a test's example count: `quick` in the suite, the Hypothesis profile's count
-where HYPOTHESIS_PROFILE names one (`thorough`: 10,000; tests/conftest.py registers it)."""
+Example counts come from tests/fuzzing.py's `examples`."""
 
 import base64
 import hashlib
 import io
-import os
 import struct
 import zlib
 from dataclasses import dataclass
@@ -21,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from hypothesis import settings
 from hypothesis import strategies as st
 from PIL import Image
 
@@ -39,14 +36,6 @@ HOSTILE_LOCATIONS = ("/dev/zero", "/dev/null", "/", ".", "", "\x00", "a\x00b.png
                      "file://[x/y.png", "file:///dev/zero", "http://example.com/cat.png", "s3://bucket/cat.png",
                      "data:image/png,notbase64", "data:image/png;base64,!!!!", "data:;base64,", "C:\\cat.png",
                      "x" * 5000)
-
-
-def examples(quick: int, thorough: int | None = None) -> int:
-    """A fuzz test's example count: `quick` in the suite; under HYPOTHESIS_PROFILE the loaded
-    profile's count, or `thorough` where a test whose examples each run a model caps it."""
-    if not os.environ.get("HYPOTHESIS_PROFILE"):
-        return quick
-    return min(settings.default.max_examples, thorough or settings.default.max_examples)
 
 
 @dataclass(frozen=True)

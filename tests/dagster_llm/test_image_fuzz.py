@@ -18,7 +18,8 @@ from dagster_llm import LLMResource, ParquetIOManager, SamplingConfig, build_gen
 from dagster_llm.core.images import read_images
 from dagster_llm.core.prompts import PartitionSettings, PromptTableRules, read_rows
 from engine import LLM, SamplingParams
-from tests.image_fuzz import BOMB, HostileImage, examples, good_picture, hostile_images, strip_png
+from tests.fuzzing import examples
+from tests.image_fuzz import BOMB, HostileImage, good_picture, hostile_images, strip_png
 from tests.vision_models.qwen2_vl import build_tiny_qwen2_vl
 
 SETTINGS = PartitionSettings(None, SamplingConfig(max_tokens=2), None, None, SamplingParams())

@@ -30,8 +30,9 @@ from PIL import Image
 from engine import LLM, SamplingParams, openai_batch
 from engine.inputs import RequestChecker
 from engine.multimodal.image import SUPPORTED_MODES, ImageInputError, ImageLimits, image_hash, load_image
+from tests.fuzzing import examples
 from tests.image_fuzz import (
-    BOMB, HostileImage, decodable_images, encode, examples, good_picture, hostile_images, png_header, strip_png,
+    BOMB, HostileImage, decodable_images, encode, good_picture, hostile_images, png_header, strip_png,
 )
 from tests.vision_models.idefics3 import build_tiny_idefics3
 from tests.vision_models.llava import build_tiny_llava
