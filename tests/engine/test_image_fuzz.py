@@ -45,7 +45,7 @@ BUILDERS = {
     "idefics3": lambda folder: build_tiny_idefics3(folder),
     "smolvlm": lambda folder: build_tiny_idefics3(folder, smolvlm=True),
 }
-GREEDY = SamplingParams(temperature=0, max_tokens=2)
+GREEDY = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)  # a random model may pick EOS first
 GOOD = good_picture(0)
 FUZZ = dict(deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
