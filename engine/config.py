@@ -221,11 +221,6 @@ class EngineConfig:
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
             problems.append(f"max_logprobs must be -1 (the whole vocabulary) or a non-negative integer, "
                             f"got {self.max_logprobs!r}")
-        if self.async_scheduling not in (None, True, False):
-            problems.append(f"async_scheduling must be True, False or None (the device's default), "
-                            f"got {self.async_scheduling!r}")
-        if not isinstance(self.batch_invariant, bool):
-            problems.append(f"batch_invariant must be True or False, got {self.batch_invariant!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             problems.append(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         limit = self.limit_mm_per_prompt

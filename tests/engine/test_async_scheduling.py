@@ -153,5 +153,5 @@ def test_a_finished_sequence_computes_one_extra_row_and_returns_nothing_more(tin
 def test_the_default_is_on_with_a_gpu_and_off_on_a_cpu(tiny_models):
     with LLM(str(tiny_models["llama"]), dtype="float32") as llm:
         assert llm.llm_engine.config.async_scheduling is (llm.llm_engine.model_config.device.type == "cuda")
-    with pytest.raises(ValueError, match="async_scheduling must be True, False or None"):
+    with pytest.raises(TypeError, match="async_scheduling must be True or False or None, got str .yes."):
         LLM(str(tiny_models["llama"]), async_scheduling="yes")

@@ -193,7 +193,7 @@ def test_batch_invariant_mode_is_refused_on_a_gpu_before_anything_loads(tiny_mod
     on_gpu = ModelConfig(tiny_models["llama"], LlamaConfig(), torch.bfloat16, torch.device("cuda"), 128)
     with pytest.raises(ValueError, match="batch_invariant=True runs on a CPU only.*device='cpu'"):
         EngineConfig(batch_invariant=True).resolve(on_gpu, "triton")
-    with pytest.raises(ValueError, match="batch_invariant must be True or False, got 'yes'"):
+    with pytest.raises(TypeError, match="batch_invariant must be True or False, got str 'yes'"):
         EngineConfig(batch_invariant="yes")
 
 
