@@ -10,7 +10,7 @@ import pytest
 from hypothesis import settings as hypothesis_settings
 
 # Property-based tests run their own bounded example counts in the suite; HYPOTHESIS_PROFILE=thorough
-# runs 10,000 examples of each (tests/image_fuzz.py's `examples` reads it), to search before a release.
+# runs 10,000 examples of each (tests/fuzzing.py's `examples` reads it), to search before a release.
 hypothesis_settings.register_profile("thorough", max_examples=10_000)
 if os.environ.get("HYPOTHESIS_PROFILE"):
     hypothesis_settings.load_profile(os.environ["HYPOTHESIS_PROFILE"])
