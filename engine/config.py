@@ -197,20 +197,18 @@ class EngineConfig:
                             f"got {self.pooling_type!r}")
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             problems.append(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
-        for name in ("max_num_seqs", "block_size", "tensor_parallel_size", "data_parallel_size"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+        # Types were checked above (`_type_problem`): what is left to check here is values.
+        for name in ("max_num_seqs", "block_size", "tensor_parallel_size", "data_parallel_size", "max_loras",
+                     "max_lora_rank"):
+            if getattr(self, name) < 1:
                 problems.append(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory", "num_threads"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if value is not None and value < 1:
                 problems.append(f"{name} must be a positive integer or None, got {value!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             problems.append(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        for name in ("max_loras", "max_lora_rank"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                problems.append(f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        if self.max_cpu_loras is not None and (not isinstance(self.max_cpu_loras, int)
-                                               or self.max_cpu_loras < self.max_loras):
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             problems.append(f"max_cpu_loras must be at least max_loras={self.max_loras}, got {self.max_cpu_loras!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             problems.append(f"kv_cache_dtype must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}, "
@@ -218,13 +216,13 @@ class EngineConfig:
         if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
             problems.append("attention_backend must be 'auto', 'torch', 'cpu' or 'triton', "
                             f"got {self.attention_backend!r}")
-        if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+        if self.max_logprobs < -1:
             problems.append(f"max_logprobs must be -1 (the whole vocabulary) or a non-negative integer, "
                             f"got {self.max_logprobs!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             problems.append(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         limit = self.limit_mm_per_prompt
-        if limit is not None and (not isinstance(limit, dict) or set(limit) - {"image"}
+        if limit is not None and (set(limit) - {"image"}
                                   or any(not isinstance(n, int) or n < 0 for n in limit.values())):
             problems.append(f"limit_mm_per_prompt must be None or {{'image': n}} with n >= 0, got {limit!r}")
         problems += self._parser_problems()

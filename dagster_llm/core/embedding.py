@@ -13,11 +13,11 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import pandas as pd
 import pyarrow as pa
 
 from dagster_llm.core.checks import CheckOutcome
 from dagster_llm.core.generation import digest
+from dagster_llm.core.prompts import missing_cell, storable_text
 from dagster_llm.core.table_store import POSITION_COLUMN, PartitionFiles, with_data_version
 from engine import PoolingParams
 from engine.chat_utils import invalid_unicode_problem
@@ -106,24 +106,18 @@ class _Partition:
     last_shard: float = field(default_factory=time.monotonic)
 
 
-def _missing(value: Any) -> bool:
-    """A null cell: None, NaN, pandas' NA or NaT (a list or array is a value)."""
-    return value is None or (not isinstance(value, (list, tuple, dict)) and not hasattr(value, "tolist")
-                             and bool(pd.isna(value)))
-
-
 def text_rows(ids: Sequence[Any], texts: Sequence[Any]) -> list[TextRow]:
     """The rows of a partition, ids as text; a null id, an empty or non-text value, or a
     repeated id is the row's error (the others run)."""
     rows, seen = [], set()
     for position, (raw_id, text) in enumerate(zip(ids, texts)):
-        row_id = None if _missing(raw_id) else str(raw_id)
+        row_id = None if missing_cell(raw_id) else str(raw_id)
         row = TextRow(position, row_id, text if isinstance(text, str) else None)
         if row_id is None:
             row.error = "id: is null: give every row an id"
         elif (problem := invalid_unicode_problem(row_id, "id")) is not None:
-            row.error = problem  # stored as '?' there: Parquet holds UTF-8 only
-            row.id = row_id.encode("utf-8", "replace").decode("utf-8")
+            row.error = problem
+            row.id = storable_text(row_id)
         elif row_id in seen:
             row.error = f"id: {row_id!r} repeats an earlier row's: give every row its own id"
         elif not isinstance(text, str) or not text.strip():

@@ -171,12 +171,12 @@ def read_rows(frame: pd.DataFrame, partition: PartitionSettings, spec: PromptTab
     rows = []
     for position, record in enumerate(frame.to_dict("records")):
         raw_id = record[spec.id_column]
-        row = PromptRow(partition.key, position, None if _missing(raw_id) else str(raw_id), None,
+        row = PromptRow(partition.key, position, None if missing_cell(raw_id) else str(raw_id), None,
                         partition.sampling, shared, partition.adapter, output=partition.output,
                         beam=partition.beam)
         _check_id(row, first_position, spec)
         _apply_adapter(row, record, spec)
-        _apply_overrides(row, {c: _plain(record[c]) for c in overrides if not _missing(record[c])}, partition)
+        _apply_overrides(row, {c: _plain(record[c]) for c in overrides if not missing_cell(record[c])}, partition)
         row_images = _attach_images(row, images[position], spec, image_placeholder) if images else None
         _render(row, record[spec.prompt_column], spec, tokenizer, image_placeholder, row_images)
         rows.append(row)
@@ -197,8 +197,8 @@ def _check_id(row: PromptRow, first_position: dict[str, int], spec: PromptTableR
     if row.id is None:
         row.fail(f"{spec.id_column}: is null: give every row an id")
     elif (problem := invalid_unicode_problem(row.id, spec.id_column)) is not None:
-        row.fail(problem)  # stored as '?' there: Parquet holds UTF-8 only
-        row.id = row.id.encode("utf-8", "replace").decode("utf-8")
+        row.fail(problem)
+        row.id = storable_text(row.id)
     elif row.id in first_position and spec.duplicate_ids == "error":
         row.fail(f"{spec.id_column}: {row.id!r} repeats the id of row {first_position[row.id]}; ids must be "
                  "unique: fix the table upstream, or pass duplicate_ids='keep' to generate every copy")
@@ -208,7 +208,7 @@ def _check_id(row: PromptRow, first_position: dict[str, int], spec: PromptTableR
 
 def _apply_adapter(row: PromptRow, record: dict, spec: PromptTableRules) -> None:
     value = record.get(spec.adapter_column)
-    if spec.adapter_column not in record or _missing(value) or value == "":
+    if spec.adapter_column not in record or missing_cell(value) or value == "":
         return
     row.adapter = str(value)
     if row.adapter not in spec.adapters:
@@ -248,7 +248,7 @@ def _render(row: PromptRow, value: object, spec: PromptTableRules, tokenizer: An
 def _read_prompt(row: PromptRow, value: object, spec: PromptTableRules) -> list[dict[str, Any]] | None:
     """Sets the row's prompt text as stored; the chat messages to render (None: plain text)."""
     column = spec.prompt_column
-    if _missing(value):
+    if missing_cell(value):
         row.fail(f"{column}: is null: fill in the prompt or drop the row")
         return None
     messages = None
@@ -268,8 +268,7 @@ def _read_prompt(row: PromptRow, value: object, spec: PromptTableRules) -> list[
     else:
         row.prompt_text = str(value)
         row.fail(f"{column}: expected text or chat messages, got {type(value).__name__}: fix the column upstream")
-    # Parquet holds UTF-8 only: a lone surrogate is stored as '?' (the row's error says where).
-    row.prompt_text = row.prompt_text.encode("utf-8", "replace").decode("utf-8")
+    row.prompt_text = storable_text(row.prompt_text)  # the row's error says where a '?' stands for a surrogate
     return messages
 
 
@@ -312,10 +311,16 @@ def _chat_prompt(row: PromptRow, messages: list[dict[str, Any]], spec: PromptTab
         row.fail(f"{spec.prompt_column}: the model's chat template rejected the messages{given} ({exc})")
 
 
-def _missing(value: object) -> bool:
+def missing_cell(value: object) -> bool:
+    """A null table cell: None, NaN, pandas' NA or NaT (a list, dict or array is a value)."""
     if isinstance(value, (list, tuple, dict)) or hasattr(value, "tolist"):
         return False
     return value is None or bool(pd.isna(value))
+
+
+def storable_text(text: str) -> str:
+    """The text as Parquet, which holds UTF-8 only, can store it: a lone surrogate as '?'."""
+    return text.encode("utf-8", "replace").decode("utf-8")
 
 
 def _plain(value: object) -> object:
