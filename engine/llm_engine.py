@@ -35,6 +35,7 @@ from engine.outputs import (
     EngineStats, Logprob, PoolingRequestOutput, RequestOutput, UnfinishedOutput,
 )
 from engine.pooling_params import PoolingParams
+from engine.output_parsing import parse_completion
 from engine.reasoning import Phase, ReasoningParser, detect_reasoning_parser, reasoning_parser
 from engine.sample.sampler import SampledToken
 from engine.sampling_params import SamplingParams
@@ -507,17 +508,11 @@ class LLMEngine:
                                   lora_request=seq.lora_request)
         if not seq.sampling_params.detokenize:
             return output
-        answer_ids = output.token_ids
-        if seq.reasoning is not None:
-            split = self.reasoning_parser.split(seq.reasoning, output.text, output.token_ids,
-                                                seq.sampling_params.skip_special_tokens)
-            output.text, output.reasoning = split.text, split.reasoning
-            output.num_reasoning_tokens, output.reasoning_ended = split.num_reasoning_tokens, split.ended
-            answer_ids = output.token_ids[split.num_reasoning_tokens if split.answer_start is None
-                                          else split.answer_start:]
-        if self.tool_parser is not None and output.reasoning_ended is not False:
-            parsed = self.tool_parser.parse(output.text, answer_ids)
-            output.text, output.tool_calls, output.tool_call_error = parsed.content, parsed.tool_calls, parsed.error
+        parsed = parse_completion(output.text, output.token_ids, self.reasoning_parser, seq.reasoning,
+                                  self.tool_parser, seq.sampling_params.skip_special_tokens)
+        output.text, output.reasoning = parsed.text, parsed.reasoning
+        output.num_reasoning_tokens, output.reasoning_ended = parsed.num_reasoning_tokens, parsed.reasoning_ended
+        output.tool_calls, output.tool_call_error = parsed.tool_calls, parsed.tool_call_error
         return output
 
     def release(self) -> None:

@@ -37,6 +37,7 @@ TIERS: list[list[str]] = [
     ["engine.attention", "engine.layers", "engine.sample"],
     ["engine.structured_output"],
     ["engine.kernels", "engine.distributed"],  # compiled and Triton kernels; process plumbing
+    ["engine.output_parsing"],  # a completion's reasoning, answer and tool calls apart
     ["engine.config"],  # settings: a leaf above the API types
     ["engine.chat_utils", "engine.detokenizer", "engine.progress_bar", "engine.reasoning",
      "engine.tool_parsers"],

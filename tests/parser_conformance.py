@@ -1,0 +1,185 @@
+"""vLLM's parser test cases run through our engine's end-of-completion path.
+
+Each case is a model output from one of vLLM's reasoning- or tool-parser tests (vLLM's
+`tests/reasoning/`, `tests/tool_parsers/`, run-batch's tests), written here in our words
+as a `Case`: the output, the parsers, and what vLLM's test expects. `run` tokenizes the
+output with a tiny tokenizer carrying the family's markers as its real tokenizer holds them
+(special tokens, or plain added tokens), feeds the tokens one by one to the reasoning
+tracker and the detokenizer as `LLMEngine` does, and ends with
+`engine.output_parsing.parse_completion`, the function the engine calls on a finished
+completion. vLLM's streaming tests and its one-shot tests check the same final result; the
+engine's path is token by token in both cases.
+
+A case we answer differently on purpose names its difference, one of `DIFFERENCES` (the
+one list; docs/engine.md lists the same, checked by the test), and gives our result for
+the fields that differ. The check then asserts both that we give our result and that it
+differs from vLLM's (a difference that no longer holds fails), and that no difference loses
+a call, a reasoning section or an answer.
+
+Representation, not difference: vLLM's None and "" are the same for `content` and
+`reasoning` (our `text` is always a string); calls compare by name and arguments as JSON
+values (vLLM's tests compare `json.loads` of the arguments).
+"""
+
+import functools
+import json
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from transformers import AddedToken, AutoTokenizer, PreTrainedTokenizerBase
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.output_parsing import ParsedCompletion, parse_completion
+from engine.reasoning import reasoning_parser
+from engine.tool_parsers import tool_parser
+from tests.tiny_models import build_tokenizer
+
+# The deliberate differences from vLLM, each with its reason (docs/engine.md's
+# "Differences from vLLM's parsers" lists the same names).
+DIFFERENCES: dict[str, str] = {
+    "stripped": "The reasoning is stripped and the answer left-stripped of the whitespace around the markers "
+                "(vLLM keeps '\\nThe answer'): a table's cell holds the answer, not the template's line breaks, "
+                "and every family's chat template strips both when the turn is fed back.",
+}
+
+
+@dataclass(frozen=True)
+class Family:
+    """A model family's marker tokens as its real tokenizer holds them: `special` (a decode
+    with special tokens skipped drops them) and `plain` (added tokens kept in the text)."""
+
+    special: tuple[str, ...] = ()
+    plain: tuple[str, ...] = ()
+
+
+FAMILIES: dict[str, Family] = {
+    "qwen3": Family(special=("<|im_end|>", "<|im_start|>"), plain=("<think>", "</think>", "<tool_call>", "</tool_call>")),
+    "deepseek_r1": Family(special=("<｜end▁of▁sentence｜>", "<｜begin▁of▁sentence｜>"), plain=("<think>", "</think>")),
+    "mistral": Family(special=("[THINK]", "[/THINK]", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]")),
+    "harmony": Family(special=("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>", "<|call|>",
+                               "<|constrain|>")),
+}
+
+
+@functools.cache
+def _base_tokenizer_folder() -> Path:
+    folder = Path(tempfile.mkdtemp(prefix="conformance_tokenizer_"))
+    build_tokenizer(folder)
+    return folder
+
+
+@functools.cache
+def family_tokenizer(family: str) -> PreTrainedTokenizerBase:
+    """The tiny test tokenizer with `family`'s markers added as its real tokenizer has them
+    (one instance per family and process: callers must not add tokens to it)."""
+    tokens = FAMILIES[family]
+    tokenizer = AutoTokenizer.from_pretrained(_base_tokenizer_folder())
+    if tokens.special:
+        tokenizer.add_special_tokens({"additional_special_tokens": list(tokens.special)})
+    if tokens.plain:
+        tokenizer.add_tokens([AddedToken(m, special=False, normalized=False) for m in tokens.plain])
+    return tokenizer
+
+
+def run(output: str, family: str, reasoning: str | None = None, tools: str | None = None, prompt: str = "",
+        skip_special_tokens: bool = True) -> ParsedCompletion:
+    """`output`, tokenized on `family`'s tokenizer, through the engine's path: the tracker
+    and the detokenizer one token at a time after `prompt`'s tokens, then `parse_completion`."""
+    tokenizer = family_tokenizer(family)
+    prompt_ids = tokenizer(prompt, add_special_tokens=False).input_ids if prompt else []
+    ids = tokenizer(output, add_special_tokens=False).input_ids
+    parser = reasoning_parser(reasoning, tokenizer) if reasoning else None
+    tracker = parser.tracker(prompt_ids) if parser else None
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
+    for count, token in enumerate(ids, start=1):
+        detokenizer.add_token(token)
+        if tracker is not None:
+            tracker.advance(token, count, detokenizer.text)
+    calls = tool_parser(tools, tokenizer) if tools else None
+    return parse_completion(detokenizer.text, ids, parser, tracker, calls, skip_special_tokens)
+
+
+def calls_of(parsed: ParsedCompletion) -> list[tuple[str, Any]] | None:
+    """The calls as (name, arguments as a JSON value), None without any."""
+    if parsed.tool_calls is None:
+        return None
+    return [(call.function.name, json.loads(call.function.arguments)) for call in parsed.tool_calls]
+
+
+def observed(parsed: ParsedCompletion) -> dict[str, Any]:
+    """The fields a case checks, in vLLM's terms."""
+    return {"reasoning": parsed.reasoning or None, "content": parsed.text or None, "tool_calls": calls_of(parsed),
+            "reasoning_ended": parsed.reasoning_ended, "error": parsed.tool_call_error}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One of vLLM's cases. `source`: vLLM's test file and case name; `expected`: what vLLM's
+    test expects, by field of `observed` ("reasoning", "content", "tool_calls": a list of
+    (name, arguments) or None, "reasoning_ended", "error": True for "an error is reported",
+    or None); `difference`: the name of one of `DIFFERENCES` where we differ on purpose,
+    with `ours`, our value of each field that differs."""
+
+    id: str
+    source: str
+    family: str
+    output: str
+    expected: dict[str, Any]
+    reasoning: str | None = None
+    tools: str | None = None
+    prompt: str = ""
+    difference: str | None = None
+    ours: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if (self.difference is None) != (not self.ours):
+            raise ValueError(f"case {self.id}: a difference needs our values and our values need a difference")
+        if self.difference is not None and self.difference not in DIFFERENCES:
+            raise ValueError(f"case {self.id}: difference {self.difference!r} is not one of {sorted(DIFFERENCES)}")
+
+
+def _matches(want: dict[str, Any], got: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """The fields of `want` that `got` does not match, as (wanted, got)."""
+    wrong = {}
+    for name, value in want.items():
+        actual = got[name]
+        if name == "error":
+            ok = (actual is not None) == bool(value) if isinstance(value, bool) or value is None else value in (actual or "")
+        elif name == "tool_calls" and value is not None:
+            ok = actual is not None and [(n, a) for n, a in value] == actual
+        else:
+            ok = (value or None) == actual if name in ("content", "reasoning") else value == actual
+        if not ok:
+            wrong[name] = (value, actual)
+    return wrong
+
+
+def check(case: Case) -> None:
+    """Runs the case and asserts vLLM's result, or our listed difference from it."""
+    got = observed(run(case.output, case.family, case.reasoning, case.tools, case.prompt))
+    if case.difference is None:
+        wrong = _matches(case.expected, got)
+        assert not wrong, f"{case.id} ({case.source}): differs from vLLM (wanted, got): {wrong}"
+        return
+    wrong = _matches({**case.expected, **case.ours}, got)
+    assert not wrong, f"{case.id} ({case.source}): differs from our listed result (wanted, got): {wrong}"
+    assert _matches(case.expected, got), f"{case.id}: listed as {case.difference!r}, but now matches vLLM: unlist it"
+    _keeps_everything(case, got)
+
+
+def _keeps_everything(case: Case, got: dict[str, Any]) -> None:
+    """A deliberate difference never loses a call, a reasoning section or an answer."""
+    want = case.expected
+    if want.get("tool_calls"):
+        assert got["tool_calls"] is not None and len(got["tool_calls"]) == len(want["tool_calls"]), \
+            f"{case.id}: the difference {case.difference!r} loses a call"
+    for name in ("reasoning", "content"):
+        if (want.get(name) or "").strip():
+            assert (got[name] or "").strip(), f"{case.id}: the difference {case.difference!r} loses the {name}"
+
+
+def ids_of(cases: Sequence[Case]) -> list[str]:
+    return [case.id for case in cases]
