@@ -8,9 +8,10 @@ loads no model code (no torch, no transformers).
 
 from typing import TYPE_CHECKING
 
-from engine.tool_parsers import deepseek_v3, hermes, llama3_json, mistral, openai
+from engine.tool_parsers import deepseek_v31, hermes, llama3_json, mistral, openai
 from engine.tool_parsers.abstract import ToolCallResult, ToolParser, single_token_id
 from engine.tool_parsers.deepseek_v3 import DeepSeekV3ToolParser
+from engine.tool_parsers.deepseek_v31 import DeepSeekV31ToolParser
 from engine.tool_parsers.hermes import HermesToolParser
 from engine.tool_parsers.llama3_json import Llama3JsonToolParser
 from engine.tool_parsers.mistral import MistralToolParser
@@ -24,7 +25,8 @@ __all__ = ["TOOL_CALL_PARSERS", "ToolCallResult", "ToolParser", "detect_tool_par
 
 TOOL_CALL_PARSERS: dict[str, type[ToolParser]] = {
     parser.name: parser for parser in (HermesToolParser, Llama3JsonToolParser, MistralToolParser,
-                                       PythonicToolParser, DeepSeekV3ToolParser, OpenAIToolParser)
+                                       PythonicToolParser, DeepSeekV3ToolParser, DeepSeekV31ToolParser,
+                                       OpenAIToolParser)
 }
 
 
@@ -46,16 +48,20 @@ def detect_tool_parser(tokenizer: "PreTrainedTokenizerBase") -> str | None:
     """The parser a model's tokenizer implies, or None: its marker tokens, single tokens of
     the vocabulary, name the format. gpt-oss's harmony tokens (`<|call|>`, `<|constrain|>`)
     and DeepSeek's call markers come first (the most specific: a vocabulary with them may
-    hold another format's tokens too); then hermes (`<tool_call>`, `</tool_call>`),
-    mistral (`[TOOL_CALLS]`), and llama3_json (`<|python_tag|>` with a chat template that
-    takes tools). Pythonic calls have no marker of their own and are never detected."""
+    hold another format's tokens too; deepseek_v31 when the chat template writes V3.1's calls,
+    their arguments bare after the separator where V3's fence them in ```json); then hermes
+    (`<tool_call>`, `</tool_call>`), mistral (`[TOOL_CALLS]`), and llama3_json (`<|python_tag|>`
+    with a chat template that takes tools). Pythonic calls have no marker of their own and are
+    never detected."""
     def has(*tokens: str) -> bool:
         return all(single_token_id(tokenizer, token) is not None for token in tokens)
 
     if has(openai.CALL, openai.CONSTRAIN):
         return OpenAIToolParser.name
-    if has(deepseek_v3.CALLS_BEGIN, deepseek_v3.CALL_BEGIN):
-        return DeepSeekV3ToolParser.name
+    if has(deepseek_v31.CALLS_BEGIN, deepseek_v31.CALL_BEGIN):
+        template = _chat_template_text(tokenizer)
+        v31 = deepseek_v31.SEP in template and "```json" not in template
+        return DeepSeekV31ToolParser.name if v31 else DeepSeekV3ToolParser.name
     if has(hermes.OPEN, hermes.CLOSE):
         return HermesToolParser.name
     if has(mistral.TOOL_CALLS):

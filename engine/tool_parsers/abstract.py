@@ -3,16 +3,19 @@
 Each format (one module per format) finds the calls the model wrote and hands them over as
 the objects the model meant, `{"name": ..., "arguments": {...}}`; this module checks them
 the same way for every format (a name, arguments that are a JSON object), normalises the
-arguments to compact JSON text and gives each call an id derived from the text, so that the
-same output gives the same ids (reproducible tables).
+arguments to JSON text written one way for every format, and gives each call an id derived
+from the text, so that the same output gives the same ids (reproducible tables), in the
+format's id style (`CallIds`: OpenAI's `call_...` by default, Mistral's 9 alphanumerics).
 
 A call that does not parse never raises out of `ToolParser.parse`: the result keeps the text
-as it was, has no calls, and says in `error` which call is wrong and how.
+as the model wrote it (markers written back in), has no calls, and says in `error` which
+call is wrong and how.
 """
 
 import hashlib
 import json
 import re
+import string
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -30,7 +33,8 @@ _SPACE = re.compile(r"\s*")
 class ToolCallResult:
     """What a parser found in an answer: `content`, the text the model wrote besides the
     calls (their markup removed); `tool_calls`, None when there are none; `error`, why a
-    call does not parse (then `tool_calls` is None and `content` is the text unchanged)."""
+    call does not parse (then `tool_calls` is None and `content` is the text as the model wrote
+    it, its markers written back in)."""
 
     content: str
     tool_calls: list[ToolCall] | None
@@ -44,6 +48,33 @@ class FoundCalls:
 
     content: str
     calls: list[object]
+
+
+@dataclass(frozen=True)
+class CallIds:
+    """How a format's tool-call ids look: `prefix`, then `length` characters of `alphabet`
+    drawn from a hash of the answer's text and the call's position, so the same output gives
+    the same ids. A format whose chat template checks the ids it is fed back declares its
+    own style (Mistral's templates refuse anything but 9 alphanumerics)."""
+
+    prefix: str
+    length: int
+    alphabet: str
+
+    def make(self, text: str, index: int) -> str:
+        """The id of call `index` (1-based) of the answer `text`."""
+        digest = hashlib.sha256(f"{text}\x00{index}".encode()).digest()
+        fraction, bits = int.from_bytes(digest, "big"), 8 * len(digest)
+        characters = []
+        for _ in range(self.length):  # the digest's leading digits in base len(alphabet)
+            digit, fraction = divmod(fraction * len(self.alphabet), 1 << bits)
+            characters.append(self.alphabet[digit])
+        return self.prefix + "".join(characters)
+
+
+# OpenAI's style, `call_` and 24 hex digits (the digest's first 24); Mistral's, as vLLM makes them.
+OPENAI_CALL_IDS = CallIds("call_", 24, "0123456789abcdef")
+MISTRAL_CALL_IDS = CallIds("", 9, string.ascii_letters + string.digits)
 
 
 class MalformedCall(ValueError):
@@ -78,11 +109,13 @@ class ToolParser:
     `name` is the format's name (`tool_call_parser=`); `markers` are the format's marker
     strings, which a tokenizer may hold as special tokens that the user's text (decoded with
     special tokens skipped) lacks: `parse` writes them back in from `token_ids` before the
-    format reads the text. Subclasses implement `find_calls`.
+    format reads the text. `call_ids` is the style of the ids the parser gives the calls.
+    Subclasses implement `find_calls`.
     """
 
     name: str = ""
     markers: tuple[str, ...] = ()
+    call_ids: CallIds = OPENAI_CALL_IDS
 
     def __init__(self, tokenizer: "PreTrainedTokenizerBase | None") -> None:
         """`tokenizer`: the model's (transformers); None reads the markers from the text only."""
@@ -124,15 +157,16 @@ class ToolParser:
     def parse(self, text: str, token_ids: list[int]) -> ToolCallResult:
         """The calls in a completion's answer: `text` as decoded for the user (special tokens
         skipped), `token_ids` the same answer's tokens."""
+        marked = self.marked_text(text, token_ids)
         try:
-            found = self.find_calls(self.marked_text(text, token_ids))
+            found = self.find_calls(marked)
             if found is None:
                 return ToolCallResult(text, None, None)
-            calls = [tool_call(text, index, call) for index, call in enumerate(found.calls, 1)]
+            calls = [tool_call(text, index, call, self.call_ids) for index, call in enumerate(found.calls, 1)]
         except MalformedCall as error:
-            return ToolCallResult(text, None, str(error))
+            return ToolCallResult(marked, None, str(error))
         except RecursionError:  # JSON nested deeper than Python's recursion limit (a model stuck repeating "[")
-            return ToolCallResult(text, None, "tool calls: nested too deeply to read")
+            return ToolCallResult(marked, None, "tool calls: nested too deeply to read")
         return ToolCallResult(found.content, calls or None, None)
 
 
@@ -145,15 +179,11 @@ def single_token_id(tokenizer: "PreTrainedTokenizerBase", token: str) -> int | N
     return token_id
 
 
-def call_id(text: str, index: int) -> str:
-    """A call's id, the same for the same answer and position."""
-    return "call_" + hashlib.sha256(f"{text}\x00{index}".encode()).hexdigest()[:24]
-
-
-def tool_call(text: str, index: int, call: object) -> ToolCall:
-    """The call the model wrote, checked: a dict with a non-empty string "name" and an
-    object under "arguments" (or Llama's "parameters"; a string holding a JSON object and
-    a missing key, read as no arguments, are accepted too)."""
+def tool_call(text: str, index: int, call: object, call_ids: CallIds = OPENAI_CALL_IDS) -> ToolCall:
+    """Call `index` of the answer `text` as the model wrote it, checked: a dict with a
+    non-empty string "name" and an object under "arguments" (or Llama's "parameters"; a
+    string holding a JSON object, and a missing key or an empty string, read as no arguments,
+    are accepted too); its id in the style `call_ids`."""
     if not isinstance(call, dict):
         raise MalformedCall(index, f"expected an object with \"name\" and \"arguments\", got "
                                    f"{type(call).__name__} {quoted(repr(call))}")
@@ -163,7 +193,7 @@ def tool_call(text: str, index: int, call: object) -> ToolCall:
                                    f"{quoted(json.dumps(call, ensure_ascii=False, default=repr))}")
     arguments = call.get("arguments", call.get("parameters", {}))
     if isinstance(arguments, str):
-        arguments = json_value(arguments, index, "the arguments string")
+        arguments = json_value(arguments, index, "the arguments string") if arguments.strip() else {}
     if not isinstance(arguments, dict):
         raise MalformedCall(index, f"arguments are not a JSON object: got {type(arguments).__name__} "
                                    f"{quoted(repr(arguments))}")
@@ -171,4 +201,4 @@ def tool_call(text: str, index: int, call: object) -> ToolCall:
         arguments_text = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as error:
         raise MalformedCall(index, f"arguments are not JSON ({error}): {quoted(repr(arguments))}") from None
-    return ToolCall(id=call_id(text, index), function=FunctionCall(name=name.strip(), arguments=arguments_text))
+    return ToolCall(id=call_ids.make(text, index), function=FunctionCall(name=name.strip(), arguments=arguments_text))

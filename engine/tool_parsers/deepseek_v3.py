@@ -1,53 +1,39 @@
-"""DeepSeek V3 (and R1) calls, each between its own markers inside a section of calls:
+"""DeepSeek V3 (and R1) calls, each between its own markers inside a section of calls, its
+type and name, then its arguments in a JSON code fence:
 
     <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather
     ```json
     {"city": "Paris"}
     ```<｜tool▁call▁end｜><｜tool▁calls▁end｜>
 
-DeepSeek V3.1 drops the type and the code fence (`<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>
-{"city": "Paris"}<｜tool▁call▁end｜>`); both read the same.
+The section is read as `deepseek_v31` reads it. V3.1's calls (`name<｜tool▁sep｜>{...}`, no
+type, no fence) read here too: the two forms cannot be taken for each other (V3's starts with
+its type), so a V3.1 model run with `deepseek_v3` keeps its calls.
 """
 
 import re
 
-from engine.tool_parsers.abstract import FoundCalls, MalformedCall, ToolParser, json_value, quoted
+from engine.tool_parsers.abstract import MalformedCall, json_value, quoted
+from engine.tool_parsers.deepseek_v31 import SEP, DeepSeekV31ToolParser, v31_call
 
-CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
-CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
-# A call runs to its end marker, or to the end of the text (stopped on EOS before it).
-_CALL = re.compile(re.escape(CALL_BEGIN) + r"(.*?)(?:" + re.escape(CALL_END) + r"|\Z)", re.DOTALL)
+# The arguments in a code fence, ```json or bare.
 _FENCE = re.compile(r"\A```(?:json)?\s*(.*?)\s*```\Z", re.DOTALL)
 
 
-def _call(body: str, index: int) -> dict[str, object]:
-    """One call's text between its markers as {"name", "arguments"}."""
-    head, sep, rest = body.partition(SEP)
-    if not sep:
-        raise MalformedCall(index, f"expected type{SEP}name or name{SEP}arguments, got {quoted(body)}")
-    if head.strip() == "function":  # V3: the name on its own line, then the arguments, fenced
-        name, _, arguments = rest.strip().partition("\n")
-    else:  # V3.1: the name before the separator
-        name, arguments = head, rest
-    arguments = arguments.strip()
-    if (fenced := _FENCE.match(arguments)) is not None:
-        arguments = fenced.group(1)
-    return {"name": name.strip(), "arguments": json_value(arguments, index, "the arguments text")}
-
-
-class DeepSeekV3ToolParser(ToolParser):
-    """`<｜tool▁calls▁begin｜>` then calls `<｜tool▁call▁begin｜>...<｜tool▁call▁end｜>`; the
-    content is the text outside the section of calls."""
+class DeepSeekV3ToolParser(DeepSeekV31ToolParser):
+    """DeepSeek's section of calls, each call `function<｜tool▁sep｜>name` then its fenced
+    arguments (or V3.1's `name<｜tool▁sep｜>{...}`)."""
 
     name = "deepseek_v3"
-    markers = (CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP)
 
-    def find_calls(self, text: str) -> FoundCalls | None:
-        begin = text.find(CALLS_BEGIN)
-        begin = text.find(CALL_BEGIN) if begin < 0 else begin
-        if begin < 0:
-            return None
-        section, _, after = text[begin:].partition(CALLS_END)
-        calls = [_call(match.group(1), index) for index, match in enumerate(_CALL.finditer(section), 1)]
-        content = "\n".join(piece.strip() for piece in (text[:begin], after) if piece.strip())
-        return FoundCalls(content, calls)
+    def read_call(self, body: str, index: int) -> dict[str, object]:
+        head, sep, rest = body.partition(SEP)
+        if not sep:
+            raise MalformedCall(index, f"expected type{SEP}name or name{SEP}arguments, got {quoted(body)}")
+        if head.strip() != "function":
+            return v31_call(body, index)
+        name, _, arguments = rest.strip().partition("\n")
+        arguments = arguments.strip()
+        if (fenced := _FENCE.match(arguments)) is not None:
+            arguments = fenced.group(1)
+        return {"name": name.strip(), "arguments": json_value(arguments, index, "the arguments text")}

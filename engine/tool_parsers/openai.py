@@ -12,7 +12,7 @@ header. A commentary message without a recipient (a preamble to the user) is con
 
 import re
 
-from engine.tool_parsers.abstract import FoundCalls, MalformedCall, ToolParser, json_value, quoted
+from engine.tool_parsers.abstract import FoundCalls, MalformedCall, ToolParser, quoted
 
 START, END, MESSAGE, CHANNEL = "<|start|>", "<|end|>", "<|message|>", "<|channel|>"
 CONSTRAIN, CALL, RETURN = "<|constrain|>", "<|call|>", "<|return|>"
@@ -24,11 +24,12 @@ _NAME = re.compile(re.escape(RECIPIENT) + r"(?P<name>[^\s<]*)")
 
 
 def _call(header: str, body: str, index: int) -> dict[str, object]:
-    """A message addressed to a function as {"name", "arguments"}."""
+    """A message addressed to a function as {"name", "arguments"}: its body, the arguments'
+    JSON text (an empty body: none)."""
     name = _NAME.search(header)["name"]
     if not name:
         raise MalformedCall(index, f"the recipient names no function: {quoted(header.strip())}")
-    return {"name": name, "arguments": json_value(body.strip(), index, "the arguments")}
+    return {"name": name, "arguments": body.strip()}
 
 
 class OpenAIToolParser(ToolParser):

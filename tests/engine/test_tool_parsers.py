@@ -1,9 +1,11 @@
 """The tool-call parsers on recorded-style answers of each format: the same calls read to the
-same OpenAI-shaped structure whatever the format, broken calls give an error and the text
-unchanged (never an exception), plain answers stay plain, ids are reproducible, and marker
-tokens hidden from the user's text are found through the token ids. No model runs here."""
+same OpenAI-shaped structure whatever the format, broken calls give an error and the text as
+the model wrote it (never an exception), plain answers stay plain, ids are reproducible and in
+the format's style, and marker tokens hidden from the user's text are found through the token
+ids. No model runs here."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +40,10 @@ DS_CALL, DS_CALL_END, DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call�
 
 def _ds(name: str, arguments: str) -> str:
     return f"{DS_CALL}function{DS_SEP}{name}\n```json\n{arguments}\n```{DS_CALL_END}"
+
+
+def _ds31(name: str, arguments: str) -> str:
+    return f"{DS_CALL}{name}{DS_SEP}{arguments}{DS_CALL_END}"
 
 
 # What the models write (special tokens as text), one case of EXPECTED each.
@@ -93,6 +99,17 @@ ANSWERS = {
         "nested": DS_CALLS + _ds("book", '{"guests": [{"name": "Zoë", "age": 30}], "options": {"breakfast": true, '
                                          '"budget": {"max": 250.5, "currency": "EUR"}}, "note": null}') + DS_CALLS_END,
     },
+    "deepseek_v31": {
+        "one": DS_CALLS + _ds31("get_weather", '{"city": "Paris", "days": 3}') + DS_CALLS_END,
+        "several": DS_CALLS + _ds31("get_weather", '{"city":"Paris","days":3}')
+                   + _ds31("get_time", '{"timezone": "Europe/Paris"}') + DS_CALLS_END,
+        "content_before": "Let me check the weather.\n\n" + DS_CALLS
+                          + _ds31("get_weather", '{"city": "Paris", "days": 3}') + DS_CALLS_END,
+        "unicode": DS_CALLS + _ds31("search", '{"query": "東京 café 🙂", "lang": "日本語"}') + DS_CALLS_END,
+        "nested": DS_CALLS + _ds31("book", '{"guests": [{"name": "Zoë", "age": 30}], "options": {"breakfast": true, '
+                                           '"budget": {"max": 250.5, "currency": "EUR"}}, "note": null}')
+                  + DS_CALLS_END,
+    },
 }
 
 
@@ -132,7 +149,8 @@ MALFORMED = {
     "llama3_json": [
         ('{"name": "get_weather", "parameters": {"city": "Paris"', "tool call 1: the call is not valid JSON"),
         ('{"name": "get_weather", "parameters": "[1, 2]"}', "tool call 1: arguments are not a JSON object"),
-        ('{"parameters": {"city": "Paris"}}', "tool call 1: missing a function name"),
+        ('{"name": 7, "parameters": {"city": "Paris"}}', "tool call 1: missing a function name"),
+        ('Here: {"name": "get_weather", "parameters": {"city": "Paris"', "tool call 1: the call is not valid JSON"),
         ('{"name": "f", "parameters": {}}; {"name": "g", "parameters": {"x": }}', "tool call 2: the call is not valid"),
         ('{"name": "f", "parameters": {}}; {"city": "Paris"}', "tool call 2: expected"),
     ],
@@ -154,16 +172,25 @@ MALFORMED = {
         ("[f(x=1), 3]", "tool call 2: expected a call"),
     ],
     "openai": [
-        (_harmony("get_weather", '{"city": Paris}'), "tool call 1: the arguments is not valid JSON"),
+        (_harmony("get_weather", '{"city": Paris}'), "tool call 1: the arguments string is not valid JSON"),
         (_harmony("get_weather", "[1, 2]"), "tool call 1: arguments are not a JSON object"),
         (_harmony("", '{"city": "Paris"}'), "tool call 1: the recipient names no function"),
-        (_harmony("get_weather", '{"city": "Par'), "tool call 1: the arguments is not valid JSON"),
+        (_harmony("get_weather", '{"city": "Par'), "tool call 1: the arguments string is not valid JSON"),
     ],
     "deepseek_v3": [
         (DS_CALLS + _ds("get_weather", '{"city": Paris}') + DS_CALLS_END,
          "tool call 1: the arguments text is not valid JSON"),
         (DS_CALLS + f"{DS_CALL}get_weather{DS_CALL_END}" + DS_CALLS_END, "tool call 1: expected type"),
         (DS_CALLS + _ds("get_weather", "[1, 2]") + DS_CALLS_END, "tool call 1: arguments are not a JSON object"),
+        ("Let me look.\n" + DS_CALLS + "get_weather", "tool call 1: the section of calls holds no"),
+    ],
+    "deepseek_v31": [
+        (DS_CALLS + _ds31("get_weather", '{"city": Paris}') + DS_CALLS_END,
+         "tool call 1: the arguments text is not valid JSON"),
+        (DS_CALLS + _ds("get_weather", '{"city": "Paris"}') + DS_CALLS_END,  # V3's form
+         "tool call 1: the arguments text is not valid JSON"),
+        (DS_CALLS + f"{DS_CALL}get_weather{DS_CALL_END}" + DS_CALLS_END, "tool call 1: expected name"),
+        (DS_CALLS + 'get_weather{"city": "Paris"}' + DS_CALLS_END, "tool call 1: the section of calls holds no"),
     ],
 }
 
@@ -204,9 +231,11 @@ def test_every_format_reads_the_same_calls(parser_name, case, tokenizer):
     content, calls = EXPECTED[case]
     assert result.error is None, result.error
     assert (result.content, _calls(result)) == (content, calls)
+    ids = TOOL_CALL_PARSERS[parser_name].call_ids
+    id_pattern = re.escape(ids.prefix) + f"[{re.escape(ids.alphabet)}]{{{ids.length}}}"
     for call, (_, arguments) in zip(result.tool_calls, calls):
-        assert call.type == "function" and call.id.startswith("call_") and len(call.id) == len("call_") + 24
-        assert call.function.arguments == json.dumps(arguments, ensure_ascii=False)  # compact, unicode as is
+        assert call.type == "function" and re.fullmatch(id_pattern, call.id), call.id
+        assert call.function.arguments == json.dumps(arguments, ensure_ascii=False)  # one form, unicode as is
     assert len({call.id for call in result.tool_calls}) == len(calls)
 
 
@@ -294,12 +323,41 @@ def test_mistral_finds_its_special_markers_through_the_token_ids(written, tokeni
     assert parser.parse(text, []) == ToolCallResult(text, None, None)  # without its tokens the marker is unseen
 
 
-def test_a_broken_call_behind_a_hidden_marker_keeps_the_users_text(tokenizer):
+def test_a_broken_call_behind_a_hidden_marker_keeps_the_text_with_its_markers(tokenizer):
+    """The user's text lacks the special markers; the broken call's text keeps them, so that
+    what the model wrote can be read (`get_weather{"city": "Par` alone hides the call)."""
     tokenizer = _with_special_tokens(tokenizer, ["[TOOL_CALLS]", "[ARGS]"])
-    token_ids = tokenizer.encode('[TOOL_CALLS]get_weather[ARGS]{"city": "Par', add_special_tokens=False)
+    written = 'Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Par'
+    token_ids = tokenizer.encode(written, add_special_tokens=False)
     text = tokenizer.decode(token_ids, skip_special_tokens=True)
     result = tool_parser("mistral", tokenizer).parse(text, token_ids)
-    assert result.content == text and result.tool_calls is None and result.error.startswith("tool call 1: ")
+    assert result.content == written and result.tool_calls is None and result.error.startswith("tool call 1: ")
+
+
+def test_mistral_call_ids_are_nine_alphanumerics_derived_from_the_output(tokenizer):
+    """Mistral's chat templates take back only 9-character alphanumeric ids (vLLM makes
+    those); OpenAI's `call_...` ids broke a conversation fed back. The same output still
+    gives the same ids."""
+    text = ANSWERS["mistral"]["several"]
+    first = tool_parser("mistral", tokenizer).parse(text, [])
+    again = tool_parser("mistral", None).parse(text, [])
+    ids = [call.id for call in first.tool_calls]
+    assert all(re.fullmatch("[A-Za-z0-9]{9}", call_id) for call_id in ids), ids
+    assert ids == [call.id for call in again.tool_calls] and len(set(ids)) == 2
+    other = tool_parser("mistral", None).parse(text.replace("Paris", "Lyon"), [])
+    assert other.tool_calls[0].id != ids[0]
+
+
+@pytest.mark.parametrize("parser_name", ["deepseek_v3", "deepseek_v31"])
+@pytest.mark.parametrize("text", [
+    "Let me look that up." + DS_CALLS + "get_weather",
+    DS_CALLS + 'foo' + DS_SEP + '{"x":1}' + DS_CALLS_END,
+], ids=["cut_off", "no_call_markers"])
+def test_a_deepseek_section_without_a_call_keeps_the_text_and_says_why(parser_name, text):
+    """A section of calls that holds no call that parses was cut from the text silently."""
+    result = tool_parser(parser_name, None).parse(text, [])
+    assert result.content == text and result.tool_calls is None
+    assert result.error.startswith("tool call 1: the section of calls holds no")
 
 
 def test_a_marker_kept_in_the_text_is_read_from_the_text(tokenizer):
@@ -317,6 +375,21 @@ def _template_with(tokenizer, template: str):
     return tokenizer
 
 
+def _with_deepseek_markers(tokenizer):
+    """DeepSeek's call markers, plain added tokens of its tokenizers (kept in decoded text)."""
+    tokenizer.add_tokens([DS_CALLS, DS_CALLS_END, DS_CALL, DS_CALL_END, DS_SEP])
+    return tokenizer
+
+
+# How each chat template writes an earlier call (the part of DeepSeek's templates that differs).
+DEEPSEEK_V3_TEMPLATE = ("{% for tool in message['tool_calls'] %}{{'<｜tool▁call▁begin｜>' + tool['type'] + "
+                        "'<｜tool▁sep｜>' + tool['function']['name'] + '\\n' + '```json' + '\\n' + "
+                        "tool['function']['arguments'] + '\\n' + '```' + '<｜tool▁call▁end｜>'}}{% endfor %}")
+DEEPSEEK_V31_TEMPLATE = ("{% if not thinking %}</think>{% endif %}{% for tool in message['tool_calls'] %}"
+                         "{{'<｜tool▁call▁begin｜>' + tool['function']['name'] + '<｜tool▁sep｜>' + "
+                         "tool['function']['arguments'] + '<｜tool▁call▁end｜>'}}{% endfor %}")
+
+
 @pytest.mark.parametrize(("change", "expected"), [
     (lambda tok: tok, None),
     (lambda tok: tok.add_tokens(["<tool_call>", "</tool_call>"]) and tok, "hermes"),
@@ -326,19 +399,22 @@ def _template_with(tokenizer, template: str):
                                 "{% if tools %}{{ tools | tojson }}{% endif %}{{ messages }}"), "llama3_json"),
     (lambda tok: _template_with(_with_special_tokens(tok, ["<|python_tag|>"]), "{{ messages }}"), None),
     (lambda tok: _with_special_tokens(tok, [DS_CALLS, DS_CALLS_END, DS_CALL, DS_CALL_END, DS_SEP]), "deepseek_v3"),
+    (lambda tok: _template_with(_with_deepseek_markers(tok), DEEPSEEK_V3_TEMPLATE), "deepseek_v3"),
+    (lambda tok: _template_with(_with_deepseek_markers(tok), DEEPSEEK_V31_TEMPLATE), "deepseek_v31"),
     (lambda tok: _with_special_tokens(tok, ["<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|call|>"]),
      "openai"),
     (lambda tok: _with_special_tokens(tok, ["<|start|>", "<|channel|>", "<|message|>", "<|call|>"]), None),
 ], ids=["plain", "hermes", "half_hermes", "mistral", "llama3_json", "python_tag_without_tools", "deepseek_v3",
-        "harmony", "harmony_without_constrain"])
+        "deepseek_v3_template", "deepseek_v31_template", "harmony", "harmony_without_constrain"])
 def test_detect_tool_parser_reads_the_marker_tokens(change, expected, tokenizer):
     assert detect_tool_parser(change(tokenizer)) == expected
 
 
 def test_parsers_by_name(tokenizer):
-    assert sorted(TOOL_CALL_PARSERS) == ["deepseek_v3", "hermes", "llama3_json", "mistral", "openai", "pythonic"]
+    assert {"deepseek_v3", "deepseek_v31", "hermes", "llama3_json", "mistral", "openai", "pythonic"} \
+        <= set(TOOL_CALL_PARSERS)
     assert all(tool_parser(name, tokenizer).name == name for name in TOOL_CALL_PARSERS)
-    with pytest.raises(ValueError, match=r"tool_call_parser='nope' is not one of \['deepseek_v3', 'hermes', "):
+    with pytest.raises(ValueError, match=r"tool_call_parser='nope' is not one of \['deepseek_v3', 'deepseek_v31', "):
         tool_parser("nope", tokenizer)
 
 
