@@ -90,7 +90,8 @@ def render_chat(
     rendered with the tokenizer's chat template (or `chat_template`) and vLLM's arguments;
     with image parts the template writes each image's placeholder, and the prompt carries
     the images as given ({"multi_modal_data": {"image": [...]}}, decoded when the row is
-    checked).
+    checked); with `tools` it carries them too ({"tools": [...]}), for the tool parser to
+    read the calls by (qwen3_coder converts each parameter by its schema).
 
     The text is tokenized without adding special tokens, because the template already
     holds any BOS token: a second one would change the output. Assumes
@@ -104,6 +105,8 @@ def render_chat(
     prompt = {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids}
     if images:
         prompt["multi_modal_data"] = {"image": images}
+    if tools:
+        prompt["tools"] = tools
     return prompt
 
 

@@ -16,6 +16,7 @@ from engine.multimodal.inputs import ProcessedPrompt
 from engine.multimodal.processing import MultiModalInputError
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams, logprobs_count
+from engine.tool_parsers.request_tools import Tools
 
 PromptType = str | dict[str, Any]
 # The per-call arguments of `LLM.generate` and its siblings: one value for every prompt or one per prompt.
@@ -38,11 +39,12 @@ class Request:
     beam_search: BeamSearchParams | None = None
     pooling: PoolingParams | None = None
     multi_modal: ProcessedPrompt | None = None  # the prompt's images, processed (`prompt_token_ids` expanded)
+    tools: Tools = None  # the tools of a chat's prompt (`render_chat`), which the calls are read by
 
     def submit(self, engine: LLMEngine, request_id: str) -> None:
         """Queues the request on `engine` under `request_id`."""
         engine.add_request(request_id, self.prompt, self.prompt_token_ids, self.sampling_params, self.priority,
-                           self.lora_request, self.beam_search, self.pooling, self.multi_modal)
+                           self.lora_request, self.beam_search, self.pooling, self.multi_modal, self.tools)
 
 
 @dataclass(frozen=True)
@@ -153,7 +155,8 @@ class RequestChecker:
             found.append(problem)
         if found:
             return RowCheck(None, "; ".join(found))
-        return RowCheck(Request(text, ids, params, priority, adapter, multi_modal=images), None)
+        tools = prompt.get("tools") if isinstance(prompt, dict) else None
+        return RowCheck(Request(text, ids, params, priority, adapter, multi_modal=images, tools=tools), None)
 
     def _images(self, prompt: Any, ids: list[int] | None) -> tuple[ProcessedPrompt | None, str | None]:
         """The prompt's images processed into its token ids (None: a prompt without images),

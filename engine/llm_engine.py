@@ -43,6 +43,7 @@ from engine.spec_decode.draft_model import DraftModelProposer
 from engine.spec_decode.ngram_proposer import NgramProposer
 from engine.structured_output.manager import StructuredOutputManager
 from engine.tool_parsers import ToolParser, detect_tool_parser, tool_parser
+from engine.tool_parsers.request_tools import Tools
 from engine.worker.draft_model_runner import resolve_draft_config
 from engine.worker.model_runner import LaunchedStep, ModelRunner
 
@@ -141,11 +142,13 @@ class LLMEngine:
         beam_search: BeamSearchParams | None = None,
         pooling: PoolingParams | None = None,
         multi_modal: ProcessedPrompt | None = None,
+        tools: Tools = None,
     ) -> Sequence:
         """Queues a validated request (its first completion; the others fork from it).
         With `beam_search` it is a beam search (`sampling_params` is then
         `beam_search.sampling_params()`), whose first beam this sequence is; with
-        `pooling`, a prompt to embed or classify, which is only prefilled."""
+        `pooling`, a prompt to embed or classify, which is only prefilled. `tools`: the
+        tools a chat declared, which its completions' calls are read by."""
         seq = self._new_sequence(request_id, prompt, prompt_token_ids, sampling_params, priority, index=0,
                                  lora_request=lora_request, multi_modal=multi_modal,
                                  completion=pooling is None and beam_search is None)
@@ -155,6 +158,7 @@ class LLMEngine:
             seq.computes_whole_prompt = self.model_config.pooler.needs_every_row
         seq.bad_words_ids = self._bad_words_ids(sampling_params.bad_words)
         seq.processes_logits = _processes_logits(seq)
+        seq.tools = tools
         if beam_search is not None:
             seq.beam = BeamGroup(beam_search, seq, seq.max_num_tokens - seq.num_prompt_tokens,
                                  frozenset(self.model_config.eos_token_ids), beams=[seq])
@@ -337,6 +341,7 @@ class LLMEngine:
                                        parent.multi_modal)
             child.bad_words_ids = parent.bad_words_ids
             child.processes_logits = parent.processes_logits
+            child.tools = parent.tools
             child.num_computed_tokens = parent.num_computed_tokens
             child.num_cached_tokens = parent.num_cached_tokens
             child.metrics.first_scheduled_time = parent.metrics.first_scheduled_time
@@ -509,7 +514,7 @@ class LLMEngine:
         if not seq.sampling_params.detokenize:
             return output
         parsed = parse_completion(output.text, output.token_ids, self.reasoning_parser, seq.reasoning,
-                                  self.tool_parser, seq.sampling_params.skip_special_tokens)
+                                  self.tool_parser, seq.sampling_params.skip_special_tokens, seq.tools)
         output.text, output.reasoning = parsed.text, parsed.reasoning
         output.num_reasoning_tokens, output.reasoning_ended = parsed.num_reasoning_tokens, parsed.reasoning_ended
         output.tool_calls, output.tool_call_error = parsed.tool_calls, parsed.tool_call_error

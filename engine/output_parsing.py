@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from engine.outputs import ToolCall
 from engine.reasoning import ReasoningParser, ReasoningTracker
 from engine.tool_parsers import ToolParser
+from engine.tool_parsers.request_tools import Tools
 
 
 @dataclass(frozen=True)
@@ -26,11 +27,12 @@ class ParsedCompletion:
 
 def parse_completion(text: str, token_ids: list[int], reasoning_parser: ReasoningParser | None,
                      tracker: ReasoningTracker | None, tool_parser: ToolParser | None,
-                     skip_special_tokens: bool = True) -> ParsedCompletion:
+                     skip_special_tokens: bool = True, tools: Tools = None) -> ParsedCompletion:
     """`text` (the completion as decoded for the user, stop strings cut) and its `token_ids`
     split by the reasoning parser (`tracker`: the one that followed the completion's tokens;
-    None: no reasoning parsing), then the answer's tool calls read by the tool parser, which
-    runs unless the completion stopped inside its reasoning."""
+    None: no reasoning parsing), then the answer's tool calls read by the tool parser (by the
+    request's `tools` where the format needs them), which runs unless the completion stopped
+    inside its reasoning."""
     parsed = ParsedCompletion(text)
     answer_ids = token_ids
     if reasoning_parser is not None and tracker is not None:
@@ -39,6 +41,6 @@ def parse_completion(text: str, token_ids: list[int], reasoning_parser: Reasonin
         answer_ids = token_ids[split.num_reasoning_tokens if split.answer_start is None else split.answer_start:]
     if tool_parser is None or parsed.reasoning_ended is False:
         return parsed
-    calls = tool_parser.parse(parsed.text, answer_ids)
+    calls = tool_parser.parse(parsed.text, answer_ids, tools)
     return ParsedCompletion(calls.content, parsed.reasoning, parsed.num_reasoning_tokens, parsed.reasoning_ended,
                             calls.tool_calls, calls.error)

@@ -52,6 +52,9 @@ DIFFERENCES: dict[str, str] = {
     "content_around_calls": "The content keeps the text the model writes after its calls (and Llama 3 JSON's text "
                             "before them), where vLLM keeps only the text before the first call (none for Llama 3 "
                             "JSON): nothing the model wrote leaves the row.",
+    "content_stripped": "The content beside the calls is stripped of the whitespace next to them, as for every call "
+                        "format here (vLLM keeps Kimi K2's 'I'll check. ' before its calls section): a table's cell "
+                        "holds the model's words, the same whatever the format.",
     "arguments_normalised": "Arguments are JSON text written one way for every format (json.dumps, unicode kept), as "
                             "vLLM writes them for hermes, llama3_json, mistral and pythonic; vLLM passes DeepSeek's "
                             "text on as the model spaced it: a table's arguments column holds one form whatever the "
@@ -83,6 +86,8 @@ FAMILIES: dict[str, Family] = {
     "deepseek_v3": Family(special=("<｜end▁of▁sentence｜>", "<｜begin▁of▁sentence｜>"),
                           plain=("<think>", "</think>", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>",
                                  "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>")),
+    "kimi_k2": Family(special=("<|im_end|>", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",
+                               "<|tool_call_begin|>", "<|tool_call_end|>", "<|tool_call_argument_begin|>")),
 }
 
 
@@ -107,9 +112,10 @@ def family_tokenizer(family: str) -> PreTrainedTokenizerBase:
 
 
 def run(output: str, family: str, reasoning: str | None = None, tools: str | None = None, prompt: str = "",
-        skip_special_tokens: bool = True) -> ParsedCompletion:
+        skip_special_tokens: bool = True, request_tools: list[dict[str, Any]] | None = None) -> ParsedCompletion:
     """`output`, tokenized on `family`'s tokenizer, through the engine's path: the tracker
-    and the detokenizer one token at a time after `prompt`'s tokens, then `parse_completion`."""
+    and the detokenizer one token at a time after `prompt`'s tokens, then `parse_completion`
+    (`request_tools`: the tools the request declared)."""
     tokenizer = family_tokenizer(family)
     prompt_ids = tokenizer(prompt, add_special_tokens=False).input_ids if prompt else []
     ids = tokenizer(output, add_special_tokens=False).input_ids
@@ -121,7 +127,7 @@ def run(output: str, family: str, reasoning: str | None = None, tools: str | Non
         if tracker is not None:
             tracker.advance(token, count, detokenizer.text)
     calls = tool_parser(tools, tokenizer) if tools else None
-    return parse_completion(detokenizer.text, ids, parser, tracker, calls, skip_special_tokens)
+    return parse_completion(detokenizer.text, ids, parser, tracker, calls, skip_special_tokens, request_tools)
 
 
 def calls_of(parsed: ParsedCompletion) -> list[tuple[str, Any]] | None:
@@ -135,7 +141,12 @@ def observed(parsed: ParsedCompletion) -> dict[str, Any]:
     """The fields a case checks, in vLLM's terms."""
     return {"reasoning": parsed.reasoning or None, "content": parsed.text or None, "tool_calls": calls_of(parsed),
             "reasoning_ended": parsed.reasoning_ended, "error": parsed.tool_call_error,
+            "ids": [call.id for call in parsed.tool_calls] if parsed.tool_calls else None,
             "arguments_text": [call.function.arguments for call in parsed.tool_calls] if parsed.tool_calls else None}
+
+
+class Contains(str):
+    """An expected "content" or "reasoning" that vLLM's test checks with `in`: the field holds this text."""
 
 
 @dataclass(frozen=True)
@@ -143,9 +154,11 @@ class Case:
     """One of vLLM's cases. `source`: vLLM's test file and case name; `expected`: what vLLM's
     test expects, by field of `observed` ("reasoning", "content", "tool_calls": a list of
     (name, arguments) or None, "reasoning_ended", "error": True for "an error is reported",
-    or None, "arguments_text": the calls' arguments as exact text, where vLLM's test compares
-    the text); `difference`: the name of one of `DIFFERENCES` where we differ on purpose, with
-    `ours`, our value of each field that differs."""
+    or None, "ids": the calls' ids where the format keeps the model's, "arguments_text": the
+    calls' arguments as exact text, where vLLM's test compares the text); `difference`: the
+    name of one of `DIFFERENCES` where we differ on purpose, with `ours`, our value of each
+    field that differs; `request_tools`: the tools the request declared (OpenAI's function
+    tools), for parsers that read the calls by them."""
 
     id: str
     source: str
@@ -157,6 +170,7 @@ class Case:
     prompt: str = ""
     difference: str | None = None
     ours: dict[str, Any] = field(default_factory=dict)
+    request_tools: list[dict[str, Any]] | None = None
 
     def __post_init__(self) -> None:
         if (self.difference is None) != (not self.ours):
@@ -172,6 +186,8 @@ def _matches(want: dict[str, Any], got: dict[str, Any]) -> dict[str, tuple[Any, 
         actual = got[name]
         if name == "error":
             ok = (actual is not None) == bool(value) if isinstance(value, bool) or value is None else value in (actual or "")
+        elif isinstance(value, Contains):
+            ok = value in (actual or "")
         elif name == "tool_calls" and value is not None:
             ok = actual is not None and [(n, a) for n, a in value] == actual
         else:
@@ -183,7 +199,8 @@ def _matches(want: dict[str, Any], got: dict[str, Any]) -> dict[str, tuple[Any, 
 
 def check(case: Case) -> None:
     """Runs the case and asserts vLLM's result, or our listed difference from it."""
-    got = observed(run(case.output, case.family, case.reasoning, case.tools, case.prompt))
+    got = observed(run(case.output, case.family, case.reasoning, case.tools, case.prompt,
+                       request_tools=case.request_tools))
     if case.difference is None:
         wrong = _matches(case.expected, got)
         assert not wrong, f"{case.id} ({case.source}): differs from vLLM (wanted, got): {wrong}"

@@ -8,15 +8,17 @@ loads no model code (no torch, no transformers).
 
 from typing import TYPE_CHECKING
 
-from engine.tool_parsers import deepseek_v31, hermes, llama3_json, mistral, openai
+from engine.tool_parsers import deepseek_v31, hermes, kimi_k2, llama3_json, mistral, openai, qwen3_coder
 from engine.tool_parsers.abstract import ToolCallResult, ToolParser, single_token_id
 from engine.tool_parsers.deepseek_v3 import DeepSeekV3ToolParser
 from engine.tool_parsers.deepseek_v31 import DeepSeekV31ToolParser
 from engine.tool_parsers.hermes import HermesToolParser
+from engine.tool_parsers.kimi_k2 import KimiK2ToolParser
 from engine.tool_parsers.llama3_json import Llama3JsonToolParser
 from engine.tool_parsers.mistral import MistralToolParser
 from engine.tool_parsers.openai import OpenAIToolParser
 from engine.tool_parsers.pythonic import PythonicToolParser
+from engine.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -26,7 +28,7 @@ __all__ = ["TOOL_CALL_PARSERS", "ToolCallResult", "ToolParser", "detect_tool_par
 TOOL_CALL_PARSERS: dict[str, type[ToolParser]] = {
     parser.name: parser for parser in (HermesToolParser, Llama3JsonToolParser, MistralToolParser,
                                        PythonicToolParser, DeepSeekV3ToolParser, DeepSeekV31ToolParser,
-                                       OpenAIToolParser)
+                                       OpenAIToolParser, Qwen3CoderToolParser, KimiK2ToolParser)
 }
 
 
@@ -49,10 +51,11 @@ def detect_tool_parser(tokenizer: "PreTrainedTokenizerBase") -> str | None:
     the vocabulary, name the format. gpt-oss's harmony tokens (`<|call|>`, `<|constrain|>`)
     and DeepSeek's call markers come first (the most specific: a vocabulary with them may
     hold another format's tokens too; deepseek_v31 when the chat template writes V3.1's calls,
-    their arguments bare after the separator where V3's fence them in ```json); then hermes
-    (`<tool_call>`, `</tool_call>`), mistral (`[TOOL_CALLS]`), and llama3_json (`<|python_tag|>`
-    with a chat template that takes tools). Pythonic calls have no marker of their own and are
-    never detected."""
+    their arguments bare after the separator where V3's fence them in ```json); then Kimi K2's
+    section and call markers; then hermes (`<tool_call>`, `</tool_call>`; qwen3_coder when the
+    chat template writes the calls as XML, `<function=` and `<parameter=`), mistral
+    (`[TOOL_CALLS]`), and llama3_json (`<|python_tag|>` with a chat template that takes tools).
+    Pythonic calls have no marker of their own and are never detected."""
     def has(*tokens: str) -> bool:
         return all(single_token_id(tokenizer, token) is not None for token in tokens)
 
@@ -62,8 +65,12 @@ def detect_tool_parser(tokenizer: "PreTrainedTokenizerBase") -> str | None:
         template = _chat_template_text(tokenizer)
         v31 = deepseek_v31.SEP in template and "```json" not in template
         return DeepSeekV31ToolParser.name if v31 else DeepSeekV3ToolParser.name
+    if has(kimi_k2.SECTION_BEGIN, kimi_k2.CALL_BEGIN):
+        return KimiK2ToolParser.name
     if has(hermes.OPEN, hermes.CLOSE):
-        return HermesToolParser.name
+        template = _chat_template_text(tokenizer)
+        xml = qwen3_coder.FUNCTION in template and qwen3_coder.PARAMETER in template
+        return Qwen3CoderToolParser.name if xml else HermesToolParser.name
     if has(mistral.TOOL_CALLS):
         return MistralToolParser.name
     if has(llama3_json.PYTHON_TAG) and "tools" in _chat_template_text(tokenizer):

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from engine.outputs import FunctionCall, ToolCall
+from engine.tool_parsers.request_tools import Tools
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -48,6 +49,7 @@ class FoundCalls:
 
     content: str
     calls: list[object]
+    ids: list[str] | None = None  # the format's own call ids, one per call (None: derived from the text)
 
 
 @dataclass(frozen=True)
@@ -154,15 +156,22 @@ class ToolParser:
         it holds no call; MalformedCall where a call's syntax is broken."""
         raise NotImplementedError
 
-    def parse(self, text: str, token_ids: list[int]) -> ToolCallResult:
+    def find_calls_for(self, text: str, tools: Tools) -> FoundCalls | None:
+        """`find_calls` for a request that declared `tools`: formats that read the calls by
+        the tools override it (qwen3_coder's typed parameters); the others ignore them."""
+        return self.find_calls(text)
+
+    def parse(self, text: str, token_ids: list[int], tools: Tools = None) -> ToolCallResult:
         """The calls in a completion's answer: `text` as decoded for the user (special tokens
-        skipped), `token_ids` the same answer's tokens."""
+        skipped), `token_ids` the same answer's tokens, `tools` the request's (None: none)."""
         marked = self.marked_text(text, token_ids)
         try:
-            found = self.find_calls(marked)
+            found = self.find_calls_for(marked, tools)
             if found is None:
                 return ToolCallResult(text, None, None)
             calls = [tool_call(text, index, call, self.call_ids) for index, call in enumerate(found.calls, 1)]
+            for call, native_id in zip(calls, found.ids or ()):
+                call.id = native_id
         except MalformedCall as error:
             return ToolCallResult(marked, None, str(error))
         except RecursionError:  # JSON nested deeper than Python's recursion limit (a model stuck repeating "[")
