@@ -41,9 +41,10 @@ from tests.tiny_models import build_tokenizer
 # The deliberate differences from vLLM, each with its reason (docs/engine.md's
 # "Differences from vLLM's parsers" lists the same names).
 DIFFERENCES: dict[str, str] = {
-    "stripped": "The reasoning is stripped and the answer left-stripped of the whitespace around the markers "
-                "(vLLM keeps '\\nThe answer'): a table's cell holds the answer, not the template's line breaks, "
-                "and every family's chat template strips both when the turn is fed back.",
+    "stripped": "The reasoning is stripped of the whitespace around it and the answer of the line breaks before "
+                "its first line, whose indentation stays (vLLM keeps '\\nThe answer'): a table's cell holds the "
+                "thinking and the answer, not the template's line breaks, as Qwen3's template strips them when the "
+                "turn is fed back.",
     "broken_call_error": "A call that does not parse gives no calls, keeps the answer's text as the model wrote it "
                          "(its markers included) and says which call is wrong and why in tool_call_error, where vLLM "
                          "drops the broken call (returning the others, or none) or passes on arguments that are not a "
@@ -87,7 +88,8 @@ FAMILIES: dict[str, Family] = {
                           plain=("<think>", "</think>", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>",
                                  "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>")),
     "kimi_k2": Family(special=("<|im_end|>", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",
-                               "<|tool_call_begin|>", "<|tool_call_end|>", "<|tool_call_argument_begin|>")),
+                               "<|tool_call_begin|>", "<|tool_call_end|>", "<|tool_call_argument_begin|>"),
+                      plain=("<think>", "</think>")),
 }
 
 
@@ -158,7 +160,8 @@ class Case:
     calls' arguments as exact text, where vLLM's test compares the text); `difference`: the
     name of one of `DIFFERENCES` where we differ on purpose, with `ours`, our value of each
     field that differs; `request_tools`: the tools the request declared (OpenAI's function
-    tools), for parsers that read the calls by them."""
+    tools), for parsers that read the calls by them; `skip_special_tokens`: the request's,
+    False where vLLM's test reads a text that keeps the family's special markers."""
 
     id: str
     source: str
@@ -171,6 +174,7 @@ class Case:
     difference: str | None = None
     ours: dict[str, Any] = field(default_factory=dict)
     request_tools: list[dict[str, Any]] | None = None
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if (self.difference is None) != (not self.ours):
@@ -200,7 +204,7 @@ def _matches(want: dict[str, Any], got: dict[str, Any]) -> dict[str, tuple[Any, 
 def check(case: Case) -> None:
     """Runs the case and asserts vLLM's result, or our listed difference from it."""
     got = observed(run(case.output, case.family, case.reasoning, case.tools, case.prompt,
-                       request_tools=case.request_tools))
+                       case.skip_special_tokens, case.request_tools))
     if case.difference is None:
         wrong = _matches(case.expected, got)
         assert not wrong, f"{case.id} ({case.source}): differs from vLLM (wanted, got): {wrong}"

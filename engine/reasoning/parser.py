@@ -8,14 +8,16 @@ once when thinking is off), or leave the model to open it. Each completion's
 `ReasoningTracker` follows it through three phases:
 
 - `UNDECIDED`: the prompt neither opened nor closed a section and the model may open one:
-  its first token decides (the opening marker, or the answer's first token);
-- `REASONING`: until the closing marker; a structured output's grammar waits meanwhile,
-  so a JSON schema constrains the answer only and leaves the thinking free;
+  its first token that is not whitespace decides (the opening marker, or the answer's
+  first token);
+- `REASONING`: until the closing marker, or one of the format's other ends (a tool-call
+  section that starts without the section being closed); a structured output's grammar
+  waits meanwhile, so a JSON schema constrains the answer only and leaves the thinking free;
 - `ANSWER`: the grammar, if any, applies from here.
 
 A marker that is one token, or holds a special token (gpt-oss's harmony headers, such as
-`<|channel|>final<|message|>`, whose special tokens a decoded text leaves out), is matched
-as its sequence of ids; any other by its text, detokenized as the tokens arrive.
+`<|channel|>final`, whose special tokens a decoded text leaves out), is matched as its
+sequence of ids; any other by its text, detokenized as the tokens arrive.
 """
 
 import enum
@@ -27,6 +29,9 @@ if TYPE_CHECKING:
 
 # Prompt tokens read to find whether the template opened or closed a section at its end.
 _PROMPT_TAIL_TOKENS = 16
+# Tokens a header that a closing marker opens may hold before its end (vLLM's gpt-oss
+# parser allows as many between `<|channel|>final` and `<|message|>`).
+_HEADER_TOKENS = 20
 
 
 class Phase(enum.Enum):
@@ -39,34 +44,38 @@ class Phase(enum.Enum):
 class ReasoningFormat:
     """A family's markers. `opens_itself`: the model reasons from its first token even
     when nothing opened a section (DeepSeek-R1's distills often skip `<think>`; gpt-oss
-    writes its analysis channel first), so a completion that never closes one is all
-    reasoning. `trailer`: what the model writes between its reasoning and the closing
-    marker, left out of both (harmony ends the analysis message and starts the next).
-    `signature`: the tokens whose presence in a vocabulary and chat template identifies
-    the family (default: the two markers). `other_ends`: more closing markers, each holding
-    a special token (matched by id), after which the answer is the rest of the output,
-    marker included (harmony's commentary channel, whose header the tool parser reads);
-    tokens between the trailer and such a marker (harmony's recipient, `to=functions.f`)
+    writes its analysis channel first; Kimi K2 may start thinking without `<think>`), so a
+    completion that never closes one is all reasoning. `trailer`: what the model writes
+    between its reasoning and the closing marker, left out of both (harmony ends the
+    analysis message and starts the next). `header_end`: the token that ends the header the
+    closing marker opens; the marker then runs to it, whatever the header holds between
+    (harmony's `<|channel|>final <|constrain|>json<|message|>`). `signature`: the tokens
+    whose presence in a vocabulary and chat template identifies the family (default: the
+    two markers). `template_switch`: a chat-template variable that turns the section on
+    and off, which the template must mention for the format to be detected (DeepSeek-V3.1's
+    `thinking`). `other_ends`: more closing markers after which the answer is the rest of
+    the output, marker included (harmony's commentary channel, whose header the tool parser
+    reads; Qwen3's `<tool_call>` and Kimi K2's `<|tool_calls_section_begin|>`, a call the
+    model starts without closing its section first); each is matched by id where the
+    tokenizer holds it as one token or with a special token, and not matched elsewhere.
+    Tokens between the trailer and such a marker (harmony's recipient, `to=functions.f`)
     start the answer. `special_tokens`: the tokens of the markers that the model's
-    vocabulary must hold as special tokens, so that markers are matched by id (required
-    with `other_ends`); `family` and `syntax` name the models that write them and their
-    format, for messages ("gpt-oss", "harmony")."""
+    vocabulary must hold as special tokens, so that markers are matched by id; `family`
+    and `syntax` name the models that write them and their format, for messages
+    ("gpt-oss", "harmony")."""
 
     name: str
     start: str
     end: str
     opens_itself: bool = False
     trailer: str = ""
+    header_end: str = ""
     signature: tuple[str, ...] = ()
+    template_switch: str = ""
     other_ends: tuple[str, ...] = ()
     special_tokens: tuple[str, ...] = ()
     family: str = ""
     syntax: str = ""
-
-    def __post_init__(self) -> None:
-        if self.other_ends and not self.special_tokens:
-            raise ValueError(f"reasoning format {self.name!r}: other_ends are matched by id, so the format must name "
-                             "the special_tokens its markers hold")
 
     @property
     def tokens(self) -> tuple[str, ...]:
@@ -111,7 +120,8 @@ class ReasoningParser:
         self.tokenizer = tokenizer
         self.start_ids = _marker_ids(tokenizer, fmt.start)
         self.end_ids = _marker_ids(tokenizer, fmt.end)
-        self.other_end_ids = tuple(_marker_ids(tokenizer, end) for end in fmt.other_ends)
+        self.other_end_ids = tuple(ids for end in fmt.other_ends if (ids := _marker_ids(tokenizer, end)) is not None)
+        self.header_end_ids = _marker_ids(tokenizer, fmt.header_end) if fmt.header_end else None
         self.trailer_ids = tuple(tokenizer(fmt.trailer, add_special_tokens=False).input_ids) if fmt.trailer else ()
 
     @property
@@ -128,6 +138,10 @@ class ReasoningParser:
         """Whether the closing marker is found in the detokenized text (it is not one
         token), which then has to be grown token by token."""
         return self.end_ids is None
+
+    def is_blank(self, token_id: int) -> bool:
+        """Whether the token is whitespace only (it decides nothing before a section opens)."""
+        return not self.tokenizer.decode([token_id], skip_special_tokens=False).strip()
 
     def initial_phase(self, prompt_token_ids: list[int]) -> Phase:
         """The phase a completion of this prompt starts in: reasoning when the prompt ends
@@ -146,63 +160,78 @@ class ReasoningParser:
     def split(self, tracker: "ReasoningTracker", text: str, output_token_ids: list[int],
               skip_special_tokens: bool = True) -> ReasoningSplit:
         """The completion's reasoning and answer, given its final text (stop strings
-        already cut) and tokens."""
+        already cut) and tokens. The reasoning is stripped, and the answer loses the line
+        breaks that separate it from the closing marker (not the indentation of its first
+        line)."""
         if not tracker.had_section:
-            return ReasoningSplit(None, text, 0, None)
-        if tracker.other_end:
-            return self._split_at_other_end(tracker, output_token_ids, skip_special_tokens)
+            return self._split_late(tracker, text, output_token_ids, skip_special_tokens)
         if self.matches_text:
-            reasoning, answer, ended = self._split_text(tracker, text)
-        else:
-            reasoning, answer, ended = self._split_ids(tracker, text, output_token_ids, skip_special_tokens)
-        num_tokens = tracker.end_index if tracker.end_index is not None else len(output_token_ids)
-        return ReasoningSplit(reasoning.strip(), answer.lstrip(), num_tokens, ended)
-
-    def _split_at_other_end(self, tracker: "ReasoningTracker", ids: list[int],
-                            skip_special_tokens: bool) -> ReasoningSplit:
-        """A section closed by one of `other_ends`: the reasoning up to the trailer (its last
-        occurrence), the answer from the tokens after it, the closing marker included."""
-        first = self._opening_length(ids)
-        answer_start = tracker.end_index - tracker.end_length
-        size = len(self.trailer_ids)
-        for at in range(answer_start - size, first - 1, -1):
-            if size and tuple(ids[at : at + size]) == self.trailer_ids:
-                reasoning, answer_start = ids[first:at], at + size
-                break
-        else:
-            reasoning = ids[first:answer_start]
-        return ReasoningSplit(self._decode(reasoning, skip_special_tokens).strip(),
-                              self._decode(ids[answer_start:], skip_special_tokens).lstrip(), tracker.end_index,
-                              True, answer_start)
-
-    def _split_text(self, tracker: "ReasoningTracker", text: str) -> tuple[str, str, bool]:
-        """By text: the reasoning is what precedes the closing marker, the answer what follows."""
-        body = text.lstrip().removeprefix(self.format.start) if tracker.opened_by_model else text
-        reasoning, marker, answer = body.partition(self.format.end)
-        return reasoning, answer, bool(marker)
+            body = text.lstrip().removeprefix(self.format.start)
+            reasoning, marker, answer = body.partition(self.format.end)
+            num_tokens = tracker.end_index if tracker.end_index is not None else len(output_token_ids)
+            return ReasoningSplit(reasoning.strip(), _without_leading_lines(answer), num_tokens, bool(marker))
+        return self._split_ids(tracker, text, output_token_ids, skip_special_tokens)
 
     def _split_ids(self, tracker: "ReasoningTracker", text: str, ids: list[int],
-                   skip_special_tokens: bool) -> tuple[str, str, bool]:
-        """By id: the reasoning is the decode of its tokens (without the markers and the
-        trailer); the answer is what the text holds after the decode of the tokens up to the
-        closing marker (where that decode does not start the text, a tokenizer joining
-        pieces across the boundary, the answer's own tokens decoded)."""
-        first = self._opening_length(ids)
-        if tracker.end_index is None:
-            return self._decode(ids[first:], skip_special_tokens), "", False
-        last = tracker.end_index - len(self.end_ids)
-        if self.trailer_ids and tuple(ids[last - len(self.trailer_ids) : last]) == self.trailer_ids:
-            last -= len(self.trailer_ids)
-        reasoning = self._decode(ids[first:last], skip_special_tokens)
-        head = self._decode(ids[: tracker.end_index], skip_special_tokens)
-        answer = (text[len(head):] if text.startswith(head)
-                  else self._decode(ids[tracker.end_index :], skip_special_tokens))
-        return reasoning, answer, True
+                   skip_special_tokens: bool) -> ReasoningSplit:
+        """By id: the reasoning is the decode of its tokens, without the markers and the
+        trailer; the answer is the text from the closing marker's end (from one of the other
+        ends' start, the tokens after the trailer included)."""
+        first = self._opening_end(ids)
+        marker = tracker.marker_start
+        if marker is None:
+            return ReasoningSplit(self._decode(ids[first:], skip_special_tokens).strip(), "", len(ids), False)
+        size = len(self.trailer_ids)
+        stop = marker - size if size and tuple(ids[marker - size : marker]) == self.trailer_ids else marker
+        if tracker.end_index is None:  # a closing marker's header never ended
+            return ReasoningSplit(self._decode(ids[first:stop], skip_special_tokens).strip(), "", len(ids), False)
+        answer_start = None
+        if tracker.other_end:
+            stop = answer_start = marker
+            trailer_at = _last_index(ids, self.trailer_ids, first, marker)
+            if trailer_at is not None:
+                stop, answer_start = trailer_at, trailer_at + size
+        reasoning = self._decode(ids[first:stop], skip_special_tokens)
+        answer = self._text_from(ids, answer_start if tracker.other_end else tracker.end_index, text,
+                                 skip_special_tokens)
+        return ReasoningSplit(reasoning.strip(), _without_leading_lines(answer), tracker.end_index, True, answer_start)
 
-    def _opening_length(self, ids: list[int]) -> int:
-        """How many of the output's first tokens are the opening marker the model wrote (0: none)."""
+    def _split_late(self, tracker: "ReasoningTracker", text: str, ids: list[int],
+                    skip_special_tokens: bool) -> ReasoningSplit:
+        """A completion that no section opened: all answer, unless its model, free of any
+        grammar, opened one after writing some answer (a line before `[THINK]`). As vLLM's
+        parsers do, that section comes out of the answer, which keeps the text before and
+        after it; the tool parser reads the tokens after it. By id only."""
+        whole = ReasoningSplit(None, text, 0, None)
+        if not tracker.decided_by_model or tracker.constrained or self.start_ids is None:
+            return whole
+        opened = _first_index(ids, self.start_ids, 0)
+        if opened is None or not text.startswith(before := self._decode(ids[:opened], skip_special_tokens)):
+            return whole
+        first = opened + len(self.start_ids)
+        closed = _first_index(ids, self.end_ids, first) if self.end_ids else None
+        if closed is None:
+            return ReasoningSplit(self._decode(ids[first:], skip_special_tokens).strip(), before,
+                                  len(ids) - opened, False, len(ids))
+        end = closed + len(self.end_ids)
+        after = self._text_from(ids, end, text, skip_special_tokens)
+        return ReasoningSplit(self._decode(ids[first:closed], skip_special_tokens).strip(), before + after,
+                              end - opened, True, end)
+
+    def _text_from(self, ids: list[int], index: int, text: str, skip_special_tokens: bool) -> str:
+        """What the text holds after the decode of the first `index` tokens (where that
+        decode does not start the text, a tokenizer joining pieces across the boundary, the
+        later tokens decoded)."""
+        head = self._decode(ids[:index], skip_special_tokens)
+        return text[len(head):] if text.startswith(head) else self._decode(ids[index:], skip_special_tokens)
+
+    def _opening_end(self, ids: list[int]) -> int:
+        """Where the opening marker the model wrote, after any whitespace, ends (0: it wrote none)."""
         size = len(self.start_ids) if self.start_ids else 0
-        return size if size and tuple(ids[:size]) == self.start_ids else 0
+        if not size:
+            return 0
+        at = next((i for i, token in enumerate(ids) if not self.is_blank(token)), len(ids))
+        return at + size if tuple(ids[at : at + size]) == self.start_ids else 0
 
     def _decode(self, ids: list[int], skip_special_tokens: bool) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -216,24 +245,35 @@ class ReasoningTracker:
         self.parser = parser
         self.phase = phase
         self.had_section = phase is Phase.REASONING
-        self.opened_by_model = False
+        self.decided_by_model = False  # the model's first token, not the prompt, started the answer
+        self.constrained = False  # a grammar constrains the completion
         self.end_index: int | None = None
         self.end_length = 0  # the closing marker's tokens, once found
         self.other_end = False  # whether one of the format's other_ends closed it
+        self._header_from: int | None = None  # where a closing marker waiting for its header's end began
         self._held_grammar: Any = None  # a StructuredOutputGrammar
         self._searched = 0
-        self._recent: list[int] = []  # the last ids, as many as the closing marker has
+        self._recent: list[int] = []  # the last ids, as many as the longest marker has
+        markers = (parser.end_ids or (), parser.header_end_ids or (), *parser.other_end_ids)
+        self._window = max(map(len, markers))
 
     @property
     def needs_text(self) -> bool:
         """Whether the completion's text must grow token by token to find the markers."""
         return self.phase is not Phase.ANSWER and self.parser.matches_text
 
+    @property
+    def marker_start(self) -> int | None:
+        """The output token where the closing marker begins: found (by id), or still
+        waiting for its header's end; None: none yet."""
+        return self.end_index - self.end_length if self.end_index is not None else self._header_from
+
     def first_grammar(self, grammar: Any) -> Any:
         """Takes a new completion's grammar (None: unconstrained); returns the one that
         applies to its first token: none while it reasons; while its first token decides,
         the grammar with the opening marker also allowed (by id; by text the grammar waits
         for the decision); the grammar itself in the answer."""
+        self.constrained = grammar is not None
         if grammar is None or self.phase is Phase.ANSWER:
             return grammar
         if self.phase is Phase.UNDECIDED and self.parser.start_id is not None:
@@ -249,24 +289,9 @@ class ReasoningTracker:
         if self.phase is Phase.ANSWER:
             return False
         if self.phase is Phase.UNDECIDED:
-            start = self.parser.format.start
-            if self.parser.start_id is not None:
-                opened = token_id == self.parser.start_id
-            else:  # the first token's text starts the marker (or holds it whole)
-                head = text.lstrip()
-                opened = bool(head) and (head.startswith(start) or start.startswith(head))
-            self.phase = Phase.REASONING if opened else Phase.ANSWER
-            self.had_section = self.opened_by_model = opened
-            return opened
-        end_ids = self.parser.end_ids
-        if end_ids is not None:
-            options = (end_ids, *self.parser.other_end_ids)
-            longest = max(map(len, options))
-            self._recent = [*self._recent[1 - longest:], token_id] if longest > 1 else [token_id]
-            found = next((ids for ids in options if tuple(self._recent[-len(ids):]) == ids), None)
-            ended = found is not None
-            if ended:
-                self.end_length, self.other_end = len(found), found is not end_ids
+            return self._decide(token_id, text)
+        if self.parser.end_ids is not None:
+            ended = self._closes(token_id, num_output_tokens)
         else:
             end = self.parser.format.end
             ended = text.find(end, max(0, self._searched - len(end) + 1)) >= 0
@@ -276,11 +301,53 @@ class ReasoningTracker:
             self.end_index = num_output_tokens
         return True
 
+    def _decide(self, token_id: int, text: str) -> bool:
+        """The first token that is not whitespace opens a section or starts the answer."""
+        start = self.parser.format.start
+        if self.parser.start_id is not None:
+            if self.parser.is_blank(token_id):
+                return False
+            opened = token_id == self.parser.start_id
+        else:  # the text's first characters start the marker (or hold it whole)
+            head = text.lstrip()
+            if not head:
+                return False
+            opened = head.startswith(start) or start.startswith(head)
+        self.phase = Phase.REASONING if opened else Phase.ANSWER
+        self.had_section, self.decided_by_model = opened, not opened
+        return opened
+
+    def _closes(self, token_id: int, num_output_tokens: int) -> bool:
+        """Whether the newest token ends a closing marker (by id): the closing marker, its
+        header's end when it opens one, or one of the other ends."""
+        parser = self.parser
+        self._recent = [*self._recent[1 - self._window:], token_id] if self._window > 1 else [token_id]
+        if self._header_from is not None:
+            if self._ends_with(parser.header_end_ids):
+                self.end_length, self._header_from = num_output_tokens - self._header_from, None
+                return True
+            if num_output_tokens - self._header_from > _HEADER_TOKENS:
+                self._header_from = None  # no header after all: the reasoning goes on
+        for ids in (parser.end_ids, *parser.other_end_ids):
+            if self._ends_with(ids):
+                if ids is parser.end_ids and parser.header_end_ids:
+                    self._header_from = num_output_tokens - len(ids)
+                    return False
+                self.end_length, self.other_end, self._header_from = len(ids), ids is not parser.end_ids, None
+                return True
+        return False
+
+    def _ends_with(self, ids: tuple[int, ...]) -> bool:
+        return tuple(self._recent[-len(ids):]) == ids
+
     def next_grammar(self, grammar: Any) -> Any:
         """The grammar for the tokens after the newest, given the one applied to it: held
-        back while the completion reasons, released once it answers."""
+        back while the completion reasons, released once it answers (after the token that
+        ended the reasoning: as in vLLM, a grammar never sees a closing marker, nor an
+        other end that starts the answer)."""
         if grammar is not None:
-            grammar.also_allowed = None
+            if self.phase is not Phase.UNDECIDED:
+                grammar.also_allowed = None
             if self.phase is Phase.REASONING:
                 self._held_grammar = grammar
                 return None
@@ -288,6 +355,26 @@ class ReasoningTracker:
         if self.phase is Phase.ANSWER:
             grammar, self._held_grammar = self._held_grammar, None
         return grammar
+
+
+def _without_leading_lines(answer: str) -> str:
+    """The answer without the blank lines before its first line (that line's indentation kept)."""
+    blank = answer[: len(answer) - len(answer.lstrip())]
+    return answer[blank.rfind("\n") + 1 :]
+
+
+def _first_index(ids: list[int], marker: tuple[int, ...], start: int) -> int | None:
+    """Where `marker` first occurs in `ids` from `start`, or None."""
+    size = len(marker)
+    return next((at for at in range(start, len(ids) - size + 1) if tuple(ids[at : at + size]) == marker), None)
+
+
+def _last_index(ids: list[int], marker: tuple[int, ...], start: int, stop: int) -> int | None:
+    """Where `marker` last occurs wholly within `ids[start:stop]`, or None (an empty marker: None)."""
+    size = len(marker)
+    if not size:
+        return None
+    return next((at for at in range(stop - size, start - 1, -1) if tuple(ids[at : at + size]) == marker), None)
 
 
 def _marker_ids(tokenizer: "PreTrainedTokenizerBase", marker: str) -> tuple[int, ...] | None:

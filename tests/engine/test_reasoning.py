@@ -139,7 +139,8 @@ def test_the_tokenizer_implies_the_parser(qwen3_folder, r1_folder, split_markers
     assert detect_reasoning_parser(AutoTokenizer.from_pretrained(r1_folder))[0] == "deepseek_r1"
     assert detect_reasoning_parser(AutoTokenizer.from_pretrained(split_markers_folder)) is None  # no marker tokens
     assert detect_reasoning_parser(AutoTokenizer.from_pretrained(tiny_models["qwen3"])) is None
-    with pytest.raises(ValueError, match=r"reasoning_parser=.nope. is not one of \[.deepseek_r1., .mistral., .openai_gptoss., .qwen3.\]"):
+    known = r"\[.deepseek_r1., .deepseek_v3., .deepseek_v31., .kimi_k2., .mistral., .openai_gptoss., .qwen3.\]"
+    with pytest.raises(ValueError, match=r"reasoning_parser=.nope. is not one of " + known):
         reasoning_parser("nope", AutoTokenizer.from_pretrained(qwen3_folder))
 
 
@@ -344,7 +345,7 @@ def test_harmony_channels_split_by_their_special_tokens(harmony_tokenizer, outpu
     assert detect_reasoning_parser(harmony_tokenizer)[0] == "openai_gptoss"
     parser = reasoning_parser("openai_gptoss", harmony_tokenizer)
     channel, message = harmony_tokenizer.convert_tokens_to_ids(["<|channel|>", "<|message|>"])
-    assert not parser.matches_text and (parser.end_ids[0], parser.end_ids[-1]) == (channel, message)
+    assert not parser.matches_text and (parser.end_ids[0], parser.header_end_ids) == (channel, (message,))
     prompt = prompt_ids(harmony_tokenizer)
     assert parser.initial_phase(prompt) is Phase.REASONING  # the model always opens with a channel
     tracker, ids, text = feed(parser, harmony_tokenizer, prompt, output)
@@ -354,3 +355,158 @@ def test_harmony_channels_split_by_their_special_tokens(harmony_tokenizer, outpu
     else:
         head = output.partition(FINAL)[0] + FINAL
         assert split == ReasoningSplit(reasoning, answer, len(harmony_tokenizer(head).input_ids), True)
+
+
+# -- what ends a section besides its closing marker, and where it starts ------------------
+
+QWEN3_THINKING_PROMPT = "<|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\n<think>\n"
+HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("prompt, output", [
+    (QWEN3_THINKING_PROMPT, "The user wants the weather.\n\n" + HERMES_CALL),  # Qwen3.5, Qwen3-Thinking-2507
+    (QWEN3_THINKING_PROMPT.removesuffix("<think>\n"), "<think>\nThe user wants the weather.\n" + HERMES_CALL),
+])
+def test_a_qwen3_call_without_closing_the_thinking_ends_it(prompt, output):
+    """Qwen3-family models may go from their thinking straight into `<tool_call>`: the
+    call ends the reasoning (as vLLM's qwen3 parser does), the answer starts at it, and the
+    hermes parser reads the call (it used to stay inside the reasoning, never parsed)."""
+    from tests.parser_conformance import observed, run
+
+    got = observed(run(output, "qwen3", reasoning="qwen3", tools="hermes", prompt=prompt))
+    assert {name: got[name] for name in ("reasoning", "content", "tool_calls", "reasoning_ended", "error")} == {
+        "reasoning": "The user wants the weather.", "content": None,
+                   "tool_calls": [("get_weather", {"city": "Paris"})], "reasoning_ended": True, "error": None}
+
+
+def test_the_grammar_is_released_after_a_call_that_ends_the_thinking(qwen3_folder):
+    """The grammar waits through the thinking and applies from the token after `<tool_call>`
+    (as vLLM's, which never sees the token that ends the reasoning); the split's answer
+    starts at `<tool_call>`."""
+    tokenizer = AutoTokenizer.from_pretrained(qwen3_folder)
+    parser = reasoning_parser("qwen3", tokenizer)
+    grammar = type("Grammar", (), {"also_allowed": None})()
+    prompt = prompt_ids(tokenizer)
+    tracker = parser.tracker(prompt)
+    applied = tracker.first_grammar(grammar)
+    assert applied is grammar  # undecided: the grammar, <think> also allowed
+    ids = tokenizer("<think>Needs a call." + HERMES_CALL, add_special_tokens=False).input_ids
+    call_at = ids.index(tokenizer.convert_tokens_to_ids("<tool_call>"))
+    for count, token in enumerate(ids[: call_at + 2], start=1):
+        reasons = tracker.advance(token, count, "")
+        applied = tracker.next_grammar(applied)  # as the engine does after each token
+        assert reasons is (count <= call_at + 1)  # <think> ... <tool_call>: no grammar sees them
+        assert applied is (grammar if count > call_at else None)
+    split = parser.split(tracker, tokenizer.decode(ids), ids)
+    assert (split.reasoning, split.text, split.ended) == ("Needs a call.", HERMES_CALL, True)
+
+
+@pytest.mark.parametrize("family, prompt", [("deepseek_r1", ""), ("qwen3", "<|im_start|>assistant\n")])
+def test_an_output_that_starts_with_whitespace_before_think(family, prompt):
+    """DeepSeek-R1's template opens the section; a model that writes `<think>` again after
+    a line break keeps it out of the reasoning (it used to stay in). Where the model opens
+    the section (Qwen3's hybrid template), a line break first decides nothing."""
+    from tests.parser_conformance import run
+
+    parsed = run("\n<think>This is a reasoning section</think>\nThis is the rest", family, reasoning=family,
+                 prompt=prompt)
+    assert (parsed.reasoning, parsed.text, parsed.reasoning_ended) == (
+        "This is a reasoning section", "This is the rest", True)
+
+
+def test_the_answer_loses_its_leading_line_breaks_not_its_indentation():
+    from tests.parser_conformance import run
+
+    parsed = run("<think>Indent it.</think>\n\n    return x\n", "qwen3", reasoning="qwen3")
+    assert (parsed.reasoning, parsed.text) == ("Indent it.", "    return x\n")
+
+
+@pytest.mark.parametrize("header", [" <|constrain|>json", "<|constrain|>json", " json", "<|constrain|>ReplyAction "])
+def test_a_harmony_final_header_with_a_constraint_ends_the_analysis(harmony_tokenizer, header):
+    """A final-channel header may hold a constraint or a content type between the channel's
+    name and `<|message|>` (gpt-oss writes `<|channel|>final <|constrain|>json<|message|>`
+    for a JSON answer): the analysis ends there and the answer is the message (it used to
+    stay in the reasoning, with `text` empty)."""
+    parser = reasoning_parser("openai_gptoss", harmony_tokenizer)
+    output = ("<|channel|>analysis<|message|>A JSON label is wanted.<|end|><|start|>assistant<|channel|>final"
+              + header + '<|message|>{"label": "spam"}<|return|>')
+    tracker, ids, text = feed(parser, harmony_tokenizer, prompt_ids(harmony_tokenizer), output)
+    split = parser.split(tracker, text, ids)
+    assert (split.reasoning, split.text, split.ended) == ("A JSON label is wanted.", '{"label": "spam"}', True)
+    assert split.num_reasoning_tokens == len(harmony_tokenizer(output.partition("<|message|>{")[0] + "<|message|>",
+                                                               add_special_tokens=False).input_ids)
+
+
+# -- Kimi K2 and DeepSeek-V3.1: found by their markers, switched by their templates --------
+
+KIMI_TEMPLATE = ("{% for m in messages %}<|im_user|>user<|im_middle|>{{ m.content }}<|im_end|>{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>"
+                 "{% if thinking is defined and not thinking %}<think></think>{% endif %}{% endif %}"
+                 "{# an assistant's calls: <|tool_calls_section_begin|>...<|tool_calls_section_end|> #}")
+V31_TEMPLATE = ("{% for m in messages %}<｜User｜>{{ m.content }}{% endfor %}{% if add_generation_prompt %}"
+                "<｜Assistant｜>{% if thinking is defined and thinking %}<think>{% else %}</think>{% endif %}"
+                "{% endif %}{# an assistant's calls: <｜tool▁calls▁begin｜>...<｜tool▁calls▁end｜> #}")
+R1_TEMPLATE = ("{% for m in messages %}<｜User｜>{{ m.content }}{% endfor %}"
+               "{% if add_generation_prompt %}<｜Assistant｜><think>\n{% endif %}"
+               "{# content.split('</think>'), calls: <｜tool▁calls▁begin｜> #}")
+
+
+def _tokenizer_with(tiny_models, special: list[str], template: str):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models["qwen3"])
+    tokenizer.add_special_tokens({"additional_special_tokens": special})
+    tokenizer.add_tokens(["<think>", "</think>"])
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+@pytest.mark.parametrize("special, template, name, on, off", [
+    (["<|im_end|>", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"], KIMI_TEMPLATE, "kimi_k2",
+     Phase.REASONING, Phase.ANSWER),  # Kimi thinks from its first token unless the switch closed the section
+    (["<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"], V31_TEMPLATE, "deepseek_v31", Phase.REASONING, Phase.ANSWER),
+    (["<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"], R1_TEMPLATE, "deepseek_r1", Phase.REASONING, Phase.REASONING),
+])
+def test_kimi_and_deepseek_v31_are_found_and_their_switch_read_from_the_prompt(tiny_models, special, template, name,
+                                                                               on, off):
+    """Kimi K2's tokenizer (its call-section markers and `<think>`) implies kimi_k2, and
+    DeepSeek's (its call markers, `<think>`, a template with a `thinking` switch) deepseek_v31;
+    R1's template, without the switch, still implies deepseek_r1. The switch is read from the
+    prompt's end, as vLLM's parsers read the request's `thinking`."""
+    tokenizer = _tokenizer_with(tiny_models, special, template)
+    assert detect_reasoning_parser(tokenizer)[0] == name
+    parser = reasoning_parser(name, tokenizer)
+    assert parser.initial_phase(prompt_ids(tokenizer, thinking=True)) is on
+    assert parser.initial_phase(prompt_ids(tokenizer, thinking=False)) is off
+
+
+def test_vllms_deepseek_v3_name_is_deepseek_v31(tiny_models):
+    tokenizer = _tokenizer_with(tiny_models, ["<｜tool▁calls▁begin｜>"], V31_TEMPLATE)
+    assert reasoning_parser("deepseek_v3", tokenizer).name == "deepseek_v31"
+
+
+def test_a_kimi_template_without_thinking_implies_no_reasoning(tiny_models):
+    """Kimi K2 Instruct's vocabulary may hold `<think>`, but a template that never writes it is
+    not a thinking model's: no parser (a section that opens itself would take the answers)."""
+    template = KIMI_TEMPLATE.replace("<think></think>", "")
+    tokenizer = _tokenizer_with(tiny_models, ["<|im_end|>", "<|tool_calls_section_begin|>"], template)
+    assert detect_reasoning_parser(tokenizer) is None
+
+
+@pytest.mark.parametrize("grammar, want", [
+    (None, ("Thinking late.", "Before\n\nAfter", True)),
+    (type("Grammar", (), {"also_allowed": None})(), (None, "Before\nThinking late.\nAfter", None)),
+])
+def test_a_section_opened_after_some_answer_comes_out_unless_a_grammar_held_the_answer(grammar, want):
+    """A Magistral model that writes a line before `[THINK]` has its section taken out of the
+    answer, which keeps the text on both sides (as vLLM's mistral parser does); under a
+    grammar the answer is the grammar's from its first token, and stays whole."""
+    from tests.parser_conformance import family_tokenizer
+
+    tokenizer = family_tokenizer("mistral")
+    parser = reasoning_parser("mistral", tokenizer)
+    tracker = parser.tracker([])
+    tracker.first_grammar(grammar)
+    ids = tokenizer("Before\n[THINK]Thinking late.[/THINK]\nAfter", add_special_tokens=False).input_ids
+    for count, token in enumerate(ids, start=1):
+        tracker.advance(token, count, "")
+    split = parser.split(tracker, tokenizer.decode(ids, skip_special_tokens=True), ids)
+    assert (split.reasoning, split.text, split.ended) == want
