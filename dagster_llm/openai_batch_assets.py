@@ -160,7 +160,7 @@ class _OpenAIBatchStep(PartitionedStep):
             try:
                 for result in run.run(parts):
                     results[result.key] = result
-                    yield from self.committed(result, self._metadata(result, run.models),
+                    yield from self.committed(result, self._metadata(result, run),
                                               {ERROR_CHECK: evaluate_errors(result.table,
                                                                             self.spec.max_error_fraction)})
             except (LaunchingProcessDied, LeaseLostError) as exc:
@@ -187,8 +187,9 @@ class _OpenAIBatchStep(PartitionedStep):
         except PromptTableError as exc:
             raise dg.Failure(f"{self.spec.name}: {exc}; nothing was run") from None
 
-    def _metadata(self, result: BatchResult, models: dict[str, str]) -> dict[str, object]:
-        """A partition's materialization metadata: its rows, tokens and models."""
+    def _metadata(self, result: BatchResult, run: OpenAIBatchRun) -> dict[str, object]:
+        """A partition's materialization metadata: its rows, tokens and models (with the
+        output settings each resolved: its reasoning and tool-call parsers among them)."""
         stats = result.stats
         upstream = self.spec.upstream_key
         lineage = dg.TableColumnLineage(deps_by_column={
@@ -201,7 +202,8 @@ class _OpenAIBatchStep(PartitionedStep):
             "completion_tokens": stats.completion_tokens,
             "model": self._model_id(self.spec.resource_key),
             "embedding_model": self._model_id(self.spec.embedding_resource_key),
-            "models_loaded": dg.MetadataValue.json(models), "elapsed_s": stats.elapsed_s,
+            "models_loaded": dg.MetadataValue.json(run.models),
+            "engine_output_settings": dg.MetadataValue.json(run.output_settings), "elapsed_s": stats.elapsed_s,
             "data_version": result.data_version, "preview": dg.MetadataValue.md(preview_markdown(result.table)),
             "upstream_data_version": upstream_data_version(self.context, upstream, result.key) or "unknown",
         }

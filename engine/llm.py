@@ -32,6 +32,8 @@ from engine.pooling_params import PoolingParams
 from engine.progress_bar import ProgressBar
 from engine.sampling_params import SamplingParams
 from engine.structured_output.params import StructuredOutputsParams
+from engine.tool_choice import ToolChoice, apply_tool_choice, constrained, grammar_problem, resolve_tool_choice
+from engine.tool_parsers.abstract import OPENAI_CALL_IDS, CallIds
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +89,13 @@ class LLM:
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
+
+    @property
+    def tool_call_ids(self) -> CallIds:
+        """The style of the ids the engine gives tool calls: its tool_call_parser's (Mistral's
+        9 alphanumerics, which its templates take back), else OpenAI's `call_` + 24 hex."""
+        parser = self.llm_engine.tool_parser
+        return parser.call_ids if parser is not None else OPENAI_CALL_IDS
 
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's defaults: SamplingParams(), with the sampling fields that the model's
@@ -184,6 +193,7 @@ class LLM:
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tool_choice: str | dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Generates replies to one conversation or a list of them, rendered with the
         model's chat template (or `chat_template`), with vLLM's arguments.
@@ -196,8 +206,18 @@ class LLM:
         the model to carry on (it needs add_generation_prompt=False); `tools` and
         `chat_template_kwargs` go to the template. See `render_chat`.
 
+        `tool_choice` is OpenAI's, as vLLM's server takes it: "auto" (None; the model decides
+        and the engine's tool_call_parser reads its calls), "none" (the model is not asked to
+        call), "required" (one call or more) or {"type": "function", "function": {"name":
+        ...}} (one call of that tool). The last two are made exact by a grammar over the
+        tools' parameters after the reasoning ends (in place of a structured output of the
+        sampling params): every completion's `tool_calls` hold its calls and `text` is empty,
+        unless it was cut before its JSON ended (then `tool_call_error` says so). See
+        `engine.tool_choice`.
+
         Raises:
-            ValueError: before any work starts, listing every bad conversation.
+            ValueError: before any work starts, listing every bad conversation; a tool
+                choice that does not fit the tools or the sampling params (naming the field).
         """
         if add_generation_prompt and continue_final_message:
             raise ValueError("chat: add_generation_prompt and continue_final_message cannot both be True: "
@@ -209,14 +229,34 @@ class LLM:
                         or (text_only_problem(conversation) if text_only else None)) is not None]
         if problems:
             raise ValueError(f"{len(problems)} invalid conversation(s); nothing was run:\n  " + "\n  ".join(problems))
+        choice = resolve_tool_choice(tool_choice, tools)
+        if choice.forced:
+            sampling_params = self._forced_call_params(sampling_params, choice)
         tokenizer = self.llm_engine.tokenizer
         prompts = [render_chat(tokenizer, conversation, chat_template=chat_template,
                                add_generation_prompt=add_generation_prompt,
                                continue_final_message=continue_final_message, tools=tools,
                                chat_template_kwargs=chat_template_kwargs)
                    for conversation in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request,
-                             priority=priority)
+        outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request,
+                                priority=priority)
+        return [apply_tool_choice(output, choice, tokenizer, self.tool_call_ids) for output in outputs]
+
+    def _forced_call_params(self, sampling_params: SamplingParamsArg, choice: ToolChoice
+                            ) -> SamplingParams | list[SamplingParams]:
+        """The sampling params of a forced tool choice: each with its grammar (the model's
+        defaults where none are given).
+
+        Raises:
+            ValueError: the grammar does not compile, or params that constrain the output already.
+        """
+        if (problem := grammar_problem(choice, self.structured_output_problem)) is not None:
+            raise ValueError(f"chat: {problem}")
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            return constrained(sampling_params or self.get_default_sampling_params(), choice)
+        return [constrained(params or self.get_default_sampling_params(), choice, f"sampling_params[{i}]")
+                if params is None or isinstance(params, SamplingParams) else params  # generate names a wrong type
+                for i, params in enumerate(sampling_params)]
 
     def generate(self, prompts: Prompts, sampling_params: SamplingParamsArg = None, *, use_tqdm: UseTqdm = True,
                  lora_request: LoRARequestArg = None, priority: PriorityArg = None) -> list[RequestOutput]:

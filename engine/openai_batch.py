@@ -27,6 +27,10 @@ from engine.model_loader.embedded_model import EMBEDDED_MODEL_NAME
 from engine.outputs import CompletionOutput, EmbeddingRequestOutput, Logprob, RequestOutput, ToolCall
 from engine.sampling_params import SamplingParams
 from engine.structured_output.params import StructuredOutputsParams
+from engine.tool_choice import (
+    FUNCTION, ToolChoice, ToolChoiceError, apply_tool_choice, constrained, grammar_problem, resolve_tool_choice,
+)
+from engine.tool_parsers.abstract import OPENAI_CALL_IDS, CallIds
 
 if TYPE_CHECKING:
     from engine.llm import LLM
@@ -108,7 +112,6 @@ NO_OP_FIELDS: dict[str, NoOpField] = {
     "best_of": NoOpField((1,), "each choice is one completion: ask for n completions with logprobs and keep the best"),
     "modalities": NoOpField((["text"],), "the output is text only"),
     "suffix": NoOpField(("",), "text after the insertion point is not implemented", (COMPLETIONS_URL,)),
-    "tool_choice": NoOpField(("auto",), "the model alone decides whether to call a tool", (CHAT_URL,)),
     "audio": NoOpField((), "the output is text only", (CHAT_URL,)),
     "prediction": NoOpField((), "predicted outputs are not implemented", (CHAT_URL,)),
     "web_search_options": NoOpField((), "there is no web search offline", (CHAT_URL,)),
@@ -132,7 +135,7 @@ _GENERATION_FIELDS = frozenset({"model", "max_tokens", "priority", *SAMPLING_FIE
 KNOWN_FIELDS: dict[str, frozenset[str]] = {
     CHAT_URL: _GENERATION_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
                                     "chat_template", "chat_template_kwargs", "add_generation_prompt",
-                                    "continue_final_message", "reasoning_effort"},
+                                    "continue_final_message", "reasoning_effort", "tool_choice"},
     COMPLETIONS_URL: _GENERATION_FIELDS | {"prompt", "logprobs"},
     EMBEDDINGS_URL: frozenset({"model", "input", "encoding_format", "dimensions"}),
 }
@@ -162,12 +165,14 @@ class BadLine:
 @dataclass
 class GenerationRequest:
     """A chat or completion body as engine inputs: its prompts (one for a chat, one or more
-    for a completion), the SamplingParams they share and their scheduling priority."""
+    for a completion), the SamplingParams they share, their scheduling priority and the
+    chat's tool choice (a forced one's grammar is in the SamplingParams)."""
 
     url: str
     prompts: list[dict[str, Any]]
     sampling_params: SamplingParams
     priority: int = 0
+    tool_choice: ToolChoice = ToolChoice()
 
 
 @dataclass
@@ -318,27 +323,36 @@ def read_batch_file(path_or_url: str) -> list[BatchLine | BadLine]:
 
 
 def generation_request(url: str, body: Mapping[str, Any], tokenizer: Any,
-                       defaults: Mapping[str, Any] | None = None) -> GenerationRequest | LineError:
+                       defaults: Mapping[str, Any] | None = None,
+                       compile_problem: Callable[[StructuredOutputsParams], str | None] | None = None
+                       ) -> GenerationRequest | LineError:
     """A /v1/chat/completions or /v1/completions body as engine inputs, or its error.
 
     `tokenizer` renders a chat's conversation (`LLM.get_tokenizer()`); `defaults` are the
-    model's sampling defaults (`model_sampling_defaults`), which the body's fields override.
+    model's sampling defaults (`model_sampling_defaults`), which the body's fields override;
+    `compile_problem` (`LLM.structured_output_problem`) checks the grammar of a forced
+    tool_choice, so that a tool schema the engine cannot compile is named in the line's error.
     """
+    choice = ToolChoice()
     try:
         _check_fields(url, body)
         if url == CHAT_URL:
+            choice = _tool_choice(body, compile_problem)
             prompts = [_chat_prompt(body, tokenizer)]
-            logprobs, max_tokens = _chat_logprobs(body), _first_set(body, "max_completion_tokens", "max_tokens")
+            logprobs, max_tokens = _chat_logprobs(body), first_set(body, "max_completion_tokens", "max_tokens")
         else:
             prompts = _completion_prompts(body.get("prompt"))
             logprobs, max_tokens = _completion_logprobs(body), body.get("max_tokens", 16)  # OpenAI's default
         params = _sampling_params(body, defaults, max_tokens, logprobs)
+        params = constrained(params, choice, " and ".join(_constraint_fields(body)))
         priority = body.get("priority", 0)
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise _BodyError("priority", f"must be an integer (lower runs first), got {priority!r}")
+    except ToolChoiceError as exc:
+        return LineError(INVALID_REQUEST, str(exc))
     except _BodyError as exc:
         return exc.error
-    return GenerationRequest(url, prompts, params, priority)
+    return GenerationRequest(url, prompts, params, priority, choice)
 
 
 def embedding_request(body: Mapping[str, Any], hidden_size: int | None = None) -> EmbeddingRequest | LineError:
@@ -416,22 +430,28 @@ def _sampling_params(body: Mapping[str, Any], defaults: Mapping[str, Any] | None
         raise _BodyError(None, _SAMPLING_PROBLEM.sub(r"\1\2: must", problems)) from exc
 
 
-def _first_set(body: Mapping[str, Any], *names: str) -> Any:
+def first_set(body: Mapping[str, Any], *names: str) -> Any:
+    """The value of the first of `names` that `body` holds and is not null (None: none is)."""
     return next((body[name] for name in names if body.get(name) is not None), None)
+
+
+def _constraint_fields(body: Mapping[str, Any]) -> list[str]:
+    """The body's fields that constrain its output (a response_format of type text does not)."""
+    response_format = body.get("response_format")
+    text = isinstance(response_format, dict) and response_format.get("type") == "text"
+    return [name for name in STRUCTURED_FIELDS
+            if body.get(name) is not None and not (name == "response_format" and text)]
 
 
 def _structured_outputs(body: Mapping[str, Any]) -> StructuredOutputsParams | None:
     """The one output constraint the body gives, from whichever field gives it."""
-    response_format = body.get("response_format")
-    if isinstance(response_format, dict) and response_format.get("type") == "text":
-        response_format = None
-    given = [name for name in STRUCTURED_FIELDS
-             if (response_format if name == "response_format" else body.get(name)) is not None]
+    given = _constraint_fields(body)
     if not given:
         return None
     if len(given) > 1:
         raise _BodyError(given[0], f"the body constrains its output with {', '.join(given)}: keep one")
     name = given[0]
+    response_format = body.get("response_format")
     try:
         if name == "response_format":
             return _response_format(response_format)
@@ -541,6 +561,16 @@ def _template_message(message: dict[str, Any]) -> dict[str, Any]:
     return {**message, "content": "" if message.get("content") is None else message["content"], "tool_calls": calls}
 
 
+def _tool_choice(body: Mapping[str, Any],
+                 compile_problem: Callable[[StructuredOutputsParams], str | None] | None) -> ToolChoice:
+    """The body's tool_choice checked against its tools (and, given `compile_problem`, its
+    grammar against the engine)."""
+    choice = resolve_tool_choice(body.get("tool_choice"), _tools(body.get("tools")))
+    if compile_problem is not None and (problem := grammar_problem(choice, compile_problem)) is not None:
+        raise _BodyError(None, problem)
+    return choice
+
+
 def _tools(tools: Any) -> list[dict[str, Any]] | None:
     if tools is None or tools == []:
         return None
@@ -589,19 +619,29 @@ def _is_token_ids(value: Any) -> bool:
 # Engine outputs -> response bodies
 
 
-def generation_response_body(request: GenerationRequest, outputs: list[RequestOutput], model: str) -> dict[str, Any]:
+def generation_response_body(request: GenerationRequest, outputs: list[RequestOutput], model: str,
+                             tokenizer: Any = None, call_ids: CallIds = OPENAI_CALL_IDS) -> dict[str, Any]:
     """The OpenAI response body of a chat or completion request from its prompts' outputs
-    (in the order of `request.prompts`); `model` is the name the body reports."""
+    (in the order of `request.prompts`); `model` is the name the body reports. A forced
+    tool_choice's calls are read from the outputs with `tokenizer` (`LLM.get_tokenizer()`,
+    which such a request needs), their ids in the style `call_ids` (`LLM.tool_call_ids`)."""
     if request.url == CHAT_URL:
-        return chat_completion_body(outputs[0], model, request.sampling_params.logprobs)
+        choice = request.tool_choice
+        if choice.forced:
+            if tokenizer is None:
+                raise ValueError(f"generation_response_body: tool_choice {choice.described} needs the tokenizer to "
+                                 "read its calls: pass tokenizer=llm.get_tokenizer()")
+            apply_tool_choice(outputs[0], choice, tokenizer, call_ids)
+        return chat_completion_body(outputs[0], model, request.sampling_params.logprobs, choice)
     return text_completion_body(outputs, model, request.sampling_params.logprobs)
 
 
-def chat_completion_body(output: RequestOutput, model: str, top_logprobs: int | None = None) -> dict[str, Any]:
+def chat_completion_body(output: RequestOutput, model: str, top_logprobs: int | None = None,
+                         tool_choice: ToolChoice = ToolChoice()) -> dict[str, Any]:
     """A chat.completion object: one choice per completion, with its tool calls, reasoning
     and logprobs (each token's and its `top_logprobs` most likely ones)."""
     return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-            "model": model, "choices": [_chat_choice(c, top_logprobs) for c in output.outputs],
+            "model": model, "choices": [_chat_choice(c, top_logprobs, tool_choice) for c in output.outputs],
             "usage": _usage(len(output.prompt_token_ids), output.outputs)}
 
 
@@ -636,15 +676,19 @@ def _usage(prompt_tokens: int, completions: list[CompletionOutput]) -> dict[str,
             "completion_tokens_details": {"reasoning_tokens": sum(c.num_reasoning_tokens for c in completions)}}
 
 
-def _chat_choice(completion: CompletionOutput, top_logprobs: int | None) -> dict[str, Any]:
+def _chat_choice(completion: CompletionOutput, top_logprobs: int | None, tool_choice: ToolChoice) -> dict[str, Any]:
+    """One choice: its message (vLLM's `reasoning` beside OpenAI's fields) and finish_reason,
+    "tool_calls" where the model called tools but for a named tool_choice ("stop", as OpenAI
+    and vLLM answer a call they forced by name)."""
     calls = [_tool_call(call) for call in completion.tool_calls or []]
     message: dict[str, Any] = {"role": "assistant", "content": completion.text or (None if calls else "")}
     if calls:
         message["tool_calls"] = calls
     if completion.reasoning is not None:
-        message["reasoning_content"] = completion.reasoning
+        message["reasoning"] = completion.reasoning
+    called = bool(calls) and tool_choice.mode != FUNCTION
     return {"index": completion.index, "message": message, "logprobs": _chat_logprobs_body(completion, top_logprobs),
-            "finish_reason": "tool_calls" if calls else completion.finish_reason}
+            "finish_reason": "tool_calls" if called else completion.finish_reason}
 
 
 def _tool_call(call: ToolCall) -> dict[str, Any]:
@@ -905,7 +949,8 @@ def _run_generation(llm: "LLM", lines: list[BatchLine], writer: ResultWriter, mo
         return
     _note_other_models(lines, model)
     tokenizer, defaults = llm.get_tokenizer(), model_sampling_defaults(llm)
-    requests = [(line, generation_request(line.url, line.body, tokenizer, defaults)) for line in lines]
+    requests = [(line, generation_request(line.url, line.body, tokenizer, defaults, llm.structured_output_problem))
+                for line in lines]
 
     def params(rows: list[_Row]) -> dict[str, Any]:
         return {"sampling_params": [row.pending.request.sampling_params for row in rows],
@@ -914,7 +959,8 @@ def _run_generation(llm: "LLM", lines: list[BatchLine], writer: ResultWriter, mo
     _run_rows(requests, writer,
               check=lambda rows: llm.validate([row.prompt for row in rows], **params(rows)),
               run=lambda rows: llm.generate_as_completed([row.prompt for row in rows], **params(rows)),
-              respond=lambda request, outputs: generation_response_body(request, outputs, model))
+              respond=lambda request, outputs: generation_response_body(request, outputs, model, tokenizer,
+                                                                         llm.tool_call_ids))
 
 
 def _run_embeddings(llm: "LLM", lines: list[BatchLine], writer: ResultWriter, model: str) -> None:

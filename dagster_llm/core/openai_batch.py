@@ -29,7 +29,7 @@ from dagster_llm.core.table_store import PartitionFiles, with_data_version
 from engine.chat_utils import invalid_unicode_problem
 from engine.openai_batch import (
     CHAT_URL, DUPLICATE_CUSTOM_ID, EMBEDDINGS_URL, INVALID_JSON, INVALID_LINE, UNSUPPORTED_URL, BadLine,
-    BatchLine, EmbeddingRequest, GenerationRequest, LineError, embedding_request, embedding_response_body,
+    BatchLine, EmbeddingRequest, GenerationRequest, LineError, embedding_request, embedding_response_body, first_set,
     generation_request, generation_response_body, model_sampling_defaults, nesting_problem, parse_line, prompt_error,
     too_deep_problem,
 )
@@ -57,8 +57,9 @@ COLUMNS: dict[str, tuple[pa.DataType, str]] = {
                                    "counted from 0, and its custom_id), the field, the reason and the fix."),
     "content": (pa.string(), "The first choice's message content (chat) or text (completion); null for embedding "
                              "and error rows, and for a chat answer that only calls tools."),
-    "reasoning": (pa.string(), "The first choice's reasoning_content, with the engine's reasoning parser on a "
-                               "reasoning model; null otherwise."),
+    "reasoning": (pa.string(), "The first choice's reasoning (the message's `reasoning`, or the "
+                               "`reasoning_content` of earlier versions and other tools), with the engine's "
+                               "reasoning parser on a reasoning model; null otherwise."),
     "tool_calls": (TOOL_CALLS_TYPE, "The first choice's tool calls: each call's id, function name and arguments (a "
                                     "JSON object's text), in order; null where it made none."),
     "finish_reason": (pa.string(), "The first choice's finish_reason: 'stop', 'length' or 'tool_calls'."),
@@ -281,7 +282,7 @@ def response_columns(body: dict[str, Any]) -> dict[str, Any]:
     calls = message.get("tool_calls") or None
     columns.update(
         content=message.get("content") if "message" in first else first.get("text"),
-        reasoning=message.get("reasoning_content"), finish_reason=first.get("finish_reason"),
+        reasoning=first_set(message, "reasoning", "reasoning_content"), finish_reason=first.get("finish_reason"),
         tool_calls=calls and [{"id": c.get("id"), "name": c["function"].get("name"),
                                "arguments": c["function"].get("arguments")} for c in calls])
     return columns
@@ -414,6 +415,8 @@ class OpenAIBatchRun:
         self.log = log
         self.check_alive = check_alive
         self.models: dict[str, str] = {}  # task -> "name@digest of its output settings" of the models loaded
+        # task -> the loaded model's output settings (`LLM.output_settings`: its parsers' names among them)
+        self.output_settings: dict[str, dict[str, Any]] = {}
         self.started = time.monotonic()
 
     def run(self, partitions: Sequence[RequestPartition]) -> Iterator[BatchResult]:
@@ -448,7 +451,8 @@ class OpenAIBatchRun:
         """The rows of one task on its model: each body's error, each refused prompt's, then
         the others in one engine call."""
         llm = engine.load()
-        self.models[task] = f"{engine.name}@{digest(llm.output_settings)}"
+        self.output_settings[task] = llm.output_settings
+        self.models[task] = f"{engine.name}@{digest(self.output_settings[task])}"
         if llm.task != task:
             error = LineError(UNSUPPORTED_URL, f"url: {engine.source} loads {engine.name!r}, which does not {task} "
                                                f"({llm.task}): {_FIX[task]}")
@@ -487,7 +491,8 @@ class OpenAIBatchRun:
                                                                   use_tqdm=False),
                          respond=lambda request, outputs: embedding_response_body(request, outputs, name)), requests
         tokenizer, defaults = llm.get_tokenizer(), model_sampling_defaults(llm)
-        requests = [generation_request(line.url, line.body, tokenizer, defaults) for line in lines]
+        requests = [generation_request(line.url, line.body, tokenizer, defaults, llm.structured_output_problem)
+                    for line in lines]
 
         def inputs(units: list[tuple[_Pending, int]]) -> dict[str, Any]:
             return {"prompts": [p.request.prompts[i] for p, i in units],
@@ -496,7 +501,8 @@ class OpenAIBatchRun:
 
         return _Kind(check=lambda units: llm.validate(**inputs(units)),
                      run=lambda units: llm.generate_as_completed(**inputs(units), use_tqdm=False),
-                     respond=lambda request, outputs: generation_response_body(request, outputs, name)), requests
+                     respond=lambda request, outputs: generation_response_body(request, outputs, name, tokenizer,
+                                                                               llm.tool_call_ids)), requests
 
     def _settle(self, part: _Partition, row: TableRow, record: dict[str, Any]) -> Iterator[BatchResult]:
         """Records a row's output; commits its partition when it was the last one."""

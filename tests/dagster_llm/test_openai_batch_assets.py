@@ -179,6 +179,9 @@ def test_the_check_fails_on_bad_rows_and_the_metadata_counts_them(batch):
     meta = {k: v.value for k, v in record.asset_materialization.metadata.items()}
     assert (meta["ok_rows"], meta["error_rows"], meta["dagster/row_count"]) == (3, len(BAD), 3 + len(BAD))
     assert meta["model"] == meta["embedding_model"] == "smollm2-135m-instruct"
+    settings = meta["engine_output_settings"]  # each model's, as the engine resolved them: its parsers too
+    assert set(settings) == {"generate", "embed"} and settings["embed"]["runner"] == "pooling"
+    assert {"reasoning_parser", "tool_call_parser"} <= set(settings["generate"])
     assert meta["prompt_tokens"] > 0 and meta["completion_tokens"] > 0 and meta["error_codes"][INVALID_REQUEST] == 3
     assert [c.name for c in meta["dagster/column_schema"].columns][:6] == [
         "custom_id", "url", "status_code", "response", "error_code", "error_message"]
@@ -238,6 +241,10 @@ def test_tool_calls_and_reasoning_become_columns():
     assert columns == {"content": None, "reasoning": "think", "finish_reason": "tool_calls", "model": "m",
                        "tool_calls": [{"id": "call_1", "name": "weather", "arguments": '{"city": "Paris"}'}],
                        "prompt_tokens": 2, "completion_tokens": 3}
+    message = body["choices"][0]["message"]
+    assert message["reasoning"] == "think" and "reasoning_content" not in message  # vLLM's field
+    message["reasoning_content"] = message.pop("reasoning")  # as earlier versions and other tools write it
+    assert response_columns(body)["reasoning"] == "think"
 
 
 def test_definition_errors_and_the_code_version_follows_the_settings():

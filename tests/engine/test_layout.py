@@ -39,6 +39,7 @@ TIERS: list[list[str]] = [
     ["engine.kernels", "engine.distributed"],  # compiled and Triton kernels; process plumbing
     ["engine.output_parsing"],  # a completion's reasoning, answer and tool calls apart
     ["engine.config"],  # settings: a leaf above the API types
+    ["engine.tool_choice"],  # tool_choice: a forced call's grammar, and the calls read from what it made
     ["engine.chat_utils", "engine.detokenizer", "engine.progress_bar", "engine.reasoning",
      "engine.tool_parsers"],
     ["engine.beam_search"],  # API types, from here down

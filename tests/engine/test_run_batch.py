@@ -6,6 +6,7 @@ import base64
 import json
 import logging
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -28,6 +29,7 @@ from engine.outputs import (
     CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, FunctionCall, Logprob, RequestOutput, ToolCall,
 )
 from engine.run_batch import build_parser, main
+from engine.tool_parsers.abstract import MISTRAL_CALL_IDS, OPENAI_CALL_IDS
 from tests.openai_batch_fuzz import named_twice
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -183,7 +185,8 @@ def test_bad_completion_bodies_name_the_field(body, code, names):
     ({"messages": [{"role": "user"}]}, INVALID_REQUEST, "message 0"),
     ({"top_logprobs": 2}, INVALID_REQUEST, "top_logprobs: needs logprobs"),
     ({"logprobs": 2}, INVALID_REQUEST, "logprobs: must be true or false"),
-    ({"tool_choice": "required"}, UNSUPPORTED_FIELD, "tool_choice"),
+    ({"tool_choice": "required"}, INVALID_REQUEST, "tool_choice: 'required' needs tools"),
+    ({"tool_choice": "any"}, INVALID_REQUEST, "tool_choice: must be 'auto', 'none', 'required' or a named function"),
     ({"tools": [{"name": "f"}]}, INVALID_REQUEST, "tools"),
     ({"chat_template_kwargs": [1]}, INVALID_REQUEST, "chat_template_kwargs"),
     ({"continue_final_message": True}, INVALID_REQUEST, "add_generation_prompt"),
@@ -356,12 +359,75 @@ def test_chat_body_carries_tool_calls_reasoning_and_usage():
     assert body["object"] == "chat.completion" and body["model"] == "m" and body["id"].startswith("chatcmpl-")
     first, second = body["choices"]
     assert first == {"index": 0, "logprobs": None, "finish_reason": "tool_calls",
-                     "message": {"role": "assistant", "content": None, "reasoning_content": "think",
+                     "message": {"role": "assistant", "content": None, "reasoning": "think",
                                  "tool_calls": [{"id": "call_1", "type": "function",
                                                  "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]}}
     assert second["message"] == {"role": "assistant", "content": "plain"} and second["finish_reason"] == "stop"
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
                              "completion_tokens_details": {"reasoning_tokens": 4}}
+
+
+TOOL = {"type": "function", "function": {"name": "weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+NAMED = {"type": "function", "function": {"name": "weather"}}
+
+
+@pytest.mark.parametrize(("tool_choice", "constraint"), [
+    ("required", {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": [
+        {"properties": {"name": {"type": "string", "enum": ["weather"]}, "parameters": TOOL["function"]["parameters"]},
+         "required": ["name", "parameters"]}]}}),
+    (NAMED, TOOL["function"]["parameters"]),
+    ("auto", None),
+    ("none", None),
+    (None, None),
+])
+def test_a_forced_tool_choice_constrains_the_answer_to_its_calls(tool_choice, constraint):
+    request = chat(tools=[TOOL], tool_choice=tool_choice)
+    assert rendered(request)["tools"] == [TOOL]  # "none" too: the model knows the tools, as in vLLM
+    given = request.sampling_params.structured_outputs
+    assert (given and given.json) == constraint and request.tool_choice.mode == (tool_choice or "auto") if isinstance(
+        tool_choice, str | None) else request.tool_choice.name == "weather"
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ({"tool_choice": NAMED, "guided_json": {"type": "object"}},
+     "tool_choice: {'function': {'name': 'weather'}} makes the answer tool calls, and guided_json also constrains it "
+     "(json): keep one of them"),
+    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "and response_format also constrains"),
+    ({"tool_choice": {"type": "function", "function": {"name": "wether"}}},
+     "tool_choice.function.name: 'wether' is none of the tools ('weather'): name one of them, or add its tool"),
+])
+def test_a_forced_tool_choice_beside_another_constraint_or_naming_no_tool_is_refused(body, message):
+    error = chat(tools=[TOOL], **body)
+    assert error.code == INVALID_REQUEST and message in error.message, error
+    assert not isinstance(chat(tools=[TOOL], tool_choice="auto", response_format={"type": "json_object"}), LineError)
+
+
+class CharTokenizer:
+    """Decodes each id as the character of that code point."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(map(chr, ids))
+
+
+@pytest.mark.parametrize(("tool_choice", "answer", "finish_reason"), [
+    ("required", '[{"name": "weather", "parameters": {"city": "Oslo"}}]', "tool_calls"),
+    (NAMED, '{"city": "Oslo"}', "stop"),
+])
+def test_a_forced_tool_choices_calls_are_read_from_the_answer_tokens(tool_choice, answer, finish_reason):
+    """The calls come from the tokens the grammar made, whatever the engine's tool parser
+    made of the text; a named choice finishes with "stop", as OpenAI and vLLM answer it."""
+    request = chat(tools=[TOOL], tool_choice=tool_choice)
+    output = RequestOutput("0", "p", [1], [CompletionOutput(0, "(the tool parser's text)", [ord(c) for c in answer],
+                                                            finish_reason="stop")], finished=True)
+    [choice] = generation_response_body(request, [output], "m", CharTokenizer())["choices"]
+    [call] = choice["message"].pop("tool_calls")
+    assert choice["message"] == {"role": "assistant", "content": None} and choice["finish_reason"] == finish_reason
+    assert call["function"] == {"name": "weather", "arguments": '{"city": "Oslo"}'} and call["type"] == "function"
+    with pytest.raises(ValueError, match="needs the tokenizer to read its calls"):
+        generation_response_body(request, [output], "m")
+    [choice] = generation_response_body(request, [output], "m", CharTokenizer(), MISTRAL_CALL_IDS)["choices"]
+    assert re.fullmatch("[A-Za-z0-9]{9}", choice["message"]["tool_calls"][0]["id"])  # the model's tool parser's style
 
 
 def test_logprobs_in_both_shapes():
@@ -446,6 +512,11 @@ class FakeLLM:
 
     def get_default_sampling_params(self) -> SamplingParams:
         return SamplingParams()
+
+    tool_call_ids = OPENAI_CALL_IDS
+
+    def structured_output_problem(self, params: Any) -> None:
+        return None
 
     def validate(self, prompts: list, sampling_params: list, priority: list) -> list[str | None]:
         return ["prompt: is empty" if p["prompt"] == "" else None for p in prompts]
