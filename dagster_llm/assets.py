@@ -35,6 +35,7 @@ from dagster_llm.resource import LLMResource
 from dagster_llm.run_config import GenerationRunConfig
 from dagster_llm.steps import PartitionedStep
 from dagster_llm.spec import GenerationSpec
+from engine.tool_choice import ToolChoice, ToolChoiceError, resolve_tool_choice
 
 
 def build_generation_asset(name: str, upstream: str | dg.AssetKey | dg.AssetsDefinition, *,
@@ -140,6 +141,7 @@ class _Definition:
     output: PartitionChoice[StructuredOutput | None]
     structured: bool  # some partition has a structured output: the asset has the parse_rate check
     tool: ToolArguments | None  # the argument columns of the one declared tool
+    tool_choice: ToolChoice
     lora_requests: dict[str, engine.LoRARequest]
     code_version: str
     row_settings: str  # the part of the code version that every row's digest takes
@@ -153,15 +155,17 @@ def generation_asset(spec: GenerationSpec, partitions_def: dg.PartitionsDefiniti
         raise dg.DagsterInvalidDefinitionError(
             f"{spec.name}: adapter(s) {undeclared} are not declared; add them to adapters={{name: folder}}")
     output = output_choice(spec, partitions_def)
+    beam = beam_choice(spec, partitions_def, output)
     d = _Definition(
         spec=spec,
         sampling=PartitionChoice(spec.sampling, spec.sampling_by_partition, partitions_def, spec.name,
                                  "sampling_by_partition"),
         adapter=PartitionChoice(spec.adapter, spec.adapter_by_partition, partitions_def, spec.name,
                                 "adapter_by_partition"),
-        beam=beam_choice(spec, partitions_def, output),
+        beam=beam,
         output=output, structured=any(o is not None for o in [output.default, *output.by_partition.values()]),
         tool=_tool_arguments(spec, output),
+        tool_choice=_tool_choice(spec, output, beam),
         # Ids by sorted name: stable across runs and processes.
         lora_requests={a: engine.LoRARequest(a, i + 1, path) for i, (a, path) in enumerate(sorted(spec.adapters.items()))},
         code_version=f"{spec.code_version}+{spec.settings_digest()[:12]}",
@@ -213,6 +217,27 @@ def _tool_arguments(spec: GenerationSpec, output: PartitionChoice[StructuredOutp
     if problem is not None:
         raise dg.DagsterInvalidDefinitionError(f"{spec.name}: tools[0]: {problem}")
     return tool
+
+
+def _tool_choice(spec: GenerationSpec, output: PartitionChoice[StructuredOutput | None],
+                 beam: PartitionChoice[BeamSearchConfig | None]) -> ToolChoice:
+    """The spec's tool choice, checked against its tools (which `_tool_arguments` checked).
+
+    Raises:
+        DagsterInvalidDefinitionError: a choice that does not fit the tools, or a forced one
+            beside a structured output or a beam search (a forced call is a grammar of its own).
+    """
+    try:
+        choice = resolve_tool_choice(spec.tool_choice, spec.tools)
+    except ToolChoiceError as exc:
+        raise dg.DagsterInvalidDefinitionError(f"{spec.name}: {exc}") from None
+    clashes = [name for name, choices in (("output_schema/choices", output), ("beam_search", beam))
+               if any(value is not None for value in [choices.default, *choices.by_partition.values()])]
+    if choice.forced and clashes:
+        raise dg.DagsterInvalidDefinitionError(
+            f"{spec.name}: tool_choice {choice.described} makes every answer tool calls, by a grammar of their own, "
+            f"and {clashes[0]} also applies to some partition: drop one of the two")
+    return choice
 
 
 def _backfill_policy(spec: GenerationSpec, partitions_def: dg.PartitionsDefinition | None
@@ -278,12 +303,13 @@ class _GenerationStep(PartitionedStep):
         try:
             for key in self.keys:
                 settings = PartitionSettings(key, sampling[key], self.d.adapter.for_partition(key),
-                                             self.d.output.for_partition(key), defaults, self.d.beam.for_partition(key))
+                                             self.d.output.for_partition(key), defaults, self.d.beam.for_partition(key),
+                                             self.d.tool_choice)
                 self.settings[key] = settings
                 rows = read_rows(frames[key], settings, self.spec, tokenizer, llm.image_placeholder, llm.image_limits)
                 store = self.store.partition(self.spec.asset_key.path, key) if self.store else None
                 parts.append(PartitionInput(key, rows, store, settings.output, self.spec.image_column is not None,
-                                            self.d.tool))
+                                            self.d.tool, self.d.tool_choice))
         except PromptTableError as exc:
             raise dg.Failure(f"{self.spec.name}: {exc}; nothing was run") from None
         return parts

@@ -26,6 +26,7 @@ from dagster_llm.core.schema import ToolArguments, generation_schema, records_ta
 from dagster_llm.core.structured import OutputSpecError, StructuredOutput
 from dagster_llm.core.table_store import POSITION_COLUMN, PartitionFiles, with_data_version
 from engine import BeamSearchOutput, CompletionOutput, LoRARequest, RequestOutput
+from engine.tool_choice import ToolChoice, apply_tool_choice, grammar_problem
 
 if TYPE_CHECKING:
     from engine import LLM
@@ -53,8 +54,9 @@ class RunOptions:
 class PartitionInput:
     """One partition to generate: its prompt rows, its storage (None: nothing is saved until
     the caller stores the table), what its completions must be (None: free text), whether
-    its prompt table has an image column (its table then records each row's image digests)
-    and the argument columns of its one declared tool (None: none)."""
+    its prompt table has an image column (its table then records each row's image digests),
+    the argument columns of its one declared tool (None: none) and its tool choice (a forced
+    one's calls are read from what its grammar made)."""
 
     key: str | None
     rows: list[PromptRow]
@@ -62,6 +64,7 @@ class PartitionInput:
     output: StructuredOutput | None = None
     images: bool = False
     tool: ToolArguments | None = None
+    tool_choice: ToolChoice = ToolChoice()
 
 
 @dataclass
@@ -108,6 +111,7 @@ class _Partition:
     output: StructuredOutput | None
     images: bool
     tool: ToolArguments | None
+    tool_choice: ToolChoice
     data_version: str = ""
     row_digests: dict[int, str] = field(default_factory=dict)  # reproducible rows by position
     records: dict[int, dict[str, Any]] = field(default_factory=dict)
@@ -148,7 +152,7 @@ class GenerationRun:
                 structured output.
         """
         started, self._engine_start = time.monotonic(), self.llm.get_stats()
-        parts = [_Partition(p.key, p.rows, p.files, p.output, p.images, p.tool) for p in partitions]
+        parts = [_Partition(p.key, p.rows, p.files, p.output, p.images, p.tool, p.tool_choice) for p in partitions]
         self._check_outputs(parts)
         self._check_rows([row for part in parts for row in part.rows])
         model = self.llm.output_settings
@@ -172,15 +176,15 @@ class GenerationRun:
             yield from self._run(todo, by_key, started)
 
     def _check_outputs(self, parts: list[_Partition]) -> None:
-        """Compiles each partition's structured output (a partition's problem, not its rows')."""
+        """Compiles each partition's structured output, or its forced tool choice's grammar
+        (a partition's problem, not its rows')."""
         for part in parts:
-            if part.output is None:
-                continue
-            problem = self.llm.structured_output_problem(part.output.params)
-            if problem is not None:
-                where = f"partition {part.key!r}: " if part.key is not None else ""
+            where = f"partition {part.key!r}: " if part.key is not None else ""
+            if part.output is not None and (problem := self.llm.structured_output_problem(part.output.params)):
                 raise OutputSpecError(f"{where}{problem}; change the schema (or choices) to what the grammar "
                                       "backend supports; nothing was generated")
+            if (problem := grammar_problem(part.tool_choice, self.llm.structured_output_problem)) is not None:
+                raise OutputSpecError(f"{where}{problem}; nothing was generated")
 
     def _check_rows(self, rows: list[PromptRow]) -> None:
         """Marks rows the engine cannot take (adapter, length, ids) with their errors."""
@@ -313,6 +317,7 @@ class GenerationRun:
             if isinstance(output, BeamSearchOutput):
                 output = _best_beam(output)
             part = by_key[row.partition]
+            apply_tool_choice(output, part.tool_choice, self.llm.get_tokenizer(), self.llm.tool_call_ids)
             part.records[row.position] = result_record(row, output, self.options.model_id, part.tool)
             part.unsaved.append(row.position)
             part.pending -= 1

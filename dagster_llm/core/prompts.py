@@ -16,6 +16,7 @@ from dagster_llm.core.structured import StructuredOutput
 from engine import SamplingParams
 from engine.chat_utils import chat_images, chat_messages_problem, invalid_unicode_problem, render_chat
 from engine.multimodal.image import ImageLimits
+from engine.tool_choice import ToolChoice
 
 
 class PromptTableError(ValueError):
@@ -40,6 +41,13 @@ class PromptTableRules(BaseModel):
                                   "'parameters': JSON schema of an object}}) that the chat template lists for chat "
                                   "rows; the calls the model makes go to the tool_calls column, and with one tool "
                                   "its arguments get typed columns (one per parameter, from the first call).")
+    tool_choice: str | dict[str, Any] | None = Field(
+        default=None, description="OpenAI's tool_choice with tools, as vLLM serves it: 'auto' (None: the model "
+                                  "decides), 'none' (not asked to call), 'required' (every row's answer is one call "
+                                  "or more) or {'type': 'function', 'function': {'name': ...}} (every row calls that "
+                                  "tool once); the last two constrain each row's answer, after any reasoning, to "
+                                  "the calls' JSON by the tools' schemas. Not with a structured output or a beam "
+                                  "search.")
     adapters: dict[str, str] = Field(
         default_factory=dict, description="LoRA adapter name to PEFT adapter folder (in a component: relative "
                                           "to its folder).")
@@ -135,8 +143,8 @@ def check_columns(frame: pd.DataFrame, spec: PromptTableRules, where: str) -> No
 @dataclass(frozen=True)
 class PartitionSettings:
     """What one partition's rows share: its sampling, adapter and structured output (None:
-    free text), the model's default sampling that unset fields take, and its beam search
-    (None: sampling)."""
+    free text), the model's default sampling that unset fields take, its beam search (None:
+    sampling) and the asset's tool choice (a forced one constrains the rows' answers)."""
 
     key: str | None
     sampling: SamplingConfig
@@ -144,9 +152,11 @@ class PartitionSettings:
     output: StructuredOutput | None
     defaults: SamplingParams
     beam: BeamSearchConfig | None = None
+    tool_choice: ToolChoice = ToolChoice()
 
     def params(self, sampling: SamplingConfig) -> SamplingParams:
-        return sampling.effective_params(self.defaults, self.output.params if self.output is not None else None)
+        constraint = self.output.params if self.output is not None else self.tool_choice.grammar()
+        return sampling.effective_params(self.defaults, constraint)
 
 
 def read_rows(frame: pd.DataFrame, partition: PartitionSettings, spec: PromptTableRules,

@@ -43,8 +43,11 @@ def test_the_definitions_load_without_torch_or_the_engine():
                  "engine.lora.request", "engine.model_loader", "engine.model_loader.embedded_model",
                  "engine.multimodal", "engine.multimodal.image", "engine.outputs",
                  "engine.pooling_params", "engine.sampling_params", "engine.sampling_rules",
-                 "engine.step_cost", "engine.structured_output", "engine.structured_output.params"}
-    assert set(eval(out.stdout)) <= api_types  # a printed list of module names
+                 "engine.step_cost", "engine.structured_output", "engine.structured_output.params",
+                 "engine.tool_choice"}  # a tool_choice is checked against its tools where the asset is defined
+    loaded = set(eval(out.stdout))  # a printed list of module names
+    # The tool-call parsers (which tool_choice reads forced calls with) are plain Python, as the API types.
+    assert {name for name in loaded if not name.startswith("engine.tool_parsers")} <= api_types
 
 
 def test_workspace_location_name_is_the_projects():

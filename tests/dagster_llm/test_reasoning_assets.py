@@ -143,6 +143,82 @@ def test_tools_and_template_arguments_change_the_settings_digest_and_the_code_ve
     assert len(digests) == 3
 
 
+# A tool whose arguments are bounded (enums, a boolean): a random model's JSON ends soon.
+TRIAGE = {"type": "function", "function": {"name": "triage", "parameters": {
+    "type": "object", "properties": {"label": {"enum": ["spam", "ham"]}, "urgent": {"type": "boolean"}},
+    "required": ["label", "urgent"], "additionalProperties": False}}}
+ESCALATE = {"type": "function", "function": {"name": "escalate", "parameters": {
+    "type": "object", "properties": {"team": {"enum": ["support", "sales"]}}, "required": ["team"],
+    "additionalProperties": False}}}
+
+
+@dg.asset(partitions_def=PARTS, backfill_policy=dg.BackfillPolicy.single_run())
+def tickets() -> pd.DataFrame:
+    return pd.DataFrame({"id": ["t1", "t2", "t3"], "prompt": ["Win a prize now", "Meeting at 3pm", "Cheap pills"]})
+
+
+def test_a_forced_tool_choice_gives_every_row_its_calls(resources):
+    """tool_choice "required" and a named tool on the tiny random model (thinking off: this
+    one's greedy reasoning rambles past max_tokens with tools in its prompt;
+    tests/engine/test_tool_choice.py has the grammar after the reasoning): every row's answer
+    is calls, in the tool_calls column, the named tool's arguments in its typed columns;
+    generated_text is empty, as vLLM's content."""
+    options = {"chat": True, "sampling": SamplingConfig(temperature=0, max_tokens=200),
+               "chat_template_kwargs": {"enable_thinking": False}}
+    named = build_generation_asset("named", upstream=tickets, tools=[TRIAGE],
+                                   tool_choice={"type": "function", "function": {"name": "triage"}}, **options)
+    required = build_generation_asset("required", upstream=tickets, tools=[TRIAGE, ESCALATE], tool_choice="required",
+                                      **options)
+    with dg.instance_for_test() as instance:
+        assert dg.materialize([tickets, named, required], partition_key="a", resources=resources,
+                              instance=instance).success
+        meta = {name: latest(instance, name, "a").metadata for name in ("named", "required")}
+    for name in ("named", "required"):
+        rows = read(resources, name).to_pylist()
+        assert meta[name]["tool_call_rows"].value == 3 and meta[name]["error_rows"].value == 0
+        for row in rows:
+            assert row["error"] is None and row["generated_text"] == "" and row["tool_calls"], row
+            assert row["reasoning"] is None
+            for found in row["tool_calls"]:
+                assert found["name"] in ("triage", "escalate") and found["id"].startswith("call_")
+                assert set(json.loads(found["arguments"])) == ({"label", "urgent"} if found["name"] == "triage"
+                                                                else {"team"})
+    for row in read(resources, "named").to_pylist():
+        [found] = row["tool_calls"]
+        assert json.loads(found["arguments"]) == {"label": row["label"], "urgent": row["urgent"]}
+
+
+def test_tool_choice_enters_the_code_version_and_every_rows_digest():
+    def spec(**options):
+        return GenerationSpec(name="gen", upstream="p", tools=[TRIAGE], **options)
+
+    named = {"type": "function", "function": {"name": "triage"}}
+    choices = [None, "none", "required", named]
+    assert len({spec(tool_choice=choice).settings_digest() for choice in choices}) == len(choices)
+    assert len({spec(tool_choice=choice).row_settings_digest() for choice in choices}) == len(choices)
+    code_versions = {build_generation_asset("gen", upstream="prompts", partitions_def=PARTS, tools=[TRIAGE],
+                                            tool_choice=choice).code_versions_by_key[dg.AssetKey("gen")]
+                     for choice in choices}
+    assert len(code_versions) == len(choices)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"tool_choice": "required"}, "gen: tool_choice: 'required' needs tools to call: give tools"),
+    ({"tools": [TRIAGE], "tool_choice": {"type": "function", "function": {"name": "triag"}}},
+     "gen: tool_choice.function.name: 'triag' is none of the tools ('triage')"),
+    ({"tools": [TRIAGE], "tool_choice": "always"}, "gen: tool_choice: must be 'auto', 'none', 'required'"),
+    ({"tools": [TRIAGE], "tool_choice": "required", "choices": ["a", "b"]},
+     "gen: tool_choice 'required' makes every answer tool calls, by a grammar of their own, and "
+     "output_schema/choices also applies to some partition: drop one of the two"),
+    ({"tools": [TRIAGE], "tool_choice": "required", "beam_search_by_partition": {"a": {"beam_width": 2}}},
+     "gen: tool_choice 'required' makes every answer tool calls, by a grammar of their own, and beam_search"),
+])
+def test_a_tool_choice_that_cannot_run_is_a_definition_error(options, message):
+    with pytest.raises(dg.DagsterInvalidDefinitionError) as raised:
+        build_generation_asset("gen", upstream="prompts", partitions_def=PARTS, **options)
+    assert str(raised.value).startswith(message), str(raised.value)
+
+
 def call(name, arguments, index=1):
     return ToolCall(f"call_{index}", FunctionCall(name, json.dumps(arguments)))
 

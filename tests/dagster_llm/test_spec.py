@@ -24,6 +24,7 @@ OTHER_VALUES = {
     "adapters": {"x": "/adapters/x"}, "adapter_column": "lora", "image_column": "photo",
     "duplicate_ids": "keep", "max_error_rate": 0.1, "max_empty_rate": 0.2, "max_truncation_rate": 0.3, "min_parse_rate": 0.4,
     "max_unfinished_reasoning_rate": 0.5, "chat_template_kwargs": {"enable_thinking": False}, "tools": [TOOL],
+    "tool_choice": "required",
     "sampling": SamplingConfig(temperature=0.5), "sampling_by_partition": {"a": SamplingConfig(max_tokens=3)},
     "adapter": "x", "adapter_by_partition": {"a": "x"}, "output_schema": SCHEMA, "choices": ["yes", "no"],
     "output_schema_by_partition": {"a": SCHEMA}, "choices_by_partition": {"b": ["p"]}, "code_version": "2",
