@@ -48,8 +48,10 @@ class CompletionOutput:
     its markers included, and `reasoning_ended` says whether the section was closed (False:
     the completion stopped while reasoning, and `text` is empty). With a tool-call parser
     (`tool_call_parser`), the calls found in the answer are in `tool_calls` (None: none)
-    and `text` keeps what the model wrote besides them; a call that does not parse leaves
-    the text as it was and says why in `tool_call_error`.
+    and `text` keeps what the model wrote besides them; a call that does not parse is named
+    in `tool_call_error` and loses nothing: the calls that parse stay in `tool_calls`, a named
+    call whose arguments are not a JSON object is there too (its arguments as written), and a
+    call that cannot be read stays in `text` as the model wrote it.
     """
 
     index: int

@@ -45,11 +45,10 @@ DIFFERENCES: dict[str, str] = {
                 "its first line, whose indentation stays (vLLM keeps '\\nThe answer'): a table's cell holds the "
                 "thinking and the answer, not the template's line breaks, as Qwen3's template strips them when the "
                 "turn is fed back.",
-    "broken_call_error": "A call that does not parse gives no calls, keeps the answer's text as the model wrote it "
-                         "(its markers included) and says which call is wrong and why in tool_call_error, where vLLM "
-                         "drops the broken call (returning the others, or none) or passes on arguments that are not a "
-                         "JSON object: every call a row holds can be run, and a row with a broken call is counted and "
-                         "shown, never half run.",
+    "broken_call_flagged": "A call that cannot be read (no name, no JSON list after Mistral's marker) stays in the "
+                           "content as the model wrote it, its markers included, and is named in tool_call_error, "
+                           "where vLLM drops it (or its marker) silently: the row is flagged and keeps what the model "
+                           "wrote.",
     "content_around_calls": "The content keeps the text the model writes after its calls (and Llama 3 JSON's text "
                             "before them), where vLLM keeps only the text before the first call (none for Llama 3 "
                             "JSON): nothing the model wrote leaves the row.",
@@ -133,10 +132,18 @@ def run(output: str, family: str, reasoning: str | None = None, tools: str | Non
 
 
 def calls_of(parsed: ParsedCompletion) -> list[tuple[str, Any]] | None:
-    """The calls as (name, arguments as a JSON value), None without any."""
+    """The calls as (name, arguments as a JSON value, or as their text where they are not
+    JSON: a broken call passed on as written), None without any."""
     if parsed.tool_calls is None:
         return None
-    return [(call.function.name, json.loads(call.function.arguments)) for call in parsed.tool_calls]
+    return [(call.function.name, _json_or_text(call.function.arguments)) for call in parsed.tool_calls]
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
 
 
 def observed(parsed: ParsedCompletion) -> dict[str, Any]:
@@ -216,14 +223,11 @@ def check(case: Case) -> None:
 
 
 def _keeps_everything(case: Case, got: dict[str, Any]) -> None:
-    """A deliberate difference never loses a call, a reasoning section or an answer. A call
-    that we find broken where vLLM returns it is kept when the error says so and the text
-    keeps the call as the model wrote it."""
+    """A deliberate difference never loses a call, a reasoning section or an answer: it has
+    at least vLLM's calls, and a reasoning and a content wherever vLLM has them."""
     want = case.expected
     if want.get("tool_calls"):
-        content = got["content"] or ""
-        kept_as_text = got["error"] is not None and all(name in content for name, _ in want["tool_calls"])
-        assert kept_as_text or (got["tool_calls"] is not None and len(got["tool_calls"]) == len(want["tool_calls"])), \
+        assert len(got["tool_calls"] or []) >= len(want["tool_calls"]), \
             f"{case.id}: the difference {case.difference!r} loses a call"
     for name in ("reasoning", "content"):
         if (want.get(name) or "").strip():

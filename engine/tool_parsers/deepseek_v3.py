@@ -13,7 +13,7 @@ its type), so a V3.1 model run with `deepseek_v3` keeps its calls.
 
 import re
 
-from engine.tool_parsers.abstract import MalformedCall, json_value, quoted
+from engine.tool_parsers.abstract import MalformedCall, WrittenCall, quoted
 from engine.tool_parsers.deepseek_v31 import SEP, DeepSeekV31ToolParser, v31_call
 
 # The arguments in a code fence, ```json or bare.
@@ -26,7 +26,7 @@ class DeepSeekV3ToolParser(DeepSeekV31ToolParser):
 
     name = "deepseek_v3"
 
-    def read_call(self, body: str, index: int) -> dict[str, object]:
+    def read_call(self, body: str, index: int) -> WrittenCall:
         head, sep, rest = body.partition(SEP)
         if not sep:
             raise MalformedCall(index, f"expected type{SEP}name or name{SEP}arguments, got {quoted(body)}")
@@ -36,4 +36,4 @@ class DeepSeekV3ToolParser(DeepSeekV31ToolParser):
         arguments = arguments.strip()
         if (fenced := _FENCE.match(arguments)) is not None:
             arguments = fenced.group(1)
-        return {"name": name.strip(), "arguments": json_value(arguments, index, "the arguments text")}
+        return WrittenCall(name, arguments)

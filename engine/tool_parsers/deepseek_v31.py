@@ -8,12 +8,13 @@ of calls, the name before the separator and the arguments' JSON after it:
 
 The section and its markers are DeepSeek's since V3 (`deepseek_v3` reads V3's own calls in
 the same section); the markers are plain added tokens of DeepSeek's tokenizers, kept in the
-user's text. A section that holds no call that parses is a broken call, never text cut away.
+user's text. Each call is read on its own; a section that holds no call that parses is a
+broken call, never text cut away.
 """
 
 import re
 
-from engine.tool_parsers.abstract import FoundCalls, MalformedCall, ToolParser, json_value, quoted
+from engine.tool_parsers.abstract import AnswerReading, FoundCalls, MalformedCall, ToolParser, WrittenCall, quoted
 
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
@@ -21,13 +22,12 @@ CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁en
 _CALL = re.compile(re.escape(CALL_BEGIN) + r"(.*?)(?:" + re.escape(CALL_END) + r"|\Z)", re.DOTALL)
 
 
-def v31_call(body: str, index: int) -> dict[str, object]:
-    """One call's text between its markers in V3.1's form, `name<｜tool▁sep｜>{...}`, as
-    {"name", "arguments"}."""
+def v31_call(body: str, index: int) -> WrittenCall:
+    """One call's text between its markers in V3.1's form, `name<｜tool▁sep｜>{...}`."""
     name, sep, arguments = body.partition(SEP)
     if not sep:
         raise MalformedCall(index, f"expected name{SEP}arguments, got {quoted(body)}")
-    return {"name": name.strip(), "arguments": json_value(arguments.strip(), index, "the arguments text")}
+    return WrittenCall(name, arguments)
 
 
 class DeepSeekV31ToolParser(ToolParser):
@@ -37,8 +37,8 @@ class DeepSeekV31ToolParser(ToolParser):
     name = "deepseek_v31"
     markers = (CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP)
 
-    def read_call(self, body: str, index: int) -> dict[str, object]:
-        """One call's text between its markers as {"name", "arguments"}."""
+    def read_call(self, body: str, index: int) -> WrittenCall:
+        """One call's text between its markers: its name and its arguments' text."""
         return v31_call(body, index)
 
     def find_calls(self, text: str) -> FoundCalls | None:
@@ -47,8 +47,11 @@ class DeepSeekV31ToolParser(ToolParser):
         if begin < 0:
             return None
         section, _, after = text[begin:].partition(CALLS_END)
-        calls = [self.read_call(match.group(1), index) for index, match in enumerate(_CALL.finditer(section), 1)]
-        if not calls:
-            raise MalformedCall(1, f"the section of calls holds no {CALL_BEGIN}...{CALL_END}: {quoted(section)}")
-        content = "\n".join(piece.strip() for piece in (text[:begin], after) if piece.strip())
-        return FoundCalls(content, calls)
+        reading = AnswerReading()
+        reading.text(text[:begin])
+        for match in _CALL.finditer(section):
+            reading.call(match.group(0), lambda index: self.read_call(match.group(1), index))
+        if not reading.calls:
+            reading.broken(section, f"the section of calls holds no {CALL_BEGIN}...{CALL_END}: {quoted(section)}")
+        reading.text(after)
+        return reading.found()

@@ -9,7 +9,7 @@ between `<tool_call>` and `</tool_call>`, several in a row:
 
 import re
 
-from engine.tool_parsers.abstract import FoundCalls, ToolParser, json_value
+from engine.tool_parsers.abstract import AnswerReading, FoundCalls, ToolParser, json_value
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 # A call runs to its closing tag, or to the end of the text: a model that stops on EOS
@@ -19,7 +19,8 @@ _CALL = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|\Z)", r
 
 class HermesToolParser(ToolParser):
     """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, repeated; the content is
-    the text outside the calls (normally what comes before the first one)."""
+    the text outside the calls (normally what comes before the first one). Each call is read
+    on its own: one whose JSON breaks stays in the content, tags and all."""
 
     name = "hermes"
     markers = (OPEN, CLOSE)
@@ -27,10 +28,10 @@ class HermesToolParser(ToolParser):
     def find_calls(self, text: str) -> FoundCalls | None:
         if OPEN not in text:
             return None
-        outside, calls, pos = [], [], 0
-        for index, match in enumerate(_CALL.finditer(text), 1):
-            outside.append(text[pos:match.start()])
-            calls.append(json_value(match.group(1).strip(), index))
+        reading, pos = AnswerReading(), 0
+        for match in _CALL.finditer(text):
+            reading.text(text[pos:match.start()])
+            reading.call(match.group(0), lambda index: json_value(match.group(1).strip(), index))
             pos = match.end()
-        outside.append(text[pos:])
-        return FoundCalls("\n".join(piece.strip() for piece in outside if piece.strip()), calls)
+        reading.text(text[pos:])
+        return reading.found()

@@ -8,12 +8,13 @@ The id, `functions.NAME:N` (or `NAME:N`), names the function and stays the call'
 chat template writes it back when the conversation goes on. Kimi K2.5 may write a bare counter
 (`0`) instead; the function is then the request's only tool, or the one tool whose parameters
 hold every argument the call gives. A call whose id is neither, or whose function the tools do
-not tell, is not read (as vLLM); a section in which no call reads is an error.
+not tell, is not read (vLLM drops it; here it stays in the content and is named in the error);
+a section that holds no call is an error.
 """
 
 import json
 
-from engine.tool_parsers.abstract import FoundCalls, MalformedCall, ToolParser, json_value, quoted
+from engine.tool_parsers.abstract import AnswerReading, FoundCalls, MalformedCall, ToolParser, WrittenCall, quoted
 from engine.tool_parsers.request_tools import Tools, parameter_schemas
 
 SECTION_BEGIN, SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
@@ -36,22 +37,28 @@ class KimiK2ToolParser(ToolParser):
         if not begun:
             return None
         section, _, after = section.partition(SECTION_END)
-        schemas = parameter_schemas(tools)
-        ids, calls, problems = [], [], []
-        for index, written in enumerate(section.split(CALL_BEGIN)[1:], 1):
-            header, marked, arguments = written.partition(CALL_END)[0].partition(ARGUMENTS)
-            call_id, arguments = header.strip(), arguments.strip() or "{}"
-            name = None if not marked or _NOT_IN_AN_ID & set(call_id) else _function_name(call_id, arguments, schemas)
-            if name is None:
-                problems.append(MalformedCall(index, f"{quoted(call_id)} is not a call id (functions.NAME:N), nor a "
-                                                     "counter whose function the request's tools tell"))
-                continue
-            ids.append(call_id)
-            calls.append({"name": name, "arguments": json_value(arguments, index, "the arguments")})
+        calls = section.split(CALL_BEGIN)[1:]
         if not calls:
-            raise problems[0] if problems else MalformedCall(1, "the calls section holds no call")
-        content = "\n".join(piece.strip() for piece in (before, after) if piece.strip())
-        return FoundCalls(content, calls, ids)
+            raise MalformedCall(1, "the calls section holds no call")
+        schemas = parameter_schemas(tools)
+        reading, ids = AnswerReading(), []
+        reading.text(before)
+        for written in calls:
+            header, marked, arguments = written.partition(CALL_END)[0].partition(ARGUMENTS)
+            ids.append(header.strip())
+            reading.call(CALL_BEGIN + written, lambda index: _call(header.strip(), marked, arguments, schemas, index))
+        reading.text(after)
+        return reading.found(ids)
+
+
+def _call(call_id: str, marked: str, arguments: str, schemas: dict[str, dict], index: int) -> WrittenCall:
+    """One call: its id (`marked`: the arguments' marker, when the call has one) names the
+    function, its arguments as written."""
+    name = None if not marked or _NOT_IN_AN_ID & set(call_id) else _function_name(call_id, arguments, schemas)
+    if name is None:
+        raise MalformedCall(index, f"{quoted(call_id)} is not a call id (functions.NAME:N), nor a counter whose "
+                                   "function the request's tools tell")
+    return WrittenCall(name, arguments)
 
 
 def _function_name(call_id: str, arguments: str, schemas: dict[str, dict]) -> str | None:

@@ -12,12 +12,12 @@ after `<|python_tag|>` (the built-in code interpreter), a JSON answer that is no
 import json
 import re
 
-from engine.tool_parsers.abstract import FoundCalls, MalformedCall, ToolParser, quoted, skip_space
+from engine.tool_parsers.abstract import (AnswerReading, FoundCalls, MalformedCall, ToolParser, json_at, quoted,
+                                          skip_space)
 
 PYTHON_TAG = "<|python_tag|>"
 # Where a call may start: an object whose first key is "name".
 _CALL_START = re.compile(r'\{\s*"name"\s*:')
-_DECODER = json.JSONDecoder()
 
 
 def _is_call(value: object) -> bool:
@@ -26,46 +26,50 @@ def _is_call(value: object) -> bool:
     return isinstance(value, dict) and "name" in value and ("parameters" in value or "arguments" in value)
 
 
-def _object_at(body: str, pos: int, index: int) -> tuple[object, int]:
-    """The JSON value starting at `pos` and the position after it; MalformedCall when it breaks."""
-    try:
-        return _DECODER.raw_decode(body, pos)
-    except json.JSONDecodeError as error:
-        raise MalformedCall(index, f"the call is not valid JSON ({error.msg} at char {error.pos - pos}): "
-                                   f"{quoted(body[pos:])}") from None
+def _is_call_at(body: str, pos: int) -> bool:
+    """Whether a call object starts at `pos`."""
+    found = json_at(body, pos)
+    return not isinstance(found, str) and _is_call(found[0])
 
 
 def _first_call(body: str) -> int | None:
-    """Where the first call object starts in `body`, None when it holds none."""
+    """Where the first call starts in `body` (an object that is a call, or one whose JSON
+    breaks: a broken call), None when it holds none."""
     for match in _CALL_START.finditer(body):
-        value, _ = _object_at(body, match.start(), 1)
-        if _is_call(value):
+        found = json_at(body, match.start())
+        if isinstance(found, str) or _is_call(found[0]):
             return match.start()
     return None
 
 
-def _calls_from(body: str, start: int) -> tuple[list[object], int]:
-    """The calls from `start` on, `;`- or whitespace-separated, and where the text after them
-    starts (a dangling `;` left out)."""
-    value, end = _object_at(body, start, 1)
-    calls = [value]
+def _call_after_separator(value: object, index: int) -> object:
+    """An object written after a `;`, which must be a call."""
+    if not _is_call(value):
+        raise MalformedCall(index, f"expected {{\"name\": ..., \"parameters\": {{...}}}} after ';', got "
+                                   f"{quoted(json.dumps(value, ensure_ascii=False))}")
+    return value
+
+
+def _read_calls(body: str, start: int, reading: AnswerReading) -> int:
+    """Reads the calls from `start` on, `;`- or whitespace-separated, each on its own, into
+    `reading`; returns where the text after them starts (a dangling `;` left out). After a
+    `;` an object is a call, broken or not; after whitespace only a call goes on."""
+    pos = start
     while True:
+        found = json_at(body, pos)
+        if isinstance(found, str):  # no end to find: the rest is the broken call
+            reading.broken(body[pos:], found)
+            return len(body)
+        value, end = found
+        reading.call(body[pos:end], lambda index: _call_after_separator(value, index))
         after = skip_space(body, end)
         separated = body.startswith(";", after)
         following = skip_space(body, after + 1) if separated else after
         if not body.startswith("{", following):
-            return calls, following if separated else end
-        try:  # after a `;`, a call; after whitespace, a call or the text after the calls
-            value, next_end = _object_at(body, following, len(calls) + 1)
-            if not _is_call(value):
-                raise MalformedCall(len(calls) + 1, f"expected {{\"name\": ..., \"parameters\": {{...}}}} after "
-                                                    f"';', got {quoted(body[following:next_end])}")
-        except MalformedCall:
-            if separated:
-                raise
-            return calls, end
-        calls.append(value)
-        end = next_end
+            return following if separated else end
+        if not separated and not _is_call_at(body, following):
+            return end
+        pos = following
 
 
 class Llama3JsonToolParser(ToolParser):
@@ -82,6 +86,9 @@ class Llama3JsonToolParser(ToolParser):
         start = _first_call(body)
         if start is None:
             return None
-        calls, end = _calls_from(body, start)
-        content = "\n".join(piece.strip() for piece in (before, body[:start], body[end:]) if piece.strip())
-        return FoundCalls(content, calls)
+        reading = AnswerReading()
+        reading.text(before)
+        reading.text(body[:start])
+        end = _read_calls(body, start, reading)
+        reading.text(body[end:])
+        return reading.found()

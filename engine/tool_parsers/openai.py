@@ -12,7 +12,7 @@ header. A commentary message without a recipient (a preamble to the user) is con
 
 import re
 
-from engine.tool_parsers.abstract import FoundCalls, MalformedCall, ToolParser, quoted
+from engine.tool_parsers.abstract import AnswerReading, FoundCalls, MalformedCall, ToolParser, WrittenCall, quoted
 
 START, END, MESSAGE, CHANNEL = "<|start|>", "<|end|>", "<|message|>", "<|channel|>"
 CONSTRAIN, CALL, RETURN = "<|constrain|>", "<|call|>", "<|return|>"
@@ -23,13 +23,13 @@ _MESSAGE = re.compile(re.escape(MESSAGE) + r"(?P<body>.*?)(?:" + "|".join(map(re
 _NAME = re.compile(re.escape(RECIPIENT) + r"(?P<name>[^\s<]*)")
 
 
-def _call(header: str, body: str, index: int) -> dict[str, object]:
-    """A message addressed to a function as {"name", "arguments"}: its body, the arguments'
-    JSON text (an empty body: none)."""
+def _call(header: str, body: str, index: int) -> WrittenCall:
+    """A message addressed to a function: its body, the arguments' JSON text (an empty body:
+    none)."""
     name = _NAME.search(header)["name"]
     if not name:
         raise MalformedCall(index, f"the recipient names no function: {quoted(header.strip())}")
-    return {"name": name, "arguments": body.strip()}
+    return WrittenCall(name, body)
 
 
 class OpenAIToolParser(ToolParser):
@@ -42,14 +42,12 @@ class OpenAIToolParser(ToolParser):
     def find_calls(self, text: str) -> FoundCalls | None:
         if RECIPIENT not in text or MESSAGE not in text:
             return None
-        calls, content, position = [], [], 0
+        reading, position = AnswerReading(), 0
         for match in _MESSAGE.finditer(text):
             header = text[position : match.start()]
             if RECIPIENT in header:
-                calls.append(_call(header, match["body"], len(calls) + 1))
-            elif match["body"].strip():
-                content.append(match["body"].strip())
+                reading.call(text[position : match.end()], lambda index: _call(header, match["body"], index))
+            else:
+                reading.text(match["body"])
             position = match.end()
-        if not calls:
-            return None
-        return FoundCalls("\n".join(content), calls)
+        return reading.found() if reading.calls else None

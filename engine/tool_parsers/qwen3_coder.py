@@ -36,7 +36,7 @@ import re
 from typing import Any
 
 from engine.tool_parsers import hermes
-from engine.tool_parsers.abstract import FoundCalls, MalformedCall, ToolParser, quoted, skip_space
+from engine.tool_parsers.abstract import FoundCalls, MalformedCall, ToolParser, joined, quoted, skip_space
 from engine.tool_parsers.request_tools import Tools, parameter_schemas
 
 CALL_OPEN, CALL_CLOSE = hermes.OPEN, hermes.CLOSE
@@ -64,7 +64,7 @@ class Qwen3CoderToolParser(ToolParser):
     def find_calls_for(self, text: str, tools: Tools) -> FoundCalls | None:
         schemas = parameter_schemas(tools)
         tagged = CALL_OPEN in text  # without the tag anywhere, a model that dropped it: every function is a call
-        outside, calls, problems = [], [], []
+        outside, calls = [], []
         taken = search = 0  # the end of the last call; where the next function is looked for
         while (head := text.find(FUNCTION, search)) >= 0:
             search = head + len(FUNCTION)
@@ -74,9 +74,8 @@ class Qwen3CoderToolParser(ToolParser):
             name_end = text.find(">", search)
             name = text[search:name_end] if name_end >= 0 else None
             if not name or _NOT_IN_A_NAME.search(name):
-                header = quoted(text[head:name_end + 1 or None])
-                problems.append(MalformedCall(len(calls) + len(problems) + 1,
-                                              f"{header} names no function (<function=NAME>)"))
+                header = quoted(text[head:name_end + 1 or None])  # its text stays in the content
+                calls.append(MalformedCall(len(calls) + 1, f"{header} names no function (<function=NAME>)"))
                 continue
             limit = _calls_end(text, name_end + 1)
             properties = schemas.get(name, {})
@@ -89,11 +88,7 @@ class Qwen3CoderToolParser(ToolParser):
                                                       else value for key, value in values.items()}})
             taken = search = end
         outside.append(text[taken:])
-        if not calls:
-            if problems:
-                raise problems[0]
-            return None
-        return FoundCalls("\n".join(piece.strip() for piece in outside if piece.strip()), calls)
+        return FoundCalls(joined(outside), calls) if calls else None
 
 
 def _call_start(text: str, head: int) -> int | None:

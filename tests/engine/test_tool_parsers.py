@@ -1,7 +1,9 @@
 """The tool-call parsers on recorded-style answers of each format: the same calls read to the
-same OpenAI-shaped structure whatever the format, broken calls give an error and the text as
-the model wrote it (never an exception), plain answers stay plain, ids are reproducible and in
-the format's style, and marker tokens hidden from the user's text are found through the token
+same OpenAI-shaped structure whatever the format, a broken call gives an error and loses
+nothing (never an exception): the calls that parse are returned beside it, a named call whose
+arguments are not a JSON object is returned as written, a call that cannot be read stays in
+the content as the model wrote it; plain answers stay plain, ids are reproducible and in the
+format's style, and marker tokens hidden from the user's text are found through the token
 ids. No model runs here."""
 
 import json
@@ -132,67 +134,118 @@ ANSWERS["openai"] = {
                                '"budget": {"max": 250.5, "currency": "EUR"}}, "note": null}'),
 }
 
-# Broken calls: the answer and a piece of the error it must give.
-MALFORMED = {
+# Calls that cannot be read (not delimited, or naming no function), alone in their answer: the
+# answer and a piece of the error it must give; the text stays as the model wrote it.
+UNREADABLE = {
     "hermes": [
         ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris",}}\n</tool_call>',
          "tool call 1: the call is not valid JSON"),
-        ('<tool_call>\n{"name": "get_weather", "arguments": [1, 2]}\n</tool_call>',
-         "tool call 1: arguments are not a JSON object"),
         ('<tool_call>\n{"arguments": {"city": "Paris"}}\n</tool_call>', "tool call 1: missing a function name"),
         ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par', "tool call 1: the call is not valid JSON"),
-        ('<tool_call>{"name": "f", "arguments": {}}</tool_call><tool_call>{"name": "g", "arguments": 5}</tool_call>',
-         "tool call 2: arguments are not a JSON object"),
-        ('<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>', "tool call 1: arguments are not JSON"),
         ('<tool_call>["get_weather", {"city": "Paris"}]</tool_call>', "tool call 1: expected an object"),
     ],
     "llama3_json": [
         ('{"name": "get_weather", "parameters": {"city": "Paris"', "tool call 1: the call is not valid JSON"),
-        ('{"name": "get_weather", "parameters": "[1, 2]"}', "tool call 1: arguments are not a JSON object"),
         ('{"name": 7, "parameters": {"city": "Paris"}}', "tool call 1: missing a function name"),
         ('Here: {"name": "get_weather", "parameters": {"city": "Paris"', "tool call 1: the call is not valid JSON"),
-        ('{"name": "f", "parameters": {}}; {"name": "g", "parameters": {"x": }}', "tool call 2: the call is not valid"),
-        ('{"name": "f", "parameters": {}}; {"city": "Paris"}', "tool call 2: expected"),
     ],
     "mistral": [
-        ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}]',
-         "tool call 1: the calls are not valid"),
-        ('[TOOL_CALLS][{"name": "get_weather", "arguments": [1]}]', "tool call 1: arguments are not a JSON object"),
+        ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}]', "tool call 1: the call is not valid"),
         ('[TOOL_CALLS][{"arguments": {"city": "Paris"}}]', "tool call 1: missing a function name"),
-        ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"', "tool call 1: the arguments are not valid JSON"),
-        ('[TOOL_CALLS]f[ARGS]{}[TOOL_CALLS]get weather in Paris', "tool call 2: expected a JSON list of calls"),
+        ("[TOOL_CALLS] get weather in Paris", "tool call 1: expected a JSON list of calls"),
     ],
     "pythonic": [
-        ('[get_weather(city="Paris")', "tool call 1: the calls are not a Python list"),
-        ("[get_weather(city=paris)]", "tool call 1: get_weather: argument 'city' is not a literal value"),
-        ('[f(x=1), g(cmd=__import__("os").system("ls"))]', "tool call 2: g: argument 'cmd' is not a literal"),
-        ("[f(x=1 + 2)]", "argument 'x' is not a literal value"),
+        ("[get_weather(city=paris)]", "tool call 1: get_weather: argument 'city' is not a literal JSON value"),
+        ("[f(x=1 + 2)]", "argument 'x' is not a literal JSON value"),
         ('[get_weather("Paris")]', "tool call 1: get_weather: arguments must be passed by keyword"),
-        ("[f(x={1, 2})]", "tool call 1: arguments are not JSON"),
-        ("[f(x=1), 3]", "tool call 2: expected a call"),
+        ("[f(x={1, 2})]", "tool call 1: f: argument 'x' is not a literal JSON value"),
+        ("[f(x=b'z'), g(y=1e999)]", "tool call 1: f: argument 'x' is not a literal JSON value"),
+        ('[get_weather(city="Paris"', "tool call 1: not a Python call"),
     ],
     "openai": [
-        (_harmony("get_weather", '{"city": Paris}'), "tool call 1: the arguments string is not valid JSON"),
-        (_harmony("get_weather", "[1, 2]"), "tool call 1: arguments are not a JSON object"),
         (_harmony("", '{"city": "Paris"}'), "tool call 1: the recipient names no function"),
-        (_harmony("get_weather", '{"city": "Par'), "tool call 1: the arguments string is not valid JSON"),
     ],
     "deepseek_v3": [
-        (DS_CALLS + _ds("get_weather", '{"city": Paris}') + DS_CALLS_END,
-         "tool call 1: the arguments text is not valid JSON"),
         (DS_CALLS + f"{DS_CALL}get_weather{DS_CALL_END}" + DS_CALLS_END, "tool call 1: expected type"),
-        (DS_CALLS + _ds("get_weather", "[1, 2]") + DS_CALLS_END, "tool call 1: arguments are not a JSON object"),
         ("Let me look.\n" + DS_CALLS + "get_weather", "tool call 1: the section of calls holds no"),
     ],
     "deepseek_v31": [
-        (DS_CALLS + _ds31("get_weather", '{"city": Paris}') + DS_CALLS_END,
-         "tool call 1: the arguments text is not valid JSON"),
-        (DS_CALLS + _ds("get_weather", '{"city": "Paris"}') + DS_CALLS_END,  # V3's form
-         "tool call 1: the arguments text is not valid JSON"),
         (DS_CALLS + f"{DS_CALL}get_weather{DS_CALL_END}" + DS_CALLS_END, "tool call 1: expected name"),
         (DS_CALLS + 'get_weather{"city": "Paris"}' + DS_CALLS_END, "tool call 1: the section of calls holds no"),
     ],
 }
+
+# Named calls whose arguments are not a JSON object (not JSON, cut, a list, a string): the
+# answer and its calls as (name, arguments as written: a JSON value as JSON, a format's
+# arguments text as it is); the error names the call.
+NOT_AN_OBJECT = {
+    "hermes": [
+        ('<tool_call>\n{"name": "get_weather", "arguments": [1, 2]}\n</tool_call>', [("get_weather", "[1, 2]")]),
+        ('<tool_call>{"name": "f", "arguments": "hello"}</tool_call>', [("f", '"hello"')]),
+        ('<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>', [("f", '{"x": NaN}')]),
+    ],
+    "llama3_json": [
+        ('{"name": "get_weather", "parameters": "[1, 2]"}', [("get_weather", '"[1, 2]"')]),
+    ],
+    "mistral": [
+        ('[TOOL_CALLS][{"name": "get_weather", "arguments": [1]}]', [("get_weather", "[1]")]),
+        ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"', [("get_weather", '{"city": "Paris"')]),
+    ],
+    "openai": [
+        (_harmony("get_weather", '{"city": Paris}'), [("get_weather", '{"city": Paris}')]),
+        (_harmony("get_weather", "[1, 2]"), [("get_weather", "[1, 2]")]),
+        (_harmony("get_weather", '{"city": "Par'), [("get_weather", '{"city": "Par')]),
+    ],
+    "deepseek_v3": [
+        (DS_CALLS + _ds("get_weather", '{"city": Paris}') + DS_CALLS_END, [("get_weather", '{"city": Paris}')]),
+        (DS_CALLS + _ds("get_weather", "[1, 2]") + DS_CALLS_END, [("get_weather", "[1, 2]")]),
+    ],
+    "deepseek_v31": [
+        (DS_CALLS + _ds31("get_weather", '{"city": Paris}') + DS_CALLS_END, [("get_weather", '{"city": Paris}')]),
+        (DS_CALLS + _ds31("get_weather", '{"city": "Par'), [("get_weather", '{"city": "Par')]),
+    ],
+}
+
+# A broken call beside good ones: the answer, the calls returned (name, arguments as JSON
+# values), the content (the broken call's text among it, as written) and a piece of the error.
+BESIDE_GOOD_CALLS = {
+    "hermes": [
+        ('<tool_call>{"name": "f", "arguments": {}}</tool_call><tool_call>{"name": "g", "arguments": {"x": }}'
+         '</tool_call>', [("f", {})], '<tool_call>{"name": "g", "arguments": {"x": }}</tool_call>',
+         "tool call 2: the call is not valid JSON"),
+        ('<tool_call>{"name": "f", "arguments": {}}</tool_call><tool_call>{"name": "g", "arguments": 5}</tool_call>',
+         [("f", {}), ("g", 5)], "", "tool call 2: arguments are not a JSON object"),
+    ],
+    "llama3_json": [
+        ('{"name": "f", "parameters": {}}; {"name": "g", "parameters": {"x": }}', [("f", {})],
+         '{"name": "g", "parameters": {"x": }}', "tool call 2: the call is not valid JSON"),
+        ('{"name": "f", "parameters": {}}; {"city": "Paris"}', [("f", {})], '{"city": "Paris"}',
+         "tool call 2: expected"),
+    ],
+    "mistral": [
+        ('[TOOL_CALLS]f[ARGS]{}[TOOL_CALLS]get weather in Paris', [("f", {})], "[TOOL_CALLS]get weather in Paris",
+         "tool call 2: expected a JSON list of calls"),
+        ('[TOOL_CALLS][{"name": "f", "arguments": {}}, {"arguments": {}}, {"name": "g", "arguments": {"x": 1}}]',
+         [("f", {}), ("g", {"x": 1})], '{"arguments": {}}', "tool call 2: missing a function name"),
+    ],
+    "pythonic": [
+        ('[f(x=1), g(cmd=__import__("os").system("ls"))]', [("f", {"x": 1})], 'g(cmd=__import__("os").system("ls"))',
+         "tool call 2: g: argument 'cmd' is not a literal JSON value"),
+        ("[f(x=1), 3]", [("f", {"x": 1})], "3", "tool call 2: expected a call"),
+        ("[f(a='x 'y'), g(b=2)]", [], "", "tool call 1: not a Python call"),  # the quote swallows the rest
+        ("[f(a='it''s'), g(b=2)]", [("f", {"a": "its"}), ("g", {"b": 2})], "", None),
+    ],
+    "openai": [
+        (_harmony("", "{}") + "<|start|>assistant" + _harmony("f", "{}"), [("f", {})],
+         "<|channel|>commentary to=functions. <|constrain|>json<|message|>{}<|call|>",
+         "tool call 1: the recipient names no function"),
+    ],
+    "deepseek_v3": [
+        (DS_CALLS + f"{DS_CALL}get_weather{DS_CALL_END}" + _ds("f", "{}") + DS_CALLS_END, [("f", {})],
+         f"{DS_CALL}get_weather{DS_CALL_END}", "tool call 1: expected type"),
+    ],
+}
+
 
 # Answers with no call, some of them close to one.
 PLAIN = [
@@ -247,11 +300,37 @@ def test_the_same_call_is_the_same_function_whatever_the_format():
 
 
 @pytest.mark.parametrize(("parser_name", "text", "error"),
-                         [(name, text, error) for name, cases in MALFORMED.items() for text, error in cases])
-def test_a_broken_call_gives_an_error_and_the_text_unchanged(parser_name, text, error, tokenizer):
+                         [(name, text, error) for name, cases in UNREADABLE.items() for text, error in cases])
+def test_a_call_that_cannot_be_read_gives_an_error_and_the_text_unchanged(parser_name, text, error, tokenizer):
     result = tool_parser(parser_name, tokenizer).parse(text, tokenizer.encode(text, add_special_tokens=False))
     assert result.content == text and result.tool_calls is None
     assert result.error is not None and error in result.error, result.error
+
+
+@pytest.mark.parametrize(("parser_name", "text", "calls"),
+                         [(name, text, calls) for name, cases in NOT_AN_OBJECT.items() for text, calls in cases])
+def test_a_named_call_whose_arguments_are_not_an_object_is_returned_as_written_and_named(parser_name, text, calls,
+                                                                                       tokenizer):
+    """vLLM passes such a call on; so do we, and the error flags the row (nothing is lost,
+    nothing is taken for a good call)."""
+    result = tool_parser(parser_name, tokenizer).parse(text, tokenizer.encode(text, add_special_tokens=False))
+    assert [(call.function.name, call.function.arguments) for call in result.tool_calls] == calls
+    assert result.content == ""
+    assert result.error.startswith("tool call 1: arguments are not a JSON object"), result.error
+
+
+@pytest.mark.parametrize(("parser_name", "text", "calls", "content", "error"),
+                         [(name, *case) for name, cases in BESIDE_GOOD_CALLS.items() for case in cases])
+def test_a_broken_call_never_takes_the_good_calls_with_it(parser_name, text, calls, content, error, tokenizer):
+    """One call that does not parse left the whole answer without calls; now the calls that
+    parse are returned, the broken one's text stays in the content and the error names it."""
+    result = tool_parser(parser_name, tokenizer).parse(text, tokenizer.encode(text, add_special_tokens=False))
+    if not calls:  # nothing parses: the text as written
+        assert (result.content, result.tool_calls) == (text, None) and error in result.error
+        return
+    assert [(call.function.name, json.loads(call.function.arguments)) for call in result.tool_calls] == calls
+    assert result.content == content
+    assert result.error == error if error is None else error in result.error, result.error
 
 
 @pytest.mark.parametrize("text", PLAIN)
@@ -324,14 +403,21 @@ def test_mistral_finds_its_special_markers_through_the_token_ids(written, tokeni
 
 
 def test_a_broken_call_behind_a_hidden_marker_keeps_the_text_with_its_markers(tokenizer):
-    """The user's text lacks the special markers; the broken call's text keeps them, so that
-    what the model wrote can be read (`get_weather{"city": "Par` alone hides the call)."""
+    """The user's text lacks the special markers; a call that cannot be read keeps them in
+    the content, so that what the model wrote can be read (`get weather` alone hides the
+    call), beside the calls that parse too; a cut call is returned, its arguments as written."""
     tokenizer = _with_special_tokens(tokenizer, ["[TOOL_CALLS]", "[ARGS]"])
-    written = 'Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Par'
-    token_ids = tokenizer.encode(written, add_special_tokens=False)
-    text = tokenizer.decode(token_ids, skip_special_tokens=True)
-    result = tool_parser("mistral", tokenizer).parse(text, token_ids)
-    assert result.content == written and result.tool_calls is None and result.error.startswith("tool call 1: ")
+    for written, content, calls in [
+            ("Checking.[TOOL_CALLS] get weather in Paris", "Checking.[TOOL_CALLS] get weather in Paris", None),
+            ("Checking.[TOOL_CALLS]f[ARGS]{}[TOOL_CALLS] get weather", "Checking.\n[TOOL_CALLS] get weather",
+             [("f", "{}")]),
+            ('Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Par', "Checking.", [("get_weather", '{"city": "Par')])]:
+        token_ids = tokenizer.encode(written, add_special_tokens=False)
+        text = tokenizer.decode(token_ids, skip_special_tokens=True)
+        result = tool_parser("mistral", tokenizer).parse(text, token_ids)
+        assert result.content == content and result.error.startswith("tool call "), result
+        assert calls == (result.tool_calls and [(call.function.name, call.function.arguments)
+                                                for call in result.tool_calls])
 
 
 def test_mistral_call_ids_are_nine_alphanumerics_derived_from_the_output(tokenizer):
