@@ -215,7 +215,8 @@ _THINKING_OFF = "or turn the reasoning off (chat_template_kwargs={'enable_thinki
 
 def _answer_problem(completion: CompletionOutput, max_tokens: int | None) -> str | None:
     """Why a completion has no usable answer: its reasoning did not end (how it stopped),
-    or a tool call in it does not parse; None otherwise."""
+    or a tool call in it does not parse (the calls that parse are still in its tool_calls,
+    and the row is flagged); None otherwise."""
     if completion.reasoning_ended is False:
         if completion.finish_reason == "length" and max_tokens is not None:
             return (f"{REASONING_NOT_ENDED} within max_tokens={max_tokens}: raise max_tokens (the sampling config, "
@@ -230,7 +231,8 @@ def _answer_problem(completion: CompletionOutput, max_tokens: int | None) -> str
     if completion.tool_call_error is not None:
         cut = (f"; it was cut off by max_tokens={max_tokens}: raise max_tokens"
                if completion.finish_reason == "length" else "")
-        return f"tool_calls: {completion.tool_call_error} (the text stays in generated_text){cut}"
+        return (f"tool_calls: {completion.tool_call_error} (kept as the model wrote it: in tool_calls where the call "
+                f"is named, else in generated_text){cut}")
     return None
 
 

@@ -239,9 +239,16 @@ def prompt_row(max_tokens=12) -> PromptRow:
      "tool call 1 names 'get_time', not the declared tool 'get_weather': its arguments fill no columns"),
     ({"tool_calls": [call("get_weather", {"city": "Oslo", "days": "many"})]}, {"city": None, "days": None},
      "tool call 1 (get_weather): arguments: days: 'many' is not of type 'integer'"),
-    ({"text": '<tool_call>\n{"name": "get_weather", "arguments": []}\n</tool_call>',
-      "tool_call_error": "tool call 1: arguments are not a JSON object: got list '[]'"}, {"city": None, "days": None},
-     "tool_calls: tool call 1: arguments are not a JSON object: got list '[]' (the text stays in generated_text)"),
+    # A broken call is the row's error, and loses nothing: a named call is in tool_calls, its arguments as
+    # written; one that cannot be read stays in generated_text beside the calls that parse.
+    ({"tool_calls": [ToolCall("call_1", FunctionCall("get_weather", "[]"))],
+      "tool_call_error": "tool call 1: arguments are not a JSON object (got list): '[]'"}, {"city": None, "days": None},
+     "tool_calls: tool call 1: arguments are not a JSON object (got list): '[]' (kept as the model wrote it: in "
+     "tool_calls where the call is named, else in generated_text)"),
+    ({"text": '<tool_call>{"name": "get_weather", "arguments": {"city": }}</tool_call>',
+      "tool_calls": [call("get_weather", {"city": "Oslo"})],
+      "tool_call_error": "tool call 2: the call is not valid JSON"}, {"city": None, "days": None},
+     "tool_calls: tool call 2: the call is not valid JSON (kept as the model wrote it"),
     ({"text": "Sunny.", "reasoning": "Easy."}, {"city": None, "days": None}, None),
     ({"reasoning": "Hmm", "reasoning_ended": False, "num_reasoning_tokens": 12, "finish_reason": "length"},
      {"city": None, "days": None}, "the reasoning did not end within max_tokens=12: raise max_tokens (the sampling"),
