@@ -180,21 +180,35 @@ class ReasoningParser:
         first = self._opening_end(ids)
         marker = tracker.marker_start
         if marker is None:
-            return ReasoningSplit(self._decode(ids[first:], skip_special_tokens).strip(), "", len(ids), False)
+            return ReasoningSplit(self._reasoning_text(ids[first:], skip_special_tokens), "", len(ids), False)
         size = len(self.trailer_ids)
         stop = marker - size if size and tuple(ids[marker - size : marker]) == self.trailer_ids else marker
         if tracker.end_index is None:  # a closing marker's header never ended
-            return ReasoningSplit(self._decode(ids[first:stop], skip_special_tokens).strip(), "", len(ids), False)
+            return ReasoningSplit(self._reasoning_text(ids[first:stop], skip_special_tokens), "", len(ids), False)
         answer_start = None
         if tracker.other_end:
             stop = answer_start = marker
             trailer_at = _last_index(ids, self.trailer_ids, first, marker)
             if trailer_at is not None:
                 stop, answer_start = trailer_at, trailer_at + size
-        reasoning = self._decode(ids[first:stop], skip_special_tokens)
+        reasoning = self._reasoning_text(ids[first:stop], skip_special_tokens)
         answer = self._text_from(ids, answer_start if tracker.other_end else tracker.end_index, text,
                                  skip_special_tokens)
-        return ReasoningSplit(reasoning.strip(), _without_leading_lines(answer), tracker.end_index, True, answer_start)
+        return ReasoningSplit(reasoning, _without_leading_lines(answer), tracker.end_index, True, answer_start)
+
+    def _reasoning_text(self, ids: list[int], skip_special_tokens: bool) -> str:
+        """The reasoning's tokens as text, stripped. A format with a trailer may write several
+        reasoning messages in a row (harmony: `...<|end|><|start|>assistant<|channel|>analysis
+        <|message|>...`): their texts, joined by line breaks as vLLM joins them, without the
+        headers between them."""
+        boundary = (*self.trailer_ids, *(self.start_ids or ()))
+        pieces, start = [], 0
+        while self.trailer_ids and self.start_ids and (at := _first_index(ids, boundary, start)) is not None:
+            pieces.append(ids[start:at])
+            start = at + len(boundary)
+        pieces.append(ids[start:])
+        texts = (self._decode(piece, skip_special_tokens).strip() for piece in pieces)
+        return "\n".join(text for text in texts if text)
 
     def _split_late(self, tracker: "ReasoningTracker", text: str, ids: list[int],
                     skip_special_tokens: bool) -> ReasoningSplit:

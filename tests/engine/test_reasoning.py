@@ -338,6 +338,11 @@ def test_harmony_tool_calls_end_the_analysis_on_the_commentary_channel(harmony_t
      "The user wants a label.", "spam"),
     (FINAL + "ham<|return|>", "", "ham"),
     ("<|channel|>analysis<|message|>Still weighing it", "Still weighing it", None),
+    # Two analysis messages: their texts joined by a line break (as vLLM joins them), no header between.
+    ("<|channel|>analysis<|message|>First thought.<|end|><|start|>assistant<|channel|>analysis<|message|>Second."
+     "<|end|><|start|>assistant" + FINAL + "spam<|return|>", "First thought.\nSecond.", "spam"),
+    ("<|channel|>analysis<|message|>One.<|end|><|start|>assistant<|channel|>analysis<|message|>Two", "One.\nTwo",
+     None),
 ])
 def test_harmony_channels_split_by_their_special_tokens(harmony_tokenizer, output, reasoning, answer):
     """The markers hold special tokens that a decoded text leaves out: they are matched as id
