@@ -98,6 +98,7 @@ def render_chat(
     `chat_messages_problem(messages)` found nothing.
     """
     images = chat_images(messages)
+    messages = [_with_both_reasoning_keys(m) for m in messages]
     rendered = multimodal_messages(messages) if images else text_messages(messages)
     text = tokenizer.apply_chat_template(rendered, tokenize=False, chat_template=chat_template,
                                          tools=tools, add_generation_prompt=add_generation_prompt,
@@ -108,6 +109,16 @@ def render_chat(
     if tools:
         prompt["tools"] = tools
     return prompt
+
+
+def _with_both_reasoning_keys(message: dict[str, Any]) -> dict[str, Any]:
+    """An assistant message fed back with its reasoning under either name, under both:
+    current vLLM and our run_batch write `reasoning`, while chat templates (Qwen3's,
+    DeepSeek's) read `reasoning_content`, as older vLLM and OpenAI-compatible servers wrote it."""
+    reasoning = message.get("reasoning", message.get("reasoning_content"))
+    if message.get("role") != "assistant" or reasoning is None:
+        return message
+    return {**message, "reasoning": reasoning, "reasoning_content": message.get("reasoning_content", reasoning)}
 
 
 def invalid_unicode_problem(prompt: object, field: str = "prompt") -> str | None:

@@ -251,10 +251,14 @@ def test_a_call_after_the_reasoning_is_parsed_into_tool_calls(qwen3_folder):
         assert tool_call.id.startswith("call_")
     assert any(out.tool_calls for out in outputs[:2])
     broken_out = outputs[2]
-    if broken_out.reasoning_ended is not False:  # a row error, not an exception; the text kept
+    if broken_out.reasoning_ended is not False and broken_out.finish_reason == "stop":
+        # a row error, not an exception: the named call is kept with its arguments as written
+        [kept] = broken_out.tool_calls
+        assert (kept.function.name, kept.function.arguments) == ("get_weather", "[]")
+        assert "arguments are not a JSON object" in broken_out.tool_call_error
+    elif broken_out.reasoning_ended is not False:  # cut before its JSON closed: the text kept
         assert broken_out.tool_calls is None and broken_out.text.startswith("<tool_call>")
-        assert ("arguments are not a JSON object" if broken_out.finish_reason == "stop"
-                else "not valid JSON") in broken_out.tool_call_error
+        assert "not valid JSON" in broken_out.tool_call_error
 
 
 # -- gpt-oss's harmony channels ------------------------------------------------------------
@@ -515,3 +519,15 @@ def test_a_section_opened_after_some_answer_comes_out_unless_a_grammar_held_the_
         tracker.advance(token, count, "")
     split = parser.split(tracker, tokenizer.decode(ids, skip_special_tokens=True), ids)
     assert (split.reasoning, split.text, split.ended) == want
+
+
+@pytest.mark.parametrize("key", ["reasoning", "reasoning_content"])
+def test_reasoning_fed_back_under_either_name_reaches_the_template(qwen3_folder, key):
+    """vLLM's current responses (and our run_batch) write `reasoning`; Qwen3's template reads
+    `reasoning_content`: a conversation fed back with either keeps its reasoning."""
+    from engine.chat_utils import render_chat
+
+    tokenizer = AutoTokenizer.from_pretrained(qwen3_folder)
+    messages = [*QUESTION, {"role": "assistant", "content": "spam", key: "A free cruise is bait."}]
+    prompt = render_chat(tokenizer, messages, add_generation_prompt=False)["prompt"]
+    assert "<think>\nA free cruise is bait.\n</think>\n\nspam" in prompt
