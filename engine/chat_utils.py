@@ -85,13 +85,17 @@ def render_chat(
     continue_final_message: bool = False,
     tools: list[dict[str, Any]] | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
+    tool_choice: str = "auto",
 ) -> dict[str, Any]:
     """One conversation as an engine prompt, {"prompt": text, "prompt_token_ids": ids},
     rendered with the tokenizer's chat template (or `chat_template`) and vLLM's arguments;
     with image parts the template writes each image's placeholder, and the prompt carries
     the images as given ({"multi_modal_data": {"image": [...]}}, decoded when the row is
     checked); with `tools` it carries them too ({"tools": [...]}), for the tool parser to
-    read the calls by (qwen3_coder converts each parameter by its schema).
+    read the calls by (qwen3_coder converts each parameter by its schema), and a
+    `tool_choice` mode other than "auto" ({"tool_choice": "none"}, "required", "function"),
+    under which the engine's tool parser leaves the calls to the entry point
+    (`RequestTools`).
 
     The text is tokenized without adding special tokens, because the template already
     holds any BOS token: a second one would change the output. Assumes
@@ -108,6 +112,8 @@ def render_chat(
         prompt["multi_modal_data"] = {"image": images}
     if tools:
         prompt["tools"] = tools
+    if tool_choice != "auto":
+        prompt["tool_choice"] = tool_choice
     return prompt
 
 

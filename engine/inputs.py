@@ -16,7 +16,7 @@ from engine.multimodal.inputs import ProcessedPrompt
 from engine.multimodal.processing import MultiModalInputError
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams, logprobs_count
-from engine.tool_parsers.request_tools import Tools
+from engine.tool_parsers.request_tools import RequestTools
 
 PromptType = str | dict[str, Any]
 # The per-call arguments of `LLM.generate` and its siblings: one value for every prompt or one per prompt.
@@ -39,7 +39,7 @@ class Request:
     beam_search: BeamSearchParams | None = None
     pooling: PoolingParams | None = None
     multi_modal: ProcessedPrompt | None = None  # the prompt's images, processed (`prompt_token_ids` expanded)
-    tools: Tools = None  # the tools of a chat's prompt (`render_chat`), which the calls are read by
+    tools: RequestTools | None = None  # a chat prompt's tools and tool choice (`render_chat`)
 
     def submit(self, engine: LLMEngine, request_id: str) -> None:
         """Queues the request on `engine` under `request_id`."""
@@ -155,8 +155,8 @@ class RequestChecker:
             found.append(problem)
         if found:
             return RowCheck(None, "; ".join(found))
-        tools = prompt.get("tools") if isinstance(prompt, dict) else None
-        return RowCheck(Request(text, ids, params, priority, adapter, multi_modal=images, tools=tools), None)
+        return RowCheck(Request(text, ids, params, priority, adapter, multi_modal=images,
+                                tools=RequestTools.of_prompt(prompt)), None)
 
     def _images(self, prompt: Any, ids: list[int] | None) -> tuple[ProcessedPrompt | None, str | None]:
         """The prompt's images processed into its token ids (None: a prompt without images),

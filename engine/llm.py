@@ -236,7 +236,7 @@ class LLM:
         prompts = [render_chat(tokenizer, conversation, chat_template=chat_template,
                                add_generation_prompt=add_generation_prompt,
                                continue_final_message=continue_final_message, tools=tools,
-                               chat_template_kwargs=chat_template_kwargs)
+                               chat_template_kwargs=chat_template_kwargs, tool_choice=choice.mode)
                    for conversation in conversations]
         outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request,
                                 priority=priority)

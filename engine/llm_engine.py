@@ -43,7 +43,7 @@ from engine.spec_decode.draft_model import DraftModelProposer
 from engine.spec_decode.ngram_proposer import NgramProposer
 from engine.structured_output.manager import StructuredOutputManager
 from engine.tool_parsers import ToolParser, detect_tool_parser, tool_parser
-from engine.tool_parsers.request_tools import Tools
+from engine.tool_parsers.request_tools import RequestTools
 from engine.worker.draft_model_runner import resolve_draft_config
 from engine.worker.model_runner import LaunchedStep, ModelRunner
 
@@ -142,13 +142,14 @@ class LLMEngine:
         beam_search: BeamSearchParams | None = None,
         pooling: PoolingParams | None = None,
         multi_modal: ProcessedPrompt | None = None,
-        tools: Tools = None,
+        tools: RequestTools | None = None,
     ) -> Sequence:
         """Queues a validated request (its first completion; the others fork from it).
         With `beam_search` it is a beam search (`sampling_params` is then
         `beam_search.sampling_params()`), whose first beam this sequence is; with
         `pooling`, a prompt to embed or classify, which is only prefilled. `tools`: the
-        tools a chat declared, which its completions' calls are read by."""
+        tools a chat declared, which its completions' calls are read by, and whether the
+        tool parser reads them (its tool choice)."""
         seq = self._new_sequence(request_id, prompt, prompt_token_ids, sampling_params, priority, index=0,
                                  lora_request=lora_request, multi_modal=multi_modal,
                                  completion=pooling is None and beam_search is None)

@@ -338,7 +338,7 @@ def generation_request(url: str, body: Mapping[str, Any], tokenizer: Any,
         _check_fields(url, body)
         if url == CHAT_URL:
             choice = _tool_choice(body, compile_problem)
-            prompts = [_chat_prompt(body, tokenizer)]
+            prompts = [_chat_prompt(body, tokenizer, choice)]
             logprobs, max_tokens = _chat_logprobs(body), first_set(body, "max_completion_tokens", "max_tokens")
         else:
             prompts = _completion_prompts(body.get("prompt"))
@@ -510,8 +510,9 @@ def _completion_logprobs(body: Mapping[str, Any]) -> int | None:
     return value
 
 
-def _chat_prompt(body: Mapping[str, Any], tokenizer: Any) -> dict[str, Any]:
-    """The body's conversation rendered with the model's chat template (or the body's own)."""
+def _chat_prompt(body: Mapping[str, Any], tokenizer: Any, choice: ToolChoice) -> dict[str, Any]:
+    """The body's conversation rendered with the model's chat template (or the body's own),
+    under its checked tool choice."""
     messages = _template_messages(body.get("messages"))
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
@@ -531,7 +532,7 @@ def _chat_prompt(body: Mapping[str, Any], tokenizer: Any) -> dict[str, Any]:
         raise _BodyError("chat_template", f"must be a Jinja template string, got {type(template).__name__}")
     try:
         return render_chat(tokenizer, messages, chat_template=template, tools=tools, chat_template_kwargs=kwargs,
-                           **flags)
+                           tool_choice=choice.mode, **flags)
     except Exception as exc:  # the chat template is the model's program: whatever it raises is this line's
         raise _BodyError("messages", f"the chat template cannot render this conversation ({type(exc).__name__}: "
                                      f"{exc}): fix the messages, or give a chat_template") from exc

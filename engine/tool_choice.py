@@ -1,5 +1,6 @@
 """OpenAI's `tool_choice`, as vLLM's server serves it: "auto" (the model decides, the tool
-parser reads its calls), "none" (no call is asked for), "required" (at least one call) and a
+parser reads its calls), "none" (no call is asked for: one the model writes anyway stays in
+the text, as vLLM leaves it), "required" (at least one call) and a
 named function (`{"type": "function", "function": {"name": ...}}`: exactly one call of it).
 
 A forced choice (required or named) is made exact by a structured output (`grammar`): for
@@ -200,10 +201,8 @@ def apply_tool_choice(output: RequestOutput, choice: ToolChoice, tokenizer: "Pre
                       call_ids: CallIds = OPENAI_CALL_IDS) -> RequestOutput:
     """The output as a forced choice makes it (in place): each completion's calls read
     from the grammar's JSON (`forced_calls`), their ids in the style `call_ids` (the engine's
-    tool parser's, `LLM.tool_call_ids`). Other choices leave it as the engine made it:
-    with "none" too, calls the model writes anyway are read as with "auto" (the engine's
-    tool parser reads them before the entrypoint sees the completion, and dropping them
-    would lose them; vLLM leaves them in the text)."""
+    tool parser's, `LLM.tool_call_ids`). Other choices leave it as the engine made it (under
+    "none" the engine's tool parser left the calls in the text: `RequestTools`)."""
     if choice.forced:
         for completion in output.outputs:
             forced_calls(completion, choice, tokenizer, call_ids)

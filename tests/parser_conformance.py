@@ -36,6 +36,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.output_parsing import ParsedCompletion, parse_completion
 from engine.reasoning import reasoning_parser
 from engine.tool_parsers import tool_parser
+from engine.tool_parsers.request_tools import RequestTools
 from tests.tiny_models import build_tokenizer
 
 # The deliberate differences from vLLM, each with its reason (docs/engine.md's
@@ -128,7 +129,8 @@ def run(output: str, family: str, reasoning: str | None = None, tools: str | Non
         if tracker is not None:
             tracker.advance(token, count, detokenizer.text)
     calls = tool_parser(tools, tokenizer) if tools else None
-    return parse_completion(detokenizer.text, ids, parser, tracker, calls, skip_special_tokens, request_tools)
+    return parse_completion(detokenizer.text, ids, parser, tracker, calls, skip_special_tokens,
+                            RequestTools(request_tools) if request_tools is not None else None)
 
 
 def calls_of(parsed: ParsedCompletion) -> list[tuple[str, Any]] | None:

@@ -188,7 +188,8 @@ def read_rows(frame: pd.DataFrame, partition: PartitionSettings, spec: PromptTab
         _apply_adapter(row, record, spec)
         _apply_overrides(row, {c: _plain(record[c]) for c in overrides if not missing_cell(record[c])}, partition)
         row_images = _attach_images(row, images[position], spec, image_placeholder) if images else None
-        _render(row, record[spec.prompt_column], spec, tokenizer, image_placeholder, row_images)
+        _render(row, record[spec.prompt_column], spec, tokenizer, image_placeholder, row_images,
+                partition.tool_choice.mode)
         rows.append(row)
     return rows
 
@@ -243,8 +244,9 @@ def _attach_images(row: PromptRow, images: RowImages, spec: PromptTableRules,
 
 
 def _render(row: PromptRow, value: object, spec: PromptTableRules, tokenizer: Any,
-            image_placeholder: str | None, images: list[bytes] | None) -> None:
-    """Sets the row's prompt text (as stored) and the engine prompt (token ids and images)."""
+            image_placeholder: str | None, images: list[bytes] | None, tool_choice: str) -> None:
+    """Sets the row's prompt text (as stored) and the engine prompt (token ids and images;
+    a chat's tools and its `tool_choice` mode)."""
     value = _plain(value)
     messages = _read_prompt(row, value, spec)
     if row.error is not None:
@@ -252,7 +254,7 @@ def _render(row: PromptRow, value: object, spec: PromptTableRules, tokenizer: An
     if messages is None:
         _text_prompt(row, value, spec, tokenizer, image_placeholder, images or [])
     else:
-        _chat_prompt(row, messages, spec, tokenizer, image_placeholder, images or [])
+        _chat_prompt(row, messages, spec, tokenizer, image_placeholder, images or [], tool_choice)
 
 
 def _read_prompt(row: PromptRow, value: object, spec: PromptTableRules) -> list[dict[str, Any]] | None:
@@ -298,7 +300,7 @@ def _text_prompt(row: PromptRow, text: str, spec: PromptTableRules, tokenizer: A
 
 
 def _chat_prompt(row: PromptRow, messages: list[dict[str, Any]], spec: PromptTableRules, tokenizer: Any,
-                 image_placeholder: str | None, images: list[bytes]) -> None:
+                 image_placeholder: str | None, images: list[bytes], tool_choice: str) -> None:
     """A conversation rendered with the model's chat template, which gets the spec's tools and
     chat_template_kwargs; the row's images open its last user message."""
     if image_placeholder is None and chat_images(messages):
@@ -315,7 +317,8 @@ def _chat_prompt(row: PromptRow, messages: list[dict[str, Any]], spec: PromptTab
         messages[last_user] = {**messages[last_user],
                                "content": [*({"type": "image", "image": data} for data in images), *text_parts]}
     try:
-        row.prompt = render_chat(tokenizer, messages, tools=spec.tools, chat_template_kwargs=spec.chat_template_kwargs)
+        row.prompt = render_chat(tokenizer, messages, tools=spec.tools, chat_template_kwargs=spec.chat_template_kwargs,
+                                 tool_choice=tool_choice)
     except Exception as exc:  # a template may raise anything for messages it does not accept
         given = " with the tools and chat_template_kwargs given" if spec.tools or spec.chat_template_kwargs else ""
         row.fail(f"{spec.prompt_column}: the model's chat template rejected the messages{given} ({exc})")

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from engine.reasoning import ReasoningTracker
     from engine.sample.sampler import SampledToken
     from engine.structured_output.backend_types import StructuredOutputGrammar
-    from engine.tool_parsers.request_tools import Tools
+    from engine.tool_parsers.request_tools import RequestTools
 
 
 class BeamGroupState(Protocol):
@@ -136,8 +136,9 @@ class Sequence:
         self.grammar: "StructuredOutputGrammar | None" = None
         # Where it stands in its reasoning section, with a reasoning parser (set by the engine).
         self.reasoning: "ReasoningTracker | None" = None
-        # The tools its request declared (a chat's), which the tool parser reads its calls by.
-        self.tools: "Tools" = None
+        # The tools its request declared (a chat's), which the tool parser reads its calls by,
+        # and whether it reads them (the request's tool choice).
+        self.tools: "RequestTools | None" = None
         # With speculative decoding: the tokens proposed for its next step (verified in it
         # after its last token) and its proposer's state.
         self.spec_token_ids: list[int] = []

@@ -101,7 +101,10 @@ def test_thinking_on_and_off_fill_reasoning_and_typed_columns_and_a_cut_reasonin
         assert meta["dagster/column_lineage"].value.deps_by_column["reasoning"][0].column_name == "prompt"
 
 
-def test_tools_reach_the_rendered_prompt_and_the_table_has_their_columns(resources, monkeypatch):
+@pytest.mark.parametrize("tool_choice", [None, "none"])
+def test_tools_reach_the_rendered_prompt_and_the_table_has_their_columns(resources, monkeypatch, tool_choice):
+    """The tools go to the template under "none" too; the prompt tells the engine's tool
+    parser to leave the calls of a "none" row in its text (as vLLM does)."""
     rendered = []
     render = dagster_llm.core.prompts.render_chat
 
@@ -110,7 +113,7 @@ def test_tools_reach_the_rendered_prompt_and_the_table_has_their_columns(resourc
         return rendered[-1]
 
     monkeypatch.setattr(dagster_llm.core.prompts, "render_chat", recording_render)
-    gen = build_generation_asset("gen", upstream=messages, chat=True, tools=[WEATHER],
+    gen = build_generation_asset("gen", upstream=messages, chat=True, tools=[WEATHER], tool_choice=tool_choice,
                                  chat_template_kwargs={"enable_thinking": False},
                                  sampling=SamplingConfig(temperature=0, max_tokens=4))
     with dg.instance_for_test() as instance:
@@ -118,6 +121,7 @@ def test_tools_reach_the_rendered_prompt_and_the_table_has_their_columns(resourc
         meta = latest(instance, "gen", "a").metadata
     assert len(rendered) == 3 and all('<tools>\n{"type": "function", "function": {"name": "get_weather"'
                                       in prompt["prompt"] for prompt in rendered)
+    assert all(prompt.get("tool_choice") == tool_choice for prompt in rendered)
     table = read(resources, "gen")
     assert table.schema.field("tool_calls").type == TOOL_CALLS_TYPE
     assert [(f.name, f.type) for f in table.schema][-2:] == [("city", pa.string()), ("days", pa.int64())]

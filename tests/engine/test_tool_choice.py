@@ -164,6 +164,21 @@ def test_the_calls_come_from_the_grammar_not_from_the_tool_parser(folder):
     assert json.loads(call.function.arguments) in ({"name": "Ann", "parameters": {}}, {"name": "Bob", "parameters": {}})
 
 
+def test_none_leaves_a_call_the_model_writes_anyway_in_the_text(llm):
+    """vLLM reads no calls under tool_choice "none" (the tools still go to the template); a
+    regex stands in for a model that calls anyway, and "auto" reads the same answer's call."""
+    call = '<tool_call>\n{"name": "get_time", "arguments": {"utc": true}}\n</tool_call>'
+    params = SamplingParams(temperature=0, max_tokens=120,
+                            structured_outputs=StructuredOutputsParams(regex=call.replace("{", "\\{")
+                                                                       .replace("}", "\\}")))
+    outputs = {choice: llm.chat(QUESTIONS[0], params, tools=TOOLS, tool_choice=choice,
+                                chat_template_kwargs=THINKING_OFF, use_tqdm=False)[0].outputs[0]
+               for choice in ("none", "auto")}
+    assert outputs["none"].token_ids == outputs["auto"].token_ids
+    assert (outputs["none"].text, outputs["none"].tool_calls, outputs["none"].tool_call_error) == (call, None, None)
+    assert [c.function.name for c in outputs["auto"].tool_calls] == ["get_time"] and outputs["auto"].text == ""
+
+
 def test_a_json_cut_by_max_tokens_keeps_its_text_and_says_why(llm):
     [output] = llm.chat(QUESTIONS[0], SamplingParams(temperature=0, max_tokens=4), tools=TOOLS, tool_choice="required",
                         chat_template_kwargs=THINKING_OFF, use_tqdm=False)
