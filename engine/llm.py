@@ -24,6 +24,7 @@ from engine.llm_engine import LLMEngine
 from engine.lora.request import LoRARequest
 from engine.multimodal.image import ImageLimits
 from engine.model_loader.folder import model_fingerprint
+from engine.output_parsing import PARSING_REVISION
 from engine.outputs import (
     ClassificationRequestOutput, EmbeddingRequestOutput, EngineStats, RequestOutput, ScoringOutput,
     ScoringRequestOutput, UnfinishedOutput,
@@ -124,10 +125,13 @@ class LLM:
         rows for the same prompts (dtype="auto" is float32 on an AVX2 CPU, bfloat16 with int8
         products on an AVX-512 one; reasoning_parser="auto" is the parser the tokenizer
         implies), so row digests and data versions hold it; operational settings (threads,
-        block size, speculation...) stay out, and changing them reuses rows."""
+        block size, speculation...) stay out, and changing them reuses rows. With a reasoning
+        or tool-call parser, the revision of the parsers' rules enters too (`PARSING_REVISION`)."""
         config = self.llm_engine.config
         settings = {setting.name: getattr(config, setting.name) for setting in engine_settings()
                     if setting.metadata.get("affects") == OUTPUT}
+        if config.reasoning_parser is not None or config.tool_call_parser is not None:
+            settings["output_parsing"] = PARSING_REVISION  # the parsers' rules, which can change their columns
         return {"model": self.model_fingerprint, **settings, "device": torch.device(config.device).type}
 
     @property

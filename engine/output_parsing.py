@@ -11,6 +11,13 @@ from engine.tool_parsers import ToolParser
 from engine.tool_parsers.request_tools import RequestTools
 
 
+# The revision of what `parse_completion` makes of a completion's tokens (the reasoning
+# apart, the tool calls): raised whenever a parser gives other results for the same tokens,
+# so that a table keeps no rows parsed the old way (`LLM.output_settings` holds it where a
+# parser runs). 2: vLLM's parser cases (issue 63).
+PARSING_REVISION = 2
+
+
 @dataclass(frozen=True)
 class ParsedCompletion:
     """A completion's answer `text`, its `reasoning` (None: it had no section), the

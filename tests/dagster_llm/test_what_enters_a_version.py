@@ -15,8 +15,10 @@ from dagster_llm import GenerationRun, LLMResource, PartitionInput, RunOptions, 
 from dagster_llm.core.embedding import EmbeddingOptions, EmbeddingRun, TextPartition, text_rows
 from dagster_llm.core.table_store import TableStore
 from dagster_llm.resource import _engine_fields
+import engine.llm
 from engine import LLM
 from engine.config import OUTPUT, SETTING_CLASSES, engine_settings
+from engine.output_parsing import PARSING_REVISION
 from tests.dagster_llm.test_generation_asset import latest, prompts_asset
 from tests.dagster_llm.test_storage_and_resume import rows_of
 from tests.reasoning_models import build_reasoning_model
@@ -149,10 +151,26 @@ def test_the_resolved_settings_enter_not_the_words_that_chose_them(model_folder,
         settings = llm.output_settings
     assert {name: settings[name] for name in ("reasoning_parser", "tool_call_parser", "runner", "dtype")} == {
         "reasoning_parser": "qwen3", "tool_call_parser": "hermes", "runner": "generate", "dtype": "float32"}
-    assert set(settings) == {"model"} | {s.name for s in engine_settings() if s.metadata["affects"] == OUTPUT}
+    assert set(settings) == {"model", "output_parsing"} | {s.name for s in engine_settings()
+                                                           if s.metadata["affects"] == OUTPUT}
+    assert settings["output_parsing"] == PARSING_REVISION
     [first] = runs({"reasoning_parser": "auto", "tool_call_parser": "auto"}, FRAME)
     [second] = runs({}, FRAME)
     assert (second.stats.resumed_rows, second.data_version) == (len(FRAME), first.data_version)
+
+
+def test_rows_parsed_under_older_parser_rules_are_generated_again(model_folder, tmp_path, monkeypatch):
+    """A new revision of the parsers' rules (engine.output_parsing.PARSING_REVISION) keeps no
+    row parsed the old way, resumed or reused: its reasoning and tool-call columns would be
+    the old rules'."""
+    runs = Runs(model_folder, tmp_path)
+    [first] = runs({}, FRAME)
+    monkeypatch.setattr(engine.llm, "PARSING_REVISION", PARSING_REVISION + 1)
+    [second] = runs({}, FRAME)
+    assert second.data_version != first.data_version
+    assert (second.stats.resumed_rows, second.stats.reused_rows, second.stats.generated_rows) == (0, 0, len(FRAME))
+    with LLM(str(runs.folder), **{**BASE, "reasoning_parser": None, "tool_call_parser": None}) as llm:
+        assert "output_parsing" not in llm.output_settings  # nothing parsed: nothing to regenerate
 
 
 def test_an_embedding_tables_version_follows_the_same_classes(model_folder, tmp_path):
