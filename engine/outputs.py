@@ -46,7 +46,8 @@ class CompletionOutput:
     model's reasoning section (vLLM's `reasoning_content`; None: the completion has none)
     and `text` the answer after it; `num_reasoning_tokens` counts the reasoning's tokens,
     its markers included, and `reasoning_ended` says whether the section was closed (False:
-    the completion stopped while reasoning, and `text` is empty). With a tool-call parser
+    the completion stopped while reasoning, and `text` holds only what it wrote before
+    opening the section, usually nothing). With a tool-call parser
     (`tool_call_parser`), the calls found in the answer are in `tool_calls` (None: none)
     and `text` keeps what the model wrote besides them; a call that does not parse is named
     in `tool_call_error` and loses nothing: the calls that parse stay in `tool_calls`, a named
