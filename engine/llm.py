@@ -269,7 +269,9 @@ class LLM:
         A prompt is a string, {"prompt": str} or {"prompt_token_ids": [int, ...]}; for a
         vision-language model a dict may add {"multi_modal_data": {"image": image or [images]}}
         (PIL images, encoded bytes, local paths, file:// or data: URIs), each image standing
-        for one `image_placeholder` in the prompt.
+        for one `image_placeholder` in the prompt. A chat prompt that `render_chat` made may
+        carry {"tools": [...]} (the tool parser reads its calls by them) and a "tool_choice"
+        other than "auto" (its calls are then left to the caller: `engine.tool_choice`).
         `sampling_params`, `lora_request` and `priority` are one value for all prompts or
         one per prompt; a None adapter runs the base model. Requests with different
         adapters run in the same steps. A priority orders requests (lower first) under
