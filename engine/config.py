@@ -3,6 +3,7 @@
 may read: at import it loads neither torch nor any other engine module; the CPU and KV-cache
 helpers it needs are imported where a setting is checked or resolved."""
 
+import functools
 import os
 import types
 import typing
@@ -248,9 +249,11 @@ class EngineConfig:
                 problems.append(f"{name} must be 'auto', None or one of {sorted(known)}, got {value!r}")
         return problems
 
-    @property
+    @functools.cached_property
     def speculative(self) -> "SpeculativeConfig | None":
-        """`speculative_config` read (`SpeculativeConfig.parse`), or None without speculation."""
+        """`speculative_config` read (`SpeculativeConfig.parse`), or None without speculation:
+        parsed once, when the settings are checked, and kept for the engine, the draft model's
+        runner and every rank that receives the config."""
         from engine.spec_decode.config import SpeculativeConfig
 
         return SpeculativeConfig.parse(self.speculative_config) if self.speculative_config is not None else None

@@ -58,6 +58,24 @@ def test_settings_follow_vllm_and_name_every_bad_key():
         EngineConfig(speculative_config={"num_speculative_tokens": 2}, async_scheduling=True)
 
 
+def test_speculative_config_is_parsed_once_when_the_settings_are_checked(make_llm, monkeypatch):
+    """A config reads the dict once, when it checks it; the engine and the draft model's runner
+    take that parsed record (and a copy of the config, as a rank receives it, keeps it)."""
+    import copy
+    import pickle
+
+    parsed = []
+    parse = SpeculativeConfig.parse.__func__
+    monkeypatch.setattr(SpeculativeConfig, "parse", classmethod(lambda cls, value: parsed.append(value) or
+                                                                parse(cls, value)))
+    config = EngineConfig(speculative_config={"num_speculative_tokens": 2})
+    assert config.speculative == SpeculativeConfig("ngram", 2, 5, 5) and len(parsed) == 1
+    assert pickle.loads(pickle.dumps(config)).speculative is not None and copy.copy(config).speculative
+    llm = make_llm(dtype="float32", speculative_config={"num_speculative_tokens": 2})
+    engine_config, before = llm.llm_engine.config, len(parsed)
+    assert engine_config.speculative is engine_config.speculative and len(parsed) == before
+
+
 def test_the_index_proposes_what_followed_the_latest_longest_match():
     tokens = [5, 6, 7, 8, 9, 5, 6, 7, 1, 2, 5, 6, 7]
     index = NgramIndex(1, 3)  # one index per sequence, its tokens growing
