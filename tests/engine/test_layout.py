@@ -3,25 +3,42 @@ circle, and cheap imports of one part.
 
 `TIERS` is the one declaration of the allowed direction: top to bottom, each row a tier, each
 name in it a part (a folder or a module; a module belongs to the longest name that prefixes
-it). A module may import its own part and any part of a lower tier; parts of one tier do not
+it). The top part, `engine`, is the package face (`engine/__init__.py`) alone: every other
+module needs a part of its own, so a new module fails until it is listed (or sits in a listed
+folder) rather than falling silently into the top tier.
+
+A module may import its own part and any part of a lower tier; parts of one tier do not
 import each other. Every import counts: at module level, inside a function (lazy) and under
 `TYPE_CHECKING` (a type-only reference between tiers goes through a Protocol in the lower
 one, as `layers.linear.StoredTensor` and `LoRADeltas`, `core.sequence.BeamGroupState` do).
+Imports by string count too, at the line of the string: `importlib.import_module` and
+`__import__` of a literal name, and each module of a package's `_EXPORTS` table (its public
+names, loaded on first use by `engine.lazy_exports`). The face's `_EXPORTS` are imports by
+`engine`, the top tier, so they may point at any part; nothing below may import the face, so
+they cannot close a circle. A child process's target (`"engine.worker.tp_worker:serve"`) is
+no import: it is loaded in another process, and counting it would make a circle of
+`worker_group` starting the rank whose loop drives a `worker_group`.
+
+docs/engine.md's "Where the code is" table is checked against the tree: every package of the
+engine is named in a row, and every file or folder a row names exists (`where_rows` says how
+a name resolves).
 """
 
 import ast
+import re
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+FACE = "engine"  # the package face, engine/__init__.py: the top tier, and no other module's part
 
 TIERS: list[list[str]] = [
-    ["engine"],  # the package: lazy public names
+    [FACE],  # the package: lazy public names
     ["engine.run_batch"],  # python -m engine.run_batch: OpenAI batch files from the command line
     ["engine.openai_batch"],  # OpenAI batch lines and bodies <-> engine inputs and outputs; runs on LLM
     ["engine.llm"],  # LLM, the offline entry point
@@ -59,7 +76,8 @@ class EngineImport:
     line: int
 
     def __str__(self) -> str:
-        return f"{self.path.relative_to(ROOT)}:{self.line}: {self.source} imports {self.target}"
+        where = self.path.relative_to(ROOT) if self.path.is_relative_to(ROOT) else self.path
+        return f"{where}:{self.line}: {self.source} imports {self.target}"
 
 
 def engine_modules() -> dict[str, Path]:
@@ -83,28 +101,60 @@ def _imported_names(node: ast.AST, package: str) -> list[str]:
     return []
 
 
+def _string_imports(node: ast.AST) -> list[ast.Constant]:
+    """The literal strings by which `node` imports an engine module: the name given to
+    `import_module` or `__import__`, and the modules of an `_EXPORTS = {name: module}` table."""
+    if isinstance(node, ast.Call):
+        called = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+        named = node.args[:1] if called in ("import_module", "__import__") else []
+    elif isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "_EXPORTS" for t in node.targets):
+        named = node.value.values if isinstance(node.value, ast.Dict) else []
+    else:
+        named = []
+    return [c for c in named if isinstance(c, ast.Constant) and isinstance(c.value, str)
+            and c.value.split(".")[0] == FACE]
+
+
+def _import_edge(source: str, name: str, modules: dict[str, Path], line: int) -> EngineImport | None:
+    """`source`'s import of `name` (a module, or a name inside one) as an edge to the engine
+    module holding it; None when that is no engine module or `source` itself."""
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return EngineImport(source, name, modules[source], line) if name and name != source else None
+
+
 def engine_imports(modules: dict[str, Path]) -> Iterator[EngineImport]:
-    """Each import of one engine module by another, wherever it stands in the file."""
+    """Each import of one engine module by another, wherever it stands in the file, by
+    statement or by string."""
     for source, path in modules.items():
         package = source if path.name == "__init__.py" else source.rpartition(".")[0]
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            for name in _imported_names(node, package):
-                while name and name not in modules:
-                    name = name.rpartition(".")[0]
-                if name and name != source:
-                    yield EngineImport(source, name, path, node.lineno)
+            edges = [_import_edge(source, name, modules, node.lineno) for name in _imported_names(node, package)]
+            edges += [_import_edge(source, c.value, modules, c.lineno) for c in _string_imports(node)]
+            yield from filter(None, edges)
 
 
 def part_of(module: str) -> str | None:
-    """The longest part of `TIERS` that is `module` or a package above it."""
-    while module and module not in RANK:
-        module = module.rpartition(".")[0]
-    return module or None
+    """The longest part of `TIERS` that is `module` or a package above it; None when that is
+    only the package face, which is the part of `engine/__init__.py` alone."""
+    part = module
+    while part and part not in RANK:
+        part = part.rpartition(".")[0]
+    return part if part and (part != FACE or module == FACE) else None
+
+
+def placement_problems(modules: Iterable[str]) -> list[str]:
+    """Each module without a part of its own in `TIERS`, and where to give it one."""
+    return [f"{module} has no part in TIERS (only the package face {FACE!r} prefixes it): list it, "
+            f"or a folder above it, in the tier it belongs to in TIERS in {Path(__file__).relative_to(ROOT)}"
+            for module in sorted(modules) if part_of(module) is None]
 
 
 def import_problem(edge: EngineImport) -> str | None:
     """Why this import runs against the tiers, or None."""
     source, target = part_of(edge.source), part_of(edge.target)
+    if source is None or target is None:
+        return f"{edge}: {edge.source if source is None else edge.target} has no part in TIERS to judge it by"
     if source == target or RANK[target] > RANK[source]:
         return None
     where = "a peer of its tier" if RANK[target] == RANK[source] else "a higher tier"
@@ -144,13 +194,59 @@ def circles(edges: list[EngineImport]) -> list[list[str]]:
     return found
 
 
+@dataclass(frozen=True)
+class WhereRow:
+    tier: str
+    paths: list[str]  # relative to engine/; a folder ends in "/"
+
+
+def where_rows(markdown: str) -> list[WhereRow]:
+    """The rows of the table under "## Where the code is" (up to the next "## "), each with
+    the paths its "where" (second) cell names. A path is a backticked name ending in ".py" or
+    "/"; other backticked names (`LLM`, `__init__`) are not. A folder, or a name with a "/"
+    inside it, is relative to engine/; a bare file name is relative to the last folder named
+    before it in the cell (`worker/`: `tp_worker.py` is engine/worker/tp_worker.py), or to
+    engine/ when none was, so a row names its root files before its folders."""
+    section = re.search(r"^## Where the code is\n(.*?)(?=^## |\Z)", markdown, re.M | re.S)
+    rows = []
+    for line in section.group(1).splitlines() if section else []:
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if not line.startswith("|") or len(cells) < 2 or set(cells[0]) <= set("-:") or cells[1] == "where":
+            continue
+        folder, paths = "", []
+        for name in re.findall(r"`([^`]+)`", cells[1]):
+            if name.endswith("/"):
+                folder = name
+            if name.endswith(("/", ".py")):
+                paths.append(name if "/" in name else folder + name)
+        rows.append(WhereRow(cells[0], paths))
+    return rows
+
+
+def where_table_problems(markdown: str, engine_dir: Path) -> list[str]:
+    """How the "Where the code is" table disagrees with the tree at `engine_dir`: a package
+    (a folder with an `__init__.py`, so neither `__pycache__` nor a folder of C++ sources;
+    the kernels' C++ files sit beside their loaders in `kernels/`) that no row names, and a
+    named file or folder that is not there."""
+    rows = where_rows(markdown)
+    named = {path for row in rows for path in row.paths}
+    packages = sorted(f"{p.parent.relative_to(engine_dir).as_posix()}/" for p in engine_dir.rglob("*/__init__.py"))
+    where = 'docs/engine.md, "Where the code is"'
+    problems = [f"{where}: no row names the folder engine/{package}; add it to the row of its tier"
+                for package in packages if package not in named]
+    for row in rows:
+        problems += [f"{where}: the {row.tier!r} row names engine/{path}, which does not exist" for path in row.paths
+                     if not ((engine_dir / path).is_dir() if path.endswith("/") else (engine_dir / path).is_file())]
+    return problems
+
+
 MODULES = engine_modules()
 EDGES = list(engine_imports(MODULES))
 
 
 def test_every_engine_module_has_a_place_in_the_tiers():
-    unplaced = sorted(m for m in MODULES if part_of(m) is None)
-    assert not unplaced, f"add these to a tier of TIERS in {Path(__file__).name}: {unplaced}"
+    unplaced = placement_problems(MODULES)
+    assert not unplaced, "\n".join(unplaced)
     missing = sorted(part for part in RANK if part not in MODULES)
     assert not missing, f"TIERS names parts that no longer exist: {missing}"
 
@@ -164,6 +260,11 @@ def test_the_engine_has_no_import_circle():
     found = circles(EDGES)
     details = [[str(e) for e in EDGES if e.source in group and e.target in group] for group in found]
     assert not found, "import circles:\n" + "\n\n".join("\n".join(lines) for lines in details)
+
+
+def test_the_docs_table_of_the_code_matches_the_tree():
+    problems = where_table_problems((ROOT / "docs" / "engine.md").read_text(), ROOT / "engine")
+    assert not problems, "\n".join(problems)
 
 
 @pytest.mark.parametrize(("statement", "at_most"), [("import engine", 2), ("import engine.core.scheduler", 20)])
@@ -186,8 +287,64 @@ def test_the_checks_see_imports_of_every_kind(tmp_path):
     modules = {"engine.hardware": source, "engine.config": empty, "engine.core.scheduler": empty}
     edges = list(engine_imports(modules))
     assert [(e.target, e.line) for e in edges] == [("engine.config", 3), ("engine.core.scheduler", 5)]
-    edges = [EngineImport(e.source, e.target, ROOT / "engine" / "hardware.py", e.line) for e in edges]
     assert all(import_problem(edge) for edge in edges)
     back = EngineImport("engine.config", "engine.hardware", ROOT / "engine" / "config.py", 1)
     assert import_problem(back) is None
     assert circles([edges[0], back]) == [["engine.config", "engine.hardware"]]
+
+
+def test_imports_by_string_are_checked(tmp_path):
+    """`import_module`, `__import__` and `_EXPORTS` of a literal name are imports (a computed
+    name is not); the face's `_EXPORTS` may point anywhere below it, a lower module's may not."""
+    source = tmp_path / "hardware.py"
+    source.write_text("import importlib\ndef f(name):\n    importlib.import_module(name)\n"
+                      "    importlib.import_module('engine.config')\n    __import__('engine.core.scheduler')\n"
+                      "_EXPORTS = {\n    'EngineConfig': 'engine.config',\n}\n")
+    face = tmp_path / "__init__.py"
+    face.write_text("_EXPORTS = {'Scheduler': 'engine.core.scheduler'}\n")
+    empty = tmp_path / "empty.py"
+    empty.write_text("")
+    modules = {"engine": face, "engine.hardware": source, "engine.config": empty, "engine.core.scheduler": empty}
+    edges = sorted(engine_imports(modules), key=lambda e: (e.source, e.line))
+    assert [(e.source, e.target, e.line) for e in edges] == [
+        ("engine", "engine.core.scheduler", 1), ("engine.hardware", "engine.config", 4),
+        ("engine.hardware", "engine.core.scheduler", 5), ("engine.hardware", "engine.config", 7)]
+    assert [bool(import_problem(edge)) for edge in edges] == [False, True, True, True]
+
+
+def test_a_module_no_tier_lists_is_reported():
+    """A new root module has no part (the face is `engine/__init__.py` alone), and an import
+    of it cannot be judged; a new module of a listed folder is that folder's."""
+    assert part_of("engine") == "engine"
+    assert part_of("engine.core.new_module") == "engine.core"
+    problems = placement_problems(["engine", "engine.core.new_module", "engine.new_module"])
+    assert len(problems) == 1 and problems[0].startswith("engine.new_module has no part in TIERS")
+    assert "in TIERS in tests/engine/test_layout.py" in problems[0]
+    edge = EngineImport("engine.llm", "engine.new_module", ROOT / "engine" / "llm.py", 1)
+    assert import_problem(edge) == "engine/llm.py:1: engine.llm imports engine.new_module: " \
+                                   "engine.new_module has no part in TIERS to judge it by"
+
+
+def test_where_rows_resolve_names_against_the_row_folder():
+    """A bare file name is in the last folder named before it in its cell; other names are
+    from engine/; the vLLM column, other backticked names and other sections are not read."""
+    table = ("## Where the code is\n\n| tier | where | vLLM's |\n|---|---|---|\n"
+             "| a | `llm.py` (`LLM`), `worker/`: `worker.py`, `core/scheduler.py`, "
+             "`attention/backends/`: `cpu_attn.py` | `v1/worker/` |\n\n"
+             "## Measurements\n| b | `not_in_the_section.py` | |\n")
+    assert where_rows(table) == [WhereRow("a", ["llm.py", "worker/", "worker/worker.py", "core/scheduler.py",
+                                                "attention/backends/", "attention/backends/cpu_attn.py"])]
+
+
+def test_the_docs_table_check_sees_a_missing_file_and_an_unnamed_folder(tmp_path):
+    for package in ("core", "worker", "worker/ops"):
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text("")
+    (tmp_path / "__pycache__").mkdir()
+    (tmp_path / "core" / "scheduler.py").write_text("")
+    table = ("## Where the code is\n\n| tier | where | vLLM's |\n|---|---|---|\n"
+             "| scheduler side | `core/`: `scheduler.py`, `sequence.py` | |\n| device | `worker/` | |\n")
+    where = 'docs/engine.md, "Where the code is"'
+    assert where_table_problems(table, tmp_path) == [
+        f"{where}: no row names the folder engine/worker/ops/; add it to the row of its tier",
+        f"{where}: the 'scheduler side' row names engine/core/sequence.py, which does not exist"]
