@@ -16,14 +16,13 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 
 from dagster_llm.core.checks import CheckOutcome
+from dagster_llm.core.engine_surface import PoolingParams, invalid_unicode_problem
 from dagster_llm.core.generation import digest
 from dagster_llm.core.prompts import missing_cell, storable_text
 from dagster_llm.core.table_store import POSITION_COLUMN, PartitionFiles, with_data_version
-from engine import PoolingParams
-from engine.chat_utils import invalid_unicode_problem
 
 if TYPE_CHECKING:
-    from engine import LLM
+    from dagster_llm.core.engine_surface import LLM
 
 COLUMNS = {
     "id": "The row's id, from the upstream table (as text).",

@@ -19,17 +19,18 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
+from dagster_llm.core.engine_surface import (
+    BeamSearchOutput, CompletionOutput, LoRARequest, RequestOutput, ToolChoice, apply_tool_choice, grammar_problem,
+)
 from dagster_llm.core.progress import GenerationProgress, WorkCounters, speculation_summary
 from dagster_llm.core.prompts import PromptRow
 from dagster_llm.core.sampling import used_values
 from dagster_llm.core.schema import ToolArguments, generation_schema, records_table, result_record
 from dagster_llm.core.structured import OutputSpecError, StructuredOutput
 from dagster_llm.core.table_store import POSITION_COLUMN, PartitionFiles, with_data_version
-from engine import BeamSearchOutput, CompletionOutput, LoRARequest, RequestOutput
-from engine.tool_choice import ToolChoice, apply_tool_choice, grammar_problem
 
 if TYPE_CHECKING:
-    from engine import LLM
+    from dagster_llm.core.engine_surface import LLM
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import pandas as pd
 from upath import UPath
 
-from engine.multimodal.image import ImageInputError, ImageLimits, load_image
+from dagster_llm.core.engine_surface import ImageInputError, ImageLimits, load_image
 
 # Images read at once: an object store answers each request slowly, but many side by side.
 READ_THREADS = 16

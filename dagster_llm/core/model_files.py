@@ -18,8 +18,8 @@ from typing import Any
 
 from upath import UPath
 
+from dagster_llm.core.engine_surface import default_cache_dir
 from dagster_llm.core.generation import digest
-from engine.model_loader.embedded_model import default_cache_dir
 
 # Keys of fsspec file info that change when an object's content does.
 _VERSION_KEYS = ("ETag", "etag", "generation", "md5Hash", "mtime", "LastModified", "last_modified")

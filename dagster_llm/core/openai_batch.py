@@ -23,19 +23,18 @@ import pandas as pd
 import pyarrow as pa
 
 from dagster_llm.core.checks import CheckOutcome
+from dagster_llm.core.engine_surface import (
+    CHAT_URL, DUPLICATE_CUSTOM_ID, EMBEDDINGS_URL, INVALID_JSON, INVALID_LINE, UNSUPPORTED_URL, BadLine,
+    BatchLine, EmbeddingRequest, GenerationRequest, LineError, embedding_request, embedding_response_body, first_set,
+    generation_request, generation_response_body, invalid_unicode_problem, model_sampling_defaults, nesting_problem,
+    parse_line, prompt_error, too_deep_problem,
+)
 from dagster_llm.core.generation import digest
 from dagster_llm.core.schema import TOOL_CALLS_TYPE
 from dagster_llm.core.table_store import PartitionFiles, with_data_version
-from engine.chat_utils import invalid_unicode_problem
-from engine.openai_batch import (
-    CHAT_URL, DUPLICATE_CUSTOM_ID, EMBEDDINGS_URL, INVALID_JSON, INVALID_LINE, UNSUPPORTED_URL, BadLine,
-    BatchLine, EmbeddingRequest, GenerationRequest, LineError, embedding_request, embedding_response_body, first_set,
-    generation_request, generation_response_body, model_sampling_defaults, nesting_problem, parse_line, prompt_error,
-    too_deep_problem,
-)
 
 if TYPE_CHECKING:
-    from engine import LLM
+    from dagster_llm.core.engine_surface import LLM
 
 # The request table's columns: `url` and `method` may be left out (every row POSTs to CHAT_URL);
 # `line` (the row's line number in its file, which read_openai_batch_file adds) is used in messages.

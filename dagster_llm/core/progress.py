@@ -7,8 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from engine import EngineStats, UnfinishedOutput
-from engine.step_cost import StepCost, StepTimes
+from dagster_llm.core.engine_surface import EngineStats, StepCost, StepTimes, UnfinishedOutput
 
 # Cost of computing one prompt token relative to generating one output token. Prompt
 # tokens run many to a step; output tokens one per sequence per step.

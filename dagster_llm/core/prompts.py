@@ -10,13 +10,12 @@ import pandas as pd
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from dagster_llm.core.engine_surface import (
+    ImageLimits, SamplingParams, ToolChoice, chat_images, chat_messages_problem, invalid_unicode_problem, render_chat,
+)
 from dagster_llm.core.images import RowImages, read_images
 from dagster_llm.core.sampling import SAMPLING_FIELD_NAMES, BeamSearchConfig, SamplingConfig
 from dagster_llm.core.structured import StructuredOutput
-from engine import SamplingParams
-from engine.chat_utils import chat_images, chat_messages_problem, invalid_unicode_problem, render_chat
-from engine.multimodal.image import ImageLimits
-from engine.tool_choice import ToolChoice
 
 
 class PromptTableError(ValueError):

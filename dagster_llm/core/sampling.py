@@ -15,7 +15,7 @@ from typing import Any
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
-from engine import BeamSearchParams, SamplingParams, StructuredOutputsParams
+from dagster_llm.core.engine_surface import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
 # The sampling fields a generation table carries, as override columns and as output
 # columns, with their Parquet types (the Python types follow from them).

@@ -10,12 +10,11 @@ from typing import Any
 import pyarrow as pa
 
 from dagster_llm.core.checks import REASONING_NOT_ENDED
+from dagster_llm.core.engine_surface import CompletionOutput, RequestOutput, ToolCall
 from dagster_llm.core.prompts import PromptRow
 from dagster_llm.core.sampling import SAMPLING_FIELDS, used_values
 from dagster_llm.core.structured import OutputColumn, ParsedOutput, StructuredOutput
 from dagster_llm.core.table_store import POSITION_COLUMN
-from engine import RequestOutput
-from engine.outputs import CompletionOutput, ToolCall
 
 TOOL_CALLS_TYPE = pa.list_(pa.struct([("id", pa.string()), ("name", pa.string()), ("arguments", pa.string())]))
 

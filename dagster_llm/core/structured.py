@@ -24,7 +24,7 @@ from typing import Any
 import jsonschema
 import pyarrow as pa
 
-from engine import StructuredOutputsParams
+from dagster_llm.core.engine_surface import StructuredOutputsParams
 
 # The column of a classification's label (`choices=`).
 CHOICE_COLUMN = "choice"

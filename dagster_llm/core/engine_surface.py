@@ -1,0 +1,88 @@
+"""Everything `dagster_llm.core` takes from the engine, named in one place: every other module
+of the core imports engine names from here, never from `engine` itself
+(tests/dagster_llm/test_layout.py checks it), so what the core depends on is read here and a
+change of the engine that reaches the Dagster side shows up as a change of this list.
+
+What the core takes, and why:
+- the `LLM` and its API types: the one object a run calls (`generate_as_completed`,
+  `beam_search_as_completed`, `embed_as_completed`, its checks and stats), the params it is
+  called with and the outputs it returns, which the tables store column by column;
+- the engine's step times (`StepCost`, `StepTimes`): the progress lines' ETA uses the same
+  fit of a step's time that speculative decoding trims with, rather than a copy of it;
+- chat rendering (`render_chat` and its checks): a chat row's prompt is rendered, and its
+  problems found, before any row runs, exactly as `LLM.chat` would render it;
+- `tool_choice`: a table's forced tool call is checked against its tools where the asset is
+  defined, and its calls are read from what the grammar made, as `LLM.chat` reads them;
+- images: a row's images are read and checked against the model's limits with the engine's
+  own loader, so a row the engine would refuse is an error row before the model runs;
+- the model cache folder (`default_cache_dir`): model folders fetched from an object store
+  go where the engine looks for models;
+- the OpenAI batch protocol: a request table's rows are checked, turned into engine
+  requests and answered with the very line checks and response bodies of
+  `python -m engine.run_batch`, so a table and a batch file give the same answers.
+
+The names load on first use (`engine.lazy_exports`), as `engine`'s own do: importing one
+module of the core loads only the engine modules whose names it reads, so the definitions of
+a code location load neither torch nor the engine's batch runner.
+"""
+
+from engine.lazy_exports import lazy_exports
+
+_EXPORTS = {
+    # The LLM and its API types
+    "LLM": "engine",
+    "BeamSearchOutput": "engine",
+    "BeamSearchParams": "engine",
+    "CompletionOutput": "engine",
+    "EngineStats": "engine",
+    "LoRARequest": "engine",
+    "PoolingParams": "engine",
+    "RequestOutput": "engine",
+    "SamplingParams": "engine",
+    "StructuredOutputsParams": "engine",
+    "UnfinishedOutput": "engine",
+    "ToolCall": "engine.outputs",
+    # A step's time, for the progress lines' ETA
+    "StepCost": "engine.step_cost",
+    "StepTimes": "engine.step_cost",
+    # Chat rendering and its checks
+    "chat_images": "engine.chat_utils",
+    "chat_messages_problem": "engine.chat_utils",
+    "invalid_unicode_problem": "engine.chat_utils",
+    "render_chat": "engine.chat_utils",
+    # tool_choice: checked against the tools, its grammar, the calls read from it
+    "ToolChoice": "engine.tool_choice",
+    "apply_tool_choice": "engine.tool_choice",
+    "grammar_problem": "engine.tool_choice",
+    # Images in prompts
+    "ImageInputError": "engine.multimodal.image",
+    "ImageLimits": "engine.multimodal.image",
+    "load_image": "engine.multimodal.image",
+    # Where the engine looks for models
+    "default_cache_dir": "engine.model_loader.embedded_model",
+    # The OpenAI batch protocol: line checks, requests, response bodies, error codes
+    "CHAT_URL": "engine.openai_batch",
+    "DUPLICATE_CUSTOM_ID": "engine.openai_batch",
+    "EMBEDDINGS_URL": "engine.openai_batch",
+    "INVALID_JSON": "engine.openai_batch",
+    "INVALID_LINE": "engine.openai_batch",
+    "UNSUPPORTED_URL": "engine.openai_batch",
+    "BadLine": "engine.openai_batch",
+    "BatchLine": "engine.openai_batch",
+    "EmbeddingRequest": "engine.openai_batch",
+    "GenerationRequest": "engine.openai_batch",
+    "LineError": "engine.openai_batch",
+    "embedding_request": "engine.openai_batch",
+    "embedding_response_body": "engine.openai_batch",
+    "first_set": "engine.openai_batch",
+    "generation_request": "engine.openai_batch",
+    "generation_response_body": "engine.openai_batch",
+    "model_sampling_defaults": "engine.openai_batch",
+    "nesting_problem": "engine.openai_batch",
+    "parse_line": "engine.openai_batch",
+    "prompt_error": "engine.openai_batch",
+    "too_deep_problem": "engine.openai_batch",
+}
+__all__ = sorted(_EXPORTS)
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
