@@ -9,75 +9,24 @@ loads through another package, so a subprocess also imports each core module and
 what it loaded.
 """
 
-import ast
 import importlib
 import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 from dagster_llm.core import engine_surface
+from tests.imports import ModuleImport, module_imports, package_modules
 
 ROOT = Path(__file__).resolve().parents[2]
 CORE = "dagster_llm.core"
 SURFACE = "dagster_llm.core.engine_surface"
-_STRING_IMPORTERS = {"import_module", "__import__"}
-
-
-@dataclass(frozen=True)
-class CoreImport:
-    source: str
-    target: str
-    path: Path
-    line: int
-
-    def __str__(self) -> str:
-        where = self.path.relative_to(ROOT) if self.path.is_relative_to(ROOT) else self.path
-        return f"{where}:{self.line}: {self.source} imports {self.target}"
 
 
 def core_modules(root: Path = ROOT) -> dict[str, Path]:
     """Every module of the core by dotted name (a package by its own name)."""
-    found = {}
-    for path in sorted((root / "dagster_llm" / "core").rglob("*.py")):
-        parts = list(path.relative_to(root).with_suffix("").parts)
-        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
-    return found
-
-
-def _imports_at(node: ast.AST, source: str, path: Path, package: str) -> Iterator[CoreImport]:
-    """The imports one syntax node makes: statements, string imports and `_EXPORTS` values,
-    each as the dotted name it reaches (`from a import b` reaches `a.b`)."""
-    if isinstance(node, ast.Import):
-        for alias in node.names:
-            yield CoreImport(source, alias.name, path, node.lineno)
-    elif isinstance(node, ast.ImportFrom):
-        base = node.module or ""
-        if node.level:
-            anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-            base = ".".join([*anchor, base] if base else anchor)
-        for alias in node.names:
-            yield CoreImport(source, f"{base}.{alias.name}", path, node.lineno)
-    elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
-        called = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
-        if called in _STRING_IMPORTERS and isinstance(node.args[0].value, str):
-            yield CoreImport(source, node.args[0].value, path, node.lineno)
-    elif (isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict)
-          and any(isinstance(target, ast.Name) and target.id == "_EXPORTS" for target in node.targets)):
-        for name, module in zip(node.value.keys, node.value.values):
-            if isinstance(name, ast.Constant) and isinstance(module, ast.Constant):
-                yield CoreImport(source, f"{module.value}.{name.value}", path, module.lineno)
-
-
-def core_imports(modules: dict[str, Path]) -> Iterator[CoreImport]:
-    """Each import a core module makes, wherever it stands in the file."""
-    for source, path in modules.items():
-        package = source if path.name == "__init__.py" else source.rpartition(".")[0]
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            yield from _imports_at(node, source, path, package)
+    return package_modules(root / "dagster_llm" / "core", root)
 
 
 def above_the_core(module: str) -> bool:
@@ -89,14 +38,14 @@ def above_the_core(module: str) -> bool:
     return top == "dagster" or top.startswith("dagster_")
 
 
-def dagster_problem(edge: CoreImport) -> str | None:
+def dagster_problem(edge: ModuleImport) -> str | None:
     """Why this import reaches above the core, or None."""
     if not above_the_core(edge.target):
         return None
     return f"{edge}: the core imports no Dagster and no dagster_llm module outside {CORE}"
 
 
-def engine_problem(edge: CoreImport) -> str | None:
+def engine_problem(edge: ModuleImport) -> str | None:
     """Why this import takes from the engine around the surface, or None."""
     if edge.target.partition(".")[0] != "engine" or edge.source == SURFACE:
         return None
@@ -144,7 +93,7 @@ def loaded_above_the_core(loaded: dict[str, list[str]]) -> list[str]:
 
 
 MODULES = core_modules()
-EDGES = list(core_imports(MODULES))
+EDGES = list(module_imports(MODULES))
 
 
 def test_the_core_imports_no_dagster_and_nothing_of_dagster_llm_above_it():
@@ -181,14 +130,14 @@ def test_the_checks_see_imports_of_every_kind(tmp_path):
                       "def f():\n    import dagster\n    from engine.chat_utils import render_chat\n"
                       "    return importlib.import_module('dagster_aws.s3')\n"
                       "from . import engine_surface\n_EXPORTS = {'X': 'engine.outputs'}\n")
-    edges = list(core_imports(core_modules(tmp_path)))
+    edges = list(module_imports(core_modules(tmp_path)))
     assert [(e.target, e.line) for e in edges] == [
         ("importlib", 1), ("typing.TYPE_CHECKING", 2), ("dagster_llm.core.engine_surface", 9),
         ("engine.outputs.X", 10), ("dagster_llm.resource.LLMResource", 4), ("dagster", 6),
         ("engine.chat_utils.render_chat", 7), ("dagster_aws.s3", 8)]
     assert [e.line for e in edges if dagster_problem(e)] == [4, 6, 8]
     assert [e.line for e in edges if engine_problem(e)] == [10, 7]
-    as_surface = [CoreImport(SURFACE, e.target, e.path, e.line) for e in edges]
+    as_surface = [ModuleImport(SURFACE, e.target, e.path, e.line) for e in edges]
     assert not any(engine_problem(e) for e in as_surface)
     assert above_the_core("dagster_llm") and not above_the_core("dagster_llm.core")
 

@@ -24,7 +24,6 @@ engine is named in a row, and every file or folder a row names exists (`where_ro
 a name resolves).
 """
 
-import ast
 import re
 import subprocess
 import sys
@@ -33,6 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests.imports import ModuleImport as EngineImport
+from tests.imports import module_imports, package_modules
 
 ROOT = Path(__file__).resolve().parents[2]
 FACE = "engine"  # the package face, engine/__init__.py: the top tier, and no other module's part
@@ -68,70 +70,26 @@ TIERS: list[list[str]] = [
 RANK = {part: rank for rank, row in enumerate(TIERS) for part in row}
 
 
-@dataclass(frozen=True)
-class EngineImport:
-    source: str
-    target: str
-    path: Path
-    line: int
-
-    def __str__(self) -> str:
-        where = self.path.relative_to(ROOT) if self.path.is_relative_to(ROOT) else self.path
-        return f"{where}:{self.line}: {self.source} imports {self.target}"
-
-
 def engine_modules() -> dict[str, Path]:
     """Every module of the engine by dotted name (a package by its own name)."""
-    found = {}
-    for path in sorted((ROOT / "engine").rglob("*.py")):
-        parts = list(path.relative_to(ROOT).with_suffix("").parts)
-        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
-    return found
+    return package_modules(ROOT / FACE)
 
 
-def _imported_names(node: ast.AST, package: str) -> list[str]:
-    if isinstance(node, ast.Import):
-        return [alias.name for alias in node.names]
-    if isinstance(node, ast.ImportFrom):
-        base = node.module or ""
-        if node.level:
-            anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-            base = ".".join([*anchor, base] if base else anchor)
-        return [f"{base}.{alias.name}" for alias in node.names]
-    return []
-
-
-def _string_imports(node: ast.AST) -> list[ast.Constant]:
-    """The literal strings by which `node` imports an engine module: the name given to
-    `import_module` or `__import__`, and the modules of an `_EXPORTS = {name: module}` table."""
-    if isinstance(node, ast.Call):
-        called = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
-        named = node.args[:1] if called in ("import_module", "__import__") else []
-    elif isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "_EXPORTS" for t in node.targets):
-        named = node.value.values if isinstance(node.value, ast.Dict) else []
-    else:
-        named = []
-    return [c for c in named if isinstance(c, ast.Constant) and isinstance(c.value, str)
-            and c.value.split(".")[0] == FACE]
-
-
-def _import_edge(source: str, name: str, modules: dict[str, Path], line: int) -> EngineImport | None:
-    """`source`'s import of `name` (a module, or a name inside one) as an edge to the engine
-    module holding it; None when that is no engine module or `source` itself."""
+def _import_edge(edge: EngineImport, modules: dict[str, Path]) -> EngineImport | None:
+    """The import as an edge to the engine module holding its target; None when that is no
+    engine module or the importing module itself."""
+    name = edge.target
     while name and name not in modules:
         name = name.rpartition(".")[0]
-    return EngineImport(source, name, modules[source], line) if name and name != source else None
+    return EngineImport(edge.source, name, edge.path, edge.line) if name and name != edge.source else None
 
 
 def engine_imports(modules: dict[str, Path]) -> Iterator[EngineImport]:
     """Each import of one engine module by another, wherever it stands in the file, by
-    statement or by string."""
-    for source, path in modules.items():
-        package = source if path.name == "__init__.py" else source.rpartition(".")[0]
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            edges = [_import_edge(source, name, modules, node.lineno) for name in _imported_names(node, package)]
-            edges += [_import_edge(source, c.value, modules, c.lineno) for c in _string_imports(node)]
-            yield from filter(None, edges)
+    statement or by string (`tests/imports.py`)."""
+    for edge in module_imports(modules):
+        if (found := _import_edge(edge, modules)) is not None:
+            yield found
 
 
 def part_of(module: str) -> str | None:
