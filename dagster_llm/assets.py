@@ -35,7 +35,7 @@ from dagster_llm.resource import LLMResource
 from dagster_llm.run_config import GenerationRunConfig
 from dagster_llm.steps import PartitionedStep
 from dagster_llm.spec import GenerationSpec
-from engine.tool_choice import ToolChoice, ToolChoiceError, resolve_tool_choice
+from engine.entrypoints.tool_choice import ToolChoice, ToolChoiceError, resolve_tool_choice
 
 
 def build_generation_asset(name: str, upstream: str | dg.AssetKey | dg.AssetsDefinition, *,

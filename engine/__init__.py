@@ -9,7 +9,7 @@ from engine.lazy_exports import lazy_exports
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "LLM": "engine.llm",
+    "LLM": "engine.entrypoints.llm",
     "BeamSearchOutput": "engine.beam_search",
     "BeamSearchParams": "engine.beam_search",
     "BeamSearchSequence": "engine.beam_search",

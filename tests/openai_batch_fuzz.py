@@ -1,5 +1,5 @@
 """Hostile OpenAI batch input files for the property-based tests of the batch boundary
-(`engine.openai_batch`'s line and body checks, `python -m engine.run_batch`, the Dagster
+(`engine.entrypoints.openai.batch`'s line and body checks, `python -m engine.run_batch`, the Dagster
 request table): random JSON lines, and lines built to be almost valid (the right envelope
 with wrong types, missing or extra fields, a wrong url, a repeated custom_id, a body that is
 not an object, huge numbers, NaN, lone surrogates, any Unicode), lines nested too deeply, torn
@@ -17,7 +17,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from engine.openai_batch import (
+from engine.entrypoints.openai.batch import (
     CHAT_URL, COMPLETIONS_URL, DUPLICATE_CUSTOM_ID, EMBEDDINGS_URL, IGNORED_FIELDS, INVALID_JSON, INVALID_LINE,
     INVALID_REQUEST, KNOWN_FIELDS, MAX_DEPTH, NO_OP_FIELDS, UNSUPPORTED_FIELD, UNSUPPORTED_URL, URLS, LineError,
 )

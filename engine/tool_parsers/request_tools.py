@@ -21,7 +21,7 @@ class RequestTools:
     the `tools` it declared, and whether the engine's tool parser reads the answer's calls:
     under OpenAI's tool_choice "auto" only. Under "none" a call the model writes anyway stays
     in the text, as vLLM leaves it; under a forced choice ("required", a named function) the
-    entry point reads the calls from the JSON its grammar made (`engine.tool_choice`)."""
+    entry point reads the calls from the JSON its grammar made (`engine.entrypoints.tool_choice`)."""
 
     tools: Tools = None
     read_calls: bool = True

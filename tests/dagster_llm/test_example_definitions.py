@@ -39,12 +39,14 @@ def test_the_definitions_load_without_torch_or_the_engine():
             "print(sorted(m for m in sys.modules if m.startswith('engine.') and m != 'engine.lazy_exports'))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
-    api_types = {"engine.beam_search", "engine.config", "engine.chat_utils", "engine.exceptions", "engine.lora",
-                 "engine.lora.request", "engine.model_loader", "engine.model_loader.embedded_model",
+    api_types = {"engine.beam_search", "engine.config", "engine.exceptions", "engine.lora", "engine.lora.request",
+                 "engine.model_loader", "engine.model_loader.embedded_model",
                  "engine.multimodal", "engine.multimodal.image", "engine.outputs",
                  "engine.pooling_params", "engine.sampling_params", "engine.sampling_rules",
                  "engine.step_cost", "engine.structured_output", "engine.structured_output.params",
-                 "engine.tool_choice"}  # a tool_choice is checked against its tools where the asset is defined
+                 "engine.entrypoints",  # the package alone: its __init__ imports nothing
+                 "engine.entrypoints.chat_utils",
+                 "engine.entrypoints.tool_choice"}  # a tool_choice is checked against its tools where the asset is defined
     loaded = set(eval(out.stdout))  # a printed list of module names
     # The tool-call parsers (which tool_choice reads forced calls with) are plain Python, as the API types.
     assert {name for name in loaded if not name.startswith("engine.tool_parsers")} <= api_types

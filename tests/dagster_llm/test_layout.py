@@ -127,14 +127,14 @@ def test_the_checks_see_imports_of_every_kind(tmp_path):
     source.parent.mkdir(parents=True)
     source.write_text("import importlib\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
                       "    from dagster_llm.resource import LLMResource\n"
-                      "def f():\n    import dagster\n    from engine.chat_utils import render_chat\n"
+                      "def f():\n    import dagster\n    from engine.entrypoints.chat_utils import render_chat\n"
                       "    return importlib.import_module('dagster_aws.s3')\n"
                       "from . import engine_surface\n_EXPORTS = {'X': 'engine.outputs'}\n")
     edges = list(module_imports(core_modules(tmp_path)))
     assert [(e.target, e.line) for e in edges] == [
         ("importlib", 1), ("typing.TYPE_CHECKING", 2), ("dagster_llm.core.engine_surface", 9),
         ("engine.outputs.X", 10), ("dagster_llm.resource.LLMResource", 4), ("dagster", 6),
-        ("engine.chat_utils.render_chat", 7), ("dagster_aws.s3", 8)]
+        ("engine.entrypoints.chat_utils.render_chat", 7), ("dagster_aws.s3", 8)]
     assert [e.line for e in edges if dagster_problem(e)] == [4, 6, 8]
     assert [e.line for e in edges if engine_problem(e)] == [10, 7]
     as_surface = [ModuleImport(SURFACE, e.target, e.path, e.line) for e in edges]

@@ -19,7 +19,7 @@ import pytest
 from dagster_llm import LLMResource, ParquetIOManager, build_openai_batch_asset, partition_file, read_openai_batch_file
 from dagster_llm.core.openai_batch import response_columns, table_rows
 from engine import LLM, CompletionOutput, RequestOutput, SamplingParams
-from engine.openai_batch import (
+from engine.entrypoints.openai.batch import (
     CHAT_URL, COMPLETIONS_URL, DUPLICATE_CUSTOM_ID, EMBEDDINGS_URL, INVALID_JSON, INVALID_LINE, INVALID_REQUEST,
     UNSUPPORTED_FIELD, UNSUPPORTED_URL, BatchRun, GenerationRequest, generation_response_body, run_batch_file,
 )

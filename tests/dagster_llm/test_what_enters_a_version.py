@@ -15,7 +15,7 @@ from dagster_llm import GenerationRun, LLMResource, PartitionInput, RunOptions, 
 from dagster_llm.core.embedding import EmbeddingOptions, EmbeddingRun, TextPartition, text_rows
 from dagster_llm.core.table_store import TableStore
 from dagster_llm.resource import _engine_fields
-import engine.llm
+import engine.entrypoints.llm
 from engine import LLM
 from engine.config import OUTPUT, SETTING_CLASSES, engine_settings
 from engine.output_parsing import PARSING_REVISION
@@ -165,7 +165,7 @@ def test_rows_parsed_under_older_parser_rules_are_generated_again(model_folder, 
     the old rules'."""
     runs = Runs(model_folder, tmp_path)
     [first] = runs({}, FRAME)
-    monkeypatch.setattr(engine.llm, "PARSING_REVISION", PARSING_REVISION + 1)
+    monkeypatch.setattr(engine.entrypoints.llm, "PARSING_REVISION", PARSING_REVISION + 1)
     [second] = runs({}, FRAME)
     assert second.data_version != first.data_version
     assert (second.stats.resumed_rows, second.stats.reused_rows, second.stats.generated_rows) == (0, 0, len(FRAME))

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, BeamSearchParams, LoRARequest, SamplingParams
-from engine.inputs import RequestChecker
+from engine.entrypoints.inputs import RequestChecker
 from tests.lora_adapters import build_lora_adapter
 from tests.tiny_models import build_tiny_model
 

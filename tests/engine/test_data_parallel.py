@@ -30,10 +30,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine import LLM, LoRARequest, SamplingParams
-from engine.data_parallel import deal, estimated_work
+from engine.entrypoints.data_parallel import deal, estimated_work
 import engine.distributed.plan as plan_module
 from engine.distributed.process import WorkerError
-from engine.inputs import PromptType, Request, RequestChecker, valid_requests
+from engine.entrypoints.inputs import PromptType, Request, RequestChecker, valid_requests
 from engine.outputs import RequestOutput
 from engine.structured_output.params import StructuredOutputsParams
 from tests.lora_adapters import build_lora_adapter

@@ -27,8 +27,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from engine import LLM, SamplingParams, openai_batch
-from engine.inputs import RequestChecker
+from engine import LLM, SamplingParams
+from engine.entrypoints.inputs import RequestChecker
+from engine.entrypoints.openai import batch as openai_batch
 from engine.multimodal.image import SUPPORTED_MODES, ImageInputError, ImageLimits, image_hash, load_image
 from tests.fuzzing import examples
 from tests.image_fuzz import (

@@ -41,11 +41,14 @@ FACE = "engine"  # the package face, engine/__init__.py: the top tier, and no ot
 
 TIERS: list[list[str]] = [
     [FACE],  # the package: lazy public names
-    ["engine.run_batch"],  # python -m engine.run_batch: OpenAI batch files from the command line
-    ["engine.openai_batch"],  # OpenAI batch lines and bodies <-> engine inputs and outputs; runs on LLM
-    ["engine.llm"],  # LLM, the offline entry point
-    ["engine.data_parallel"],  # replicas as whole engines
-    ["engine.inputs"],  # prompts -> requests
+    ["engine.run_batch"],  # python -m engine.run_batch, the short form of the command below
+    # the entry points' packages (their __init__ imports nothing); a new module there is an entry point
+    ["engine.entrypoints", "engine.entrypoints.openai"],
+    ["engine.entrypoints.openai.run_batch"],  # OpenAI batch files from the command line
+    ["engine.entrypoints.openai.batch"],  # OpenAI batch lines and bodies <-> engine inputs and outputs; runs on LLM
+    ["engine.entrypoints.llm"],  # LLM, the offline entry point
+    ["engine.entrypoints.data_parallel"],  # replicas as whole engines
+    ["engine.entrypoints.inputs"],  # prompts -> requests
     ["engine.llm_engine"],  # add_request / step / outputs
     ["engine.worker"],  # the device side of a step
     ["engine.spec_decode"],  # speculative decoding: proposals, their worth, their verification rows
@@ -58,8 +61,8 @@ TIERS: list[list[str]] = [
     ["engine.kernels", "engine.distributed"],  # compiled and Triton kernels; process plumbing
     ["engine.output_parsing"],  # a completion's reasoning, answer and tool calls apart
     ["engine.config"],  # settings: a leaf above the API types
-    ["engine.tool_choice"],  # tool_choice: a forced call's grammar, and the calls read from what it made
-    ["engine.chat_utils", "engine.detokenizer", "engine.progress_bar", "engine.reasoning",
+    ["engine.entrypoints.tool_choice"],  # tool_choice: a forced call's grammar, and the calls read from what it made
+    ["engine.detokenizer", "engine.entrypoints.chat_utils", "engine.entrypoints.progress_bar", "engine.reasoning",
      "engine.tool_parsers"],
     ["engine.beam_search"],  # API types, from here down
     ["engine.pooling_params", "engine.sampling_params"],
@@ -278,8 +281,8 @@ def test_a_module_no_tier_lists_is_reported():
     problems = placement_problems(["engine", "engine.core.new_module", "engine.new_module"])
     assert len(problems) == 1 and problems[0].startswith("engine.new_module has no part in TIERS")
     assert "in TIERS in tests/engine/test_layout.py" in problems[0]
-    edge = EngineImport("engine.llm", "engine.new_module", ROOT / "engine" / "llm.py", 1)
-    assert import_problem(edge) == "engine/llm.py:1: engine.llm imports engine.new_module: " \
+    edge = EngineImport("engine.entrypoints.llm", "engine.new_module", ROOT / "engine" / "entrypoints" / "llm.py", 1)
+    assert import_problem(edge) == "engine/entrypoints/llm.py:1: engine.entrypoints.llm imports engine.new_module: " \
                                    "engine.new_module has no part in TIERS to judge it by"
 
 

@@ -17,8 +17,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from transformers import AutoTokenizer
 
-from engine import LLM, openai_batch
-from engine.openai_batch import (
+from engine import LLM
+from engine.entrypoints.openai import batch as openai_batch
+from engine.entrypoints.openai.batch import (
     DUPLICATE_CUSTOM_ID, EMBEDDINGS_URL, BadLine, BatchLine, LineError, embedding_request, error_line,
     generation_request, parse_lines,
 )

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import transformers
 
 from engine import LLM, PoolingParams, SamplingParams
-from engine.inputs import RequestChecker
+from engine.entrypoints.inputs import RequestChecker
 from tests.tiny_models import build_tiny_model, build_tokenizer
 
 TEXTS = [

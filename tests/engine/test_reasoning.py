@@ -525,7 +525,7 @@ def test_a_section_opened_after_some_answer_comes_out_unless_a_grammar_held_the_
 def test_reasoning_fed_back_under_either_name_reaches_the_template(qwen3_folder, key):
     """vLLM's current responses (and our run_batch) write `reasoning`; Qwen3's template reads
     `reasoning_content`: a conversation fed back with either keeps its reasoning."""
-    from engine.chat_utils import render_chat
+    from engine.entrypoints.chat_utils import render_chat
 
     tokenizer = AutoTokenizer.from_pretrained(qwen3_folder)
     messages = [*QUESTION, {"role": "assistant", "content": "spam", key: "A free cruise is bait."}]

@@ -19,7 +19,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.config import engine_settings
-from engine.openai_batch import (
+from engine.entrypoints.openai.batch import (
     CHAT_URL, COMPLETIONS_URL, DUPLICATE_CUSTOM_ID, EMBEDDINGS_URL, INVALID_JSON, INVALID_LINE, INVALID_REQUEST,
     IGNORED_FIELDS, NO_OP_FIELDS, UNSUPPORTED_FIELD, UNSUPPORTED_URL, URLS, BadLine, BatchLine, EmbeddingRequest,
     GenerationRequest, LineError, embedding_request, embedding_response_body, finished_lines, generation_request,
@@ -28,7 +28,7 @@ from engine.openai_batch import (
 from engine.outputs import (
     CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, FunctionCall, Logprob, RequestOutput, ToolCall,
 )
-from engine.run_batch import build_parser, main
+from engine.entrypoints.openai.run_batch import build_parser, main
 from engine.tool_parsers.abstract import MISTRAL_CALL_IDS, OPENAI_CALL_IDS
 from tests.openai_batch_fuzz import named_twice
 
@@ -477,13 +477,13 @@ def test_finished_lines_cut_a_torn_line_and_keep_a_duplicates_first_id_open(tmp_
                {"custom_id": None, "response": None, "error": {"code": INVALID_JSON, "line": 5}}]
     torn = '{"custom_id": "c", "resp'
     out.write_text("".join(json.dumps(r) + "\n" for r in records) + torn)
-    with caplog.at_level(logging.WARNING, logger="engine.openai_batch"):
+    with caplog.at_level(logging.WARNING, logger="engine.entrypoints.openai.batch"):
         done = finished_lines(out)
     assert out.read_text().endswith("}\n") and len(out.read_text().splitlines()) == 3
     assert [r.getMessage() for r in caplog.records] == [
         f"{out}: dropped a torn last line ({len(torn)} bytes); its request runs again"]
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="engine.openai_batch"):
+    with caplog.at_level(logging.WARNING, logger="engine.entrypoints.openai.batch"):
         assert finished_lines(out) == done  # whole lines only now: nothing dropped, nothing said
     assert not caplog.records
     assert done.covers(BatchLine(1, "a", CHAT_URL, {})) and not done.covers(BatchLine(2, "b", CHAT_URL, {}))
@@ -534,13 +534,13 @@ def test_lines_are_written_as_they_finish_and_a_rerun_after_a_crash_completes_th
     bodies = {"two": ["b", "c"], "refused": ["d", ""], "one": "e", "last": "f"}
     source.write_text("".join(json.dumps({"custom_id": cid, "url": COMPLETIONS_URL, "body": {"prompt": prompt}}) + "\n"
                               for cid, prompt in bodies.items()))
-    monkeypatch.setattr("engine.openai_batch._load", lambda model, settings: FakeLLM(crash_after=2))
+    monkeypatch.setattr("engine.entrypoints.openai.batch._load", lambda model, settings: FakeLLM(crash_after=2))
     with pytest.raises(RuntimeError):
         run_batch_file(str(source), str(out))
     written = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["custom_id"], r["error"] and r["error"]["message"]) for r in written] == [
         ("refused", "line 2: prompt[1]: is empty"), ("last", None), ("one", None)]
-    monkeypatch.setattr("engine.openai_batch._load", lambda model, settings: FakeLLM())
+    monkeypatch.setattr("engine.entrypoints.openai.batch._load", lambda model, settings: FakeLLM())
     summary = run_batch_file(str(source), str(out))
     assert (summary.ok, summary.errors, summary.skipped) == (1, 0, 3)
     two = json.loads(out.read_text().splitlines()[-1])
@@ -567,7 +567,7 @@ def test_lines_the_fuzz_found_are_each_their_error_and_the_run_goes_on(tmp_path,
              json.dumps({"custom_id": "line\u2028break", **good}, ensure_ascii=False),
              json.dumps({"custom_id": "good", **good})]
     source.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    monkeypatch.setattr("engine.openai_batch._load", lambda model, settings: FakeLLM())
+    monkeypatch.setattr("engine.entrypoints.openai.batch._load", lambda model, settings: FakeLLM())
     summary = run_batch_file(str(source), str(out))
     assert (summary.ok, summary.errors) == (2, 5)
     records = {r["custom_id"] or r["error"]["line"]: r for r in map(json.loads, out.read_text("utf-8").splitlines())}

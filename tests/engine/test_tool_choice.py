@@ -1,4 +1,4 @@
-"""tool_choice "required" and a named function (`engine.tool_choice`): the choice checked
+"""tool_choice "required" and a named function (`engine.entrypoints.tool_choice`): the choice checked
 against its tools before anything runs, the grammar of the calls, and on a tiny random
 Qwen3-shaped model, thinking off and on, a parseable call on every row of a batch, in
 `LLM.chat` and in `run_batch` (random weights: the grammar makes it exact)."""
@@ -11,8 +11,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from engine import LLM, SamplingParams, StructuredOutputsParams
-from engine.openai_batch import CHAT_URL, INVALID_REQUEST, BatchRun, run_batch_file
-from engine.tool_choice import REQUIRED, ToolChoiceError, constrained, resolve_tool_choice
+from engine.entrypoints.openai.batch import CHAT_URL, INVALID_REQUEST, BatchRun, run_batch_file
+from engine.entrypoints.tool_choice import REQUIRED, ToolChoiceError, constrained, resolve_tool_choice
 from tests.reasoning_models import build_reasoning_model
 
 # Bounded arguments (enums, a small integer, a boolean): a random model's JSON ends soon.

@@ -241,7 +241,7 @@ def test_triton_backend_runs_the_decoder_of_a_vision_model(vision_models, family
 def test_queued_prompts_hold_their_images_compressed_until_encoded(vision_models, tmp_path):
     """A checked request keeps each image as given (a PIL image) or as its encoded bytes (a
     path is read once), never as pixels; the encoder's inputs exist only while it runs."""
-    from engine.inputs import RequestChecker, valid_requests
+    from engine.entrypoints.inputs import RequestChecker, valid_requests
 
     path = tmp_path / "photo.png"
     path.write_bytes(png_bytes(picture(8)))

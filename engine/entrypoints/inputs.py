@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.beam_search import BeamSearchParams
-from engine.chat_utils import invalid_unicode_problem
+from engine.entrypoints.chat_utils import invalid_unicode_problem
 from engine.llm_engine import LLMEngine
 from engine.lora.request import LoRARequest
 from engine.models import MULTIMODAL_MODELS

@@ -6,7 +6,7 @@ The body functions (`generation_request`, `embedding_request`, `generation_respo
 `embedding_response_body`) take and give plain dicts, so that a Dagster asset can run them on a
 table of request bodies; `run_batch_file` is what `python -m engine.run_batch` runs. Importing
 this module loads neither torch nor the model code: the Dagster definitions import it at load,
-so the engine (`engine.llm`) is imported where a file is run.
+so the engine (`engine.entrypoints.llm`) is imported where a file is run.
 """
 
 import base64
@@ -22,18 +22,18 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from engine.chat_utils import chat_messages_problem, invalid_unicode_problem, render_chat
+from engine.entrypoints.chat_utils import chat_messages_problem, invalid_unicode_problem, render_chat
 from engine.model_loader.embedded_model import EMBEDDED_MODEL_NAME
 from engine.outputs import CompletionOutput, EmbeddingRequestOutput, Logprob, RequestOutput, ToolCall
 from engine.sampling_params import SamplingParams
 from engine.structured_output.params import StructuredOutputsParams
-from engine.tool_choice import (
+from engine.entrypoints.tool_choice import (
     FUNCTION, ToolChoice, ToolChoiceError, apply_tool_choice, constrained, grammar_problem, resolve_tool_choice,
 )
 from engine.tool_parsers.abstract import OPENAI_CALL_IDS, CallIds
 
 if TYPE_CHECKING:
-    from engine.llm import LLM
+    from engine.entrypoints.llm import LLM
 
 logger = logging.getLogger(__name__)
 
@@ -912,7 +912,7 @@ def run_batch_file(input_file: str, output_file: str, run: BatchRun = BatchRun()
 
 
 def _load(model: str | None, settings: dict[str, Any]) -> "LLM":
-    from engine.llm import LLM
+    from engine.entrypoints.llm import LLM
 
     try:
         return LLM(model, **settings)

@@ -21,7 +21,7 @@ from multiprocessing.connection import Connection, wait
 from engine.config import EngineConfig
 from engine.distributed.plan import ReplicaPlan
 from engine.distributed.process import ChildProcess, WorkerError, receive_message, send_message, stop_all
-from engine.inputs import Request
+from engine.entrypoints.inputs import Request
 from engine.llm_engine import LLMEngine
 from engine.outputs import EngineStats, RequestOutput, UnfinishedOutput
 
@@ -99,7 +99,7 @@ class ReplicaPool:
             rank0 = plan.placements[0]
             start = ReplicaStart(replace(config, seed=config.seed + rank0.replica, num_threads=threads), plan)
             self.replicas.append(ChildProcess(f"data-parallel replica {rank0.replica}",
-                                              "engine.data_parallel:serve", start, threads=threads,
+                                              "engine.entrypoints.data_parallel:serve", start, threads=threads,
                                               cores=list(rank0.cores or []) or None))
 
     @property

@@ -11,12 +11,12 @@ from typing import Any
 import torch
 
 from engine.beam_search import BeamSearchOutput, BeamSearchParams
-from engine.chat_utils import chat_messages_problem, render_chat, text_only_problem
+from engine.entrypoints.chat_utils import chat_messages_problem, render_chat, text_only_problem
 from engine.config import OUTPUT, EngineConfig, PoolerConfig, engine_settings
-from engine.data_parallel import ReplicaPool, deal
+from engine.entrypoints.data_parallel import ReplicaPool, deal
 from engine.distributed.plan import plan_parallelism
 from engine.hardware import release_freed_memory, resolve_device
-from engine.inputs import (
+from engine.entrypoints.inputs import (
     LoRARequestArg, PriorityArg, Prompts, PromptType, Request, RequestChecker, SamplingParamsArg, UseTqdm,
     valid_requests,
 )
@@ -30,10 +30,10 @@ from engine.outputs import (
     ScoringRequestOutput, UnfinishedOutput,
 )
 from engine.pooling_params import PoolingParams
-from engine.progress_bar import ProgressBar
+from engine.entrypoints.progress_bar import ProgressBar
 from engine.sampling_params import SamplingParams
 from engine.structured_output.params import StructuredOutputsParams
-from engine.tool_choice import ToolChoice, apply_tool_choice, constrained, grammar_problem, resolve_tool_choice
+from engine.entrypoints.tool_choice import ToolChoice, apply_tool_choice, constrained, grammar_problem, resolve_tool_choice
 from engine.tool_parsers.abstract import OPENAI_CALL_IDS, CallIds
 
 logger = logging.getLogger(__name__)
@@ -217,7 +217,7 @@ class LLM:
         tools' parameters after the reasoning ends (in place of a structured output of the
         sampling params): every completion's `tool_calls` hold its calls and `text` is empty,
         unless it was cut before its JSON ended (then `tool_call_error` says so). See
-        `engine.tool_choice`.
+        `engine.entrypoints.tool_choice`.
 
         Raises:
             ValueError: before any work starts, listing every bad conversation; a tool
@@ -271,7 +271,7 @@ class LLM:
         (PIL images, encoded bytes, local paths, file:// or data: URIs), each image standing
         for one `image_placeholder` in the prompt. A chat prompt that `render_chat` made may
         carry {"tools": [...]} (the tool parser reads its calls by them) and a "tool_choice"
-        other than "auto" (its calls are then left to the caller: `engine.tool_choice`).
+        other than "auto" (its calls are then left to the caller: `engine.entrypoints.tool_choice`).
         `sampling_params`, `lora_request` and `priority` are one value for all prompts or
         one per prompt; a None adapter runs the base model. Requests with different
         adapters run in the same steps. A priority orders requests (lower first) under
