@@ -17,10 +17,11 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from engine.entrypoints.openai.batch import (
-    CHAT_URL, COMPLETIONS_URL, DUPLICATE_CUSTOM_ID, EMBEDDINGS_URL, IGNORED_FIELDS, INVALID_JSON, INVALID_LINE,
-    INVALID_REQUEST, KNOWN_FIELDS, MAX_DEPTH, NO_OP_FIELDS, UNSUPPORTED_FIELD, UNSUPPORTED_URL, URLS, LineError,
+from engine.entrypoints.openai.protocol import (
+    CHAT_URL, COMPLETIONS_URL, DUPLICATE_CUSTOM_ID, EMBEDDINGS_URL, INVALID_JSON, INVALID_LINE, INVALID_REQUEST,
+    MAX_DEPTH, UNSUPPORTED_FIELD, UNSUPPORTED_URL, URLS, LineError,
 )
+from engine.entrypoints.openai.serving import IGNORED_FIELDS, KNOWN_FIELDS, NO_OP_FIELDS
 
 CODES = {INVALID_JSON, INVALID_LINE, DUPLICATE_CUSTOM_ID, UNSUPPORTED_URL, INVALID_REQUEST, UNSUPPORTED_FIELD}
 # The place an error names first: a field (a path such as messages[0].content or prompt[1], several joined

@@ -1,5 +1,5 @@
 """OpenAI Batch API request tables, free of Dagster: the lines of a batch file as table rows
-(`custom_id`, `url`, `body`), checked as `engine.entrypoints.openai.batch` checks a file's lines; the
+(`custom_id`, `url`, `body`), checked as `engine.entrypoints.openai.protocol` checks a file's lines; the
 chat and completion rows of every partition of a run in one engine call, then the
 embedding rows in another; and each partition's output table, one row per input row in
 input order, built from the response bodies `python -m engine.run_batch` writes.
@@ -163,7 +163,7 @@ class TableRow:
 
 def table_rows(frame: pd.DataFrame, where: str = "") -> list[TableRow]:
     """Every row of a partition's request table, checked as `run_batch` checks a file's
-    lines (`engine.entrypoints.openai.batch.parse_line`): custom_id, method, url and body; a body given
+    lines (`engine.entrypoints.openai.protocol.parse_line`): custom_id, method, url and body; a body given
     as text must be JSON. A custom_id seen in an earlier row makes the row an error (the
     first one runs).
 
@@ -241,7 +241,7 @@ def _missing_to_none(value: Any) -> Any:
 
 def _body(value: Any) -> tuple[Any, LineError | None]:
     """A body cell as the request body: a dict as it is, text parsed as JSON; nested no
-    deeper than engine.entrypoints.openai.batch.MAX_DEPTH."""
+    deeper than engine.entrypoints.openai.protocol.MAX_DEPTH."""
     if isinstance(value, (str, bytes)):
         try:
             value = json.loads(value)

@@ -19,10 +19,12 @@ import pytest
 from dagster_llm import LLMResource, ParquetIOManager, build_openai_batch_asset, partition_file, read_openai_batch_file
 from dagster_llm.core.openai_batch import response_columns, table_rows
 from engine import LLM, CompletionOutput, RequestOutput, SamplingParams
-from engine.entrypoints.openai.batch import (
+from engine.entrypoints.openai.batch import BatchRun, run_batch_file
+from engine.entrypoints.openai.protocol import (
     CHAT_URL, COMPLETIONS_URL, DUPLICATE_CUSTOM_ID, EMBEDDINGS_URL, INVALID_JSON, INVALID_LINE, INVALID_REQUEST,
-    UNSUPPORTED_FIELD, UNSUPPORTED_URL, BatchRun, GenerationRequest, generation_response_body, run_batch_file,
+    UNSUPPORTED_FIELD, UNSUPPORTED_URL, GenerationRequest,
 )
+from engine.entrypoints.openai.serving import generation_response_body
 from engine.outputs import FunctionCall, ToolCall
 
 # As tests/engine/test_run_batch.py: no int8 calibration at load, a small cache.

@@ -45,7 +45,9 @@ TIERS: list[list[str]] = [
     # the entry points' packages (their __init__ imports nothing); a new module there is an entry point
     ["engine.entrypoints", "engine.entrypoints.openai"],
     ["engine.entrypoints.openai.run_batch"],  # OpenAI batch files from the command line
-    ["engine.entrypoints.openai.batch"],  # OpenAI batch lines and bodies <-> engine inputs and outputs; runs on LLM
+    ["engine.entrypoints.openai.batch"],  # a whole OpenAI batch file run, with resume; runs on LLM
+    ["engine.entrypoints.openai.serving"],  # OpenAI request bodies -> engine inputs, engine outputs -> response bodies
+    ["engine.entrypoints.openai.protocol"],  # OpenAI batch lines: their checks, the engine inputs, the output lines
     ["engine.entrypoints.llm"],  # LLM, the offline entry point
     ["engine.entrypoints.data_parallel"],  # replicas as whole engines
     ["engine.entrypoints.inputs"],  # prompts -> requests

@@ -11,7 +11,8 @@ from transformers import AutoTokenizer
 
 from engine import LLM, SamplingParams, StructuredOutputsParams
 from engine.entrypoints.chat_utils import render_chat
-from engine.entrypoints.openai.batch import CHAT_URL, generation_request
+from engine.entrypoints.openai.protocol import CHAT_URL
+from engine.entrypoints.openai.serving import generation_request
 from engine.tool_parsers import detect_tool_parser, tool_parser
 from tests.reasoning_models import build_reasoning_model
 from tests.tiny_models import build_tokenizer

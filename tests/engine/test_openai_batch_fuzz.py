@@ -19,10 +19,10 @@ from transformers import AutoTokenizer
 
 from engine import LLM
 from engine.entrypoints.openai import batch as openai_batch
-from engine.entrypoints.openai.batch import (
-    DUPLICATE_CUSTOM_ID, EMBEDDINGS_URL, BadLine, BatchLine, LineError, embedding_request, error_line,
-    generation_request, parse_lines,
+from engine.entrypoints.openai.protocol import (
+    DUPLICATE_CUSTOM_ID, EMBEDDINGS_URL, BadLine, BatchLine, LineError, error_line, parse_lines,
 )
+from engine.entrypoints.openai.serving import embedding_request, generation_request
 from tests.fuzzing import examples
 from tests.openai_batch_fuzz import BatchFile, batch_files, check_line_error
 from tests.tiny_models import build_tiny_model

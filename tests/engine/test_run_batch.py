@@ -19,11 +19,15 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.config import engine_settings
-from engine.entrypoints.openai.batch import (
+from engine.entrypoints.openai.batch import finished_lines, run_batch_file
+from engine.entrypoints.openai.protocol import (
     CHAT_URL, COMPLETIONS_URL, DUPLICATE_CUSTOM_ID, EMBEDDINGS_URL, INVALID_JSON, INVALID_LINE, INVALID_REQUEST,
-    IGNORED_FIELDS, NO_OP_FIELDS, UNSUPPORTED_FIELD, UNSUPPORTED_URL, URLS, BadLine, BatchLine, EmbeddingRequest,
-    GenerationRequest, LineError, embedding_request, embedding_response_body, finished_lines, generation_request,
-    generation_response_body, parse_lines, prompt_error, run_batch_file,
+    UNSUPPORTED_FIELD, UNSUPPORTED_URL, URLS, BadLine, BatchLine, EmbeddingRequest, GenerationRequest, LineError,
+    parse_lines,
+)
+from engine.entrypoints.openai.serving import (
+    IGNORED_FIELDS, NO_OP_FIELDS, embedding_request, embedding_response_body, generation_request,
+    generation_response_body, prompt_error,
 )
 from engine.outputs import (
     CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, FunctionCall, Logprob, RequestOutput, ToolCall,

@@ -11,7 +11,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from engine import LLM, SamplingParams, StructuredOutputsParams
-from engine.entrypoints.openai.batch import CHAT_URL, INVALID_REQUEST, BatchRun, run_batch_file
+from engine.entrypoints.openai.batch import BatchRun, run_batch_file
+from engine.entrypoints.openai.protocol import CHAT_URL, INVALID_REQUEST
 from engine.entrypoints.tool_choice import REQUIRED, ToolChoiceError, constrained, resolve_tool_choice
 from tests.reasoning_models import build_reasoning_model
 
