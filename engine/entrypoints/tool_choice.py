@@ -73,6 +73,12 @@ class ToolChoice:
             schema = _calls_schema(self.tools)
         return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
 
+    @property
+    def callable_tools(self) -> list[int]:
+        """The positions of the tools a forced choice may call: every tool under "required",
+        the named one's otherwise (assumes a forced choice)."""
+        return list(range(len(self.tools))) if self.mode == REQUIRED else [self.index(self.name)]
+
     def index(self, name: str) -> int:
         """The position of the tool called `name` (assumes it is one of `tools`)."""
         return next(i for i, tool in enumerate(self.tools) if tool["function"]["name"] == name)
@@ -104,7 +110,7 @@ def resolve_tool_choice(value: Any, tools: Sequence[dict[str, Any]] | None) -> T
     if choice.mode == FUNCTION and choice.name not in names:
         raise ToolChoiceError(f"tool_choice.function.name: {choice.name!r} is none of the tools "
                               f"({', '.join(map(repr, names))}): name one of them, or add its tool")
-    for i in range(len(tools)) if choice.mode == REQUIRED else [choice.index(choice.name)]:
+    for i in choice.callable_tools:
         parameters = tools[i]["function"].get("parameters")
         if parameters is not None and not isinstance(parameters, dict):
             raise ToolChoiceError(f"tools[{i}].function.parameters: must be a JSON schema (an object) for "
@@ -171,8 +177,7 @@ def grammar_problem(choice: ToolChoice, compile_problem: Callable[[StructuredOut
     grammar = choice.grammar()
     if grammar is None or (problem := compile_problem(grammar)) is None:
         return None
-    candidates = range(len(choice.tools)) if choice.mode == REQUIRED else [choice.index(choice.name)]
-    for i in candidates:
+    for i in choice.callable_tools:
         own = compile_problem(StructuredOutputsParams(json=_parameters(choice.tools[i]), disable_any_whitespace=True))
         if own is not None:
             return (f"tools[{i}].function.parameters: {own.removeprefix('the json constraint ')}: tool_choice "
