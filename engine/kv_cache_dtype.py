@@ -1,18 +1,17 @@
-"""The KV cache's element type (`kv_cache_dtype`): its names, which attention backend reads
-which, and how keys and values are quantized into a scaled cache and read back.
+"""A KV cache's element types as torch dtypes, and how keys and values are quantized into a
+scaled cache and read back: the reference the kernels' scaled caches match (their names, and
+the attention backends that read each, are `engine.config.cache`'s, which loads no torch).
 
-A narrower cache holds more tokens in the same memory and makes decode attention read fewer
-bytes. "bfloat16" and "float16" store the keys and values rounded; "int8" (the compiled CPU
-kernel) and "fp8" (e4m3, the Triton kernels) store each (token, KV head) vector divided by
-its own float32 scale, its largest magnitude over the type's largest value, so every vector
-uses the type's whole range. The kernels multiply a key's dot product and a value's weight
-by its scale; the keys are never widened in memory.
+"int8" (the compiled CPU kernel) and "fp8" (e4m3, the Triton kernels) store each (token, KV
+head) vector divided by its own float32 scale, its largest magnitude over the type's largest
+value, so every vector uses the type's whole range. The kernels multiply a key's dot product
+and a value's weight by its scale; the keys are never widened in memory.
 """
 
 import torch
 
-KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
-    "auto": None,  # the model's dtype
+# The torch dtype of each resolved cache dtype name (`engine.config.cache.KV_CACHE_DTYPES` but "auto").
+_TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
@@ -21,35 +20,13 @@ KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
     "fp8_e4m3": torch.float8_e4m3fn,
 }
 
-# The cache dtypes each attention backend reads (the PyTorch backend, the reference, reads all).
-BACKEND_CACHE_DTYPES: dict[str, tuple[str, ...]] = {
-    "torch": tuple(KV_CACHE_DTYPES),
-    "cpu": ("auto", "float32", "bfloat16", "float16", "int8"),
-    "triton": ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3"),
-}
-
 # Largest magnitude each scaled type holds.
 _SCALED_MAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 
 
-def resolve_kv_cache_dtype(setting: str, model_dtype: str, backend: str) -> str:
-    """The cache dtype's name for `setting` ("auto": the model's dtype), checked against
-    what the attention backend reads.
-
-    Raises:
-        ValueError: the backend cannot read that cache, naming what it can.
-    """
-    if setting not in BACKEND_CACHE_DTYPES[backend]:
-        hint = {"int8": "on a GPU use 'fp8'", "fp8": "on a CPU use 'int8'", "fp8_e4m3": "on a CPU use 'int8'"}
-        readable = ", ".join(repr(name) for name in BACKEND_CACHE_DTYPES[backend])
-        raise ValueError(f"kv_cache_dtype={setting!r} cannot be read by the {backend!r} attention backend, which "
-                         f"reads {readable}; {hint.get(setting, 'choose one of those')}")
-    return model_dtype if setting == "auto" else setting
-
-
 def cache_torch_dtype(name: str) -> torch.dtype:
     """The torch dtype of a resolved cache dtype name."""
-    return KV_CACHE_DTYPES[name]
+    return _TORCH_DTYPES[name]
 
 
 def is_scaled(dtype: torch.dtype) -> bool:

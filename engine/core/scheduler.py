@@ -3,13 +3,16 @@
 import bisect
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from engine.config import EngineConfig
 from engine.core.block_manager import BlockManager
 from engine.core.encoder_cache_manager import EncoderCacheManager
 from engine.core.sched_output import ScheduledBatch
 from engine.core.sequence import Sequence, SequenceStatus
 from engine.multimodal.inputs import MultiModalFeature
+
+if TYPE_CHECKING:  # the scheduler reads a resolved config; importing the scheduler loads no settings modules
+    from engine.config import EngineConfig
 
 
 class Scheduler:
@@ -35,7 +38,7 @@ class Scheduler:
     had nor computed in the step.
     """
 
-    def __init__(self, config: EngineConfig, block_manager: BlockManager,
+    def __init__(self, config: "EngineConfig", block_manager: BlockManager,
                  encoder_cache: EncoderCacheManager | None = None) -> None:
         """`config` is resolved (`EngineConfig.resolve`): the scheduler reads max_num_seqs,
         max_num_batched_tokens, enable_chunked_prefill, scheduling_policy and max_loras."""

@@ -4,9 +4,9 @@ step's proposals only where they are worth their rows."""
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
+from engine.config import SpeculativeConfig
 from engine.core.sequence import Sequence
 from engine.reasoning import Phase
-from engine.spec_decode.config import SpeculativeConfig
 from engine.step_cost import StepTimes
 from engine.structured_output.backend_types import StructuredOutputGrammar
 

@@ -11,8 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import SamplingParams
-from engine.config import EngineConfig, engine_settings
-from engine.spec_decode.config import SpeculativeConfig
+from engine.config import EngineConfig, SpeculativeConfig, engine_settings
 from tests.fuzzing import examples
 
 # Values of every JSON type and a few Python ones, of every size; plus each field's own kind of value.

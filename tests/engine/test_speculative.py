@@ -10,9 +10,8 @@ import math
 import pytest
 
 from engine import LLM, LoRARequest, SamplingParams, StructuredOutputsParams
-from engine.config import AT_LOAD, EngineConfig
+from engine.config import AT_LOAD, EngineConfig, SpeculativeConfig
 from engine.hardware import detect_cpu
-from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.ngram_proposer import NgramIndex, NgramProposer
 from engine.spec_decode.proposer import Proposer, SpecState
 from tests.tiny_models import build_tiny_model

@@ -1,7 +1,11 @@
-"""`SpeculativeConfig`: vLLM's `speculative_config`, read and checked once."""
+"""Speculative decoding's setting (`SpeculativeSettings`: vLLM's `speculative_config` dict)
+and what it is read into, once (`SpeculativeConfig`), as vLLM's `config/speculative.py`."""
 
+import functools
 from dataclasses import dataclass, fields
 from typing import Any
+
+from engine.config.utils import OPERATIONAL, SettingsGroup, _setting
 
 # vLLM's method names -> ours (a list-style "[ngram]" is vLLM's older spelling).
 _METHODS = {"ngram": "ngram", "[ngram]": "ngram", "draft_model": "draft_model"}
@@ -105,3 +109,36 @@ def _draft_problems(value: dict[str, Any]) -> list[str]:
         problems.append(f"speculative_config['draft_tensor_parallel_size']: the draft runs whole on the target's "
                         f"first rank; give 1 or leave it out, got {value['draft_tensor_parallel_size']!r}")
     return problems
+
+
+@dataclass
+class SpeculativeSettings(SettingsGroup):
+    """Whether and how tokens are proposed for the model to verify."""
+
+    speculative_config: dict[str, Any] | None = _setting(
+        None, "Speculative decoding, as vLLM's: {'method': 'ngram', 'num_speculative_tokens': k, "
+              "'prompt_lookup_min': a, 'prompt_lookup_max': b} proposes up to k tokens per sequence and step from "
+              "its own prompt and output (the tokens after the last earlier match of its last a to b tokens); "
+              "{'model': folder, 'num_speculative_tokens': k} has a smaller model of the same vocabulary propose "
+              "them (its own KV cache sharing the target's blocks and memory budget). One forward pass verifies "
+              "them; proposals are kept where their expected acceptance is worth their rows' measured cost (most "
+              "at small batches). Outputs are the same as without it: greedy and seeded rows token for token, "
+              "other sampled rows in distribution. Not with async_scheduling.", OPERATIONAL)
+
+    def problems(self) -> list[str]:
+        """What `SpeculativeConfig.parse` names in speculative_config (reading it here keeps
+        the parsed record: `speculative`)."""
+        if self.speculative_config is None:
+            return []
+        try:
+            self.speculative
+        except ValueError as exc:
+            return [str(exc)]
+        return []
+
+    @functools.cached_property
+    def speculative(self) -> SpeculativeConfig | None:
+        """`speculative_config` read (`SpeculativeConfig.parse`), or None without speculation:
+        parsed once, when the settings are checked, and kept for the engine, the draft model's
+        runner and every rank that receives the config."""
+        return SpeculativeConfig.parse(self.speculative_config) if self.speculative_config is not None else None
