@@ -142,8 +142,8 @@ class Attention(nn.Module):
     """One layer's attention: writes the step's keys and values into this layer's paged
     cache, then attends over it, through `backend`. The model runner assigns the backend
     and the caches once it knows how many blocks fit: `k_cache`, `v_cache`, and for a
-    scaled cache dtype (`engine.kv_cache_dtype`) their scales `k_scale`, `v_scale` (else
-    empty).
+    scaled cache dtype (`engine.kernels.kv_cache_quant`) their scales `k_scale`, `v_scale`
+    (else empty).
 
     Scores are (q . k) * `scale` (default head_dim**-0.5), then soft-capped to
     `logit_softcap` * tanh(score / `logit_softcap`) when it is set. With `sliding_window`

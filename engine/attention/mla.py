@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.layer import Attention, AttentionBackend, AttentionMetadata
-from engine.kv_cache_dtype import dequantize, is_scaled
+from engine.kernels.kv_cache_quant import dequantize, is_scaled
 
 # Queries of one sequence attended at once in the expanded form: bounds the score matrix.
 _QUERY_CHUNK = 512

@@ -40,5 +40,5 @@ def store_kv(x: torch.Tensor, cache: torch.Tensor, scale: torch.Tensor, slots: t
     """Writes keys or values `x` [tokens, kv_heads, dim] into `cache` [kv_heads, slots, dim]
     at `slots` [tokens] (int64) in one pass: cast to the cache's dtype, or for an int8 cache
     quantized per (token, KV head) with the scales into `scale` [kv_heads, slots], the same
-    bits as `engine.kv_cache_dtype.quantize`."""
+    bits as `engine.kernels.kv_cache_quant.quantize`."""
     cpu_build.load().store_kv(x if x.stride(2) == 1 else x.contiguous(), cache, scale, slots)

@@ -602,7 +602,7 @@ namespace {
 
 // One (token, KV head) vector of `dim` into a cache row: cast, or for an int8 cache divided
 // by its largest magnitude / 127 and rounded to the nearest (ties to even), the scale stored.
-// The arithmetic is PyTorch's (`engine.kv_cache_dtype.quantize`), so both write the same bits.
+// The arithmetic is PyTorch's (`engine.kernels.kv_cache_quant.quantize`), so both write the same bits.
 template <typename scalar_t, typename cache_t>
 void store_vector(const scalar_t* x, int64_t dim, cache_t* row, float* scale) {
   if constexpr (kScaled<cache_t>) {

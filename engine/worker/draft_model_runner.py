@@ -27,7 +27,7 @@ from engine.config import AT_LOAD, EngineConfig, ModelConfig
 from engine.core.sched_output import ScheduledBatch
 from engine.core.sequence import Sequence
 from engine.distributed.communicator import TensorParallelGroup
-from engine.kv_cache_dtype import cache_torch_dtype
+from engine.kernels.kv_cache_quant import cache_torch_dtype
 from engine.model_loader.folder import resolve_model_path
 from engine.model_loader.loader import load_model
 from engine.model_loader.model_config import resolve_model_config

@@ -11,7 +11,7 @@ from torch import nn
 from engine.attention.layer import Attention, AttentionBackend, AttentionMetadata
 from engine.attention.selector import make_backend
 from engine.config import EngineConfig
-from engine.kv_cache_dtype import is_scaled
+from engine.kernels.kv_cache_quant import is_scaled
 
 logger = logging.getLogger(__name__)
 
@@ -27,8 +27,8 @@ class CacheBudget:
 class KVCache:
     """The keys and values of every attention layer of a model, in `num_blocks` blocks of
     `block_size` slots each, laid out as the attention backend reads them, as `dtype`
-    (`engine.kv_cache_dtype`); a scaled dtype adds float32 scales per (slot, KV head). A
-    latent attention layer (`values_in_keys`) has one tensor, its latent and rotary key.
+    (`engine.kernels.kv_cache_quant`); a scaled dtype adds float32 scales per (slot, KV head).
+    A latent attention layer (`values_in_keys`) has one tensor, its latent and rotary key.
 
     One extra block past the managed ones is the null block: zeros that padded key
     positions point to, so attention never reads memory nothing has written.

@@ -20,7 +20,7 @@ from engine.attention.mla import use_absorbed_attention_only
 from engine.config import EngineConfig, ModelConfig
 from engine.distributed.communicator import TensorParallelGroup
 from engine.hardware import amx_products, detect_cpu, keep_freed_memory, long_lived_allocations, set_num_threads
-from engine.kv_cache_dtype import cache_torch_dtype
+from engine.kernels.kv_cache_quant import cache_torch_dtype
 from engine.layers.linear import enforce_batch_invariance, linear_kernel
 from engine.lora.manager import LoRAManager
 from engine.lora.request import LoRARequest

@@ -28,7 +28,7 @@ from engine import LLM, LoRARequest, SamplingParams
 from engine.attention.mla import MLAAttention
 from engine.hardware import detect_cpu
 from engine.kernels import triton as triton_kernels
-from engine.kv_cache_dtype import dequantize, quantize
+from engine.kernels.kv_cache_quant import dequantize, quantize
 from engine.models import MODEL_REGISTRY
 from engine.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from engine.quantization.int8 import Int8LinearMethod

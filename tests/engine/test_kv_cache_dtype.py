@@ -13,7 +13,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import BACKEND_CACHE_DTYPES, EngineConfig, resolve_kv_cache_dtype
-from engine.kv_cache_dtype import cache_torch_dtype, dequantize, quantize
+from engine.kernels.kv_cache_quant import cache_torch_dtype, dequantize, quantize
 from tests.engine.test_sliding_window import BACKENDS, MIXED, mixed_step, paged_case
 from tests.engine.test_triton_kernels import DEVICE as TRITON_DEVICE
 from tests.engine.test_triton_kernels import reference_attention, tolerance

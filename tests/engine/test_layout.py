@@ -60,17 +60,17 @@ TIERS: list[list[str]] = [
     ["engine.lora", "engine.multimodal", "engine.quantization"],  # adapters, images in prompts, quantized products
     ["engine.attention", "engine.layers", "engine.sample"],
     ["engine.structured_output"],
-    ["engine.kernels", "engine.distributed"],  # compiled and Triton kernels; process plumbing
+    # compiled and Triton kernels, and the PyTorch reference of a scaled KV cache (kv_cache_quant); process plumbing
+    ["engine.kernels", "engine.distributed"],
     ["engine.output_parsing"],  # a completion's reasoning, answer and tool calls apart
-    ["engine.config"],  # settings: a leaf above the API types
+    ["engine.config"],  # settings, one module per group of them: a leaf above the API types
     ["engine.entrypoints.tool_choice"],  # tool_choice: a forced call's grammar, and the calls read from what it made
     ["engine.detokenizer", "engine.entrypoints.chat_utils", "engine.entrypoints.progress_bar", "engine.reasoning",
      "engine.tool_parsers"],
     ["engine.beam_search"],  # API types, from here down
     ["engine.pooling_params", "engine.sampling_params"],
     ["engine.outputs", "engine.sampling_rules", "engine.structured_output.params"],
-    ["engine.exceptions", "engine.hardware", "engine.kv_cache_dtype", "engine.lazy_exports", "engine.lora.request",
-     "engine.step_cost"],
+    ["engine.exceptions", "engine.hardware", "engine.lazy_exports", "engine.lora.request", "engine.step_cost"],
 ]
 RANK = {part: rank for rank, row in enumerate(TIERS) for part in row}
 

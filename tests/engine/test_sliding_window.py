@@ -20,7 +20,7 @@ from engine.attention.layer import Attention, AttentionMetadata
 from engine.attention.selector import make_backend
 from engine.kernels import cpu_build
 from engine.kernels import triton as triton_kernels
-from engine.kv_cache_dtype import is_scaled
+from engine.kernels.kv_cache_quant import is_scaled
 from tests.engine.test_triton_kernels import DEVICE as TRITON_DEVICE
 from tests.engine.test_triton_kernels import reference_attention, tolerance
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from engine.attention.layer import Attention, AttentionBackend, AttentionMetadata, KeyRange
 from engine.hardware import detect_cpu
-from engine.kv_cache_dtype import dequantize, is_scaled, quantize
+from engine.kernels.kv_cache_quant import dequantize, is_scaled, quantize
 
 
 # Queries attend in chunks of at most this many rows per sequence, and sequences in

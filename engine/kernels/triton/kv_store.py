@@ -1,12 +1,12 @@
 """Writes a step's new keys and values into the paged cache at their slots, as the cache's
 dtype: cast, or for an fp8 cache divided by a scale per (token, KV head) that is stored
-beside it (`engine.kv_cache_dtype`)."""
+beside it (`engine.kernels.kv_cache_quant`)."""
 
 import torch
 import triton
 import triton.language as tl
 
-from engine.kv_cache_dtype import scaled_max
+from engine.kernels.kv_cache_quant import scaled_max
 
 
 @triton.jit

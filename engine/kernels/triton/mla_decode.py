@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.kv_cache_quant import is_scaled
 from engine.kernels.triton.paged_attention import DECODE_PARTITION, _decode_merge_kernel, _optional, _precision
-from engine.kv_cache_dtype import is_scaled
 
 # Keys per loop iteration, and query heads per program.
 KEY_TILE = 32

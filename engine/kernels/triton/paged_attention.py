@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kv_cache_dtype import is_scaled
+from engine.kernels.kv_cache_quant import is_scaled
 
 # Keys per split of a decode sequence's context (a multiple of KEY_TILE).
 DECODE_PARTITION = 512
