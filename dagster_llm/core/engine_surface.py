@@ -43,8 +43,8 @@ _EXPORTS = {
     "UnfinishedOutput": "engine",
     "ToolCall": "engine.outputs",
     # A step's time, for the progress lines' ETA
-    "StepCost": "engine.step_cost",
-    "StepTimes": "engine.step_cost",
+    "StepCost": "engine.core.step_cost",
+    "StepTimes": "engine.core.step_cost",
     # Chat rendering and its checks
     "chat_images": "engine.entrypoints.chat_utils",
     "chat_messages_problem": "engine.entrypoints.chat_utils",

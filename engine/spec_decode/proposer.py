@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 from engine.config import SpeculativeConfig
 from engine.core.sequence import Sequence
+from engine.core.step_cost import StepTimes
 from engine.reasoning import Phase
-from engine.step_cost import StepTimes
 from engine.structured_output.backend_types import StructuredOutputGrammar
 
 # A sequence's acceptance is followed over its recent steps: its counts weigh this much

@@ -39,11 +39,16 @@ def test_the_definitions_load_without_torch_or_the_engine():
             "print(sorted(m for m in sys.modules if m.startswith('engine.') and m != 'engine.lazy_exports'))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
-    api_types = {"engine.beam_search", "engine.config", "engine.exceptions", "engine.lora", "engine.lora.request",
+    api_types = {"engine.beam_search", "engine.exceptions", "engine.lora", "engine.lora.request",
+                 "engine.config", "engine.config.cache", "engine.config.device", "engine.config.engine",
+                 "engine.config.lora", "engine.config.model", "engine.config.multimodal", "engine.config.parallel",
+                 "engine.config.parsers", "engine.config.scheduler", "engine.config.speculative",
+                 "engine.config.utils",
                  "engine.model_loader", "engine.model_loader.embedded_model",
                  "engine.multimodal", "engine.multimodal.image", "engine.outputs",
                  "engine.pooling_params", "engine.sampling_params", "engine.sampling_rules",
-                 "engine.step_cost", "engine.structured_output", "engine.structured_output.params",
+                 "engine.core",  # the package alone: its __init__ imports nothing
+                 "engine.core.step_cost", "engine.structured_output", "engine.structured_output.params",
                  "engine.entrypoints",  # the package alone: its __init__ imports nothing
                  "engine.entrypoints.chat_utils",
                  "engine.entrypoints.tool_choice"}  # a tool_choice is checked against its tools where the asset is defined
