@@ -1,14 +1,14 @@
-"""Per-request sampling settings, validated on construction (vLLM's `SamplingParams`)."""
+"""Per-request sampling settings, validated on construction (vLLM's `SamplingParams`), and the
+allowed values of each (`Rule`), declared beside its field."""
 
 import copy
 import logging
 import math
 import textwrap
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import MISSING, Field, InitVar, dataclass, field, fields
 from typing import Any
 
-from engine import sampling_rules as rules
 from engine.exceptions import ParameterTypeError, VLLMValidationError
 from engine.structured_output.params import StructuredOutputsParams
 
@@ -22,7 +22,86 @@ MIN_TEMPERATURE = 1e-2
 LOGIT_BIAS_LIMIT = 100.0
 
 
-def _setting(default: object, help: str, rule: rules.Rule) -> Any:
+# The allowed values of each field, as words and as tests: what `SamplingParams` declares
+# beside each field (`_setting`'s `rule`), and what its errors quote.
+
+# A test of a value, given the whole settings object (some rules depend on another field).
+Test = Callable[[Any, Any], bool]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A field's allowed values: in words, as a type test and as a value test (run only
+    on a value of the right type). NaN fails every comparison, so ranges refuse it too."""
+
+    words: str
+    type_ok: Test
+    value_ok: Test = lambda v, p: True
+
+    def holds_type(self, value: object, params: object) -> bool:
+        return _holds(self.type_ok, value, params)
+
+    def holds_value(self, value: object, params: object) -> bool:
+        return _holds(self.value_ok, value, params)
+
+
+def _holds(test: Test, value: object, params: object) -> bool:
+    """The test's verdict; a test that meets a value it cannot compare says no."""
+    try:
+        return bool(test(value, params))
+    except TypeError:
+        return False
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _finite(value: object) -> bool:
+    return _number(value) and math.isfinite(value)
+
+
+def _integer(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _flag() -> Rule:
+    return Rule("true or false", lambda v, p: isinstance(v, bool))
+
+
+def _list_of(test: Callable[[object], bool]) -> Test:
+    return lambda v, p: isinstance(v, list) and all(test(x) for x in v)
+
+
+def _optional(test: Test) -> Test:
+    return lambda v, p: v is None or test(v, p)
+
+
+def _number_in(low: float, high: float, note: str = "") -> Rule:
+    words = f"in [{low:g}, {high:g}]" + (f" ({note})" if note else "")
+    return Rule(words, lambda v, p: _number(v), lambda v, p: low <= v <= high)
+
+
+def _logprobs() -> Rule:
+    return Rule("None, -1 (the whole vocabulary) or a non-negative integer",
+                _optional(lambda v, p: _integer(v)), lambda v, p: v is None or v >= -1)
+
+
+def _min_tokens() -> Rule:
+    """At most max_tokens (any number when max_tokens is None)."""
+    def within(v: int, p: Any) -> bool:
+        limit = p.max_tokens if _integer(p.max_tokens) else math.inf if p.max_tokens is None else 0
+        return 0 <= v <= limit
+    return Rule("an integer in [0, max_tokens]", lambda v, p: _integer(v), within)
+
+
+def _token_bias() -> Rule:
+    return Rule("None or a mapping of token id to a finite number",
+                _optional(lambda v, p: isinstance(v, dict) and all(_integer(k) and _number(x) for k, x in v.items())),
+                lambda v, p: v is None or all(math.isfinite(x) for x in v.values()))
+
+
+def _setting(default: object, help: str, rule: Rule) -> Any:
     """A field with its meaning and its allowed values, read by `sampling_settings()`."""
     return field(default=default, metadata={"help": help, "rule": rule})
 
@@ -43,76 +122,76 @@ class SamplingParams:
 
     n: int = _setting(1, "Completions per prompt; they share the prompt's KV cache. Must be 1 when decoding "
                          "greedily (the completions would be identical).",
-                      rules.Rule("a positive integer", lambda v, p: rules.integer(v), lambda v, p: v >= 1))
+                      Rule("a positive integer", lambda v, p: _integer(v), lambda v, p: v >= 1))
     temperature: float = _setting(1.0, "Softmax temperature; 0 means greedy decoding (and then top_p, top_k and "
                                        "min_p are reset to off). Positive values below 0.01 are raised to 0.01.",
-                                  rules.number_in(0, 2, "0 = greedy"))
+                                  _number_in(0, 2, "0 = greedy"))
     top_p: float = _setting(1.0, "Keep the smallest set of tokens whose probability adds up to top_p.",
-                            rules.Rule("in (0, 1] (1 = off)", lambda v, p: rules.number(v), lambda v, p: 0 < v <= 1))
+                            Rule("in (0, 1] (1 = off)", lambda v, p: _number(v), lambda v, p: 0 < v <= 1))
     top_k: int = _setting(0, "Keep the top_k most likely tokens.",
-                          rules.Rule("-1, 0 (both off) or a positive integer", lambda v, p: rules.integer(v),
-                                     lambda v, p: v >= -1))
+                          Rule("-1, 0 (both off) or a positive integer", lambda v, p: _integer(v),
+                               lambda v, p: v >= -1))
     min_p: float = _setting(0.0, "Drop tokens less likely than min_p times the most likely one.",
-                            rules.number_in(0, 1, "0 = off"))
+                            _number_in(0, 1, "0 = off"))
     seed: int | None = _setting(None, "Seed of this request's own random generators, so that its samples do not "
                                       "depend on the engine's seed or on the rest of the batch (-1 = None).",
-                                rules.Rule("an integer or None", rules.optional(lambda v, p: rules.integer(v))))
+                                Rule("an integer or None", _optional(lambda v, p: _integer(v))))
     presence_penalty: float = _setting(0.0, "Subtracted from the logit of every token already generated.",
-                                       rules.number_in(-2, 2))
+                                       _number_in(-2, 2))
     frequency_penalty: float = _setting(0.0, "Subtracted once per earlier occurrence in the generated text.",
-                                        rules.number_in(-2, 2))
+                                        _number_in(-2, 2))
     repetition_penalty: float = _setting(1.0, "Divides positive (multiplies negative) logits of tokens seen in "
                                               "the prompt or the output.",
-                                         rules.Rule("a finite number > 0 (1 = off)", lambda v, p: rules.number(v),
-                                                    lambda v, p: 0 < v < math.inf))
+                                         Rule("a finite number > 0 (1 = off)", lambda v, p: _number(v),
+                                              lambda v, p: 0 < v < math.inf))
     stop: str | list[str] | None = _setting(None, "Strings that end the generation; not part of the text unless "
                                                   "include_stop_str_in_output.",
-                                            rules.Rule("a list of non-empty strings",
-                                                       rules.list_of(lambda s: isinstance(s, str)),
-                                                       lambda v, p: all(v)))
+                                            Rule("a list of non-empty strings",
+                                                 _list_of(lambda s: isinstance(s, str)),
+                                                 lambda v, p: all(v)))
     stop_token_ids: list[int] | None = _setting(None, "Token ids that end the generation besides EOS (duplicates "
                                                       "dropped).",
-                                                rules.Rule("a list of non-negative integers",
-                                                           rules.list_of(rules.integer),
-                                                           lambda v, p: min(v, default=0) >= 0))
-    include_stop_str_in_output: bool = _setting(False, "Keep the stop string at the end of the text.", rules.flag())
-    ignore_eos: bool = _setting(False, "Keep generating past the EOS token.", rules.flag())
+                                                Rule("a list of non-negative integers",
+                                                     _list_of(_integer),
+                                                     lambda v, p: min(v, default=0) >= 0))
+    include_stop_str_in_output: bool = _setting(False, "Keep the stop string at the end of the text.", _flag())
+    ignore_eos: bool = _setting(False, "Keep generating past the EOS token.", _flag())
     max_tokens: int | None = _setting(16, "Most tokens to generate per completion (vLLM's default is 16); None "
                                           "generates until EOS, a stop or the model's context length.",
-                                      rules.Rule("a positive integer", rules.optional(lambda v, p: rules.integer(v)),
-                                                 lambda v, p: v is None or v >= 1))
+                                      Rule("a positive integer", _optional(lambda v, p: _integer(v)),
+                                           lambda v, p: v is None or v >= 1))
     min_tokens: int = _setting(0, "EOS and stop_token_ids are suppressed until this many were generated.",
-                               rules.min_tokens())
+                               _min_tokens())
     logprobs: int | None = _setting(None, "Return the log-probabilities of this many most likely tokens at each "
                                           "step, plus the sampled token's; -1 returns the whole vocabulary. "
-                                          "Capped by the engine's max_logprobs.", rules.logprobs())
+                                          "Capped by the engine's max_logprobs.", _logprobs())
     prompt_logprobs: int | None = _setting(None, "The same as logprobs for every prompt token after the first.",
-                                           rules.logprobs())
+                                           _logprobs())
     detokenize: bool = _setting(True, "Turn the tokens into text; False leaves text empty and the logprobs' "
-                                      "decoded_token None (and allows no stop strings).", rules.flag())
-    skip_special_tokens: bool = _setting(True, "Leave special tokens out of the text.", rules.flag())
+                                      "decoded_token None (and allows no stop strings).", _flag())
+    skip_special_tokens: bool = _setting(True, "Leave special tokens out of the text.", _flag())
     spaces_between_special_tokens: bool = _setting(True, "Put spaces around special tokens in the text.",
-                                                   rules.flag())
+                                                   _flag())
     logit_bias: dict[int, float] | None = _setting(None, "Token id to a finite value added to its logit.",
-                                                   rules.token_bias())
+                                                   _token_bias())
     allowed_token_ids: list[int] | None = _setting(None, "Only these tokens may be generated.",
-                                                   rules.Rule("None or a non-empty list of non-negative token ids",
-                                                              rules.optional(rules.list_of(rules.integer)),
-                                                              lambda v, p: v is None or (v and min(v) >= 0)))
+                                                   Rule("None or a non-empty list of non-negative token ids",
+                                                        _optional(_list_of(_integer)),
+                                                        lambda v, p: v is None or (v and min(v) >= 0)))
     bad_words: list[str] | None = _setting(None, "Words that may not be generated (as any of their tokenizations; "
                                                  "duplicates dropped).",
-                                           rules.Rule("a list of words that are not blank",
-                                                      rules.list_of(lambda s: isinstance(s, str)),
-                                                      lambda v, p: all(s.strip() for s in v)))
+                                           Rule("a list of words that are not blank",
+                                                _list_of(lambda s: isinstance(s, str)),
+                                                lambda v, p: all(s.strip() for s in v)))
     structured_outputs: StructuredOutputsParams | None = _setting(
         None, "What the completion must match (a JSON schema, a regex, a choice, a grammar); it finishes with "
               "'stop' once that is complete.",
-        rules.Rule("None or a StructuredOutputsParams",
-                   rules.optional(lambda v, p: isinstance(v, StructuredOutputsParams))))
+        Rule("None or a StructuredOutputsParams",
+             _optional(lambda v, p: isinstance(v, StructuredOutputsParams))))
     extra_args: dict[str, Any] | None = _setting(None, "Free-form values carried with the request for custom "
                                                        "code; the engine does not read them.",
-                                                 rules.Rule("None or a dict",
-                                                            rules.optional(lambda v, p: isinstance(v, dict))))
+                                                 Rule("None or a dict",
+                                                      _optional(lambda v, p: isinstance(v, dict))))
     # Refused with the way to get the same result (vLLM's V1 engine refused best_of and
     # vLLM 0.33 dropped it; it takes no per-request logits processors).
     best_of: InitVar[int | None] = None
@@ -178,12 +257,12 @@ class SamplingParams:
             # A wrong type (stop=5) stays as given, for problems() to name.
             if value is None or isinstance(value, (list, tuple)):
                 setattr(self, name, _without_duplicates(value or []) if name != "stop" else list(value or []))
-        if rules.integer(self.seed) and self.seed == -1:
+        if _integer(self.seed) and self.seed == -1:
             self.seed = None
         for name in ("logprobs", "prompt_logprobs"):
             if isinstance(getattr(self, name), bool):
                 setattr(self, name, int(getattr(self, name)))
-        if rules.number(self.temperature) and 0 < self.temperature < MIN_TEMPERATURE:
+        if _number(self.temperature) and 0 < self.temperature < MIN_TEMPERATURE:
             logger.warning("temperature %s is below %s, where the logits overflow; using %s (as vLLM does)",
                            self.temperature, MIN_TEMPERATURE, MIN_TEMPERATURE)
             self.temperature = MIN_TEMPERATURE
@@ -298,7 +377,7 @@ def _bias_key(key: object) -> object:
 
 
 def _clip_bias(value: object) -> object:
-    return min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, value)) if rules.finite(value) else value
+    return min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, value)) if _finite(value) else value
 
 
 def _without_duplicates(values: list | tuple) -> list:

@@ -69,7 +69,7 @@ TIERS: list[list[str]] = [
      "engine.tool_parsers"],
     ["engine.beam_search"],  # API types, from here down
     ["engine.pooling_params", "engine.sampling_params"],
-    ["engine.outputs", "engine.sampling_rules", "engine.structured_output.params"],
+    ["engine.outputs", "engine.structured_output.params"],
     ["engine.exceptions", "engine.hardware", "engine.lazy_exports", "engine.lora.request"],
 ]
 RANK = {part: rank for rank, row in enumerate(TIERS) for part in row}
