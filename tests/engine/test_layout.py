@@ -46,6 +46,7 @@ TIERS: list[list[str]] = [
     ["engine.entrypoints", "engine.entrypoints.openai"],
     ["engine.entrypoints.openai.run_batch"],  # OpenAI batch files from the command line
     ["engine.entrypoints.openai.batch"],  # a whole OpenAI batch file run, with resume; runs on LLM
+    ["engine.entrypoints.openai.runner"],  # OpenAI batch lines of one task fanned out onto a loaded LLM
     ["engine.entrypoints.openai.serving"],  # OpenAI request bodies -> engine inputs, engine outputs -> response bodies
     ["engine.entrypoints.openai.protocol"],  # OpenAI batch lines: their checks, the engine inputs, the output lines
     ["engine.entrypoints.llm"],  # LLM, the offline entry point
