@@ -1,12 +1,12 @@
 """What every run of the core does with its partitions, written once: a run (`GenerationRun`,
 `EmbeddingRun`, `OpenAIBatchRun`) takes the rows of several partitions into one engine call
 and commits each partition as soon as its last row is done, so that a long range shows its
-first partitions early and a crash loses at most the partitions still open.
+first partitions early.
 
 A partition's life: it opens with its data version (the digest of everything its table
 depends on); the rows already done for that version are taken back (resume: its committed
 table, or the shards of an interrupted run); each row that finishes is recorded, and saved
-in a shard every `shard_rows` rows or `shard_interval_s` seconds; once no row is left it
+in a shard when one is due (`Shards`: every so many rows or seconds); once no row is left it
 commits (its table in input order, with its data version, to its files) and the run yields
 its `CommittedPartition`. A row with an error never runs: its record is made at the commit.
 
