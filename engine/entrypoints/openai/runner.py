@@ -26,7 +26,7 @@ from engine.entrypoints.openai.serving import (
 if TYPE_CHECKING:
     from engine.entrypoints.llm import LLM
 
-Request = GenerationRequest | EmbeddingRequest
+_Request = GenerationRequest | EmbeddingRequest
 
 
 def line_task(line: BatchLine) -> str:
@@ -82,7 +82,7 @@ class _Pending:
 
     index: int
     line: BatchLine
-    request: Request
+    request: _Request
     outputs: list[Any]
     waiting: int
 
@@ -105,7 +105,7 @@ class _Kind:
     error), the engine's problem with each prompt, the run of the prompts ((position, output)
     as they finish), and the response body of a line's outputs."""
 
-    request: Callable[[BatchLine], Request | LineError]
+    request: Callable[[BatchLine], _Request | LineError]
     check: Callable[[list[_Prompt]], list[str | None]]
     run: Callable[[list[_Prompt]], Iterable[tuple[int, Any]]]
     respond: Callable[[Any, list[Any]], dict[str, Any]]
