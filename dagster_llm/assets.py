@@ -19,21 +19,20 @@ from pydantic import ValidationError
 import engine
 from dagster_llm.core.checks import DESCRIPTIONS, PARSE_RATE, PARSE_RATE_DESCRIPTION, evaluate
 from dagster_llm.core.generation import GenerationRun, PartitionInput, PartitionResult, RunOptions
-from dagster_llm.core.leases import LeaseLostError
 from dagster_llm.core.prompts import (
     PartitionSettings, PromptTableError, check_columns, read_rows, to_dataframe, tools_problem,
 )
 from dagster_llm.core.sampling import BeamSearchConfig, SamplingConfig, used_values
 from dagster_llm.core.schema import ToolArguments, tool_columns_problem
 from dagster_llm.core.structured import OutputSpecError, StructuredOutput
-from dagster_llm.core.watch import LaunchingProcessDied, ParentWatch
+from dagster_llm.core.watch import ParentWatch
 from dagster_llm.metadata import PartitionFacts, column_schema, partition_metadata, upstream_data_version
 from dagster_llm.partitions import (
     PartitionChoice, RowShard, beam_choice, output_choice, sharded_partitions, upstream_partition,
 )
 from dagster_llm.resource import LLMResource
 from dagster_llm.run_config import GenerationRunConfig
-from dagster_llm.steps import PartitionedStep
+from dagster_llm.steps import PartitionedStep, table_asset
 from dagster_llm.spec import GenerationSpec
 from engine.entrypoints.tool_choice import ToolChoice, ToolChoiceError, resolve_tool_choice
 
@@ -171,27 +170,15 @@ def generation_asset(spec: GenerationSpec, partitions_def: dg.PartitionsDefiniti
         code_version=f"{spec.code_version}+{spec.settings_digest()[:12]}",
         row_settings=f"{spec.code_version}+{spec.row_settings_digest()[:12]}", partitioned=partitions_def is not None,
     )
-    key = spec.asset_key
     if spec.row_shards is not None:
         partitions_def = sharded_partitions(spec.name, partitions_def, spec.row_shards)
 
-    @dg.multi_asset(
-        name="__".join(key.path),
-        outs={key.to_python_identifier(): dg.AssetOut(
-            key=key, code_version=d.code_version, group_name=spec.group_name,
-            description=spec.description or f"LLM completions of {spec.upstream}.{spec.prompt_column}",
-            kinds={"parquet"}, is_required=False, io_manager_key=spec.io_manager_key,
-            metadata={"dagster/column_schema": column_schema(output.default, spec.image_column is not None, d.tool)},
-        )},
-        ins={"prompts": dg.AssetIn(key=spec.upstream_key)},
-        check_specs=_check_specs(key, partitions_def, d.structured),
-        can_subset=True,
-        partitions_def=partitions_def,
-        backfill_policy=_backfill_policy(spec, partitions_def),
-        pool=spec.pool,
-        op_tags=spec.kubernetes.tags() if spec.kubernetes else None,
-        required_resource_keys={spec.resource_key, spec.io_manager_key},
-    )
+    @table_asset(spec, partitions_def, code_version=d.code_version,
+                 default_description=f"LLM completions of {spec.upstream}.{spec.prompt_column}",
+                 column_schema=column_schema(output.default, spec.image_column is not None, d.tool),
+                 input_name="prompts", checks=_checks(d.structured),
+                 resource_keys=[spec.resource_key], backfill_policy=_backfill_policy(spec, partitions_def),
+                 op_tags=spec.kubernetes.tags() if spec.kubernetes else None)
     def _generate(context: dg.AssetExecutionContext, config: GenerationRunConfig, prompts: object):
         yield from _GenerationStep(d, context, config).execute(prompts)
 
@@ -251,12 +238,10 @@ def _backfill_policy(spec: GenerationSpec, partitions_def: dg.PartitionsDefiniti
     return dg.BackfillPolicy.multi_run(spec.max_partitions_per_run or 1)
 
 
-def _check_specs(asset_key: dg.AssetKey, partitions_def: dg.PartitionsDefinition | None,
-                 structured: bool) -> list[dg.AssetCheckSpec]:
-    """The asset's checks; parse_rate where any partition has a structured output."""
-    descriptions = {**DESCRIPTIONS, **({PARSE_RATE: PARSE_RATE_DESCRIPTION} if structured else {})}
-    return [dg.AssetCheckSpec(name, asset=asset_key, description=description, partitions_def=partitions_def)
-            for name, description in descriptions.items()]
+def _checks(structured: bool) -> dict[str, str]:
+    """The asset's checks by name, with their descriptions; parse_rate where any partition
+    has a structured output."""
+    return {**DESCRIPTIONS, **({PARSE_RATE: PARSE_RATE_DESCRIPTION} if structured else {})}
 
 
 class _GenerationStep(PartitionedStep):
@@ -284,16 +269,11 @@ class _GenerationStep(PartitionedStep):
             llm = self.resource.get_llm()
             parts = self._inputs(frames, sampling, llm)
             run = GenerationRun(llm, self.d.lora_requests, self._options(), self.context.log.info, ParentWatch().check)
-            results = {}
             try:
-                for result in run.generate(parts):
-                    results[result.key] = result
-                    yield from self._committed(result)
-            except (LaunchingProcessDied, LeaseLostError) as exc:
-                raise dg.Failure(str(exc)) from None
+                yield from self.record(run.generate(parts), self._committed)
             except OutputSpecError as exc:
                 raise dg.Failure(f"{self.spec.name}: {exc}") from None
-        yield from self.outputs(results)
+        yield from self.outputs()
 
     def _inputs(self, frames: dict[str | None, pd.DataFrame], sampling: dict[str | None, SamplingConfig],
                 llm: "engine.LLM") -> list[PartitionInput]:

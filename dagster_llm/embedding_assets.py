@@ -17,13 +17,12 @@ from dagster_llm.core.embedding import (
     CHECKS, COLUMNS, EmbeddingOptions, EmbeddingResult, EmbeddingRun, TextPartition, evaluate_embeddings, text_rows,
 )
 from dagster_llm.core.generation import digest
-from dagster_llm.core.leases import LeaseLostError
 from dagster_llm.core.prompts import PromptTableError, to_dataframe
-from dagster_llm.core.watch import LaunchingProcessDied, ParentWatch
+from dagster_llm.core.watch import ParentWatch
 from dagster_llm.embedding_spec import EmbeddingSpec
 from dagster_llm.metadata import upstream_data_version
 from dagster_llm.resource import LLMResource
-from dagster_llm.steps import PartitionedStep
+from dagster_llm.steps import PartitionedStep, table_asset
 
 
 class EmbeddingRunConfig(dg.Config):
@@ -71,25 +70,11 @@ def build_embedding_asset(name: str, upstream: str | dg.AssetKey | dg.AssetsDefi
 
 def embedding_asset(spec: EmbeddingSpec, partitions_def: dg.PartitionsDefinition | None) -> dg.AssetsDefinition:
     """The asset of a spec."""
-    key = spec.asset_key
     code_version = f"{spec.code_version}+{digest(spec.model_dump(exclude={'description', 'group_name', 'pool'}))[:12]}"
 
-    @dg.multi_asset(
-        name="__".join(key.path),
-        outs={key.to_python_identifier(): dg.AssetOut(
-            key=key, code_version=code_version, group_name=spec.group_name, kinds={"parquet"}, is_required=False,
-            description=spec.description or f"Embeddings of {spec.upstream}.{spec.text_column}",
-            io_manager_key=spec.io_manager_key, metadata={"dagster/column_schema": _column_schema()},
-        )},
-        ins={"texts": dg.AssetIn(key=spec.upstream_key)},
-        check_specs=[dg.AssetCheckSpec(check, asset=key, description=text, partitions_def=partitions_def)
-                     for check, text in CHECKS.items()],
-        can_subset=True,
-        partitions_def=partitions_def,
-        backfill_policy=dg.BackfillPolicy.single_run() if partitions_def is not None else None,
-        pool=spec.pool,
-        required_resource_keys={spec.resource_key, spec.io_manager_key},
-    )
+    @table_asset(spec, partitions_def, code_version=code_version,
+                 default_description=f"Embeddings of {spec.upstream}.{spec.text_column}",
+                 column_schema=_column_schema(), input_name="texts", checks=CHECKS, resource_keys=[spec.resource_key])
     def _embed(context: dg.AssetExecutionContext, config: EmbeddingRunConfig, texts: object):
         yield from _EmbeddingStep(spec, context, config, code_version, partitions_def is not None).execute(texts)
 
@@ -121,15 +106,14 @@ class _EmbeddingStep(PartitionedStep):
                                                   frames[key][self.spec.text_column].tolist()),
                                    self.store.partition(self.asset_key.path, key) if self.store else None)
                      for key in self.keys]
-            results = {}
-            try:
-                for result in run.embed(parts):
-                    results[result.key] = result
-                    yield from self.committed(result, self._metadata(result, llm.model_fingerprint, llm.output_settings),
-                                              evaluate_embeddings(result.table, llm.hidden_size))
-            except (LaunchingProcessDied, LeaseLostError) as exc:
-                raise dg.Failure(str(exc)) from None
-        yield from self.outputs(results)
+            yield from self.record(run.embed(parts), self._committed)
+        yield from self.outputs()
+
+    def _committed(self, result: EmbeddingResult) -> Iterator[object]:
+        """The partition's metadata and check outcomes, recorded (`PartitionedStep.committed`)."""
+        llm = self.resource.get_llm()
+        return self.committed(result, self._metadata(result, llm.model_fingerprint, llm.output_settings),
+                              evaluate_embeddings(result.table, llm.hidden_size))
 
     def _frames(self, texts: object) -> dict[str | None, pd.DataFrame]:
         """Each partition's text table, its id and text columns checked."""

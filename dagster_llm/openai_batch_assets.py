@@ -15,17 +15,16 @@ import pyarrow as pa
 from pydantic import ConfigDict, Field, model_validator
 
 from dagster_llm.core.generation import digest
-from dagster_llm.core.leases import LeaseLostError
 from dagster_llm.core.openai_batch import (
     COLUMNS, ERROR_CHECK, ERROR_CHECK_DESCRIPTION, OUTPUT_SCHEMA, BatchEngines, BatchResult, Engine, OpenAIBatchRun,
     RequestPartition, RequestTableError, evaluate_errors, table_rows,
 )
 from dagster_llm.core.prompts import PromptTableError, to_dataframe
-from dagster_llm.core.watch import LaunchingProcessDied, ParentWatch
+from dagster_llm.core.watch import ParentWatch
 from dagster_llm.metadata import upstream_data_version
 from dagster_llm.resource import LLMResource
 from dagster_llm.spec import AssetKeys
-from dagster_llm.steps import PartitionedStep
+from dagster_llm.steps import PartitionedStep, table_asset
 
 PREVIEW_ROWS = 10
 
@@ -110,26 +109,12 @@ def build_openai_batch_asset(name: str, upstream: str | dg.AssetKey | dg.AssetsD
 
 def openai_batch_asset(spec: OpenAIBatchSpec, partitions_def: dg.PartitionsDefinition | None) -> dg.AssetsDefinition:
     """The asset of a spec."""
-    key = spec.asset_key
     code_version = f"{spec.code_version}+{spec.settings_digest()[:12]}"
-    resources = {spec.resource_key, spec.io_manager_key, *filter(None, [spec.embedding_resource_key])}
 
-    @dg.multi_asset(
-        name="__".join(key.path),
-        outs={key.to_python_identifier(): dg.AssetOut(
-            key=key, code_version=code_version, group_name=spec.group_name, kinds={"parquet"}, is_required=False,
-            description=spec.description or f"OpenAI batch responses of the requests in {spec.upstream}",
-            io_manager_key=spec.io_manager_key, metadata={"dagster/column_schema": column_schema()},
-        )},
-        ins={"requests": dg.AssetIn(key=spec.upstream_key)},
-        check_specs=[dg.AssetCheckSpec(ERROR_CHECK, asset=key, description=ERROR_CHECK_DESCRIPTION,
-                                       partitions_def=partitions_def)],
-        can_subset=True,
-        partitions_def=partitions_def,
-        backfill_policy=dg.BackfillPolicy.single_run() if partitions_def is not None else None,
-        pool=spec.pool,
-        required_resource_keys=resources,
-    )
+    @table_asset(spec, partitions_def, code_version=code_version,
+                 default_description=f"OpenAI batch responses of the requests in {spec.upstream}",
+                 column_schema=column_schema(), input_name="requests", checks={ERROR_CHECK: ERROR_CHECK_DESCRIPTION},
+                 resource_keys=[spec.resource_key, *filter(None, [spec.embedding_resource_key])])
     def _run_requests(context: dg.AssetExecutionContext, requests: object):
         yield from _OpenAIBatchStep(spec, context, code_version, partitions_def is not None).execute(requests)
 
@@ -156,16 +141,10 @@ class _OpenAIBatchStep(PartitionedStep):
             raise dg.Failure(f"{self.spec.name}: {exc}; nothing was run") from None
         with self.locks():
             run = OpenAIBatchRun(self._engines(), self.code_version, self.context.log.info, ParentWatch().check)
-            results = {}
-            try:
-                for result in run.run(parts):
-                    results[result.key] = result
-                    yield from self.committed(result, self._metadata(result, run),
-                                              {ERROR_CHECK: evaluate_errors(result.table,
-                                                                            self.spec.max_error_fraction)})
-            except (LaunchingProcessDied, LeaseLostError) as exc:
-                raise dg.Failure(str(exc)) from None
-        yield from self.outputs(results)
+            yield from self.record(run.run(parts), lambda result: self.committed(
+                result, self._metadata(result, run),
+                {ERROR_CHECK: evaluate_errors(result.table, self.spec.max_error_fraction)}))
+        yield from self.outputs()
 
     def _engines(self) -> BatchEngines:
         """The generating resource, and the embedding one where the asset has it."""

@@ -1,29 +1,57 @@
-"""What every table-writing asset step does the same way: hold its partitions' writer
-locks, record each partition of a range as it commits (materialization and checks), and
-hand the tables to the IO manager and the downstream steps of the run."""
+"""What every table-writing asset (generation, embedding, OpenAI batch) does the same way: its
+definition (`table_asset`: one Parquet table out of one upstream table, checks per partition),
+and its step, which holds its partitions' writer locks, records each partition of a range as it
+commits (materialization and checks), and hands the tables to the IO manager and the downstream
+steps of the run."""
 
 import contextlib
 import time
 import warnings
-from collections.abc import Iterator, Mapping
-from typing import Protocol
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
 
 import dagster as dg
-import pyarrow as pa
 
 from dagster_llm.core.checks import CheckOutcome
 from dagster_llm.core.generation import digest
-from dagster_llm.core.leases import PartitionLockedError, StoreWithoutLeaseError
+from dagster_llm.core.leases import LeaseLostError, PartitionLockedError, StoreWithoutLeaseError
+from dagster_llm.core.partition_run import CommittedPartition
 from dagster_llm.core.table_store import TableStore
+from dagster_llm.core.watch import LaunchingProcessDied
 from dagster_llm.io_manager import ParquetIOManager
 
 
-class CommittedPartition(Protocol):
-    """A partition's result as a run commits it."""
-
-    key: str | None
-    table: pa.Table
-    data_version: str
+def table_asset(spec: Any, partitions_def: dg.PartitionsDefinition | None, *, code_version: str,
+                default_description: str, column_schema: dg.TableSchema, input_name: str,
+                checks: Mapping[str, str], resource_keys: Iterable[str],
+                backfill_policy: dg.BackfillPolicy | None = None, op_tags: Mapping[str, Any] | None = None
+                ) -> Callable[[Callable[..., Any]], dg.AssetsDefinition]:
+    """The decorator of a spec's asset body: an optional Parquet table `spec.asset_key` out,
+    through `spec.io_manager_key`, of the upstream table `spec.upstream_key` (the body's
+    `input_name` argument), with `checks` (name: description) per partition, in the spec's
+    pool and group, needing the
+    `resource_keys` (its LLMResources) and the IO manager. A backfill of a partitioned asset
+    is one run unless `backfill_policy` says otherwise."""
+    key = spec.asset_key
+    if backfill_policy is None and partitions_def is not None:
+        backfill_policy = dg.BackfillPolicy.single_run()
+    return dg.multi_asset(
+        name="__".join(key.path),
+        outs={key.to_python_identifier(): dg.AssetOut(
+            key=key, code_version=code_version, group_name=spec.group_name, kinds={"parquet"}, is_required=False,
+            description=spec.description or default_description, io_manager_key=spec.io_manager_key,
+            metadata={"dagster/column_schema": column_schema},
+        )},
+        ins={input_name: dg.AssetIn(key=spec.upstream_key)},
+        check_specs=[dg.AssetCheckSpec(name, asset=key, description=description, partitions_def=partitions_def)
+                     for name, description in checks.items()],
+        can_subset=True,
+        partitions_def=partitions_def,
+        backfill_policy=backfill_policy,
+        pool=spec.pool,
+        op_tags=op_tags,
+        required_resource_keys={*resource_keys, spec.io_manager_key},
+    )
 
 
 class PartitionedStep:
@@ -43,6 +71,7 @@ class PartitionedStep:
         self.store: TableStore | None = io_manager.table_store() if isinstance(io_manager, ParquetIOManager) else None
         self.keys: list[str | None] = list(context.partition_keys) if partitioned else [None]
         self.output_metadata: dict[str, object] = {}
+        self.results: dict[str | None, CommittedPartition] = {}
 
     @contextlib.contextmanager
     def locks(self) -> Iterator[None]:
@@ -64,6 +93,18 @@ class PartitionedStep:
         except StoreWithoutLeaseError as exc:
             raise dg.Failure(f"{self.name}: {exc}; nothing was run") from None
 
+    def record(self, results: Iterable[CommittedPartition],
+               recorded: Callable[[CommittedPartition], Iterator[object]]) -> Iterator[object]:
+        """Each partition's events (`recorded`: its metadata and checks, through `committed`) as
+        the run commits it, its result kept for `outputs`; a run stopped because the launching
+        process died or a partition's lease was lost fails the step, saying why."""
+        try:
+            for result in results:
+                self.results[result.key] = result
+                yield from recorded(result)
+        except (LaunchingProcessDied, LeaseLostError) as exc:
+            raise dg.Failure(str(exc)) from None
+
     def committed(self, result: CommittedPartition, metadata: dict[str, object],
                   outcomes: Mapping[str, CheckOutcome]) -> Iterator[object]:
         """A range's partition is recorded as it commits; a single partition with the output."""
@@ -84,10 +125,10 @@ class PartitionedStep:
                 asset_key=key, check_name=check_name, passed=outcome.passed, partition=result.key,
                 metadata=outcome.metadata))
 
-    def outputs(self, results: Mapping[str | None, CommittedPartition]) -> Iterator[object]:
-        """The table (or dict of tables) for the IO manager and downstream steps, then the
-        checks' op outputs of a range."""
-        name = self.asset_key.to_python_identifier()
+    def outputs(self) -> Iterator[object]:
+        """The table (or dict of tables) of the recorded results for the IO manager and
+        downstream steps, then the checks' op outputs of a range."""
+        name, results = self.asset_key.to_python_identifier(), self.results
         output = None
         # Output(data_version=) is beta in Dagster 1.13; its warning would repeat in every run's log.
         with warnings.catch_warnings():

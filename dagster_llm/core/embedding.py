@@ -8,9 +8,8 @@ data version (texts, model weights, settings, code) takes them and embeds only t
 """
 
 import math
-import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
@@ -18,8 +17,10 @@ import pyarrow as pa
 from dagster_llm.core.checks import CheckOutcome
 from dagster_llm.core.engine_surface import PoolingParams, invalid_unicode_problem
 from dagster_llm.core.generation import digest
+from dagster_llm.core.partition_run import (
+    CommittedPartition, OpenPartition, PartitionCounts, PartitionRows, PartitionRun, Shards,
+)
 from dagster_llm.core.prompts import missing_cell, storable_text
-from dagster_llm.core.table_store import POSITION_COLUMN, PartitionFiles, with_data_version
 
 if TYPE_CHECKING:
     from dagster_llm.core.engine_surface import LLM
@@ -63,46 +64,23 @@ class EmbeddingOptions:
 
 
 @dataclass(frozen=True)
-class TextPartition:
+class TextPartition(PartitionRows[TextRow]):
     """One partition to embed, and its storage (None: the caller stores the table)."""
 
-    key: str | None
-    rows: list[TextRow]
-    files: PartitionFiles | None = None
-
 
 @dataclass
-class EmbeddingStats:
-    rows: int = 0
-    error_rows: int = 0
+class EmbeddingStats(PartitionCounts):
+    """What one partition's table holds and what this run did for it: rows resumed (embedded
+    for its data version by an earlier run) and embedded, and the vectors' width."""
+
     resumed_rows: int = 0
     embedded_rows: int = 0
-    prompt_tokens: int = 0
     dimension: int = 0
-    elapsed_s: float = 0.0
 
 
 @dataclass
-class EmbeddingResult:
+class EmbeddingResult(CommittedPartition[EmbeddingStats]):
     """A committed partition: its table (data version in the schema metadata) and stats."""
-
-    key: str | None
-    table: pa.Table
-    data_version: str
-    stats: EmbeddingStats
-
-
-@dataclass
-class _Partition:
-    key: str | None
-    rows: list[TextRow]
-    files: PartitionFiles | None
-    data_version: str = ""
-    records: dict[int, dict[str, Any]] = field(default_factory=dict)
-    resumed_rows: int = 0
-    pending: int = 0
-    unsaved: list[int] = field(default_factory=list)
-    last_shard: float = field(default_factory=time.monotonic)
 
 
 def text_rows(ids: Sequence[Any], texts: Sequence[Any]) -> list[TextRow]:
@@ -126,50 +104,41 @@ def text_rows(ids: Sequence[Any], texts: Sequence[Any]) -> list[TextRow]:
     return rows
 
 
-class EmbeddingRun:
+class EmbeddingRun(PartitionRun[TextPartition, EmbeddingStats]):
     """Embeds the rows of several partitions in one engine call, committing each partition
-    when its rows are done. `check_alive` runs before every write and may raise to stop."""
+    when its rows are done (`PartitionRun`). `check_alive` runs before every write and may
+    raise to stop."""
+
+    result_type = EmbeddingResult
 
     def __init__(self, llm: "LLM", options: EmbeddingOptions, log: Callable[[str], None],
                  check_alive: Callable[[], None] = lambda: None) -> None:
+        super().__init__(check_alive, Shards(options.shard_rows, options.shard_interval_s), options.resume)
         self.llm = llm
         self.options = options
         self.log = log
-        self.check_alive = check_alive
         self.schema = embedding_schema(llm.hidden_size)
 
     def embed(self, partitions: Sequence[TextPartition]) -> Iterator[EmbeddingResult]:
         """Yields each partition's result as it commits; partitions that need no new rows first."""
-        started = time.monotonic()
-        parts = [_Partition(p.key, p.rows, p.files) for p in partitions]
+        parts = self._open(partitions)
         self._check_rows([row for part in parts for row in part.rows])
         model = self.llm.output_settings
         for part in parts:
             part.data_version = self._data_version(part, model)
             self._resume(part)
-        todo = [row for part in parts for row in part.rows if row.error is None and row.position not in part.records]
-        owner = {id(row): part for part in parts for row in part.rows}
-        for row in todo:
-            owner[id(row)].pending += 1
+        todo = self._todo(parts)
         self.log(f"embedding {len(todo)} rows for {len(parts)} partition(s) "
                  f"({sum(p.resumed_rows for p in parts)} resumed)")
-        for part in parts:
-            if part.pending == 0:
-                yield self._commit(part, started)
+        yield from self._ready(parts)
         if not todo:
             return
-        finished = self.llm.embed_as_completed([row.text for row in todo], PoolingParams(self.options.normalize),
-                                               use_tqdm=False)
+        finished = self.llm.embed_as_completed([pending.row.text for pending in todo],
+                                               PoolingParams(self.options.normalize), use_tqdm=False)
         for index, output in finished:
-            row = todo[index]
-            part = owner[id(row)]
-            part.records[row.position] = self._record(row, output.outputs.embedding, len(output.prompt_token_ids))
-            part.unsaved.append(row.position)
-            part.pending -= 1
-            if part.pending == 0:
-                yield self._commit(part, started)
-            elif self._shard_due(part):
-                self._save_shard(part)
+            part, row = todo[index].part, todo[index].row
+            yield from self._finish(part, row.position,
+                                    self._record(row, output.outputs.embedding, len(output.prompt_token_ids)))
 
     def _check_rows(self, rows: list[TextRow]) -> None:
         """Marks rows the engine cannot take (too long for the context or the cache)."""
@@ -178,51 +147,28 @@ class EmbeddingRun:
             if problem is not None:
                 row.error = problem
 
-    def _data_version(self, part: _Partition, model: dict) -> str:
+    def _data_version(self, part: OpenPartition, model: dict) -> str:
         """Digest of the code version, the model's files and resolved output settings, and the rows."""
         rows = [(str(r.id), r.text, r.error) for r in part.rows]
         return digest({"code_version": self.options.code_version, "model": model, "rows": rows,
                        "normalize": self.options.normalize, "task": "embed"})[:24]
 
-    def _resume(self, part: _Partition) -> None:
-        if part.files is None or not self.options.resume:
-            return
-        part.records = part.files.finished_records(part.data_version,
-                                                   {row.position for row in part.rows if row.error is None})
-        part.resumed_rows = len(part.records)
-
     def _record(self, row: TextRow, embedding: list[float] | None, prompt_tokens: int) -> dict[str, Any]:
         return {"id": row.id, "embedding": embedding, "model": self.options.model_id,
                 "prompt_tokens": prompt_tokens, "error": row.error}
 
-    def _shard_due(self, part: _Partition) -> bool:
-        return part.files is not None and (len(part.unsaved) >= self.options.shard_rows
-                                           or time.monotonic() - part.last_shard >= self.options.shard_interval_s)
+    def _missing_record(self, part: OpenPartition, row: TextRow) -> dict[str, Any]:
+        return self._record(row, None, 0)
 
-    def _save_shard(self, part: _Partition) -> None:
-        self.check_alive()
-        positions = sorted(part.unsaved)
-        table = self._table([part.records[p] for p in positions])
-        part.files.append_shard(part.data_version, table.append_column(POSITION_COLUMN,
-                                                                       pa.array(positions, pa.int32())))
-        part.unsaved.clear()
-        part.last_shard = time.monotonic()
-
-    def _table(self, records: list[dict[str, Any]]) -> pa.Table:
+    def _table(self, part: OpenPartition, records: list[dict[str, Any]]) -> pa.Table:
         return pa.Table.from_pylist(records, schema=self.schema)
 
-    def _commit(self, part: _Partition, started: float) -> EmbeddingResult:
-        self.check_alive()
-        records = [part.records.get(row.position) or self._record(row, None, 0) for row in part.rows]
-        table = with_data_version(self._table(records), part.data_version)
-        if part.files is not None:
-            part.files.commit(table, part.data_version)
+    def _stats(self, part: OpenPartition, records: list[dict[str, Any]]) -> EmbeddingStats:
         embedded = [r for r in records if r["embedding"] is not None]
-        stats = EmbeddingStats(rows=len(records), error_rows=sum(r["error"] is not None for r in records),
-                               resumed_rows=part.resumed_rows, embedded_rows=len(embedded) - part.resumed_rows,
-                               prompt_tokens=sum(r["prompt_tokens"] for r in embedded),
-                               dimension=self.llm.hidden_size, elapsed_s=round(time.monotonic() - started, 3))
-        return EmbeddingResult(part.key, table, part.data_version, stats)
+        return EmbeddingStats(rows=len(records), error_rows=sum(r["error"] is not None for r in records),
+                              resumed_rows=part.resumed_rows, embedded_rows=len(embedded) - part.resumed_rows,
+                              prompt_tokens=sum(r["prompt_tokens"] for r in embedded),
+                              dimension=self.llm.hidden_size, elapsed_s=self._elapsed_s())
 
 
 def embedding_schema(dimension: int) -> pa.Schema:

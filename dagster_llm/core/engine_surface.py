@@ -17,9 +17,10 @@ What the core takes, and why:
   own loader, so a row the engine would refuse is an error row before the model runs;
 - the model cache folder (`default_cache_dir`): model folders fetched from an object store
   go where the engine looks for models;
-- the OpenAI batch protocol: a request table's rows are checked, turned into engine
-  requests and answered with the very line checks and response bodies of
-  `python -m engine.run_batch`, so a table and a batch file give the same answers.
+- the OpenAI batch protocol: a request table's rows are checked with the very line checks
+  of `python -m engine.run_batch` and run by its very fan-out (`run_lines`: a body's engine
+  inputs, the engine's checks, the response bodies), so a table and a batch file give the
+  same answers.
 
 The names load on first use (`engine.lazy_exports`), as `engine`'s own do: importing one
 module of the core loads only the engine modules whose names it reads, so the definitions of
@@ -60,27 +61,20 @@ _EXPORTS = {
     "load_image": "engine.multimodal.image",
     # Where the engine looks for models
     "default_cache_dir": "engine.model_loader.embedded_model",
-    # The OpenAI batch protocol (line checks, requests, error codes) and its bodies <-> engine inputs and outputs
+    # The OpenAI batch protocol (line checks, error codes), and the run of lines of one task on a loaded LLM
     "CHAT_URL": "engine.entrypoints.openai.protocol",
     "DUPLICATE_CUSTOM_ID": "engine.entrypoints.openai.protocol",
-    "EMBEDDINGS_URL": "engine.entrypoints.openai.protocol",
     "INVALID_JSON": "engine.entrypoints.openai.protocol",
     "INVALID_LINE": "engine.entrypoints.openai.protocol",
     "UNSUPPORTED_URL": "engine.entrypoints.openai.protocol",
     "BadLine": "engine.entrypoints.openai.protocol",
     "BatchLine": "engine.entrypoints.openai.protocol",
-    "EmbeddingRequest": "engine.entrypoints.openai.protocol",
-    "GenerationRequest": "engine.entrypoints.openai.protocol",
     "LineError": "engine.entrypoints.openai.protocol",
-    "embedding_request": "engine.entrypoints.openai.serving",
-    "embedding_response_body": "engine.entrypoints.openai.serving",
     "first_set": "engine.entrypoints.openai.serving",
-    "generation_request": "engine.entrypoints.openai.serving",
-    "generation_response_body": "engine.entrypoints.openai.serving",
-    "model_sampling_defaults": "engine.entrypoints.openai.serving",
+    "line_task": "engine.entrypoints.openai.runner",
     "nesting_problem": "engine.entrypoints.openai.protocol",
     "parse_line": "engine.entrypoints.openai.protocol",
-    "prompt_error": "engine.entrypoints.openai.serving",
+    "run_lines": "engine.entrypoints.openai.runner",
     "too_deep_problem": "engine.entrypoints.openai.protocol",
 }
 __all__ = sorted(_EXPORTS)

@@ -12,7 +12,6 @@ import array
 import collections
 import hashlib
 import json
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -22,12 +21,14 @@ import pyarrow as pa
 from dagster_llm.core.engine_surface import (
     BeamSearchOutput, CompletionOutput, LoRARequest, RequestOutput, ToolChoice, apply_tool_choice, grammar_problem,
 )
+from dagster_llm.core.partition_run import (
+    CommittedPartition, OpenPartition, PartitionCounts, PartitionRows, PartitionRun, PendingRow, Shards,
+)
 from dagster_llm.core.progress import GenerationProgress, WorkCounters, speculation_summary
 from dagster_llm.core.prompts import PromptRow
 from dagster_llm.core.sampling import used_values
 from dagster_llm.core.schema import ToolArguments, generation_schema, records_table, result_record
 from dagster_llm.core.structured import OutputSpecError, StructuredOutput
-from dagster_llm.core.table_store import POSITION_COLUMN, PartitionFiles, with_data_version
 
 if TYPE_CHECKING:
     from dagster_llm.core.engine_surface import LLM
@@ -52,16 +53,13 @@ class RunOptions:
 
 
 @dataclass(frozen=True)
-class PartitionInput:
+class PartitionInput(PartitionRows[PromptRow]):
     """One partition to generate: its prompt rows, its storage (None: nothing is saved until
     the caller stores the table), what its completions must be (None: free text), whether
     its prompt table has an image column (its table then records each row's image digests),
     the argument columns of its one declared tool (None: none) and its tool choice (a forced
     one's calls are read from what its grammar made)."""
 
-    key: str | None
-    rows: list[PromptRow]
-    files: PartitionFiles | None = None
     output: StructuredOutput | None = None
     images: bool = False
     tool: ToolArguments | None = None
@@ -69,7 +67,7 @@ class PartitionInput:
 
 
 @dataclass
-class PartitionStats:
+class PartitionStats(PartitionCounts):
     """What one partition's table holds and what this run did for it: rows resumed (of its
     data version, from an interrupted run or its committed table), reused (committed rows of
     another data version or partition with the same row digest) and generated. `error_rows`
@@ -78,69 +76,54 @@ class PartitionStats:
     made a tool call. `speculation`: the run's speculative decoding until the partition
     committed (`speculation_summary`; None without it)."""
 
-    rows: int = 0
-    error_rows: int = 0
     resumed_rows: int = 0
     reused_rows: int = 0
     generated_rows: int = 0
     generated_tokens: int = 0
-    prompt_tokens: int = 0
     completion_tokens: int = 0
     reasoning_tokens: int = 0
     tool_call_rows: int = 0
     finish_reasons: dict[str, int] = field(default_factory=dict)
     adapter_fingerprints: dict[str, str] = field(default_factory=dict)
     speculation: dict[str, float | int] | None = None
-    elapsed_s: float = 0.0
 
 
 @dataclass
-class PartitionResult:
+class PartitionResult(CommittedPartition[PartitionStats]):
     """A committed partition: its table (data version in the schema metadata) and stats."""
 
-    key: str | None
-    table: pa.Table
-    data_version: str
-    stats: PartitionStats
-
 
 @dataclass
-class _Partition:
-    key: str | None
-    rows: list[PromptRow]
-    files: PartitionFiles | None
-    output: StructuredOutput | None
-    images: bool
-    tool: ToolArguments | None
-    tool_choice: ToolChoice
-    data_version: str = ""
-    row_digests: dict[int, str] = field(default_factory=dict)  # reproducible rows by position
-    records: dict[int, dict[str, Any]] = field(default_factory=dict)
-    resumed_rows: int = 0
+class _Partition(OpenPartition[PartitionInput]):
+    """A partition while it generates: besides what every run keeps (`OpenPartition`), the
+    digest of each reproducible row by position, and the rows and tokens resumed and reused."""
+
+    row_digests: dict[int, str] = field(default_factory=dict)
     resumed_tokens: int = 0
     reused_rows: int = 0
     reused_tokens: int = 0
-    pending: int = 0
-    unsaved: list[int] = field(default_factory=list)
-    last_shard: float = field(default_factory=time.monotonic)
 
 
-class GenerationRun:
+class GenerationRun(PartitionRun[PartitionInput, PartitionStats]):
     """Generates the rows of several partitions in one engine call, committing each
-    partition when its rows are done.
+    partition when its rows are done (`PartitionRun`), and reusing committed rows of the
+    same row digest.
 
     `check_alive` runs after every engine step and before every write; it raises to stop
     the run (for instance when the launching process died), after which nothing more is
     written.
     """
 
+    partition_type = _Partition
+    result_type = PartitionResult
+
     def __init__(self, llm: "LLM", lora_requests: Mapping[str, LoRARequest], options: RunOptions,
                  log: Callable[[str], None], check_alive: Callable[[], None] = lambda: None) -> None:
+        super().__init__(check_alive, Shards(options.shard_rows, options.shard_interval_s), options.resume)
         self.llm = llm
         self.lora_requests = lora_requests
         self.options = options
         self.log = log
-        self.check_alive = check_alive
         self.fingerprints: dict[str, str] = {}
         self._engine_start = llm.get_stats()
 
@@ -152,8 +135,8 @@ class GenerationRun:
             OutputSpecError: before any work, when the engine cannot compile a partition's
                 structured output.
         """
-        started, self._engine_start = time.monotonic(), self.llm.get_stats()
-        parts = [_Partition(p.key, p.rows, p.files, p.output, p.images, p.tool, p.tool_choice) for p in partitions]
+        parts = self._open(partitions)
+        self._engine_start = self.llm.get_stats()
         self._check_outputs(parts)
         self._check_rows([row for part in parts for row in part.rows])
         model = self.llm.output_settings
@@ -162,29 +145,25 @@ class GenerationRun:
             part.row_digests = self._row_digests(part, model)
             self._resume(part)
         self._reuse(parts)
-        todo = [row for part in parts for row in part.rows if row.error is None and row.position not in part.records]
-        by_key = {part.key: part for part in parts}
-        for row in todo:
-            by_key[row.partition].pending += 1
+        todo = self._todo(parts)
         self.log(f"generating {len(todo)} rows for {len(parts)} partition(s) "
                  f"({sum(p.resumed_rows for p in parts)} resumed, "
                  f"{sum(p.reused_rows for p in parts)} reused from committed rows of the same digest, "
                  f"{sum(r.error is not None for p in parts for r in p.rows)} with errors)")
-        for part in parts:
-            if part.pending == 0:
-                yield self._commit(part, started)
+        yield from self._ready(parts)
         if todo:
-            yield from self._run(todo, by_key, started)
+            yield from self._run(todo)
 
     def _check_outputs(self, parts: list[_Partition]) -> None:
         """Compiles each partition's structured output, or its forced tool choice's grammar
         (a partition's problem, not its rows')."""
         for part in parts:
             where = f"partition {part.key!r}: " if part.key is not None else ""
-            if part.output is not None and (problem := self.llm.structured_output_problem(part.output.params)):
+            output = part.source.output
+            if output is not None and (problem := self.llm.structured_output_problem(output.params)):
                 raise OutputSpecError(f"{where}{problem}; change the schema (or choices) to what the grammar "
                                       "backend supports; nothing was generated")
-            if (problem := grammar_problem(part.tool_choice, self.llm.structured_output_problem)) is not None:
+            if (problem := grammar_problem(part.source.tool_choice, self.llm.structured_output_problem)) is not None:
                 raise OutputSpecError(f"{where}{problem}; nothing was generated")
 
     def _check_rows(self, rows: list[PromptRow]) -> None:
@@ -222,7 +201,7 @@ class GenerationRun:
         rows = [(r.id, r.prompt_text, used_values(r.params), r.adapter, self.fingerprints.get(r.adapter), r.error,
                  r.beam.model_dump() if r.beam is not None else None, r.image_digests)
                 for r in part.rows]
-        output = part.output.describe() if part.output is not None else None
+        output = part.source.output.describe() if part.source.output is not None else None
         return digest({"code_version": self.options.code_version, "model": model, "rows": rows,
                        "output": output})[:24]
 
@@ -233,9 +212,10 @@ class GenerationRun:
         model's files and the engine's output settings, the asset's row settings and the table's columns.
         Not the row's id or partition: a row of the same digest anywhere in the asset is
         the same result. Unseeded sampled rows get none: they are never reused."""
+        source = part.source
         shared = digest({"settings": self.options.row_settings or self.options.code_version, "model": model,
-                         "columns": str(generation_schema(part.output, part.images, part.tool)),
-                         "output": part.output.describe() if part.output is not None else None})
+                         "columns": str(generation_schema(source.output, source.images, source.tool)),
+                         "output": source.output.describe() if source.output is not None else None})
         return {row.position: digest({
             "shared": shared, "prompt": row.prompt_text, "tokens": _token_digest(row.prompt["prompt_token_ids"]),
             "sampling": used_values(row.params), "adapter": [row.adapter, self.fingerprints.get(row.adapter)],
@@ -266,100 +246,77 @@ class GenerationRun:
     def _resume(self, part: _Partition) -> None:
         """Takes the rows already generated for the partition's data version, saying so where
         a committed table of another version is generated again."""
-        if part.files is None or not self.options.resume:
-            return
-        committed = part.files.committed_version
+        committed = part.files.committed_version if part.files is not None and self.resume else None
         if committed is not None and committed != part.data_version:
             settings = ", ".join(f"{name} {value}" for name, value in self.llm.output_settings.items())
             self.log(f"partition {part.key!r}: its committed table is of data version {committed}, this run's is "
                      f"{part.data_version} (the prompts, sampling, adapters, model files, code or the engine's "
                      f"output settings changed; this engine: {settings}): its rows are generated again, but for "
                      "those whose digest matches a committed row")
-        part.records = part.files.finished_records(part.data_version,
-                                                   {row.position for row in part.rows if row.error is None})
-        part.resumed_rows = len(part.records)
+        super()._resume(part)
         part.resumed_tokens = sum(r["completion_tokens"] for r in part.records.values())
 
-    def _run(self, todo: list[PromptRow], by_key: dict[str | None, _Partition], started: float
-             ) -> Iterator[PartitionResult]:
+    def _run(self, todo: list[PendingRow[PromptRow]]) -> Iterator[PartitionResult]:
+        rows = [pending.row for pending in todo]
         counters = WorkCounters(
-            rows_total=len(todo),
-            prompt_tokens_total=sum(len(r.prompt["prompt_token_ids"]) for r in todo),
-            max_output_tokens_total=sum(self._max_tokens(r) for r in todo),
+            rows_total=len(rows),
+            prompt_tokens_total=sum(len(r.prompt["prompt_token_ids"]) for r in rows),
+            max_output_tokens_total=sum(self._max_tokens(r) for r in rows),
         )
         progress = GenerationProgress(self.log, self.options.progress_interval_s, counters, self.llm.get_stats,
                                       self.check_alive, self.llm.unfinished_outputs)
         with progress:
-            for rows, finished in self._calls(todo, progress.bar):
-                yield from self._take(rows, finished, by_key, progress, started)
+            for call, finished in self._calls(todo, progress.bar):
+                yield from self._take(call, finished, progress)
 
-    def _calls(self, todo: list[PromptRow], bar: Any) -> Iterator[tuple[list[PromptRow], Iterator]]:
+    def _calls(self, todo: list[PendingRow[PromptRow]], bar: Any
+               ) -> Iterator[tuple[list[PendingRow[PromptRow]], Iterator]]:
         """The engine calls that generate `todo`, each with its rows: one for the sampled
         rows, one per distinct beam search (a call takes one BeamSearchParams)."""
-        sampled = [row for row in todo if row.beam is None]
+        sampled = [pending for pending in todo if pending.row.beam is None]
         if sampled:
-            yield sampled, self.llm.generate_as_completed([r.prompt for r in sampled], [r.params for r in sampled],
-                                                          use_tqdm=bar, lora_request=[self._lora(r) for r in sampled])
-        groups: dict[tuple, list[PromptRow]] = {}
-        for row in todo:
+            rows = [pending.row for pending in sampled]
+            yield sampled, self.llm.generate_as_completed([r.prompt for r in rows], [r.params for r in rows],
+                                                          use_tqdm=bar, lora_request=[self._lora(r) for r in rows])
+        groups: dict[tuple, list[PendingRow[PromptRow]]] = {}
+        for pending in todo:
+            row = pending.row
             if row.beam is not None:
-                groups.setdefault((row.beam, row.params.max_tokens, row.params.ignore_eos), []).append(row)
-        for rows in groups.values():
+                groups.setdefault((row.beam, row.params.max_tokens, row.params.ignore_eos), []).append(pending)
+        for group in groups.values():
+            rows = [pending.row for pending in group]
             # max_tokens None: up to the context, which the engine caps for each prompt.
             params = rows[0].beam.params(rows[0].params, rows[0].params.max_tokens or self.llm.max_model_len)
-            yield rows, self.llm.beam_search_as_completed([r.prompt for r in rows], params, use_tqdm=bar,
-                                                          lora_request=[self._lora(r) for r in rows])
+            yield group, self.llm.beam_search_as_completed([r.prompt for r in rows], params, use_tqdm=bar,
+                                                           lora_request=[self._lora(r) for r in rows])
 
-    def _take(self, rows: list[PromptRow], finished: Iterator, by_key: dict[str | None, _Partition],
-              progress: GenerationProgress, started: float) -> Iterator[PartitionResult]:
+    def _take(self, call: list[PendingRow[PromptRow]], finished: Iterator, progress: GenerationProgress
+              ) -> Iterator[PartitionResult]:
         """Records each finished row of one engine call, committing the partitions it completes."""
         for index, output in finished:
-            row = rows[index]
+            part, row = call[index].part, call[index].row
             if isinstance(output, BeamSearchOutput):
                 output = _best_beam(output)
-            part = by_key[row.partition]
-            apply_tool_choice(output, part.tool_choice, self.llm.get_tokenizer(), self.llm.tool_call_ids)
-            part.records[row.position] = result_record(row, output, self.options.model_id, part.tool)
-            part.unsaved.append(row.position)
-            part.pending -= 1
+            apply_tool_choice(output, part.source.tool_choice, self.llm.get_tokenizer(), self.llm.tool_call_ids)
             progress.row_finished(len(output.outputs[0].token_ids), self._max_tokens(row))
-            if part.pending == 0:
-                yield self._commit(part, started)
-            elif self._shard_due(part):
-                self._save_shard(part)
+            yield from self._finish(part, row.position,
+                                    result_record(row, output, self.options.model_id, part.source.tool))
 
     def _max_tokens(self, row: PromptRow) -> int:
         """The most tokens the row may generate (max_tokens None: what the context leaves)."""
         return row.params.max_output_tokens(len(row.prompt["prompt_token_ids"]), self.llm.max_model_len)
 
-    def _shard_due(self, part: _Partition) -> bool:
-        return part.files is not None and (
-            len(part.unsaved) >= self.options.shard_rows
-            or time.monotonic() - part.last_shard >= self.options.shard_interval_s
-        )
+    def _missing_record(self, part: _Partition, row: PromptRow) -> dict[str, Any]:
+        return result_record(row, None, self.options.model_id, part.source.tool)
 
-    def _save_shard(self, part: _Partition) -> None:
-        self.check_alive()
-        positions = sorted(part.unsaved)
-        table = records_table([part.records[p] for p in positions], part.output,
-                              {POSITION_COLUMN: pa.array(positions, pa.int32())}, part.images, part.tool)
-        part.files.append_shard(part.data_version, table)
-        part.unsaved.clear()
-        part.last_shard = time.monotonic()
+    def _table(self, part: _Partition, records: list[dict[str, Any]]) -> pa.Table:
+        return records_table(records, part.source.output, images=part.source.images, tool=part.source.tool)
 
-    def _commit(self, part: _Partition, started: float) -> PartitionResult:
-        """The partition's table in input order, committed to its files."""
-        self.check_alive()
-        records = [part.records.get(row.position) or result_record(row, None, self.options.model_id, part.tool)
-                   for row in part.rows]
-        table = with_data_version(records_table(records, part.output, images=part.images, tool=part.tool),
-                                  part.data_version)
-        if part.files is not None:
-            part.files.commit(table, part.data_version,
-                              {p: d for p, d in part.row_digests.items() if p in part.records})
-        return PartitionResult(part.key, table, part.data_version, self._stats(part, records, started))
+    def _reusable_rows(self, part: _Partition) -> dict[int, str]:
+        """The digests of the committed table's reproducible rows, by position."""
+        return {p: d for p, d in part.row_digests.items() if p in part.records}
 
-    def _stats(self, part: _Partition, records: list[dict[str, Any]], started: float) -> PartitionStats:
+    def _stats(self, part: _Partition, records: list[dict[str, Any]]) -> PartitionStats:
         """The partition's stats; rows resumed from a table saved before the reasoning and
         tool call columns existed lack them (`.get`)."""
         ran = [r for r in records if r["generated_text"] is not None]  # with or without a parse error
@@ -377,7 +334,7 @@ class GenerationRun:
             finish_reasons=dict(collections.Counter(r["finish_reason"] for r in ran)),
             adapter_fingerprints={a: self.fingerprints[a] for a in sorted({r["adapter"] for r in ran} - {None})},
             speculation=speculation_summary(self._engine_start, self.llm.get_stats()),
-            elapsed_s=round(time.monotonic() - started, 3),
+            elapsed_s=self._elapsed_s(),
         )
 
 

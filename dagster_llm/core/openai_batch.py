@@ -13,9 +13,8 @@ import json
 import math
 import numbers
 import struct
-import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -24,14 +23,15 @@ import pyarrow as pa
 
 from dagster_llm.core.checks import CheckOutcome
 from dagster_llm.core.engine_surface import (
-    CHAT_URL, DUPLICATE_CUSTOM_ID, EMBEDDINGS_URL, INVALID_JSON, INVALID_LINE, UNSUPPORTED_URL, BadLine,
-    BatchLine, EmbeddingRequest, GenerationRequest, LineError, embedding_request, embedding_response_body, first_set,
-    generation_request, generation_response_body, invalid_unicode_problem, model_sampling_defaults, nesting_problem,
-    parse_line, prompt_error, too_deep_problem,
+    CHAT_URL, DUPLICATE_CUSTOM_ID, INVALID_JSON, INVALID_LINE, UNSUPPORTED_URL, BadLine, BatchLine, LineError,
+    first_set, invalid_unicode_problem, line_task, nesting_problem, parse_line, run_lines, too_deep_problem,
 )
 from dagster_llm.core.generation import digest
+from dagster_llm.core.partition_run import (
+    CommittedPartition, OpenPartition, PartitionCounts, PartitionRows, PartitionRun, PendingRow,
+)
+from dagster_llm.core.prompts import missing_cell
 from dagster_llm.core.schema import TOOL_CALLS_TYPE
-from dagster_llm.core.table_store import PartitionFiles, with_data_version
 
 if TYPE_CHECKING:
     from dagster_llm.core.engine_surface import LLM
@@ -191,15 +191,16 @@ def table_rows(frame: pd.DataFrame, where: str = "") -> list[TableRow]:
 
 def _checked_row(position: int, record: dict[str, Any], has_url: bool) -> TableRow:
     """One row: its body's JSON text parsed, then its envelope checked by `parse_line`
-    (custom_id, method, url, body)."""
-    line_number = _missing_to_none(record.get("line"))
+    (custom_id, method, url, body); a missing cell (None, NaN, pandas' NA) is None."""
+    cells = {name: None if missing_cell(value) else value for name, value in record.items()}
+    line_number = cells.get("line")
     numbered = (isinstance(line_number, numbers.Real) and not isinstance(line_number, bool)
                 and math.isfinite(line_number))
     where = f"line {int(line_number)}" if numbered else f"row {position}"
-    method = _missing_to_none(record.get("method"))
-    url = _missing_to_none(record["url"]) if has_url else DEFAULT_URL
-    body, body_error = _body(_missing_to_none(record["body"]))
-    envelope = {"custom_id": _missing_to_none(record["custom_id"]), "url": url, "body": {} if body_error else body,
+    method = cells.get("method")
+    url = cells["url"] if has_url else DEFAULT_URL
+    body, body_error = _body(cells["body"])
+    envelope = {"custom_id": cells["custom_id"], "url": url, "body": {} if body_error else body,
                 **({"method": method} if method is not None else {})}
     text, cell_error = _envelope_text(envelope)
     body_error = body_error or cell_error
@@ -230,13 +231,6 @@ def _envelope_text(envelope: dict[str, Any]) -> tuple[str, LineError | None]:
             break
     text_cells = {name: value if isinstance(value, str) else None for name, value in envelope.items()}
     return json.dumps({**text_cells, "body": {}}, ensure_ascii=False), error
-
-
-def _missing_to_none(value: Any) -> Any:
-    """A table cell, None where it is missing (None, NaN, pandas' NA)."""
-    if value is None or value is pd.NA or (isinstance(value, float) and math.isnan(value)):
-        return None
-    return value
 
 
 def _body(value: Any) -> tuple[Any, LineError | None]:
@@ -344,192 +338,105 @@ class BatchEngines:
 
 
 @dataclass(frozen=True)
-class RequestPartition:
+class RequestPartition(PartitionRows[TableRow]):
     """One partition's checked rows, and its storage (None: the caller stores the table)."""
 
-    key: str | None
-    rows: list[TableRow]
-    files: PartitionFiles | None = None
-
 
 @dataclass
-class BatchStats:
-    rows: int = 0
+class BatchStats(PartitionCounts):
+    """What one partition's table holds: rows that ran, error rows by OpenAI's error code,
+    and the tokens the rows that ran generated."""
+
     ok_rows: int = 0
-    error_rows: int = 0
     error_codes: dict[str, int] = field(default_factory=dict)
-    prompt_tokens: int = 0
     completion_tokens: int = 0
-    elapsed_s: float = 0.0
 
 
 @dataclass
-class BatchResult:
+class BatchResult(CommittedPartition[BatchStats]):
     """A committed partition: its output table (data version in the schema metadata) and stats."""
 
-    key: str | None
-    table: pa.Table
-    data_version: str
-    stats: BatchStats
 
-
-@dataclass
-class _Partition:
-    source: RequestPartition
-    records: dict[int, dict[str, Any]] = field(default_factory=dict)
-    pending: int = 0
-
-
-@dataclass
-class _Pending:
-    """A row whose prompts run: its outputs, one per prompt, as they finish."""
-
-    part: _Partition
-    row: TableRow
-    request: GenerationRequest | EmbeddingRequest
-    outputs: list[Any]
-    waiting: int
-
-
-@dataclass(frozen=True)
-class _Kind:
-    """How the rows of one kind run on a loaded model: engine checks per prompt, the run
-    (index, output) as they finish, and the response body of a row's outputs."""
-
-    check: Callable[[list[Any]], list[str | None]]
-    run: Callable[[list[Any]], Iterable[tuple[int, Any]]]
-    respond: Callable[[Any, list[Any]], dict[str, Any]]
-
-
-class OpenAIBatchRun:
+class OpenAIBatchRun(PartitionRun[RequestPartition, BatchStats]):
     """Runs the request rows of several partitions: the chat and completion rows of all of
     them in one engine call, then (the generating model freed) the embedding rows in
-    another; each partition commits as soon as its last row is done. `check_alive` runs
+    another, as `engine.entrypoints.openai.runner` runs a batch file's lines; each
+    partition commits as soon as its last row is done (`PartitionRun`). `check_alive` runs
     before every commit and may raise to stop."""
+
+    result_type = BatchResult
 
     def __init__(self, engines: BatchEngines, code_version: str, log: Callable[[str], None],
                  check_alive: Callable[[], None] = lambda: None) -> None:
+        super().__init__(check_alive)
         self.engines = engines
         self.code_version = code_version
         self.log = log
-        self.check_alive = check_alive
         self.models: dict[str, str] = {}  # task -> "name@digest of its output settings" of the models loaded
         # task -> the loaded model's output settings (`LLM.output_settings`: its parsers' names among them)
         self.output_settings: dict[str, dict[str, Any]] = {}
-        self.started = time.monotonic()
 
     def run(self, partitions: Sequence[RequestPartition]) -> Iterator[BatchResult]:
         """Yields each partition's result as it commits; those with nothing to run first."""
-        self.started = time.monotonic()
-        parts = [_Partition(p) for p in partitions]
-        generate, embed = [], []
-        for part in parts:
-            for row in part.source.rows:
-                if row.line is None:
-                    part.records[row.position] = error_record(row, row.error)
-                else:
-                    (embed if row.line.url == EMBEDDINGS_URL else generate).append((part, row))
-                    part.pending += 1
+        parts = self._open(partitions)
+        todo = self._todo(parts)
+        generate = [pending for pending in todo if line_task(pending.row.line) == "generate"]
+        embed = [pending for pending in todo if line_task(pending.row.line) == "embed"]
         self.log(f"{len(generate)} chat and completion rows and {len(embed)} embedding rows to run for "
                  f"{len(parts)} partition(s)")
-        for part in parts:
-            if part.pending == 0:
-                yield self._commit(part)
+        yield from self._ready(parts)
         if generate:
-            yield from self._run_kind("generate", self.engines.generator, generate)
+            yield from self._run_task("generate", self.engines.generator, generate)
             if embed:
                 self.engines.generator.release()
         if embed and self.engines.embedder is None:
-            for part, row in embed:
-                yield from self._settle(part, row, error_record(row, LineError(UNSUPPORTED_URL,
-                                                                               self.engines.no_embedder)))
+            yield from self._refuse(embed, LineError(UNSUPPORTED_URL, self.engines.no_embedder))
         elif embed:
-            yield from self._run_kind("embed", self.engines.embedder, embed)
+            yield from self._run_task("embed", self.engines.embedder, embed)
 
-    def _run_kind(self, task: str, engine: Engine, items: list[tuple[_Partition, TableRow]]) -> Iterator[BatchResult]:
-        """The rows of one task on its model: each body's error, each refused prompt's, then
-        the others in one engine call."""
+    def _run_task(self, task: str, engine: Engine, todo: list[PendingRow[TableRow]]) -> Iterator[BatchResult]:
+        """The rows of one task on its model (`run_lines`: each body's error, each refused
+        prompt's, then the others in one engine call)."""
         llm = engine.load()
         self.output_settings[task] = llm.output_settings
         self.models[task] = f"{engine.name}@{digest(self.output_settings[task])}"
         if llm.task != task:
-            error = LineError(UNSUPPORTED_URL, f"url: {engine.source} loads {engine.name!r}, which does not {task} "
-                                               f"({llm.task}): {_FIX[task]}")
-            for part, row in items:
-                yield from self._settle(part, row, error_record(row, error))
+            yield from self._refuse(todo, LineError(UNSUPPORTED_URL, f"url: {engine.source} loads {engine.name!r}, "
+                                                                     f"which does not {task} ({llm.task}): {_FIX[task]}"))
             return
-        kind, requests = self._requests(task, llm, engine.name, [row.line for _, row in items])
-        pending = []
-        for (part, row), request in zip(items, requests):
-            if isinstance(request, LineError):
-                yield from self._settle(part, row, error_record(row, request))
-            else:
-                pending.append(_Pending(part, row, request, [None] * len(request.prompts), len(request.prompts)))
-        units = [(p, i) for p in pending for i in range(len(p.request.prompts))]
-        refused: set[int] = set()  # ids of the refused _Pending
-        for (p, i), problem in zip(units, kind.check(units) if units else []):
-            if problem is not None and id(p) not in refused:
-                refused.add(id(p))
-                error = prompt_error(p.row.line.url, i, len(p.request.prompts), problem, p.row.line.body)
-                yield from self._settle(p.part, p.row, error_record(p.row, error))
-        units = [(p, i) for p, i in units if id(p) not in refused]
-        for index, output in kind.run(units) if units else []:
-            p, i = units[index]
-            p.outputs[i] = output
-            p.waiting -= 1
-            if p.waiting == 0:
-                yield from self._settle(p.part, p.row, response_record(p.row, kind.respond(p.request, p.outputs)))
+        for result in run_lines(llm, [pending.row.line for pending in todo], engine.name, use_tqdm=False):
+            part, row = todo[result.index].part, todo[result.index].row
+            record = response_record(row, result.body) if result.error is None else error_record(row, result.error)
+            yield from self._finish(part, row.position, record)
 
-    def _requests(self, task: str, llm: "LLM", name: str, lines: list[BatchLine]
-                  ) -> tuple[_Kind, list[GenerationRequest | EmbeddingRequest | LineError]]:
-        """Each line's engine inputs (or error), and how its kind runs on `llm`."""
-        if task == "embed":
-            requests = [embedding_request(line.body, llm.hidden_size) for line in lines]
-            return _Kind(check=lambda units: llm.validate_pooling([p.request.prompts[i] for p, i in units]),
-                         run=lambda units: llm.embed_as_completed([p.request.prompts[i] for p, i in units],
-                                                                  use_tqdm=False),
-                         respond=lambda request, outputs: embedding_response_body(request, outputs, name)), requests
-        tokenizer, defaults = llm.get_tokenizer(), model_sampling_defaults(llm)
-        requests = [generation_request(line.url, line.body, tokenizer, defaults, llm.structured_output_problem)
-                    for line in lines]
+    def _refuse(self, todo: list[PendingRow[TableRow]], error: LineError) -> Iterator[BatchResult]:
+        """Every row of `todo` gets `error`."""
+        for pending in todo:
+            yield from self._finish(pending.part, pending.row.position, error_record(pending.row, error))
 
-        def inputs(units: list[tuple[_Pending, int]]) -> dict[str, Any]:
-            return {"prompts": [p.request.prompts[i] for p, i in units],
-                    "sampling_params": [p.request.sampling_params for p, _ in units],
-                    "priority": [p.request.priority for p, _ in units]}
+    def _commit(self, part: OpenPartition) -> BatchResult:
+        """Commits with the data version of the models its rows ran on, known only now."""
+        part.data_version = self._data_version(part.rows)
+        return super()._commit(part)
 
-        return _Kind(check=lambda units: llm.validate(**inputs(units)),
-                     run=lambda units: llm.generate_as_completed(**inputs(units), use_tqdm=False),
-                     respond=lambda request, outputs: generation_response_body(request, outputs, name, tokenizer,
-                                                                               llm.tool_call_ids)), requests
+    def _missing_record(self, part: OpenPartition, row: TableRow) -> dict[str, Any]:
+        return error_record(row, row.error)
 
-    def _settle(self, part: _Partition, row: TableRow, record: dict[str, Any]) -> Iterator[BatchResult]:
-        """Records a row's output; commits its partition when it was the last one."""
-        part.records[row.position] = record
-        part.pending -= 1
-        if part.pending == 0:
-            yield self._commit(part)
+    def _table(self, part: OpenPartition, records: list[dict[str, Any]]) -> pa.Table:
+        return pa.Table.from_pylist(records, schema=OUTPUT_SCHEMA)
 
-    def _commit(self, part: _Partition) -> BatchResult:
-        self.check_alive()
-        rows = part.source.rows
-        records = [part.records[row.position] for row in rows]
-        version = self._data_version(rows)
-        table = with_data_version(pa.Table.from_pylist(records, schema=OUTPUT_SCHEMA), version)
-        if part.source.files is not None:
-            part.source.files.commit(table, version)
+    def _stats(self, part: OpenPartition, records: list[dict[str, Any]]) -> BatchStats:
         ran = [r for r in records if r.get("status_code") == 200]
-        stats = BatchStats(rows=len(records), ok_rows=len(ran), error_rows=len(records) - len(ran),
-                           error_codes=dict(Counter(r["error_code"] for r in records if r.get("error_code"))),
-                           prompt_tokens=sum(r["prompt_tokens"] or 0 for r in ran),
-                           completion_tokens=sum(r["completion_tokens"] or 0 for r in ran),
-                           elapsed_s=round(time.monotonic() - self.started, 3))
-        return BatchResult(part.source.key, table, version, stats)
+        return BatchStats(rows=len(records), ok_rows=len(ran), error_rows=len(records) - len(ran),
+                          error_codes=dict(Counter(r["error_code"] for r in records if r.get("error_code"))),
+                          prompt_tokens=sum(r["prompt_tokens"] or 0 for r in ran),
+                          completion_tokens=sum(r["completion_tokens"] or 0 for r in ran),
+                          elapsed_s=self._elapsed_s())
 
     def _data_version(self, rows: list[TableRow]) -> str:
         """Digest of the rows as they were read (each line, or each bad row's error), the
         code version, and the models the rows ran on (their files and output settings)."""
-        tasks = {"embed" if row.line.url == EMBEDDINGS_URL else "generate" for row in rows if row.line is not None}
+        tasks = {line_task(row.line) for row in rows if row.line is not None}
         return digest({"code_version": self.code_version,
                        "models": {task: self.models.get(task, "none") for task in sorted(tasks)},
                        "rows": [[row.line.custom_id, row.line.url, row.line.body] if row.line is not None

@@ -26,11 +26,12 @@ from engine.multimodal.image import ImageLimits
 from engine.model_loader.folder import model_fingerprint
 from engine.output_parsing import PARSING_REVISION
 from engine.outputs import (
-    ClassificationRequestOutput, EmbeddingRequestOutput, EngineStats, RequestOutput, ScoringOutput,
-    ScoringRequestOutput, UnfinishedOutput,
+    ClassificationRequestOutput, EmbeddingRequestOutput, EngineStats, RequestOutput, ScoringRequestOutput,
+    UnfinishedOutput,
 )
 from engine.pooling_params import PoolingParams
 from engine.entrypoints.progress_bar import ProgressBar
+from engine.entrypoints.score_utils import cosine_scores, cross_encoder_inputs, cross_encoder_scores, score_pairs
 from engine.sampling_params import SamplingParams
 from engine.structured_output.params import StructuredOutputsParams
 from engine.entrypoints.tool_choice import ToolChoice, apply_tool_choice, constrained, grammar_problem, resolve_tool_choice
@@ -426,37 +427,13 @@ class LLM:
             ValueError: lists of different lengths, an empty list, or a model that neither
                 embeds nor is a one-label classifier.
         """
-        firsts = [text_1] if isinstance(text_1, str) else list(text_1)
-        seconds = [text_2] if isinstance(text_2, str) else list(text_2)
-        if len(firsts) == 1:
-            firsts = firsts * len(seconds)
-        if not seconds or len(firsts) != len(seconds):
-            raise ValueError(f"score: text_1 has {len(firsts)} texts and text_2 {len(seconds)}: give one text_1, "
-                             "or as many as text_2 (and at least one)")
+        pairs = score_pairs(text_1, text_2)
         pooler = self._require_task(None, "score", pooling=True)
         if pooler.task == "classify":
-            return self._cross_encode(firsts, seconds, pooler, use_tqdm, lora_request)
-        adapters = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request] * len(firsts)
-        embedded = self._pool(firsts + seconds, None, use_tqdm, list(adapters) * 2)
-        outputs = []
-        for i, (first, second) in enumerate(zip(embedded[: len(firsts)], embedded[len(firsts):])):
-            cosine = torch.nn.functional.cosine_similarity(torch.tensor(first.outputs.embedding),
-                                                           torch.tensor(second.outputs.embedding), dim=0)
-            outputs.append(ScoringRequestOutput(str(i), ScoringOutput(cosine.item()),
-                                                first.prompt_token_ids + second.prompt_token_ids))
-        return outputs
-
-    def _cross_encode(self, firsts: list[str], seconds: list[str], pooler: PoolerConfig, use_tqdm: UseTqdm,
-                      lora_request: LoRARequestArg) -> list[ScoringRequestOutput]:
-        """Scores of a cross-encoder: each pair classified as one input."""
-        if pooler.num_labels != 1:
-            raise ValueError(f"score: this classifier has {pooler.num_labels} labels; a cross-encoder has one "
-                             "(use classify for the probabilities of several labels)")
-        tokenizer = self.llm_engine.tokenizer
-        pairs = [{"prompt_token_ids": tokenizer(first, second).input_ids} for first, second in zip(firsts, seconds)]
-        classified = self._pool(pairs, None, use_tqdm, lora_request)
-        return [ScoringRequestOutput(output.request_id, ScoringOutput(output.outputs.probs[0]),
-                                     output.prompt_token_ids) for output in classified]
+            inputs = cross_encoder_inputs(self.llm_engine.tokenizer, pairs, pooler.num_labels)
+            return cross_encoder_scores(self._pool(inputs, None, use_tqdm, lora_request))
+        adapters = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request] * len(pairs.firsts)
+        return cosine_scores(self._pool(pairs.firsts + pairs.seconds, None, use_tqdm, list(adapters) * 2))
 
     def _pool(self, prompts: Prompts, params: PoolingParams | None, use_tqdm: UseTqdm,
               lora_request: LoRARequestArg) -> list:

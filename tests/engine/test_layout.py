@@ -46,9 +46,11 @@ TIERS: list[list[str]] = [
     ["engine.entrypoints", "engine.entrypoints.openai"],
     ["engine.entrypoints.openai.run_batch"],  # OpenAI batch files from the command line
     ["engine.entrypoints.openai.batch"],  # a whole OpenAI batch file run, with resume; runs on LLM
+    ["engine.entrypoints.openai.runner"],  # OpenAI batch lines of one task fanned out onto a loaded LLM
     ["engine.entrypoints.openai.serving"],  # OpenAI request bodies -> engine inputs, engine outputs -> response bodies
     ["engine.entrypoints.openai.protocol"],  # OpenAI batch lines: their checks, the engine inputs, the output lines
     ["engine.entrypoints.llm"],  # LLM, the offline entry point
+    ["engine.entrypoints.score_utils"],  # LLM.score's pairs, cross-encoder inputs and scores
     ["engine.entrypoints.data_parallel"],  # replicas as whole engines
     ["engine.entrypoints.inputs"],  # prompts -> requests
     ["engine.llm_engine"],  # add_request / step / outputs

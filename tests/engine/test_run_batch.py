@@ -525,7 +525,7 @@ class FakeLLM:
     def validate(self, prompts: list, sampling_params: list, priority: list) -> list[str | None]:
         return ["prompt: is empty" if p["prompt"] == "" else None for p in prompts]
 
-    def generate_as_completed(self, prompts: list, sampling_params: list, priority: list):
+    def generate_as_completed(self, prompts: list, sampling_params: list, priority: list, use_tqdm: Any = True):
         for count, i in enumerate(reversed(range(len(prompts)))):
             if count == self.crash_after:
                 raise RuntimeError("the device fell over")

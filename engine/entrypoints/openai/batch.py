@@ -4,26 +4,24 @@ a whole file run on the engine (`run_batch_file`, what `python -m engine.run_bat
 output line as it comes (`ResultWriter`).
 
 What a line is lives in `engine.entrypoints.openai.protocol`, how its body becomes engine inputs and
-its outputs a response body in `engine.entrypoints.openai.serving`. Importing this module loads
+its outputs a response body in `engine.entrypoints.openai.serving`, and how the lines of one task run
+on a loaded model in `engine.entrypoints.openai.runner`, which the Dagster asset's run of request
+tables shares. Importing this module loads
 neither torch nor the model code: the engine (`engine.entrypoints.llm`) is imported where a file is run.
 """
 
 import json
 import logging
 import sys
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from engine.entrypoints.openai.protocol import (
-    DUPLICATE_CUSTOM_ID, EMBEDDINGS_URL, UNSUPPORTED_URL, BadLine, BatchLine, EmbeddingRequest, GenerationRequest,
-    LineError, error_line, jsonl_line, parse_lines, response_line,
+    DUPLICATE_CUSTOM_ID, UNSUPPORTED_URL, BadLine, BatchLine, LineError, error_line, jsonl_line, parse_lines,
+    response_line,
 )
-from engine.entrypoints.openai.serving import (
-    embedding_request, embedding_response_body, generation_request, generation_response_body,
-    model_sampling_defaults, prompt_error,
-)
+from engine.entrypoints.openai.runner import line_task, run_lines
 from engine.model_loader.embedded_model import EMBEDDED_MODEL_NAME
 
 if TYPE_CHECKING:
@@ -160,6 +158,17 @@ class BatchRun:
     def embedding_model_name(self) -> str:
         return self.embedding_model or self.model_name
 
+    def load(self, task: str) -> "LLM":
+        """The engine of a task's lines: `model` to generate, `embedding_model` (else `model`)
+        loaded with runner="pooling" to embed.
+
+        Raises:
+            BatchRunError: the engine refuses the model or a setting.
+        """
+        if task == "generate":
+            return _load(self.model, self.settings)
+        return _load(self.embedding_model or self.model, {**self.settings, "runner": "pooling"})
+
 
 def run_batch_file(input_file: str, output_file: str, run: BatchRun = BatchRun()) -> BatchSummary:
     """Runs an OpenAI batch input file into an output file ("-": standard output).
@@ -187,14 +196,11 @@ def run_batch_file(input_file: str, output_file: str, run: BatchRun = BatchRun()
                 writer.error(line.number, line.custom_id, line.error)
             else:
                 pending.append(line)
-        generate = [line for line in pending if line.url != EMBEDDINGS_URL]
-        embed = [line for line in pending if line.url == EMBEDDINGS_URL]
-        if generate:
-            with _load(run.model, run.settings) as llm:
-                _run_generation(llm, generate, writer, run.model_name)
-        if embed:
-            with _load(run.embedding_model or run.model, {**run.settings, "runner": "pooling"}) as llm:
-                _run_embeddings(llm, embed, writer, run.embedding_model_name)
+        for task, name in (("generate", run.model_name), ("embed", run.embedding_model_name)):
+            lines_of_task = [line for line in pending if line_task(line) == task]
+            if lines_of_task:
+                with run.load(task) as llm:
+                    _run_task(llm, task, lines_of_task, writer, name)
     finally:
         if stream is not sys.stdout:
             stream.close()
@@ -210,99 +216,26 @@ def _load(model: str | None, settings: dict[str, Any]) -> "LLM":
         raise BatchRunError(f"the engine cannot load model {model or EMBEDDED_MODEL_NAME!r}: {exc}") from exc
 
 
-@dataclass
-class _Pending:
-    """A line whose requests run: its outputs, one per prompt, as they finish."""
-
-    line: BatchLine
-    request: GenerationRequest | EmbeddingRequest
-    outputs: list[Any]
-    waiting: int
+# What a model that does not do a task is told, by task.
+_WRONG_MODEL = {"generate": "does not generate text ({task}): run these lines with a generative --model",
+                "embed": "does not embed ({task}): give an embedding model with --embedding-model"}
 
 
-@dataclass(frozen=True)
-class _Row:
-    """One prompt of a pending line: the unit the engine runs."""
-
-    pending: _Pending
-    index: int
-
-    @property
-    def prompt(self) -> Any:
-        return self.pending.request.prompts[self.index]
-
-
-def _run_generation(llm: "LLM", lines: list[BatchLine], writer: ResultWriter, model: str) -> None:
-    """The chat and completion lines, in one batch."""
-    if llm.task != "generate":
-        _refuse_all(lines, writer, f"the model {model!r} does not generate text ({llm.task}): run these lines "
-                                   "with a generative --model")
+def _run_task(llm: "LLM", task: str, lines: list[BatchLine], writer: ResultWriter, model: str) -> None:
+    """The lines of one task ("generate": chat and completions, "embed"), in one batch on
+    `llm`; each line's output line is written as soon as it is done."""
+    if llm.task != task:
+        error = LineError(UNSUPPORTED_URL, f"url: the model {model!r} {_WRONG_MODEL[task].format(task=llm.task)}")
+        for line in lines:
+            writer.error(line.number, line.custom_id, error)
         return
     _note_other_models(lines, model)
-    tokenizer, defaults = llm.get_tokenizer(), model_sampling_defaults(llm)
-    requests = [(line, generation_request(line.url, line.body, tokenizer, defaults, llm.structured_output_problem))
-                for line in lines]
-
-    def params(rows: list[_Row]) -> dict[str, Any]:
-        return {"sampling_params": [row.pending.request.sampling_params for row in rows],
-                "priority": [row.pending.request.priority for row in rows]}
-
-    _run_rows(requests, writer,
-              check=lambda rows: llm.validate([row.prompt for row in rows], **params(rows)),
-              run=lambda rows: llm.generate_as_completed([row.prompt for row in rows], **params(rows)),
-              respond=lambda request, outputs: generation_response_body(request, outputs, model, tokenizer,
-                                                                         llm.tool_call_ids))
-
-
-def _run_embeddings(llm: "LLM", lines: list[BatchLine], writer: ResultWriter, model: str) -> None:
-    """The embedding lines, in one batch."""
-    if llm.task != "embed":
-        _refuse_all(lines, writer, f"the model {model!r} does not embed ({llm.task}): give an embedding model "
-                                   "with --embedding-model")
-        return
-    _note_other_models(lines, model)
-    requests = [(line, embedding_request(line.body, llm.hidden_size)) for line in lines]
-    _run_rows(requests, writer,
-              check=lambda rows: llm.validate_pooling([row.prompt for row in rows]),
-              run=lambda rows: llm.embed_as_completed([row.prompt for row in rows]),
-              respond=lambda request, outputs: embedding_response_body(request, outputs, model))
-
-
-def _run_rows(requests: list[tuple[BatchLine, GenerationRequest | EmbeddingRequest | LineError]],
-              writer: ResultWriter, check: Callable[[list[_Row]], list[str | None]],
-              run: Callable[[list[_Row]], Iterable[tuple[int, Any]]],
-              respond: Callable[[Any, list[Any]], dict[str, Any]]) -> None:
-    """Writes the error of each line whose body or prompts are refused (`check`: the engine's
-    problem per prompt), runs the prompts of the others together, and writes each line's
-    response once all its prompts are done."""
-    pending = []
-    for line, request in requests:
-        if isinstance(request, LineError):
-            writer.error(line.number, line.custom_id, request)
+    for result in run_lines(llm, lines, model):
+        line = lines[result.index]
+        if result.error is not None:
+            writer.error(line.number, line.custom_id, result.error)
         else:
-            pending.append(_Pending(line, request, [None] * len(request.prompts), len(request.prompts)))
-    rows = [_Row(p, i) for p in pending for i in range(len(p.request.prompts))]
-    refused: set[int] = set()  # the ids of the refused _Pending
-    for row, problem in zip(rows, check(rows) if rows else []):
-        if problem is not None and id(row.pending) not in refused:
-            refused.add(id(row.pending))
-            line = row.pending.line
-            writer.error(line.number, line.custom_id,
-                         prompt_error(line.url, row.index, len(row.pending.request.prompts), problem, line.body))
-    rows = [row for row in rows if id(row.pending) not in refused]
-    if not rows:
-        return
-    for index, output in run(rows):
-        done = rows[index].pending
-        done.outputs[rows[index].index] = output
-        done.waiting -= 1
-        if done.waiting == 0:
-            writer.response(done.line.custom_id, respond(done.request, done.outputs))
-
-
-def _refuse_all(lines: list[BatchLine], writer: ResultWriter, reason: str) -> None:
-    for line in lines:
-        writer.error(line.number, line.custom_id, LineError(UNSUPPORTED_URL, f"url: {reason}"))
+            writer.response(line.custom_id, result.body)
 
 
 def _note_other_models(lines: list[BatchLine], model: str) -> None:
