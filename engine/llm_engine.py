@@ -20,7 +20,7 @@ from engine.core.encoder_cache_manager import EncoderCacheManager
 from engine.core.sched_output import ScheduledBatch
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import Sequence, SequenceStatus
-from engine.detokenizer import IncrementalDetokenizer, finish_texts
+from engine.output_processor.detokenizer import IncrementalDetokenizer, finish_texts
 from engine.distributed.plan import ReplicaPlan, check_tensor_parallel, plan_parallelism
 from engine.hardware import release_freed_memory
 from engine.lora.manager import LoRAManager
@@ -35,7 +35,7 @@ from engine.outputs import (
     EngineStats, Logprob, PoolingRequestOutput, RequestOutput, UnfinishedOutput,
 )
 from engine.pooling_params import PoolingParams
-from engine.output_parsing import parse_completion
+from engine.output_processor.parsing import parse_completion
 from engine.reasoning import Phase, ReasoningParser, detect_reasoning_parser, reasoning_parser
 from engine.sample.sampler import SampledToken
 from engine.sampling_params import SamplingParams

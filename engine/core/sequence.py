@@ -6,7 +6,6 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from engine.detokenizer import IncrementalDetokenizer
 from engine.lora.request import LoRARequest
 from engine.outputs import RequestMetrics
 from engine.sampling_params import SamplingParams
@@ -16,6 +15,7 @@ if TYPE_CHECKING:
 
     from engine.beam_search import BeamSearchOutput, BeamSearchParams
     from engine.multimodal.inputs import MultiModalFeature, ProcessedPrompt
+    from engine.output_processor.detokenizer import IncrementalDetokenizer
     from engine.pooling_params import PoolingParams
     from engine.reasoning import ReasoningTracker
     from engine.sample.sampler import SampledToken
@@ -69,7 +69,7 @@ class Sequence:
         prompt: str | None,
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
-        detokenizer: IncrementalDetokenizer,
+        detokenizer: "IncrementalDetokenizer",
         priority: int = 0,
         index: int = 0,
         lora_request: LoRARequest | None = None,

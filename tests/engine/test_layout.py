@@ -52,6 +52,7 @@ TIERS: list[list[str]] = [
     ["engine.entrypoints.data_parallel"],  # replicas as whole engines
     ["engine.entrypoints.inputs"],  # prompts -> requests
     ["engine.llm_engine"],  # add_request / step / outputs
+    ["engine.output_processor"],  # what a sampled token does: stops, grammar, text, logprobs; the outputs
     ["engine.worker"],  # the device side of a step
     ["engine.spec_decode"],  # speculative decoding: proposals, their worth, their verification rows
     ["engine.core"],  # the scheduler side: bookkeeping only
@@ -61,11 +62,11 @@ TIERS: list[list[str]] = [
     ["engine.attention", "engine.layers", "engine.sample"],
     ["engine.structured_output"],
     ["engine.kernels", "engine.distributed"],  # compiled and Triton kernels; process plumbing
-    ["engine.output_parsing"],  # a completion's reasoning, answer and tool calls apart
+    ["engine.output_processor.parsing"],  # a completion's reasoning, answer and tool calls apart
     ["engine.config"],  # settings: a leaf above the API types
     ["engine.entrypoints.tool_choice"],  # tool_choice: a forced call's grammar, and the calls read from what it made
-    ["engine.detokenizer", "engine.entrypoints.chat_utils", "engine.entrypoints.progress_bar", "engine.reasoning",
-     "engine.tool_parsers"],
+    ["engine.entrypoints.chat_utils", "engine.entrypoints.progress_bar", "engine.output_processor.detokenizer",
+     "engine.reasoning", "engine.tool_parsers"],
     ["engine.beam_search"],  # API types, from here down
     ["engine.pooling_params", "engine.sampling_params"],
     ["engine.outputs", "engine.sampling_rules", "engine.structured_output.params", "engine.spec_decode.config"],

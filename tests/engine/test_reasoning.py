@@ -12,7 +12,7 @@ import torch
 from transformers import AutoTokenizer
 
 from engine import LLM, SamplingParams, StructuredOutputsParams
-from engine.detokenizer import IncrementalDetokenizer
+from engine.output_processor.detokenizer import IncrementalDetokenizer
 from engine.reasoning import Phase, ReasoningSplit, detect_reasoning_parser, reasoning_parser
 from engine.structured_output.manager import grammar_bitmask
 from tests.reasoning_models import build_reasoning_model

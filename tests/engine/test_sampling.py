@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
-from engine.detokenizer import IncrementalDetokenizer
+from engine.output_processor.detokenizer import IncrementalDetokenizer
 from tests.processes import run_in_batch_mode
 
 EOS = 2  # the tiny models' EOS id
