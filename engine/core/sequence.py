@@ -15,12 +15,10 @@ if TYPE_CHECKING:
 
     from engine.beam_search import BeamSearchOutput, BeamSearchParams
     from engine.multimodal.inputs import MultiModalFeature, ProcessedPrompt
-    from engine.output_processor.detokenizer import IncrementalDetokenizer
+    from engine.output_processor.state import OutputState
     from engine.pooling_params import PoolingParams
-    from engine.reasoning import ReasoningTracker
     from engine.sample.sampler import SampledToken
     from engine.structured_output.backend_types import StructuredOutputGrammar
-    from engine.tool_parsers.request_tools import RequestTools
 
 
 class BeamGroupState(Protocol):
@@ -69,7 +67,6 @@ class Sequence:
         prompt: str | None,
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
-        detokenizer: "IncrementalDetokenizer",
         priority: int = 0,
         index: int = 0,
         lora_request: LoRARequest | None = None,
@@ -81,7 +78,6 @@ class Sequence:
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.sampling_params = sampling_params
-        self.detokenizer = detokenizer
         self.priority = priority
         self.lora_request = lora_request
         # The prompt's images (by position) and, for M-RoPE models, its [3, prompt] rotary
@@ -94,11 +90,8 @@ class Sequence:
         # most one). The scheduler counts them as present; the model runner takes them
         # from the device as input ids.
         self.num_pending_tokens = 0
-        # Prompt plus the most tokens it may generate, and the tokens that end it once it has
-        # min_tokens (the model's EOS ids unless ignore_eos, and stop_token_ids); the engine
-        # sets them.
+        # Prompt plus the most tokens it may generate (set by the engine).
         self.max_num_tokens = 0
-        self.stop_token_ids: frozenset[int] = frozenset()
         self.num_cached_tokens = 0
         self.block_table: list[int] = []
         self.num_registered_blocks = 0
@@ -134,20 +127,13 @@ class Sequence:
         self.processes_logits = False
         # Where the completion stands in its structured-output grammar, set by the engine.
         self.grammar: "StructuredOutputGrammar | None" = None
-        # Where it stands in its reasoning section, with a reasoning parser (set by the engine).
-        self.reasoning: "ReasoningTracker | None" = None
-        # The tools its request declared (a chat's), which the tool parser reads its calls by,
-        # and whether it reads them (the request's tool choice).
-        self.tools: "RequestTools | None" = None
+        # Its text, logprobs, stops and reasoning, kept by the output processor (a completion's
+        # or a beam's: `OutputProcessor.start`).
+        self.output: "OutputState | None" = None
         # With speculative decoding: the tokens proposed for its next step (verified in it
         # after its last token) and its proposer's state.
         self.spec_token_ids: list[int] = []
         self.spec: SpeculationState | None = None
-        self.logprobs: list[dict] | None = [] if sampling_params.logprobs is not None else None
-        self.cumulative_logprob: float | None = 0.0 if sampling_params.logprobs is not None else None
-        self.prompt_logprobs: list[dict | None] | None = (
-            [None] * len(prompt_token_ids) if sampling_params.prompt_logprobs is not None else None
-        )
 
     @property
     def lora_int_id(self) -> int | None:

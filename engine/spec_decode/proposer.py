@@ -137,7 +137,8 @@ def grammar_settled(seq: Sequence) -> bool:
     grammar runs (not waiting for the end of the model's reasoning)."""
     if seq.sampling_params.structured_outputs is None:
         return True
-    return seq.grammar is not None and (seq.reasoning is None or seq.reasoning.phase is Phase.ANSWER)
+    reasoning = seq.output.reasoning
+    return seq.grammar is not None and (reasoning is None or reasoning.phase is Phase.ANSWER)
 
 
 def allowed_prefix(grammar: StructuredOutputGrammar, proposals: list[int]) -> int:

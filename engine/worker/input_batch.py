@@ -226,7 +226,7 @@ class InputBatch:
             step.pending_slots = upload([seqs[i].batch_slot for i in pending], torch.long, device)
         self._sample_rows(step, seqs, context_lens, known, ends, batch.forks)
         special = [i for i, seq in enumerate(seqs)
-                   if seq.prompt_logprobs is not None or seq.pooling is not None or seq.mm_features]
+                   if seq.sampling_params.prompt_logprobs is not None or seq.pooling is not None or seq.mm_features]
         if special:
             self._prompt_pool_and_image_rows(step, [seqs[i] for i in special], [starts[i] for i in special],
                                              [nums[i] for i in special], [ends[i] for i in special])
@@ -270,7 +270,7 @@ class InputBatch:
         step.prompt_rows = [
             PromptRows(seq, end - n, start, min(start + n, seq.num_prompt_tokens - 1) - start)
             for seq, start, n, end in zip(seqs, starts, nums, ends)
-            if seq.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1
+            if seq.sampling_params.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1
         ]
         step.pool_rows = [PoolRows(seq, end - n, start, n, start + n == seq.num_tokens)
                           for seq, start, n, end in zip(seqs, starts, nums, ends) if seq.pooling is not None]

@@ -8,7 +8,7 @@ from engine.sampling_params import SamplingParams
 
 
 def make_seq(tokens: list[int], seq_id: int = 0) -> Sequence:
-    return Sequence(seq_id, str(seq_id), None, tokens, SamplingParams(), detokenizer=None)
+    return Sequence(seq_id, str(seq_id), None, tokens, SamplingParams())
 
 
 def compute(bm: BlockManager, seq: Sequence, num_new: int, cached: list[int] = ()) -> None:

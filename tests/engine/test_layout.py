@@ -62,7 +62,8 @@ TIERS: list[list[str]] = [
     ["engine.attention", "engine.layers", "engine.sample"],
     ["engine.structured_output"],
     ["engine.kernels", "engine.distributed"],  # compiled and Triton kernels; process plumbing
-    ["engine.output_processor.parsing"],  # a completion's reasoning, answer and tool calls apart
+    # a completion's reasoning, answer and tool calls apart; what the output processor keeps of a sequence
+    ["engine.output_processor.parsing", "engine.output_processor.state"],
     ["engine.config"],  # settings: a leaf above the API types
     ["engine.entrypoints.tool_choice"],  # tool_choice: a forced call's grammar, and the calls read from what it made
     ["engine.entrypoints.chat_utils", "engine.entrypoints.progress_bar", "engine.output_processor.detokenizer",

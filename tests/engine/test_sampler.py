@@ -56,7 +56,7 @@ def make_sequence(row: int, params: SamplingParams, prompt: list[int], output: l
                   bad_words: list[list[int]] | None = None) -> Sequence:
     """A sequence as the engine makes it: with its request's seed and its logits'
     processors flagged."""
-    seq = Sequence(row, str(row), None, prompt, params, None)
+    seq = Sequence(row, str(row), None, prompt, params)
     seq.token_ids += output
     seq.seed = params.seed
     seq.bad_words_ids = bad_words or []

@@ -154,7 +154,7 @@ def mixed_batch() -> list[Sequence]:
     ]
     seqs = []
     for row, p in enumerate(params):
-        seq = Sequence(row, str(row), None, [row + 1, 7, 7, 300], p, None)
+        seq = Sequence(row, str(row), None, [row + 1, 7, 7, 300], p)
         seq.token_ids += [7, 12, 12][: row % 4]
         seq.seed = p.seed
         seq.bad_words_ids = [[2], [8, 10]] if row == 2 else []

@@ -21,7 +21,7 @@ def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, chunk
 
 def make_seq(seq_id: int, prompt_len: int, max_tokens: int, priority: int = 0, start: int = 0) -> Sequence:
     tokens = [start + i for i in range(prompt_len)]
-    return Sequence(seq_id, str(seq_id), None, tokens, SamplingParams(max_tokens=max_tokens), None, priority)
+    return Sequence(seq_id, str(seq_id), None, tokens, SamplingParams(max_tokens=max_tokens), priority)
 
 
 def run_to_completion(sched: Scheduler, max_steps: int = 10_000) -> list[tuple[list[Sequence], list[int]]]:

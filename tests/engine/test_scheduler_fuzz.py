@@ -28,6 +28,7 @@ from engine.core.sched_output import ScheduledBatch
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import Sequence, SequenceStatus
 from engine.llm_engine import LLMEngine
+from engine.output_processor.processor import OutputProcessor
 from engine.outputs import EngineStats
 from engine.worker.model_runner import StepOutput
 
@@ -184,15 +185,14 @@ def make_engine(num_blocks: int, block_size: int, max_num_seqs: int, max_num_bat
                                  enable_chunked_prefill=enable_chunked_prefill, scheduling_policy=policy,
                                  async_scheduling=async_scheduling)
     engine._in_flight = None
-    engine._token_texts = {}
     engine.tokenizer = _FakeTokenizer()
     engine.model_config = SimpleNamespace(eos_token_ids=set(), max_model_len=1 << 20, device=torch.device("cpu"))
+    engine.output_processor = OutputProcessor(engine.tokenizer, frozenset())
     engine.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
     engine.scheduler = Scheduler(engine.config, engine.block_manager)
     engine.model_runner = FakeModelRunner(engine.scheduler)
     engine.stats = EngineStats()
     engine._seq_ids = itertools.count()
-    engine.reasoning_parser = engine.tool_parser = None
     engine.proposer = FakeProposer(num_blocks * 1000 + max_num_seqs) if speculate else None
     return engine
 
