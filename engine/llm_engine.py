@@ -32,6 +32,7 @@ from engine.multimodal.processing import BaseMultiModalProcessor
 from engine.output_processor.processor import OutputProcessor, resolve_reasoning_parser, resolve_tool_parser
 from engine.outputs import EngineStats, PoolingRequestOutput, RequestOutput, UnfinishedOutput
 from engine.pooling_params import PoolingParams
+from engine.sample.rejection_sampler import num_accepted
 from engine.sample.sampler import SampledToken
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.draft_model import DraftModelProposer
@@ -301,21 +302,19 @@ class LLMEngine:
         self.scheduler.finish(seq)
 
     def _take_tokens(self, seq: Sequence, tokens: list[tuple[int, SampledToken | None]], proposed: list[int]) -> int:
-        """Appends what a sequence's rows sampled: its one token, or with proposals, the
-        token of each row up to the first that differs from the next proposal, or ends it
-        (the proposals it matched were computed with the right tokens before them, so
-        their rows sampled what one step at a time would have). Returns the tokens added."""
-        taken = accepted = 0
-        for token, sampled in tokens:
-            self.output_processor.append_token(seq, token, sampled)
-            taken += 1
-            if seq.finish_reason is not None or taken > len(proposed) or token != proposed[taken - 1]:
-                break
-            accepted += 1
+        """Hands what a sequence's rows sampled to the output processor: its one token, or
+        with proposals, those the verification keeps (`num_accepted`: the accepted ones and
+        the token after them), up to one that ends it. Counts the step's proposals where
+        the proposer, the scheduler (their keys and values) and the stats follow them;
+        returns the tokens added."""
+        if proposed:
+            tokens = tokens[: num_accepted(proposed, [token for token, _ in tokens]) + 1]
+        taken = self.output_processor.take_tokens(seq, tokens)
+        accepted = taken - 1  # the last token taken was sampled after the accepted proposals
         if self.proposer is not None:
             self.proposer.record(seq, len(proposed), accepted)
         if proposed:
-            self.scheduler.accept_proposals(seq, accepted)
+            self.scheduler.update_accepted(seq, accepted)
             self.stats.num_drafts += 1
             self.stats.num_draft_tokens += len(proposed)
             self.stats.num_accepted_tokens += accepted

@@ -96,9 +96,9 @@ class Scheduler:
             pending = seq.num_pending_tokens
             num_tokens = len(seq.token_ids) + (pending if seq.beam is None else 0)
             start = seq.num_computed_tokens
-            drafts = seq.spec_token_ids
+            drafts = seq.spec.proposal if seq.spec is not None else []
             if drafts:
-                seq.spec_token_ids = []
+                seq.spec.proposal = []
                 if start == num_tokens - 1:  # its last token computes with them (not a recompute)
                     num_tokens += len(drafts)
                 else:
@@ -239,7 +239,7 @@ class Scheduler:
         self._release_images(seq)
         seq.num_computed_tokens = 0
         # Its proposals and its proposer's state (a draft model's cache entries) go with its blocks.
-        seq.spec_token_ids, seq.spec = [], None
+        seq.spec = None
         seq.status = SequenceStatus.WAITING
         seq.metrics.num_preemptions += 1
         self.num_preemptions += 1
@@ -252,16 +252,17 @@ class Scheduler:
 
     def update_computed(self, batch: ScheduledBatch) -> None:
         """Records that the step computed its tokens' keys and values; a speculating
-        sequence's proposals count once they are accepted (`accept_proposals`)."""
+        sequence's proposals count once they are accepted (`update_accepted`)."""
         spec = batch.spec_token_ids
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             self._computed(seq, num_new - len(spec[seq]) if spec and seq in spec else num_new)
             if seq.mm_features:
                 self.encoder_cache.release_computed(seq)
 
-    def accept_proposals(self, seq: Sequence, num_accepted: int) -> None:
-        """Counts as computed the keys and values of a sequence's proposals that its step
-        accepted (they are its tokens now); the others' slots are written again later."""
+    def update_accepted(self, seq: Sequence, num_accepted: int) -> None:
+        """Counts as computed the keys and values of the proposals a sequence's step accepted
+        (`engine.sample.rejection_sampler`; they are its tokens now), registering the blocks
+        they fill; the rejected ones' slots are written again later."""
         if num_accepted:
             self._computed(seq, num_accepted)
 

@@ -37,9 +37,12 @@ class BeamGroupState(Protocol):
 
 
 class SpeculationState(Protocol):
-    """A speculating sequence's proposer state, as the proposer keeps it on the sequence
-    (`engine.spec_decode.proposer.SpecState` implements it; declared here so that a
-    sequence does not import its proposer)."""
+    """A speculating sequence's state, as the proposer keeps it on the sequence: the tokens
+    proposed for its next step (which the scheduler verifies in it, after its last token),
+    and the proposer's own (`engine.spec_decode.proposer.SpecState` implements it; declared
+    here so that a sequence does not import its proposer)."""
+
+    proposal: list[int]
 
     def record(self, seq: "Sequence", proposed: int, accepted: int) -> None:
         """Counts a decode step of the sequence: `proposed` tokens verified, `accepted` of them accepted."""
@@ -130,9 +133,7 @@ class Sequence:
         # Its text, logprobs, stops and reasoning, kept by the output processor (a completion's
         # or a beam's: `OutputProcessor.start`).
         self.output: "OutputState | None" = None
-        # With speculative decoding: the tokens proposed for its next step (verified in it
-        # after its last token) and its proposer's state.
-        self.spec_token_ids: list[int] = []
+        # With speculative decoding: its proposals and its proposer's state (set by the proposer).
         self.spec: SpeculationState | None = None
 
     @property

@@ -15,8 +15,8 @@ from engine.distributed.plan import ReplicaPlan
 from engine.layers.pooler import Pooler
 from engine.lora.manager import LoRAManager
 from engine.multimodal.inputs import MultiModalEmbeds, MultiModalFeature, encoder_inputs_on
+from engine.sample.rejection_sampler import sampling_rows
 from engine.sample.sampler import SampledToken, Sampler, SamplerOutput, token_logprobs
-from engine.spec_decode.rows import sampling_rows
 from engine.worker.device_queue import Pending, launch
 from engine.worker.input_batch import ImageRows, InputBatch, KeptRows, PromptRows, StepInputs, upload
 from engine.worker.kv_cache import KVCache

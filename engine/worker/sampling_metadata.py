@@ -15,8 +15,8 @@ tokens, min_tokens, bad words) are flagged when their sequence is created
 import torch
 
 from engine.core.sequence import Sequence
+from engine.sample.rejection_sampler import ProposalRow
 from engine.sample.sampler import DrawRows, Penalties, SamplingMetadata, TokenPairs, seeded_uniform
-from engine.spec_decode.rows import ProposalRow
 from engine.structured_output.manager import grammar_bitmask
 from engine.worker.input_batch import upload
 

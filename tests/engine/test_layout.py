@@ -54,7 +54,7 @@ TIERS: list[list[str]] = [
     ["engine.llm_engine"],  # add_request / step / outputs
     ["engine.output_processor"],  # what a sampled token does: stops, grammar, text, logprobs; the outputs
     ["engine.worker"],  # the device side of a step
-    ["engine.spec_decode"],  # speculative decoding: proposals, their worth, their verification rows
+    ["engine.spec_decode"],  # speculative decoding: proposals and their worth
     ["engine.core"],  # the scheduler side: bookkeeping only
     ["engine.model_loader"],  # model folder -> built, loaded, routed model
     ["engine.models"],  # model families

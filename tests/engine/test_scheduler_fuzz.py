@@ -30,6 +30,7 @@ from engine.core.sequence import Sequence, SequenceStatus
 from engine.llm_engine import LLMEngine
 from engine.output_processor.processor import OutputProcessor
 from engine.outputs import EngineStats
+from engine.spec_decode.proposer import SpecState
 from engine.worker.model_runner import StepOutput
 
 # Hundreds of generated workloads and a set of LLMs: outside the quick set (-m 'not slow').
@@ -88,7 +89,9 @@ class FakeProposer:
             right = fake_next_token(tokens, seq.index)
             proposals.append(right if self.rng.random() < 0.67 else (right + 1) % _VOCAB)
             tokens.append(proposals[-1])
-        seq.spec_token_ids = proposals
+        if seq.spec is None:
+            seq.spec = SpecState()
+        seq.spec.proposal = proposals
 
     def keep_worthwhile(self, seqs: list[Sequence]) -> None:
         pass
