@@ -40,8 +40,10 @@ class BlockManager:
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached_blocks: dict[BlockKey, int] = {}
         self.num_evicted_blocks = 0
-        # (source, destination) block copies that must happen before the next step's writes.
+        # (source, destination) block copies that must happen before the next step's writes,
+        # and the first block-table entry each copy replaced, by sequence.
         self.pending_copies: list[tuple[int, int]] = []
+        self.rewritten_tables: dict[Sequence, int] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -108,7 +110,7 @@ class BlockManager:
             shared = self.blocks[seq.block_table[index]]
             shared.ref_count -= 1
             seq.block_table[index] = self._take_free_block()
-            seq.num_blocks_in_batch = min(seq.num_blocks_in_batch, index)
+            self.rewritten_tables[seq] = min(self.rewritten_tables.get(seq, index), index)
             self.pending_copies.append((shared.block_id, seq.block_table[index]))
         for block_id in cached_blocks:
             block = self.blocks[block_id]

@@ -76,10 +76,12 @@ class Scheduler:
                 f"the next request ({self.waiting[0] if self.waiting else self.running[0]})"
             )
         copies, self.block_manager.pending_copies = self.block_manager.pending_copies, []
+        rewritten, self.block_manager.rewritten_tables = self.block_manager.rewritten_tables, {}
         released, self.released = self.released, []
         freed = self.encoder_cache.take_freed() if self.encoder_cache is not None else []
         return ScheduledBatch(list(plan.scheduled), list(plan.scheduled.values()), block_copies=copies,
                               cached_prompt_tokens=plan.cached_prompt_tokens, released=released,
+                              rewritten_tables=rewritten,
                               encoder_inputs=plan.encoder_inputs, freed_encoder_outputs=freed,
                               spec_token_ids=plan.spec_token_ids)
 

@@ -4,8 +4,6 @@ import enum
 import time
 from typing import TYPE_CHECKING, Protocol
 
-import torch
-
 from engine.lora.request import LoRARequest
 from engine.outputs import RequestMetrics
 from engine.sampling_params import SamplingParams
@@ -98,10 +96,6 @@ class Sequence:
         self.num_cached_tokens = 0
         self.block_table: list[int] = []
         self.num_registered_blocks = 0
-        # The sequence's row in the model runner's persistent batch, and how many leading
-        # entries of its block table that row holds (None, 0: not in the batch).
-        self.batch_slot: int | None = None
-        self.num_blocks_in_batch = 0
         # (parent key's hash, token ids) of each full block, filled in by the BlockManager.
         self.block_keys: list[tuple[int | None, tuple[int, ...]]] = []
         self.finish_reason: str | None = None
@@ -117,10 +111,8 @@ class Sequence:
         self.group: list[Sequence] = [self]
         # A beam of a beam-search request: its group decides its next token (set by the engine).
         self.beam: BeamGroupState | None = None
-        # A pooling request's settings (set by the engine), the partial MEAN or CLS vector
-        # of a prompt pooled over several steps, and the output once its prompt is computed.
+        # A pooling request's settings (set by the engine), and the output once its prompt is computed.
         self.pooling: "PoolingParams | None" = None
-        self.pooling_state: torch.Tensor | None = None
         self.pooled: list[float] | None = None
         # Every prompt position is computed (none taken from the prefix cache): prompt
         # logprobs read them all, and so does a MEAN or CLS pooling (set by the engine).
