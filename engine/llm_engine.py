@@ -19,7 +19,7 @@ from engine.core.block_manager import BlockManager
 from engine.core.encoder_cache_manager import EncoderCacheManager
 from engine.core.sched_output import ScheduledBatch
 from engine.core.scheduler import Scheduler
-from engine.core.sequence import Sequence, SequenceStatus
+from engine.core.sequence import Pooling, Sequence, SequenceStatus, logits_processing
 from engine.distributed.plan import ReplicaPlan, check_tensor_parallel, plan_parallelism
 from engine.hardware import release_freed_memory
 from engine.lora.manager import LoRAManager
@@ -47,7 +47,9 @@ logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    """Owns the tokenizer, the scheduler, the block manager and the model runner."""
+    """The loop: requests in; each step scheduled, launched on the model runner, its sampled
+    tokens handed to the output processor; the finished out. Owns the tokenizer, the
+    scheduler, the block manager, the model runner and the output processor."""
 
     def __init__(self, config: EngineConfig, replica: ReplicaPlan | None = None) -> None:
         """`replica` places this engine's ranks when it is one data-parallel replica of
@@ -156,13 +158,11 @@ class LLMEngine:
         seq = self._new_sequence(request_id, prompt, prompt_token_ids, sampling_params, priority, index=0,
                                  lora_request=lora_request, multi_modal=multi_modal)
         if pooling is not None:
-            seq.pooling = pooling
+            seq.pooling = Pooling(pooling, whole_prompt=self.model_config.pooler.needs_every_row)
             seq.max_num_tokens = seq.num_prompt_tokens
-            seq.computes_whole_prompt = self.model_config.pooler.needs_every_row
         else:
             self.output_processor.start(seq, parses=beam_search is None, tools=tools)
-        seq.bad_words_ids = self._bad_words_ids(sampling_params.bad_words)
-        seq.processes_logits = _processes_logits(seq)
+        seq.logits_processing = logits_processing(sampling_params, self._bad_words_ids(sampling_params.bad_words))
         if beam_search is not None:
             seq.beam = BeamGroup(beam_search, seq, seq.max_num_tokens - seq.num_prompt_tokens,
                                  frozenset(self.model_config.eos_token_ids), beams=[seq])
@@ -189,9 +189,6 @@ class LLMEngine:
                                                                                self.model_config.max_model_len)
         if params.structured_outputs is not None:
             seq.grammar = self.structured_output.grammar(params.structured_outputs)
-        if params.seed is not None:
-            # Completion i of a seeded request draws from a seed of its own, derived from the request's.
-            seq.seed = params.seed if index == 0 else hash((params.seed, index)) & (2**63 - 1)
         return seq
 
     def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
@@ -261,7 +258,7 @@ class LLMEngine:
         self.scheduler.update_computed(batch)
         for child, parent in batch.forks:
             child.num_computed_tokens = parent.num_computed_tokens
-            child.num_registered_blocks = parent.num_registered_blocks
+            child.blocks.num_registered = parent.blocks.num_registered
         self.stats.num_steps += 1
         return launched
 
@@ -274,7 +271,7 @@ class LLMEngine:
         finished = []
         for seq, vector in output.pooled.items():
             if not seq.is_finished:
-                seq.pooled = vector
+                seq.pooling.vector = vector
                 self._finish(seq)
                 finished.append(seq)
         appended = 0
@@ -328,8 +325,7 @@ class LLMEngine:
                                        parent.sampling_params, parent.priority, index, parent.lora_request,
                                        parent.multi_modal)
             self.output_processor.start(child, parses=True, tools=parent.output.tools)
-            child.bad_words_ids = parent.bad_words_ids
-            child.processes_logits = parent.processes_logits
+            child.logits_processing = parent.logits_processing
             child.num_computed_tokens = parent.num_computed_tokens
             child.num_cached_tokens = parent.num_cached_tokens
             child.metrics.first_scheduled_time = parent.metrics.first_scheduled_time
@@ -435,13 +431,6 @@ def _free_dropped_engine(attributes: dict) -> None:
     attributes.clear()
     gc.collect()  # parts held in reference cycles (a no-op when this runs inside a collection)
     release_freed_memory()
-
-
-def _processes_logits(seq: Sequence) -> bool:
-    """Whether the sequence's logits go through processors before sampling: banned or
-    allowed tokens, logit bias, penalties, min_tokens."""
-    p = seq.sampling_params
-    return bool(seq.bad_words_ids or p.min_tokens or p.allowed_token_ids or p.logit_bias or p.needs_penalties)
 
 
 def _tokens_by_sequence(output: StepOutput) -> Iterator[tuple[Sequence, list[tuple[int, SampledToken | None]]]]:

@@ -270,7 +270,7 @@ class Scheduler:
 
     def _computed(self, seq: Sequence, num_new: int) -> None:
         seq.num_computed_tokens += num_new
-        if seq.num_computed_tokens // self.block_manager.block_size > seq.num_registered_blocks:  # a block filled up
+        if seq.num_computed_tokens // self.block_manager.block_size > seq.blocks.num_registered:  # a block filled up
             self.block_manager.register_full_blocks(seq)
 
     def add_running(self, seq: Sequence) -> None:

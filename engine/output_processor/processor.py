@@ -151,8 +151,8 @@ class OutputProcessor:
         if seq.pooling is not None:
             prompt_ids = seq.token_ids[: seq.num_prompt_tokens]
             if self.pooling_task == "classify":
-                return ClassificationRequestOutput(seq.request_id, ClassificationOutput(seq.pooled), prompt_ids)
-            return EmbeddingRequestOutput(seq.request_id, EmbeddingOutput(seq.pooled), prompt_ids)
+                return ClassificationRequestOutput(seq.request_id, ClassificationOutput(seq.pooling.vector), prompt_ids)
+            return EmbeddingRequestOutput(seq.request_id, EmbeddingOutput(seq.pooling.vector), prompt_ids)
         return self.request_output(seq)
 
     def request_output(self, seq: Sequence) -> RequestOutput:

@@ -203,7 +203,7 @@ class InputBatch:
             row = rows.get(seq)
             if row is None:
                 row = rows[seq] = BatchRow(self._free_slots.pop())
-            have, table = row.num_blocks, seq.block_table
+            have, table = row.num_blocks, seq.blocks.table
             if have < len(table):
                 slots += [row.slot] * (len(table) - have)
                 cols += range(have, len(table))

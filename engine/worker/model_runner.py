@@ -269,7 +269,8 @@ class ModelRunner:
                 row.pooling_state = None
         if not finished:
             return SampledStep()
-        normalize = [pooler.config.normalize if s.pooling.normalize is None else s.pooling.normalize for s in finished]
+        normalize = [pooler.config.normalize if s.pooling.params.normalize is None else s.pooling.params.normalize
+                     for s in finished]
         return SampledStep(pooled_seqs=finished, pooled=pooler.finish(vectors, normalize).to("cpu", non_blocking=non_blocking))
 
     def _activate_adapters(self, seqs: list[Sequence]) -> dict[int, int]:

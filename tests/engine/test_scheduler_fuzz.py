@@ -138,8 +138,8 @@ class FakeModelRunner:
             assert not drafts or start == seq.num_tokens - 1, "proposals follow a sequence's last token"
             known = seq.num_tokens + seq.num_pending_tokens + len(drafts)
             assert end <= known
-            assert len(seq.block_table) * self.block_size >= end
-            rows.append((seq, start, end, list(seq.block_table), end == known, drafts))
+            assert len(seq.blocks.table) * self.block_size >= end
+            rows.append((seq, start, end, list(seq.blocks.table), end == known, drafts))
         return SimpleNamespace(copies=batch.block_copies, rows=rows, forks=batch.forks, seqs=[], drafts={})
 
     def release_rows(self, seqs: list[Sequence]) -> None:
@@ -212,17 +212,17 @@ def check_invariants(engine: LLMEngine, live: list[Sequence]) -> None:
     holders: dict[int, int] = {}
     for seq in scheduler.running:
         assert seq.status is SequenceStatus.RUNNING
-        assert len(seq.block_table) * bm.block_size >= seq.num_computed_tokens
+        assert len(seq.blocks.table) * bm.block_size >= seq.num_computed_tokens
         assert seq.num_computed_tokens < seq.num_tokens + seq.num_pending_tokens
-        assert len(set(seq.block_table)) == len(seq.block_table)
-        for block_id in seq.block_table:
+        assert len(set(seq.blocks.table)) == len(seq.blocks.table)
+        for block_id in seq.blocks.table:
             holders[block_id] = holders.get(block_id, 0) + 1
     for seq in scheduler.waiting:
         assert seq.status is SequenceStatus.WAITING
-        assert seq.block_table == [] and seq.num_computed_tokens == 0
+        assert seq.blocks.table == [] and seq.num_computed_tokens == 0
     for seq in live:
         if seq.is_finished:
-            assert seq.block_table == [] and seq not in scheduler.running and seq not in scheduler.waiting
+            assert seq.blocks.table == [] and seq not in scheduler.running and seq not in scheduler.waiting
     free = set(bm.free_queue)
     assert len(free) == len(bm.free_queue) == bm.num_free_blocks
     assert free.isdisjoint(holders), "a block is both free and held"
