@@ -5,7 +5,7 @@ import itertools
 import logging
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,8 +19,7 @@ from engine.core.block_manager import BlockManager
 from engine.core.encoder_cache_manager import EncoderCacheManager
 from engine.core.sched_output import ScheduledBatch
 from engine.core.scheduler import Scheduler
-from engine.core.sequence import Sequence, SequenceStatus
-from engine.detokenizer import IncrementalDetokenizer, finish_texts
+from engine.core.sequence import Pooling, Sequence, SequenceStatus, logits_processing
 from engine.distributed.plan import ReplicaPlan, check_tensor_parallel, plan_parallelism
 from engine.hardware import release_freed_memory
 from engine.lora.manager import LoRAManager
@@ -30,28 +29,27 @@ from engine.model_loader.model_config import resolve_model_config
 from engine.models import multimodal_class_for
 from engine.multimodal.inputs import ProcessedPrompt
 from engine.multimodal.processing import BaseMultiModalProcessor
-from engine.outputs import (
-    ClassificationOutput, ClassificationRequestOutput, CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput,
-    EngineStats, Logprob, PoolingRequestOutput, RequestOutput, UnfinishedOutput,
-)
+from engine.output_processor.processor import OutputProcessor, resolve_reasoning_parser, resolve_tool_parser
+from engine.outputs import EngineStats, PoolingRequestOutput, RequestOutput, UnfinishedOutput
 from engine.pooling_params import PoolingParams
-from engine.output_parsing import parse_completion
-from engine.reasoning import Phase, ReasoningParser, detect_reasoning_parser, reasoning_parser
+from engine.sample.rejection_sampler import num_accepted
 from engine.sample.sampler import SampledToken
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.draft_model import DraftModelProposer
 from engine.spec_decode.ngram_proposer import NgramProposer
 from engine.structured_output.manager import StructuredOutputManager
-from engine.tool_parsers import ToolParser, detect_tool_parser, tool_parser
+from engine.tool_parsers import ToolParser
 from engine.tool_parsers.request_tools import RequestTools
 from engine.worker.draft_model_runner import resolve_draft_config
-from engine.worker.model_runner import LaunchedStep, ModelRunner
+from engine.worker.model_runner import LaunchedStep, ModelRunner, StepOutput
 
 logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    """Owns the tokenizer, the scheduler, the block manager and the model runner."""
+    """The loop: requests in; each step scheduled, launched on the model runner, its sampled
+    tokens handed to the output processor; the finished out. Owns the tokenizer, the
+    scheduler, the block manager, the model runner and the output processor."""
 
     def __init__(self, config: EngineConfig, replica: ReplicaPlan | None = None) -> None:
         """`replica` places this engine's ranks when it is one data-parallel replica of
@@ -83,11 +81,14 @@ class LLMEngine:
         config = config.resolve(model_config, backend)  # every default decided, once
         self.structured_output = StructuredOutputManager(
             self.tokenizer, model_config.hf_config.vocab_size, sorted(model_config.eos_token_ids))
-        self.reasoning_parser = _reasoning_parser(config.reasoning_parser, self.tokenizer)
-        self.tool_parser = _tool_parser(config.tool_call_parser, self.tokenizer)
+        reasoning = resolve_reasoning_parser(config.reasoning_parser, self.tokenizer)
+        tools = resolve_tool_parser(config.tool_call_parser, self.tokenizer)
+        self.output_processor = OutputProcessor(
+            self.tokenizer, frozenset(model_config.eos_token_ids),
+            model_config.pooler.task if model_config.pooler is not None else None, reasoning, tools)
         self.config = config = replace(  # the parsers 'auto' chose, by name: they decide how outputs are split
-            config, reasoning_parser=self.reasoning_parser.format.name if self.reasoning_parser else None,
-            tool_call_parser=self.tool_parser.name if self.tool_parser else None)
+            config, reasoning_parser=reasoning.format.name if reasoning else None,
+            tool_call_parser=tools.name if tools else None)
         draft_config = resolve_draft_config(config, model_config) if spec is not None and spec.model else None
         self.model_runner = ModelRunner(config, model_config, replica, draft_config)
         self.block_manager = BlockManager(
@@ -102,7 +103,6 @@ class LLMEngine:
             spec, config.max_model_len) if spec is not None else None)
         self.stats = EngineStats()
         self._seq_ids = itertools.count()
-        self._token_texts: dict[tuple[bool, bool], dict[int, str]] = {}  # by detokenizer settings
         self._in_flight: LaunchedStep | None = None  # launched, its tokens not yet read back
         self._finalizer: weakref.finalize | None = None
         if self.model_config.device.type == "cpu":
@@ -113,6 +113,11 @@ class LLMEngine:
     def lora_manager(self) -> LoRAManager | None:
         """The adapter caches, when the engine was created with enable_lora=True."""
         return self.model_runner.lora_manager
+
+    @property
+    def tool_parser(self) -> ToolParser | None:
+        """The tool-call parser the outputs are read by (its call ids are the entry point's)."""
+        return self.output_processor.tool_parser
 
     @property
     def kv_cache_tokens(self) -> int:
@@ -151,15 +156,13 @@ class LLMEngine:
         tools a chat declared, which its completions' calls are read by, and whether the
         tool parser reads them (its tool choice)."""
         seq = self._new_sequence(request_id, prompt, prompt_token_ids, sampling_params, priority, index=0,
-                                 lora_request=lora_request, multi_modal=multi_modal,
-                                 completion=pooling is None and beam_search is None)
+                                 lora_request=lora_request, multi_modal=multi_modal)
         if pooling is not None:
-            seq.pooling = pooling
+            seq.pooling = Pooling(pooling, whole_prompt=self.model_config.pooler.needs_every_row)
             seq.max_num_tokens = seq.num_prompt_tokens
-            seq.computes_whole_prompt = self.model_config.pooler.needs_every_row
-        seq.bad_words_ids = self._bad_words_ids(sampling_params.bad_words)
-        seq.processes_logits = _processes_logits(seq)
-        seq.tools = tools
+        else:
+            self.output_processor.start(seq, parses=beam_search is None, tools=tools)
+        seq.logits_processing = logits_processing(sampling_params, self._bad_words_ids(sampling_params.bad_words))
         if beam_search is not None:
             seq.beam = BeamGroup(beam_search, seq, seq.max_num_tokens - seq.num_prompt_tokens,
                                  frozenset(self.model_config.eos_token_ids), beams=[seq])
@@ -168,19 +171,15 @@ class LLMEngine:
 
     def _new_sequence(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                       params: SamplingParams, priority: int, index: int,
-                      lora_request: LoRARequest | None, multi_modal: ProcessedPrompt | None = None,
-                      completion: bool = True) -> Sequence:
-        """A new sequence of the request; `completion`: one whose output the engine parses (a
-        reasoning section), not a beam or a prompt to pool."""
+                      lora_request: LoRARequest | None, multi_modal: ProcessedPrompt | None = None) -> Sequence:
+        """A new sequence of the request, with its grammar where it has one; one that generates
+        tokens is given its output state next (`OutputProcessor.start`)."""
         seq = Sequence(
             seq_id=next(self._seq_ids),
             request_id=request_id,
             prompt=prompt,
             prompt_token_ids=prompt_token_ids,
             sampling_params=params,
-            detokenizer=IncrementalDetokenizer(
-                self.tokenizer, prompt_token_ids, params.skip_special_tokens, params.spaces_between_special_tokens,
-                self._token_texts.setdefault((params.skip_special_tokens, params.spaces_between_special_tokens), {})),
             priority=priority,
             index=index,
             lora_request=lora_request,
@@ -188,16 +187,8 @@ class LLMEngine:
         )
         seq.max_num_tokens = seq.num_prompt_tokens + params.max_output_tokens(seq.num_prompt_tokens,
                                                                                self.model_config.max_model_len)
-        eos = frozenset() if params.ignore_eos else self.model_config.eos_token_ids
-        seq.stop_token_ids = frozenset(params.stop_token_ids).union(eos)
         if params.structured_outputs is not None:
             seq.grammar = self.structured_output.grammar(params.structured_outputs)
-        if self.reasoning_parser is not None and completion:
-            seq.reasoning = self.reasoning_parser.tracker(prompt_token_ids)
-            seq.grammar = seq.reasoning.first_grammar(seq.grammar)
-        if params.seed is not None:
-            # Completion i of a seeded request draws from a seed of its own, derived from the request's.
-            seq.seed = params.seed if index == 0 else hash((params.seed, index)) & (2**63 - 1)
         return seq
 
     def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
@@ -267,67 +258,60 @@ class LLMEngine:
         self.scheduler.update_computed(batch)
         for child, parent in batch.forks:
             child.num_computed_tokens = parent.num_computed_tokens
-            child.num_registered_blocks = parent.num_registered_blocks
+            child.blocks.num_registered = parent.blocks.num_registered
         self.stats.num_steps += 1
         return launched
 
     def _process(self, launched: LaunchedStep) -> list[Sequence]:
-        """Reads a step's tokens back, appends them and retires the sequences they end.
-        A sequence finished or aborted since the step was launched takes nothing."""
+        """Reads a step's tokens back, hands them to the output processor and retires the
+        sequences they end. A sequence finished or aborted since the step was launched takes
+        nothing."""
         output = self.model_runner.collect(launched)
-        for seq, positions in output.prompt_logprobs.items():
-            for position, token in positions:
-                seq.prompt_logprobs[position] = self._logprob_dict(token, seq.sampling_params.detokenize)
+        self.output_processor.add_prompt_logprobs(output.prompt_logprobs)
         finished = []
         for seq, vector in output.pooled.items():
             if not seq.is_finished:
-                seq.pooled = vector
-                seq.metrics.finished_time = time.monotonic()
-                self.scheduler.finish(seq)
+                seq.pooling.vector = vector
+                self._finish(seq)
                 finished.append(seq)
-        logprobs = output.logprobs or itertools.repeat(None)
         appended = 0
-        proposals = output.spec_token_ids
-        rows = zip(output.seqs, output.token_ids, logprobs)
-        for seq, seq_rows in itertools.groupby(rows, key=lambda row: row[0]) if proposals else (
-                (row[0], [row]) for row in rows):
-            if seq.status is SequenceStatus.FINISHED:
+        for seq, tokens in _tokens_by_sequence(output):
+            if seq.is_finished:
                 continue
             if seq.beam is not None:
-                _, token, sampled = next(iter(seq_rows))
                 seq.num_pending_tokens = 0
-                if seq.beam.report(seq, sampled):
+                if seq.beam.report(seq, tokens[0][1]):
                     finished += self._advance_beams(seq.beam)
                 continue
-            appended += self._take_tokens(seq, seq_rows, proposals.get(seq, []))
+            appended += self._take_tokens(seq, tokens, output.spec_token_ids.get(seq, []))
             if seq.finish_reason is not None:
-                seq.metrics.finished_time = time.monotonic()
-                self.scheduler.finish(seq)
+                self._finish(seq)
                 finished.append(seq)
             elif self.proposer is not None:
                 self.proposer.propose(seq)
         self.stats.num_generated_tokens += appended
-        finish_texts([(s.detokenizer, s.output_token_ids) for s in finished
-                      if s.beam is None and s.pooling is None and s.sampling_params.detokenize])
+        self.output_processor.finish_texts(finished)
         return finished
 
-    def _take_tokens(self, seq: Sequence, rows: Iterable[tuple[Sequence, int, SampledToken | None]],
-                     proposed: list[int]) -> int:
-        """Appends what a sequence's rows sampled: its one token, or with proposals, the
-        token of each row up to the first that differs from the next proposal, or ends it
-        (the proposals it matched were computed with the right tokens before them, so
-        their rows sampled what one step at a time would have). Returns the tokens added."""
-        taken = accepted = 0
-        for _, token, sampled in rows:
-            self._append_token(seq, token, sampled)
-            taken += 1
-            if seq.finish_reason is not None or taken > len(proposed) or token != proposed[taken - 1]:
-                break
-            accepted += 1
+    def _finish(self, seq: Sequence) -> None:
+        """Retires a sequence its step finished."""
+        seq.metrics.finished_time = time.monotonic()
+        self.scheduler.finish(seq)
+
+    def _take_tokens(self, seq: Sequence, tokens: list[tuple[int, SampledToken | None]], proposed: list[int]) -> int:
+        """Hands what a sequence's rows sampled to the output processor: its one token, or
+        with proposals, those the verification keeps (`num_accepted`: the accepted ones and
+        the token after them), up to one that ends it. Counts the step's proposals where
+        the proposer, the scheduler (their keys and values) and the stats follow them;
+        returns the tokens added."""
+        if proposed:
+            tokens = tokens[: num_accepted(proposed, [token for token, _ in tokens]) + 1]
+        taken = self.output_processor.take_tokens(seq, tokens)
+        accepted = taken - 1  # the last token taken was sampled after the accepted proposals
         if self.proposer is not None:
             self.proposer.record(seq, len(proposed), accepted)
         if proposed:
-            self.scheduler.accept_proposals(seq, accepted)
+            self.scheduler.update_accepted(seq, accepted)
             self.stats.num_drafts += 1
             self.stats.num_draft_tokens += len(proposed)
             self.stats.num_accepted_tokens += accepted
@@ -340,9 +324,8 @@ class LLMEngine:
             child = self._new_sequence(parent.request_id, parent.prompt, parent.token_ids[: parent.num_prompt_tokens],
                                        parent.sampling_params, parent.priority, index, parent.lora_request,
                                        parent.multi_modal)
-            child.bad_words_ids = parent.bad_words_ids
-            child.processes_logits = parent.processes_logits
-            child.tools = parent.tools
+            self.output_processor.start(child, parses=True, tools=parent.output.tools)
+            child.logits_processing = parent.logits_processing
             child.num_computed_tokens = parent.num_computed_tokens
             child.num_cached_tokens = parent.num_cached_tokens
             child.metrics.first_scheduled_time = parent.metrics.first_scheduled_time
@@ -368,12 +351,8 @@ class LLMEngine:
             else:
                 self.scheduler.finish(beam)
         for beam, continuation in next_beams:
-            beam.token_ids.append(continuation.token_id)
-            beam.logprobs.append(continuation.candidates)
-            beam.cumulative_logprob = continuation.cum_logprob
-            self.stats.num_generated_tokens += 1
-            if beam.metrics.first_token_time is None:
-                beam.metrics.first_token_time = time.monotonic()
+            self.output_processor.extend_beam(beam, continuation)
+        self.stats.num_generated_tokens += len(next_beams)
         group.beams = [beam for beam, _ in next_beams]
         if not group.done:
             return []
@@ -386,10 +365,10 @@ class LLMEngine:
         """A new beam with the parent's tokens, sharing its blocks when it runs (a parent
         preempted meanwhile recomputes, and so does its fork)."""
         child = self._new_sequence(parent.request_id, parent.prompt, parent.token_ids[: parent.num_prompt_tokens],
-                                   parent.sampling_params, parent.priority, 0, parent.lora_request, parent.multi_modal,
-                                   completion=False)
+                                   parent.sampling_params, parent.priority, 0, parent.lora_request, parent.multi_modal)
+        self.output_processor.start(child, parses=False)
         child.token_ids = list(parent.token_ids)
-        child.logprobs = list(parent.logprobs)
+        child.output.logprobs = list(parent.output.logprobs)
         child.beam = parent.beam
         child.metrics = replace(parent.metrics)
         if parent.status is SequenceStatus.RUNNING:
@@ -399,65 +378,6 @@ class LLMEngine:
         else:
             self.scheduler.add(child)
         return child
-
-    def _logprob_dict(self, token: SampledToken, detokenize: bool) -> dict[int, Logprob]:
-        """vLLM's logprobs entry: the top tokens plus the chosen one, each with its text
-        (None without `detokenize`)."""
-        def text(token_id: int) -> str | None:
-            return self.tokenizer.decode([token_id]) if detokenize else None
-
-        entry = {}
-        for rank, (token_id, value) in enumerate(zip(token.top_ids, token.top_logprobs), start=1):
-            entry[token_id] = Logprob(value, rank, text(token_id))
-        if token.token_id not in entry:
-            entry[token.token_id] = Logprob(token.logprob, token.rank, text(token.token_id))
-        return entry
-
-    def _append_token(self, seq: Sequence, token: int, sampled: SampledToken | None) -> None:
-        """Adds a sampled token (with its logprobs when the request asked) and decides
-        whether the sequence is done, and why. Only a request with stop strings (or whose
-        reasoning markers are found by text) reads its text as it grows; the others' is
-        decoded when they finish (`finish_texts`). A token of the reasoning section is not
-        the grammar's."""
-        seq.token_ids.append(token)
-        seq.num_pending_tokens = 0
-        if seq.metrics.first_token_time is None:
-            seq.metrics.first_token_time = time.monotonic()
-        params = seq.sampling_params
-        if seq.logprobs is not None:
-            seq.logprobs.append(self._logprob_dict(sampled, params.detokenize))
-            seq.cumulative_logprob += sampled.logprob
-        reasoning = seq.reasoning
-        delta = seq.detokenizer.add_token(token) if params.stop or (reasoning and reasoning.needs_text) else ""
-        reasons = False
-        if reasoning is not None and reasoning.phase is not Phase.ANSWER:
-            reasons = reasoning.advance(token, seq.num_output_tokens, seq.detokenizer.text)
-            seq.grammar = reasoning.next_grammar(seq.grammar)
-        if seq.grammar is not None and not reasons and self._grammar_ends(seq, token):
-            return
-        num_tokens = len(seq.token_ids)
-        if num_tokens - seq.num_prompt_tokens >= params.min_tokens:
-            if token in seq.stop_token_ids:
-                seq.finish_reason = "stop"
-                if params.ignore_eos or token not in self.model_config.eos_token_ids:
-                    seq.stop_reason = token
-            elif params.stop and (stop := _find_stop(seq.detokenizer, delta, params)):
-                seq.finish_reason, seq.stop_reason = "stop", stop
-        if seq.finish_reason is None and num_tokens >= seq.max_num_tokens:
-            seq.finish_reason = "length"
-
-    @staticmethod
-    def _grammar_ends(seq: Sequence, token: int) -> bool:
-        """Advances the completion's grammar; finishes it ("stop") once the grammar is
-        complete. A token the grammar refuses (every token was masked: a clash with other
-        settings such as allowed_token_ids) ends it too, as "abort"."""
-        if not seq.grammar.accept(token):
-            logger.warning("request %s: its grammar refused token %d; the completion stops there",
-                           seq.request_id, token)
-            seq.finish_reason = "abort"
-        elif seq.grammar.is_terminated:
-            seq.finish_reason = "stop"
-        return seq.finish_reason is not None
 
     def abort_request(self, request_id: str) -> list[Sequence]:
         """Drops one request's queued and running sequences, returning their blocks."""
@@ -476,50 +396,8 @@ class LLMEngine:
         self.scheduler.abort_all()
 
     def output(self, seq: Sequence) -> RequestOutput | BeamSearchOutput | PoolingRequestOutput:
-        """A finished request's output, given its first sequence: its beams for a beam
-        search, its embedding or class probabilities for a pooling request, else
-        `request_output`."""
-        if seq.beam is not None:
-            return seq.beam.output(self.tokenizer)
-        if seq.pooling is not None:
-            prompt_ids = seq.token_ids[: seq.num_prompt_tokens]
-            if self.model_config.pooler.task == "classify":
-                return ClassificationRequestOutput(seq.request_id, ClassificationOutput(seq.pooled), prompt_ids)
-            return EmbeddingRequestOutput(seq.request_id, EmbeddingOutput(seq.pooled), prompt_ids)
-        return self.request_output(seq)
-
-    def request_output(self, seq: Sequence) -> RequestOutput:
-        """The request's output: one CompletionOutput per completion, by index."""
-        if seq.sampling_params.detokenize:
-            finish_texts([(s.detokenizer, s.output_token_ids) for s in seq.group])
-        completions = [self._completion_output(s) for s in sorted(seq.group, key=lambda s: s.index)]
-        return RequestOutput(
-            request_id=seq.request_id,
-            prompt=seq.prompt,
-            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
-            prompt_logprobs=seq.prompt_logprobs,
-            outputs=completions,
-            finished=seq.request_finished,
-            num_cached_tokens=seq.num_cached_tokens,
-            metrics=seq.metrics,
-            lora_request=seq.lora_request,
-        )
-
-    def _completion_output(self, seq: Sequence) -> CompletionOutput:
-        """One completion, its reasoning and tool calls apart from its text where the
-        engine parses them."""
-        output = CompletionOutput(index=seq.index, text=seq.detokenizer.text, token_ids=seq.output_token_ids,
-                                  cumulative_logprob=seq.cumulative_logprob, logprobs=seq.logprobs,
-                                  finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-                                  lora_request=seq.lora_request)
-        if not seq.sampling_params.detokenize:
-            return output
-        parsed = parse_completion(output.text, output.token_ids, self.reasoning_parser, seq.reasoning,
-                                  self.tool_parser, seq.sampling_params.skip_special_tokens, seq.tools)
-        output.text, output.reasoning = parsed.text, parsed.reasoning
-        output.num_reasoning_tokens, output.reasoning_ended = parsed.num_reasoning_tokens, parsed.reasoning_ended
-        output.tool_calls, output.tool_call_error = parsed.tool_calls, parsed.tool_call_error
-        return output
+        """A finished request's output, given its first sequence (`OutputProcessor.output`)."""
+        return self.output_processor.output(seq)
 
     def release(self) -> None:
         """Frees the model and the KV cache (`LLM.close`, which then collects and trims once:
@@ -555,48 +433,12 @@ def _free_dropped_engine(attributes: dict) -> None:
     release_freed_memory()
 
 
-def _reasoning_parser(name: str | None, tokenizer: PreTrainedTokenizerBase) -> ReasoningParser | None:
-    """The `reasoning_parser` setting's parser; with 'auto', the one the tokenizer implies
-    (logged), or none."""
-    if name == "auto":
-        found = detect_reasoning_parser(tokenizer)
-        if found is None:
-            return None
-        name, why = found
-        logger.info("reasoning_parser=%r: %s (reasoning_parser=None turns it off)", name, why)
-    return reasoning_parser(name, tokenizer) if name is not None else None
-
-
-def _tool_parser(name: str | None, tokenizer: PreTrainedTokenizerBase) -> ToolParser | None:
-    """The `tool_call_parser` setting's parser; with 'auto', the one the tokenizer's call
-    markers imply (logged), or none."""
-    if name == "auto":
-        name = detect_tool_parser(tokenizer)
-        if name is None:
-            return None
-        logger.info("tool_call_parser=%r: implied by the tokenizer's tool-call tokens (tool_call_parser=None turns "
-                    "it off)", name)
-    return tool_parser(name, tokenizer) if name is not None else None
-
-
-def _processes_logits(seq: Sequence) -> bool:
-    """Whether the sequence's logits go through processors before sampling: banned or
-    allowed tokens, logit bias, penalties, min_tokens."""
-    p = seq.sampling_params
-    return bool(seq.bad_words_ids or p.min_tokens or p.allowed_token_ids or p.logit_bias or p.needs_penalties)
-
-
-def _find_stop(detokenizer: IncrementalDetokenizer, delta: str, params: SamplingParams) -> str | None:
-    """The first stop string that the newest text completes; cuts the text before it
-    (after it with `include_stop_str_in_output`)."""
-    if not delta:
-        return None
-    text = detokenizer.text
-    window_start = max(0, len(text) - len(delta) - max(len(s) for s in params.stop) + 1)
-    found = [(text.find(s, window_start), s) for s in params.stop]
-    found = [(i, s) for i, s in found if i >= 0]
-    if not found:
-        return None
-    index, stop = min(found)
-    detokenizer.text = text[: index + len(stop)] if params.include_stop_str_in_output else text[:index]
-    return stop
+def _tokens_by_sequence(output: StepOutput) -> Iterator[tuple[Sequence, list[tuple[int, SampledToken | None]]]]:
+    """Each sequence the step sampled for, with the token of each of its rows (and its
+    logprobs, where any row asked): one row, or a speculating sequence's rows, which follow
+    each other."""
+    rows = zip(output.seqs, output.token_ids, output.logprobs or itertools.repeat(None))
+    if not output.spec_token_ids:
+        return ((seq, [(token, sampled)]) for seq, token, sampled in rows)
+    return ((seq, [(token, sampled) for _, token, sampled in group])
+            for seq, group in itertools.groupby(rows, key=lambda row: row[0]))

@@ -5,8 +5,8 @@ Each case is a model output from one of vLLM's reasoning- or tool-parser tests (
 as a `Case`: the output, the parsers, and what vLLM's test expects. `run` tokenizes the
 output with a tiny tokenizer carrying the family's markers as its real tokenizer holds them
 (special tokens, or plain added tokens), feeds the tokens one by one to the reasoning
-tracker and the detokenizer as `LLMEngine` does, and ends with
-`engine.output_parsing.parse_completion`, the function the engine calls on a finished
+tracker and the detokenizer as the output processor does, and ends with
+`engine.output_processor.parsing.parse_completion`, the function the engine calls on a finished
 completion. vLLM's streaming tests and its one-shot tests check the same final result; the
 engine's path is token by token in both cases.
 
@@ -32,8 +32,8 @@ from typing import Any
 
 from transformers import AddedToken, AutoTokenizer, PreTrainedTokenizerBase
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.output_parsing import ParsedCompletion, parse_completion
+from engine.output_processor.detokenizer import IncrementalDetokenizer
+from engine.output_processor.parsing import ParsedCompletion, parse_completion
 from engine.reasoning import reasoning_parser
 from engine.tool_parsers import tool_parser
 from engine.tool_parsers.request_tools import RequestTools

@@ -86,7 +86,7 @@ class BeamGroup:
             entries = {token_id: Logprob(value, rank)
                        for rank, (token_id, value) in enumerate(zip(sampled.top_ids, sampled.top_logprobs), start=1)}
             for token_id, value in zip(sampled.top_ids, sampled.top_logprobs):
-                found.append(Continuation(beam, token_id, value, beam.cumulative_logprob + value, entries))
+                found.append(Continuation(beam, token_id, value, beam.output.cumulative_logprob + value, entries))
         return found
 
     def _score(self, cum_logprob: float, generated: int) -> float:
@@ -96,7 +96,7 @@ class BeamGroup:
         parent = candidate.parent
         self.finished.append(BeamSearchSequence(
             tokens=[*parent.token_ids, candidate.token_id],
-            logprobs=[*parent.logprobs, candidate.candidates],
+            logprobs=[*parent.output.logprobs, candidate.candidates],
             cum_logprob=candidate.cum_logprob,
             score=self._score(candidate.cum_logprob, generated),
             finish_reason=reason,

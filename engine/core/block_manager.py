@@ -2,7 +2,7 @@
 
 from collections import OrderedDict
 
-from engine.core.sequence import Sequence
+from engine.core.sequence import Sequence, SequenceBlocks
 
 BlockKey = tuple[int | None, tuple[int | str, ...]]  # (parent key's hash, token ids and image hashes)
 
@@ -40,8 +40,10 @@ class BlockManager:
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached_blocks: dict[BlockKey, int] = {}
         self.num_evicted_blocks = 0
-        # (source, destination) block copies that must happen before the next step's writes.
+        # (source, destination) block copies that must happen before the next step's writes,
+        # and the first block-table entry each copy replaced, by sequence.
         self.pending_copies: list[tuple[int, int]] = []
+        self.rewritten_tables: dict[Sequence, int] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -54,13 +56,13 @@ class BlockManager:
     def _block_key(self, seq: Sequence, index: int) -> BlockKey:
         """Key of the sequence's `index`-th block, computing the chain up to it once."""
         size = self.block_size
-        while len(seq.block_keys) <= index:
-            i = len(seq.block_keys)
-            parent = hash(seq.block_keys[i - 1]) if i else seq.lora_int_id
+        while len(seq.blocks.keys) <= index:
+            i = len(seq.blocks.keys)
+            parent = hash(seq.blocks.keys[i - 1]) if i else seq.lora_int_id
             tokens = tuple(seq.token_ids[i * size : (i + 1) * size])
             images = tuple(f.identifier for f in seq.mm_features if f.offset < (i + 1) * size and f.end > i * size)
-            seq.block_keys.append((parent, tokens + images))
-        return seq.block_keys[index]
+            seq.blocks.keys.append((parent, tokens + images))
+        return seq.blocks.keys[index]
 
     def find_cached_blocks(self, seq: Sequence) -> list[int]:
         """The longest run of cached blocks that starts the sequence, touching nothing.
@@ -86,49 +88,48 @@ class BlockManager:
         False when too few blocks are free.
         """
         size = self.block_size
-        if not cached_blocks and seq.num_computed_tokens + num_new_tokens <= len(seq.block_table) * size:
+        if not cached_blocks and seq.num_computed_tokens + num_new_tokens <= len(seq.blocks.table) * size:
             # The common decode step: room in the last block, which is its own (or is
             # only entered now, at a block boundary, and needs no copy).
             offset = seq.num_computed_tokens % size
-            if not offset or self.blocks[seq.block_table[seq.num_computed_tokens // size]].ref_count == 1:
+            if not offset or self.blocks[seq.blocks.table[seq.num_computed_tokens // size]].ref_count == 1:
                 return True
         num_computed = seq.num_computed_tokens + len(cached_blocks) * self.block_size
         num_blocks_needed = -(-(num_computed + num_new_tokens) // self.block_size)
-        num_new_blocks = num_blocks_needed - len(seq.block_table) - len(cached_blocks)
+        num_new_blocks = num_blocks_needed - len(seq.blocks.table) - len(cached_blocks)
         num_reclaimed = sum(1 for b in cached_blocks if self.blocks[b].ref_count == 0)
         copy_last = (
             num_computed % self.block_size != 0
-            and num_computed < len(seq.block_table) * self.block_size
-            and self.blocks[seq.block_table[num_computed // self.block_size]].ref_count > 1
+            and num_computed < len(seq.blocks.table) * self.block_size
+            and self.blocks[seq.blocks.table[num_computed // self.block_size]].ref_count > 1
         )
         if max(num_new_blocks, 0) + num_reclaimed + copy_last > len(self.free_queue):
             return False
         if copy_last:
             index = num_computed // self.block_size
-            shared = self.blocks[seq.block_table[index]]
+            shared = self.blocks[seq.blocks.table[index]]
             shared.ref_count -= 1
-            seq.block_table[index] = self._take_free_block()
-            seq.num_blocks_in_batch = min(seq.num_blocks_in_batch, index)
-            self.pending_copies.append((shared.block_id, seq.block_table[index]))
+            seq.blocks.table[index] = self._take_free_block()
+            self.rewritten_tables[seq] = min(self.rewritten_tables.get(seq, index), index)
+            self.pending_copies.append((shared.block_id, seq.blocks.table[index]))
         for block_id in cached_blocks:
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 del self.free_queue[block_id]
             block.ref_count += 1
         if cached_blocks:
-            seq.block_table.extend(cached_blocks)
-            seq.num_registered_blocks = len(seq.block_table)
+            seq.blocks.table.extend(cached_blocks)
+            seq.blocks.num_registered = len(seq.blocks.table)
         for _ in range(max(num_new_blocks, 0)):
-            seq.block_table.append(self._take_free_block())
+            seq.blocks.table.append(self._take_free_block())
         return True
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Lets `child` share every block of `parent` (a new completion of the same prompt)."""
-        for block_id in parent.block_table:
+        for block_id in parent.blocks.table:
             self.blocks[block_id].ref_count += 1
-        child.block_table = list(parent.block_table)
-        child.block_keys = list(parent.block_keys)
-        child.num_registered_blocks = parent.num_registered_blocks
+        child.blocks = SequenceBlocks(list(parent.blocks.table), parent.blocks.num_registered,
+                                      list(parent.blocks.keys))
 
     def _take_free_block(self) -> int:
         block_id, _ = self.free_queue.popitem(last=False)
@@ -146,18 +147,18 @@ class BlockManager:
         # Only blocks whose tokens are all known: a token still being sampled may be
         # computed already (asynchronous scheduling), but it cannot be hashed yet.
         num_full = min(seq.num_computed_tokens, len(seq.token_ids)) // self.block_size
-        if num_full <= seq.num_registered_blocks or not self.enable_prefix_caching:
+        if num_full <= seq.blocks.num_registered or not self.enable_prefix_caching:
             return
-        for i in range(seq.num_registered_blocks, num_full):
-            block = self.blocks[seq.block_table[i]]
+        for i in range(seq.blocks.num_registered, num_full):
+            block = self.blocks[seq.blocks.table[i]]
             if block.key is None:
                 block.key = self._block_key(seq, i)
                 self.cached_blocks.setdefault(block.key, block.block_id)
-        seq.num_registered_blocks = max(seq.num_registered_blocks, num_full)
+        seq.blocks.num_registered = max(seq.blocks.num_registered, num_full)
 
     def free(self, seq: Sequence) -> None:
         """Releases the sequence's blocks, its last block first so that it is evicted first."""
-        for block_id in reversed(seq.block_table):
+        for block_id in reversed(seq.blocks.table):
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count < 0:
@@ -166,8 +167,8 @@ class BlockManager:
                 self.free_queue[block_id] = None
                 if block.key is None:
                     self.free_queue.move_to_end(block_id, last=False)
-        seq.block_table = []
-        seq.num_registered_blocks = 0
+        seq.blocks.table = []
+        seq.blocks.num_registered = 0
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached block; only possible while no block is in use."""

@@ -27,6 +27,9 @@ class ScheduledBatch:
     # Sequences that left the running set since the previous step (finished, preempted or
     # aborted): the model runner frees their rows of the persistent batch.
     released: list[Sequence] = field(default_factory=list)
+    # The first block-table entry of each sequence that a block copied on write replaced
+    # since the previous step: its row of the persistent batch is written again from there.
+    rewritten_tables: dict[Sequence, int] = field(default_factory=dict)
     # Images whose encoder output the step computes first (each once), and the identifiers of
     # outputs the encoder cache evicted (`engine.core.encoder_cache_manager`).
     encoder_inputs: list[MultiModalFeature] = field(default_factory=list)

@@ -79,10 +79,12 @@ class Scheduler:
                 f"the next request ({self.waiting[0] if self.waiting else self.running[0]})"
             )
         copies, self.block_manager.pending_copies = self.block_manager.pending_copies, []
+        rewritten, self.block_manager.rewritten_tables = self.block_manager.rewritten_tables, {}
         released, self.released = self.released, []
         freed = self.encoder_cache.take_freed() if self.encoder_cache is not None else []
         return ScheduledBatch(list(plan.scheduled), list(plan.scheduled.values()), block_copies=copies,
                               cached_prompt_tokens=plan.cached_prompt_tokens, released=released,
+                              rewritten_tables=rewritten,
                               encoder_inputs=plan.encoder_inputs, freed_encoder_outputs=freed,
                               spec_token_ids=plan.spec_token_ids)
 
@@ -99,9 +101,9 @@ class Scheduler:
             pending = seq.num_pending_tokens
             num_tokens = len(seq.token_ids) + (pending if seq.beam is None else 0)
             start = seq.num_computed_tokens
-            drafts = seq.spec_token_ids
+            drafts = seq.spec.proposal if seq.spec is not None else []
             if drafts:
-                seq.spec_token_ids = []
+                seq.spec.proposal = []
                 if start == num_tokens - 1:  # its last token computes with them (not a recompute)
                     num_tokens += len(drafts)
                 else:
@@ -242,7 +244,7 @@ class Scheduler:
         self._release_images(seq)
         seq.num_computed_tokens = 0
         # Its proposals and its proposer's state (a draft model's cache entries) go with its blocks.
-        seq.spec_token_ids, seq.spec = [], None
+        seq.spec = None
         seq.status = SequenceStatus.WAITING
         seq.metrics.num_preemptions += 1
         self.num_preemptions += 1
@@ -255,22 +257,23 @@ class Scheduler:
 
     def update_computed(self, batch: ScheduledBatch) -> None:
         """Records that the step computed its tokens' keys and values; a speculating
-        sequence's proposals count once they are accepted (`accept_proposals`)."""
+        sequence's proposals count once they are accepted (`update_accepted`)."""
         spec = batch.spec_token_ids
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             self._computed(seq, num_new - len(spec[seq]) if spec and seq in spec else num_new)
             if seq.mm_features:
                 self.encoder_cache.release_computed(seq)
 
-    def accept_proposals(self, seq: Sequence, num_accepted: int) -> None:
-        """Counts as computed the keys and values of a sequence's proposals that its step
-        accepted (they are its tokens now); the others' slots are written again later."""
+    def update_accepted(self, seq: Sequence, num_accepted: int) -> None:
+        """Counts as computed the keys and values of the proposals a sequence's step accepted
+        (`engine.sample.rejection_sampler`; they are its tokens now), registering the blocks
+        they fill; the rejected ones' slots are written again later."""
         if num_accepted:
             self._computed(seq, num_accepted)
 
     def _computed(self, seq: Sequence, num_new: int) -> None:
         seq.num_computed_tokens += num_new
-        if seq.num_computed_tokens // self.block_manager.block_size > seq.num_registered_blocks:  # a block filled up
+        if seq.num_computed_tokens // self.block_manager.block_size > seq.blocks.num_registered:  # a block filled up
             self.block_manager.register_full_blocks(seq)
 
     def add_running(self, seq: Sequence) -> None:

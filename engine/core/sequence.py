@@ -1,12 +1,13 @@
-"""A request's state inside the engine: its tokens, its progress and its blocks."""
+"""A request's state inside the engine: its tokens, its progress and its blocks, and beside
+them one record per feature it uses (its output's, its grammar, its speculation, its beam
+group, its pooling, its logits' processing), made where the feature is turned on. The
+worker's state of a running sequence is the worker's (`engine.worker.input_batch.BatchRow`)."""
 
 import enum
 import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-import torch
-
-from engine.detokenizer import IncrementalDetokenizer
 from engine.lora.request import LoRARequest
 from engine.outputs import RequestMetrics
 from engine.sampling_params import SamplingParams
@@ -16,11 +17,10 @@ if TYPE_CHECKING:
 
     from engine.beam_search import BeamSearchOutput, BeamSearchParams
     from engine.multimodal.inputs import MultiModalFeature, ProcessedPrompt
+    from engine.output_processor.state import OutputState
     from engine.pooling_params import PoolingParams
-    from engine.reasoning import ReasoningTracker
     from engine.sample.sampler import SampledToken
     from engine.structured_output.backend_types import StructuredOutputGrammar
-    from engine.tool_parsers.request_tools import RequestTools
 
 
 class BeamGroupState(Protocol):
@@ -39,9 +39,12 @@ class BeamGroupState(Protocol):
 
 
 class SpeculationState(Protocol):
-    """A speculating sequence's proposer state, as the proposer keeps it on the sequence
-    (`engine.spec_decode.proposer.SpecState` implements it; declared here so that a
-    sequence does not import its proposer)."""
+    """A speculating sequence's state, as the proposer keeps it on the sequence: the tokens
+    proposed for its next step (which the scheduler verifies in it, after its last token),
+    and the proposer's own (`engine.spec_decode.proposer.SpecState` implements it; declared
+    here so that a sequence does not import its proposer)."""
+
+    proposal: list[int]
 
     def record(self, seq: "Sequence", proposed: int, accepted: int) -> None:
         """Counts a decode step of the sequence: `proposed` tokens verified, `accepted` of them accepted."""
@@ -53,101 +56,98 @@ class SequenceStatus(enum.Enum):
     FINISHED = enum.auto()
 
 
+@dataclass
+class SequenceBlocks:
+    """The block manager's bookkeeping of a sequence (`engine.core.block_manager`): its block
+    table, how many of its leading blocks are registered in the prefix cache, and the key
+    (parent key's hash, token ids and image hashes) of each full block found so far."""
+
+    table: list[int] = field(default_factory=list)
+    num_registered: int = 0
+    keys: list[tuple[int | None, tuple[int | str, ...]]] = field(default_factory=list)
+
+
+@dataclass
+class Pooling:
+    """A prompt to embed or classify: its settings, whether its pooling reads every prompt
+    position (MEAN and CLS do, so none is taken from the prefix cache), and its output
+    vector once its prompt is computed."""
+
+    params: "PoolingParams"
+    whole_prompt: bool = False
+    vector: list[float] | None = None
+
+
+@dataclass(frozen=True)
+class LogitsProcessing:
+    """What a sequence whose logits are processed before sampling needs beyond its sampling
+    params (`logits_processing`): its request's bad words as token ids."""
+
+    bad_words_ids: list[list[int]]
+
+
+def logits_processing(params: SamplingParams, bad_words_ids: list[list[int]]) -> LogitsProcessing | None:
+    """The record of a request whose logits go through processors before sampling (banned or
+    allowed tokens, logit bias, penalties, min_tokens); None for the others, most requests,
+    whose rows the sampling-metadata builder then skips."""
+    if bad_words_ids or params.min_tokens or params.allowed_token_ids or params.logit_bias or params.needs_penalties:
+        return LogitsProcessing(bad_words_ids)
+    return None
+
+
 class Sequence:
-    """One generation in flight.
+    """One generation in flight: its request's state, and a record per feature it uses.
 
     `token_ids` holds the prompt followed by the generated tokens. `num_computed_tokens`
     counts the leading tokens whose keys and values sit in the KV cache; the scheduler
     advances it chunk by chunk, so prefill and decode are the same operation. When the
     count reaches `num_tokens`, the step's logits at the last token yield the next token.
+    `num_pending_tokens` counts tokens sampled on the device but not yet read back
+    (asynchronous scheduling: at most one); the scheduler counts them as present, the model
+    runner takes them from the device as input ids. `max_num_tokens` is the prompt plus the
+    most tokens it may generate (set by the engine); `num_cached_tokens` the prompt tokens
+    its first admission found in the prefix cache.
+
+    `multi_modal` holds the prompt's images (by position; `mm_features`) and, for M-RoPE
+    models, its [3, prompt] rotary positions and the offset of the generated tokens'. With
+    n > 1 the sequence is completion `index` of its request: the parent (index 0) forks the
+    other n - 1 once its prompt is computed, and `group` is shared by all of them.
     """
 
-    def __init__(
-        self,
-        seq_id: int,
-        request_id: str,
-        prompt: str | None,
-        prompt_token_ids: list[int],
-        sampling_params: SamplingParams,
-        detokenizer: IncrementalDetokenizer,
-        priority: int = 0,
-        index: int = 0,
-        lora_request: LoRARequest | None = None,
-        multi_modal: "ProcessedPrompt | None" = None,
-    ) -> None:
+    # Each feature's state is a record of its own, None where the request does not use the
+    # feature and made where it is turned on.
+    output: "OutputState | None" = None  # its text, stops, logprobs, reasoning (`OutputProcessor.start`)
+    grammar: "StructuredOutputGrammar | None" = None  # where a structured output stands in its grammar
+    spec: SpeculationState | None = None  # speculative decoding: its proposals and its proposer's state
+    beam: BeamGroupState | None = None  # beam search: the group that decides its next token
+    pooling: Pooling | None = None  # a prompt to embed or classify
+    logits_processing: LogitsProcessing | None = None  # logits processed before sampling
+
+    def __init__(self, seq_id: int, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 sampling_params: SamplingParams, priority: int = 0, index: int = 0,
+                 lora_request: LoRARequest | None = None, multi_modal: "ProcessedPrompt | None" = None) -> None:
         self.seq_id = seq_id
         self.request_id = request_id
         self.prompt = prompt
-        self.token_ids = list(prompt_token_ids)
-        self.num_prompt_tokens = len(prompt_token_ids)
         self.sampling_params = sampling_params
-        self.detokenizer = detokenizer
         self.priority = priority
+        self.index = index
         self.lora_request = lora_request
-        # The prompt's images (by position) and, for M-RoPE models, its [3, prompt] rotary
-        # positions and the offset of the generated tokens' positions.
         self.multi_modal = multi_modal
         self.mm_features: list["MultiModalFeature"] = multi_modal.features if multi_modal is not None else []
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.max_num_tokens = 0
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
-        # Tokens sampled on the device but not yet read back (asynchronous scheduling: at
-        # most one). The scheduler counts them as present; the model runner takes them
-        # from the device as input ids.
         self.num_pending_tokens = 0
-        # Prompt plus the most tokens it may generate, and the tokens that end it once it has
-        # min_tokens (the model's EOS ids unless ignore_eos, and stop_token_ids); the engine
-        # sets them.
-        self.max_num_tokens = 0
-        self.stop_token_ids: frozenset[int] = frozenset()
         self.num_cached_tokens = 0
-        self.block_table: list[int] = []
-        self.num_registered_blocks = 0
-        # The sequence's row in the model runner's persistent batch, and how many leading
-        # entries of its block table that row holds (None, 0: not in the batch).
-        self.batch_slot: int | None = None
-        self.num_blocks_in_batch = 0
-        # (parent key's hash, token ids) of each full block, filled in by the BlockManager.
-        self.block_keys: list[tuple[int | None, tuple[int, ...]]] = []
+        self.blocks = SequenceBlocks()
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.metrics = RequestMetrics(arrival_time=time.monotonic())
-        # The seed of the completion's draws when its request has one, set by the engine
-        # (`engine.sample.sampler.seeded_uniform`).
-        self.seed: int | None = None
-        # n > 1: completion `index` of its request; the parent (index 0) forks the other
-        # n - 1 once its prompt is computed. `group` is shared by all of them.
-        self.index = index
         self.num_pending_children = sampling_params.n - 1 if index == 0 else 0
         self.group: list[Sequence] = [self]
-        # A beam of a beam-search request: its group decides its next token (set by the engine).
-        self.beam: BeamGroupState | None = None
-        # A pooling request's settings (set by the engine), the partial MEAN or CLS vector
-        # of a prompt pooled over several steps, and the output once its prompt is computed.
-        self.pooling: "PoolingParams | None" = None
-        self.pooling_state: torch.Tensor | None = None
-        self.pooled: list[float] | None = None
-        # Every prompt position is computed (none taken from the prefix cache): prompt
-        # logprobs read them all, and so does a MEAN or CLS pooling (set by the engine).
-        self.computes_whole_prompt = sampling_params.prompt_logprobs is not None
-        self.bad_words_ids: list[list[int]] = []
-        # Whether its logits are processed before sampling (set by the engine).
-        self.processes_logits = False
-        # Where the completion stands in its structured-output grammar, set by the engine.
-        self.grammar: "StructuredOutputGrammar | None" = None
-        # Where it stands in its reasoning section, with a reasoning parser (set by the engine).
-        self.reasoning: "ReasoningTracker | None" = None
-        # The tools its request declared (a chat's), which the tool parser reads its calls by,
-        # and whether it reads them (the request's tool choice).
-        self.tools: "RequestTools | None" = None
-        # With speculative decoding: the tokens proposed for its next step (verified in it
-        # after its last token) and its proposer's state.
-        self.spec_token_ids: list[int] = []
-        self.spec: SpeculationState | None = None
-        self.logprobs: list[dict] | None = [] if sampling_params.logprobs is not None else None
-        self.cumulative_logprob: float | None = 0.0 if sampling_params.logprobs is not None else None
-        self.prompt_logprobs: list[dict | None] | None = (
-            [None] * len(prompt_token_ids) if sampling_params.prompt_logprobs is not None else None
-        )
 
     @property
     def lora_int_id(self) -> int | None:
@@ -167,6 +167,13 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens :]
 
     @property
+    def computes_whole_prompt(self) -> bool:
+        """Every prompt position is computed (none taken from the prefix cache): prompt
+        logprobs read them all, and so does a MEAN or CLS pooling."""
+        pooling = self.pooling
+        return self.sampling_params.prompt_logprobs is not None or (pooling is not None and pooling.whole_prompt)
+
+    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
@@ -178,5 +185,5 @@ class Sequence:
     def __repr__(self) -> str:
         return (
             f"Sequence(id={self.seq_id}, status={self.status.name}, tokens={self.num_tokens}, "
-            f"computed={self.num_computed_tokens}, blocks={self.block_table})"
+            f"computed={self.num_computed_tokens}, blocks={self.blocks.table})"
         )

@@ -24,7 +24,7 @@ from engine.llm_engine import LLMEngine
 from engine.lora.request import LoRARequest
 from engine.multimodal.image import ImageLimits
 from engine.model_loader.folder import model_fingerprint
-from engine.output_parsing import PARSING_REVISION
+from engine.output_processor.parsing import PARSING_REVISION
 from engine.outputs import (
     ClassificationRequestOutput, EmbeddingRequestOutput, EngineStats, RequestOutput, ScoringRequestOutput,
     UnfinishedOutput,

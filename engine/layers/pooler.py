@@ -18,8 +18,8 @@ from engine.config import PoolerConfig
 
 class Pooler:
     """Pools the rows of a step into each finished prompt's output vector. A MEAN or CLS
-    prompt computed over several steps keeps its partial result on its sequence
-    (`Sequence.pooling_state`) between them."""
+    prompt computed over several steps keeps its partial result in its row of the persistent
+    batch (`BatchRow.pooling_state`) between them."""
 
     def __init__(self, config: PoolerConfig, score: torch.nn.Module | None) -> None:
         self.config = config

@@ -112,6 +112,12 @@ def _mix64(z: int) -> int:
     return z ^ (z >> 31)
 
 
+def completion_seed(seed: int, index: int) -> int:
+    """The seed that completion `index` of a request seeded with `seed` draws with: the
+    request's for its first completion, one derived from it for each other (n > 1)."""
+    return seed if index == 0 else hash((seed, index)) & (2**63 - 1)
+
+
 def seeded_uniform(seed: int, index: int) -> float:
     """The uniform number in [0, 1) that a request seeded with `seed` draws its token
     number `index` (0 for the first generated token) with: SplitMix64's output number

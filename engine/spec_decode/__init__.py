@@ -1,4 +1,4 @@
 """Speculative decoding: tokens proposed for a sequence are verified by one forward pass of
-the model over all of them (`rows.py` says what each verification row samples with,
-`LLMEngine._take_tokens` keeps the accepted ones and `Scheduler.accept_proposals` frees the
-rest's slots)."""
+the model over all of them (`engine.sample.rejection_sampler` says what each verification row
+samples with and which proposals are accepted; `Scheduler.update_accepted` counts the
+accepted ones' keys and values as computed, the rest's slots are written again)."""

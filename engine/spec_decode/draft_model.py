@@ -38,4 +38,5 @@ class DraftModelProposer(Proposer):
         limit = self.limit(seq) if seq.sampling_params.structured_outputs is None else 0
         if limit and seq.spec is None:
             seq.spec = DraftState()
-        seq.spec_token_ids = [UNDRAFTED] * limit
+        if seq.spec is not None:
+            seq.spec.proposal = [UNDRAFTED] * limit

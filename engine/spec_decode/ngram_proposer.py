@@ -45,14 +45,16 @@ class NgramProposer(Proposer):
     tokens; with a grammar, only as many as it allows."""
 
     def propose(self, seq: Sequence) -> None:
-        seq.spec_token_ids = []
+        state = seq.spec
+        if state is not None:
+            state.proposal = []
         limit = self.limit(seq)
         if not limit:
             return
-        state = seq.spec
         if state is None:
             state = seq.spec = NgramState(index=NgramIndex(self.config.prompt_lookup_min,
                                                            self.config.prompt_lookup_max))
-        seq.spec_token_ids = state.index.lookup(seq.token_ids, limit)
-        if seq.grammar is not None and seq.spec_token_ids:
-            del seq.spec_token_ids[allowed_prefix(seq.grammar, seq.spec_token_ids):]
+        proposal = state.index.lookup(seq.token_ids, limit)
+        if seq.grammar is not None and proposal:
+            del proposal[allowed_prefix(seq.grammar, proposal):]
+        state.proposal = proposal

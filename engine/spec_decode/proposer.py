@@ -40,9 +40,11 @@ class Acceptance:
 
 @dataclass
 class SpecState:
-    """A sequence's speculation: its recent acceptance (`recent`), counts that decay at each
-    of its decode steps, so that a sequence whose proposals failed a while ago is tried again."""
+    """A sequence's speculation (`Sequence.spec`): the tokens proposed for its next step
+    (`proposal`), and its recent acceptance (`recent`), counts that decay at each of its
+    decode steps, so that a sequence whose proposals failed a while ago is tried again."""
 
+    proposal: list[int] = field(default_factory=list)
     recent: Acceptance = field(default_factory=lambda: Acceptance(_SEQUENCE_DECAY))
 
     def record(self, seq: Sequence, proposed: int, accepted: int) -> None:
@@ -74,7 +76,7 @@ class Proposer(ABC):
 
     @abstractmethod
     def propose(self, seq: Sequence) -> None:
-        """Sets the sequence's proposals for its next step (`Sequence.spec_token_ids`)."""
+        """Sets the sequence's proposals for its next step (`SpecState.proposal`)."""
 
     def limit(self, seq: Sequence) -> int:
         """How many tokens the sequence may be proposed: none where it cannot speculate (beam
@@ -96,21 +98,21 @@ class Proposer(ABC):
         their rows, or to none with more of them than `disable_by_batch_size`; a step of
         the engine's acceptance counts."""
         self.overall.add(0, 0)
-        proposals = [(self.acceptance(seq) ** (j + 1), seq) for seq in seqs if seq.spec_token_ids
-                     for j in range(len(seq.spec_token_ids))]
+        proposals = [(self.acceptance(seq) ** (j + 1), seq) for seq in seqs if seq.spec is not None
+                     for j in range(len(seq.spec.proposal))]
         if not proposals:
             return
         limit = self.config.disable_by_batch_size
         if limit is not None and len(seqs) > limit:
             for _, seq in proposals:
-                seq.spec_token_ids.clear()
+                seq.spec.proposal.clear()
             return
         cost = self.step_times.fit()
         if cost is None:
             self._exploring = not self._exploring
             if not self._exploring:
                 for _, seq in proposals:
-                    seq.spec_token_ids.clear()
+                    seq.spec.proposal.clear()
             return
         fixed, per_row = cost.overhead_s, cost.per_row_s
         rows = tokens = float(len(seqs))
@@ -121,7 +123,7 @@ class Proposer(ABC):
             rows, tokens = rows + 1, tokens + gain
             kept[seq] += 1
         for seq, count in kept.items():
-            del seq.spec_token_ids[count:]
+            del seq.spec.proposal[count:]
 
     def record(self, seq: Sequence, proposed: int, accepted: int) -> None:
         """Counts a decode step of the sequence (its tokens appended): `proposed` tokens
@@ -137,7 +139,8 @@ def grammar_settled(seq: Sequence) -> bool:
     grammar runs (not waiting for the end of the model's reasoning)."""
     if seq.sampling_params.structured_outputs is None:
         return True
-    return seq.grammar is not None and (seq.reasoning is None or seq.reasoning.phase is Phase.ANSWER)
+    reasoning = seq.output.reasoning
+    return seq.grammar is not None and (reasoning is None or reasoning.phase is Phase.ANSWER)
 
 
 def allowed_prefix(grammar: StructuredOutputGrammar, proposals: list[int]) -> int:

@@ -102,7 +102,7 @@ class DraftModelRunner:
         counts = [len(batch.spec_token_ids[seq]) for seq in seqs]
         states: list[DraftState] = [seq.spec for seq in seqs]
         last = [seq.num_tokens - 1 for seq in seqs]
-        slots = upload([seq.batch_slot for seq in seqs], torch.long, self.device)
+        slots = upload(input_batch.slots(seqs), torch.long, self.device)
         rounds = [(list(range(len(seqs))), self._catch_up(input_batch, seqs, [s.num_computed for s in states]))]
         for j in range(1, max(counts)):  # then each proposal, to propose the next
             previous, tokens = rounds[-1]
@@ -141,7 +141,7 @@ class DraftModelRunner:
         for pieces in passes:
             ids = upload([t for i, first, end in pieces for t in seqs[i].token_ids[first:end]], torch.long,
                          self.device)
-            slots = upload([seqs[i].batch_slot for i, _, _ in pieces], torch.long, self.device)
+            slots = upload(input_batch.slots([seqs[i] for i, _, _ in pieces]), torch.long, self.device)
             tokens = self._next_tokens(input_batch, ids, slots, [first for _, first, _ in pieces],
                                        [end - first for _, first, end in pieces])
             ending = [k for k, (i, _, end) in enumerate(pieces) if end == seqs[i].num_tokens]

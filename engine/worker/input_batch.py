@@ -1,9 +1,9 @@
 """The persistent batch: the running sequences' rows kept between steps, and each step's
 model inputs built from them.
 
-A running sequence holds a row (`Sequence.batch_slot`) of two device tensors: its block
-table, written only where it grew or a block was copied on write, and the token it
-sampled last, written by the sampler on the device. A step's inputs are then a handful of
+A running sequence holds a row (`BatchRow`) of two device tensors: its block table,
+written only where it grew or a block was copied on write, and the token it sampled last,
+written by the sampler on the device. A step's inputs are then a handful of
 list comprehensions over its sequences and a few tensor operations, instead of Python
 work per token; and a token still being sampled on the device (asynchronous scheduling)
 becomes the next step's input there, without a round trip through the host.
@@ -23,6 +23,17 @@ from engine.core.sched_output import ScheduledBatch
 from engine.core.sequence import Sequence
 from engine.lora.slots import LoRARange
 from engine.multimodal.inputs import MultiModalFeature
+
+
+@dataclass
+class BatchRow:
+    """A running sequence's row of the persistent batch: its index in the batch's tensors
+    (`slot`), how many leading entries of its block table the row holds, and for a prompt
+    pooled over several steps, its MEAN or CLS state so far (`Pooler.update`)."""
+
+    slot: int
+    num_blocks: int = 0
+    pooling_state: torch.Tensor | None = None
 
 
 @dataclass
@@ -155,6 +166,7 @@ class InputBatch:
         self.block_tables = torch.zeros(max_num_seqs, max_blocks, dtype=torch.int32, device=device)
         self.last_token_ids = torch.zeros(max_num_seqs, dtype=torch.long, device=device)
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
+        self.rows: dict[Sequence, BatchRow] = {}
 
     def fill_pending(self, step: StepInputs) -> None:
         """Puts the tokens still being sampled when the step was prepared into its input
@@ -165,25 +177,40 @@ class InputBatch:
     def release(self, seqs: list[Sequence]) -> None:
         """Frees the rows of sequences that left the running set."""
         for seq in seqs:
-            if seq.batch_slot is not None:
-                self._free_slots.append(seq.batch_slot)
-                seq.batch_slot, seq.num_blocks_in_batch = None, 0
+            row = self.rows.pop(seq, None)
+            if row is not None:
+                self._free_slots.append(row.slot)
+
+    def rewind_tables(self, rewritten: dict[Sequence, int]) -> None:
+        """Marks the block-table entries that blocks copied on write replaced (by sequence,
+        the first one) as not held by the sequences' rows, so that `sync_rows` writes them."""
+        for seq, index in rewritten.items():
+            row = self.rows.get(seq)
+            if row is not None:
+                row.num_blocks = min(row.num_blocks, index)
+
+    def slots(self, seqs: list[Sequence]) -> list[int]:
+        """The rows of the sequences, which hold them."""
+        rows = self.rows
+        return [rows[seq].slot for seq in seqs]
 
     def sync_rows(self, seqs: list[Sequence]) -> None:
         """Gives a row to each sequence that has none, and writes the block-table entries
         that changed since the sequences' last step."""
-        rows, cols, values = [], [], []
+        slots, cols, values = [], [], []
+        rows = self.rows
         for seq in seqs:
-            if seq.batch_slot is None:
-                seq.batch_slot = self._free_slots.pop()
-            have, table = seq.num_blocks_in_batch, seq.block_table
+            row = rows.get(seq)
+            if row is None:
+                row = rows[seq] = BatchRow(self._free_slots.pop())
+            have, table = row.num_blocks, seq.blocks.table
             if have < len(table):
-                rows += [seq.batch_slot] * (len(table) - have)
+                slots += [row.slot] * (len(table) - have)
                 cols += range(have, len(table))
                 values += table[have:]
-                seq.num_blocks_in_batch = len(table)
-        if rows:
-            index = (upload(rows, torch.long, self.device), upload(cols, torch.long, self.device))
+                row.num_blocks = len(table)
+        if slots:
+            index = (upload(slots, torch.long, self.device), upload(cols, torch.long, self.device))
             self.block_tables.index_put_(index, upload(values, torch.int32, self.device))
 
     def prepare(self, batch: ScheduledBatch, lora_slots: dict[int, int]) -> StepInputs:
@@ -215,7 +242,7 @@ class InputBatch:
                 pieces[i].append(0)
             token_ids = list(itertools.chain.from_iterable(pieces))
         input_ids = upload(token_ids, torch.long, device)
-        slots = upload([seq.batch_slot for seq in seqs], torch.long, device)
+        slots = upload(self.slots(seqs), torch.long, device)
         attention = self.attention_metadata(slots, starts, nums)
         step = StepInputs(input_ids, attention.positions, attention, num_tokens, spec_token_ids=spec)
         if len(pending) == len(seqs):
@@ -223,10 +250,10 @@ class InputBatch:
             step.pending_slots = slots
         elif pending:
             step.pending_rows = upload([ends[i] - 1 for i in pending], torch.long, device)
-            step.pending_slots = upload([seqs[i].batch_slot for i in pending], torch.long, device)
+            step.pending_slots = upload(self.slots([seqs[i] for i in pending]), torch.long, device)
         self._sample_rows(step, seqs, context_lens, known, ends, batch.forks)
         special = [i for i, seq in enumerate(seqs)
-                   if seq.prompt_logprobs is not None or seq.pooling is not None or seq.mm_features]
+                   if seq.sampling_params.prompt_logprobs is not None or seq.pooling is not None or seq.mm_features]
         if special:
             self._prompt_pool_and_image_rows(step, [seqs[i] for i in special], [starts[i] for i in special],
                                              [nums[i] for i in special], [ends[i] for i in special])
@@ -270,7 +297,7 @@ class InputBatch:
         step.prompt_rows = [
             PromptRows(seq, end - n, start, min(start + n, seq.num_prompt_tokens - 1) - start)
             for seq, start, n, end in zip(seqs, starts, nums, ends)
-            if seq.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1
+            if seq.sampling_params.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1
         ]
         step.pool_rows = [PoolRows(seq, end - n, start, n, start + n == seq.num_tokens)
                           for seq, start, n, end in zip(seqs, starts, nums, ends) if seq.pooling is not None]

@@ -15,8 +15,8 @@ from engine.distributed.plan import ReplicaPlan
 from engine.layers.pooler import Pooler
 from engine.lora.manager import LoRAManager
 from engine.multimodal.inputs import MultiModalEmbeds, MultiModalFeature, encoder_inputs_on
+from engine.sample.rejection_sampler import sampling_rows
 from engine.sample.sampler import SampledToken, Sampler, SamplerOutput, token_logprobs
-from engine.spec_decode.rows import sampling_rows
 from engine.worker.device_queue import Pending, launch
 from engine.worker.input_batch import ImageRows, InputBatch, KeptRows, PromptRows, StepInputs, upload
 from engine.worker.kv_cache import KVCache
@@ -136,6 +136,7 @@ class ModelRunner:
         """Queues the step's forward pass. Rows of the sequences that left the running set
         are freed first."""
         self.input_batch.release(batch.released)
+        self.input_batch.rewind_tables(batch.rewritten_tables)
         for identifier in batch.freed_encoder_outputs:
             del self.encoder_outputs[identifier]
         lora_slots = self._activate_adapters(batch.seqs)
@@ -199,7 +200,7 @@ class ModelRunner:
         rows_t = upload(logit_rows, torch.long, self.device)
         # A speculating sequence's rows all write its slot: with speculation every input
         # token comes from the host (no asynchronous scheduling), none from the slot.
-        slots_t = upload([seq.batch_slot for seq in seqs], torch.long, self.device)
+        slots_t = upload(self.input_batch.slots(seqs), torch.long, self.device)
         for seq in seqs:
             seq.num_pending_tokens = 1
         non_blocking = self.device.type == "cuda"
@@ -259,16 +260,17 @@ class ModelRunner:
         prompt the step finished into their output vectors."""
         pooler, finished, vectors = self.pooler, [], []
         for rows in inputs.pool_rows:
-            seq = rows.seq
+            seq, row = rows.seq, self.input_batch.rows[rows.seq]
             part = hidden[inputs.kept.span(rows.first_row, rows.count)]
-            seq.pooling_state = pooler.update(seq.pooling_state, part, rows.first_position)
+            row.pooling_state = pooler.update(row.pooling_state, part, rows.first_position)
             if rows.last:
                 finished.append(seq)
-                vectors.append(pooler.vector(seq.pooling_state, part, seq.num_prompt_tokens))
-                seq.pooling_state = None
+                vectors.append(pooler.vector(row.pooling_state, part, seq.num_prompt_tokens))
+                row.pooling_state = None
         if not finished:
             return SampledStep()
-        normalize = [pooler.config.normalize if s.pooling.normalize is None else s.pooling.normalize for s in finished]
+        normalize = [pooler.config.normalize if s.pooling.params.normalize is None else s.pooling.params.normalize
+                     for s in finished]
         return SampledStep(pooled_seqs=finished, pooled=pooler.finish(vectors, normalize).to("cpu", non_blocking=non_blocking))
 
     def _activate_adapters(self, seqs: list[Sequence]) -> dict[int, int]:

@@ -8,15 +8,15 @@ device.
 
 The common rows (a temperature, top-p/k, min-p, a seed) cost a few list comprehensions
 per step; the rows whose logits are processed (penalties, logit bias, allowed or banned
-tokens, min_tokens, bad words) are flagged when their sequence is created
-(`Sequence.processes_logits`) and only they are walked one by one.
+tokens, min_tokens, bad words) are marked when their sequence is created (it gets a
+`LogitsProcessing` record) and only they are walked one by one.
 """
 
 import torch
 
 from engine.core.sequence import Sequence
-from engine.sample.sampler import DrawRows, Penalties, SamplingMetadata, TokenPairs, seeded_uniform
-from engine.spec_decode.rows import ProposalRow
+from engine.sample.rejection_sampler import ProposalRow
+from engine.sample.sampler import DrawRows, Penalties, SamplingMetadata, TokenPairs, completion_seed, seeded_uniform
 from engine.structured_output.manager import grammar_bitmask
 from engine.worker.input_batch import upload
 
@@ -41,7 +41,7 @@ class SamplingMetadataBuilder:
         ahead = ([s.proposed if isinstance(s, ProposalRow) else [] for s in seqs]
                  if any(isinstance(s, ProposalRow) for s in seqs) else None)
         meta.grammar = grammar_bitmask([s.grammar for s in seqs], self.device, ahead)
-        processed = [row for row, seq in enumerate(seqs) if seq.processes_logits]
+        processed = [row for row, seq in enumerate(seqs) if seq.logits_processing is not None]
         if processed:
             self._processors(meta, seqs, processed)
         return meta
@@ -68,11 +68,11 @@ class SamplingMetadataBuilder:
         params = [s.sampling_params for s in seqs]
         floats = {"temperatures": [p.temperature for p in params]}
         integers = {"rows": rows}
-        seeded = [s.seed is not None for s in seqs]
+        seeded = [p.seed is not None for p in params]
         if any(seeded):
             # A seeded row's token number i (its i-th generated) draws with uniform number i.
-            floats["seeded"] = [seeded_uniform(s.seed, s.num_output_tokens) if s.seed is not None else -1.0
-                                for s in seqs]
+            floats["seeded"] = [seeded_uniform(completion_seed(p.seed, s.index), s.num_output_tokens)
+                                if p.seed is not None else -1.0 for s, p in zip(seqs, params)]
         if any(p.min_p > 0 for p in params):
             floats["min_ps"] = [p.min_p for p in params]
         if narrowed:
@@ -91,7 +91,7 @@ class SamplingMetadataBuilder:
             seq = seqs[row]
             p = seq.sampling_params
             outputs = seq.output_token_ids
-            ban = [ids[-1] for ids in seq.bad_words_ids if _ends_with(outputs, ids[:-1])]
+            ban = [ids[-1] for ids in seq.logits_processing.bad_words_ids if _ends_with(outputs, ids[:-1])]
             if len(outputs) < p.min_tokens:
                 ban += [*self.eos_token_ids, *p.stop_token_ids]
             banned.add(row, ban)

@@ -18,7 +18,7 @@ from dagster_llm.resource import _engine_fields
 import engine.entrypoints.llm
 from engine import LLM
 from engine.config import OUTPUT, SETTING_CLASSES, engine_settings
-from engine.output_parsing import PARSING_REVISION
+from engine.output_processor.parsing import PARSING_REVISION
 from tests.dagster_llm.test_generation_asset import latest, prompts_asset
 from tests.dagster_llm.test_storage_and_resume import rows_of
 from tests.reasoning_models import build_reasoning_model
@@ -160,7 +160,7 @@ def test_the_resolved_settings_enter_not_the_words_that_chose_them(model_folder,
 
 
 def test_rows_parsed_under_older_parser_rules_are_generated_again(model_folder, tmp_path, monkeypatch):
-    """A new revision of the parsers' rules (engine.output_parsing.PARSING_REVISION) keeps no
+    """A new revision of the parsers' rules (engine.output_processor.parsing.PARSING_REVISION) keeps no
     row parsed the old way, resumed or reused: its reasoning and tool-call columns would be
     the old rules'."""
     runs = Runs(model_folder, tmp_path)

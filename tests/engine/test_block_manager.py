@@ -8,7 +8,7 @@ from engine.sampling_params import SamplingParams
 
 
 def make_seq(tokens: list[int], seq_id: int = 0) -> Sequence:
-    return Sequence(seq_id, str(seq_id), None, tokens, SamplingParams(), detokenizer=None)
+    return Sequence(seq_id, str(seq_id), None, tokens, SamplingParams())
 
 
 def compute(bm: BlockManager, seq: Sequence, num_new: int, cached: list[int] = ()) -> None:
@@ -22,7 +22,7 @@ def compute(bm: BlockManager, seq: Sequence, num_new: int, cached: list[int] = (
 def check_invariants(bm: BlockManager, live: list[Sequence]) -> None:
     counts = {}
     for seq in live:
-        for b in seq.block_table:
+        for b in seq.blocks.table:
             counts[b] = counts.get(b, 0) + 1
     for block in bm.blocks:
         assert block.ref_count == counts.get(block.block_id, 0) >= 0
@@ -35,10 +35,10 @@ def test_allocate_and_free_return_every_block():
     bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
     seq = make_seq(list(range(10)))
     compute(bm, seq, 10)
-    assert len(seq.block_table) == 3 and bm.num_free_blocks == 5
+    assert len(seq.blocks.table) == 3 and bm.num_free_blocks == 5
     check_invariants(bm, [seq])
     bm.free(seq)
-    assert bm.num_free_blocks == 8 and seq.block_table == []
+    assert bm.num_free_blocks == 8 and seq.blocks.table == []
     check_invariants(bm, [])
 
 
@@ -46,7 +46,7 @@ def test_allocation_fails_without_side_effects_when_blocks_run_out():
     bm = BlockManager(num_blocks=2, block_size=4, enable_prefix_caching=False)
     seq = make_seq(list(range(12)))
     assert not bm.allocate(seq, 12)
-    assert seq.block_table == [] and bm.num_free_blocks == 2
+    assert seq.blocks.table == [] and bm.num_free_blocks == 2
 
 
 def test_prefix_hits_share_blocks_and_leave_the_last_token_to_compute():
@@ -56,9 +56,9 @@ def test_prefix_hits_share_blocks_and_leave_the_last_token_to_compute():
     # Same 12 tokens: only 2 blocks may hit, since the last token must be computed.
     again = make_seq(list(range(12)), 1)
     hits = bm.find_cached_blocks(again)
-    assert hits == first.block_table[:2]
+    assert hits == first.blocks.table[:2]
     compute(bm, again, 4, hits)
-    assert again.block_table[:2] == first.block_table[:2]
+    assert again.blocks.table[:2] == first.blocks.table[:2]
     assert bm.blocks[hits[0]].ref_count == 2
     check_invariants(bm, [first, again])
     # A different first block breaks the chain even if later tokens agree.
@@ -74,7 +74,7 @@ def test_freed_blocks_stay_cached_until_evicted_in_lru_order():
     bm = BlockManager(num_blocks=4, block_size=2, enable_prefix_caching=True)
     a = make_seq([1, 2, 3, 4, 5], 0)  # two full blocks and one partial
     compute(bm, a, 5)
-    partial = a.block_table[2]
+    partial = a.blocks.table[2]
     bm.free(a)
     # The partial block holds nothing reusable, so it is handed out first.
     assert next(iter(bm.free_queue)) == partial
@@ -111,9 +111,9 @@ def test_double_free_is_detected():
     bm = BlockManager(num_blocks=4, block_size=2, enable_prefix_caching=False)
     a = make_seq([1, 2, 3], 0)
     compute(bm, a, 3)
-    table = list(a.block_table)
+    table = list(a.blocks.table)
     bm.free(a)
-    a.block_table = table
+    a.blocks.table = table
     with pytest.raises(RuntimeError, match="freed more often"):
         bm.free(a)
 

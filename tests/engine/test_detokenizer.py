@@ -8,7 +8,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from engine.detokenizer import IncrementalDetokenizer, finish_texts
+from engine.output_processor.detokenizer import IncrementalDetokenizer, finish_texts
 from tests.tiny_models import build_tokenizer
 
 CORPUS = ["Unicode: café, naïve, 東京, Ωμέγα, emoji 🙂 and 🙂🙂.", "The quick brown fox jumps over the lazy dog.",

@@ -33,7 +33,7 @@ def image_seq(seq_id: int, layout: list[int | str], max_tokens: int = 2) -> Sequ
             name, rows = piece.split(":")
             features.append(MultiModalFeature(name, len(tokens), int(rows), b""))
             tokens += [IMAGE_TOKEN] * int(rows)
-    return Sequence(seq_id, str(seq_id), None, tokens, SamplingParams(max_tokens=max_tokens), None,
+    return Sequence(seq_id, str(seq_id), None, tokens, SamplingParams(max_tokens=max_tokens),
                     multi_modal=ProcessedPrompt(tokens, features))
 
 

@@ -54,8 +54,9 @@ TIERS: list[list[str]] = [
     ["engine.entrypoints.data_parallel"],  # replicas as whole engines
     ["engine.entrypoints.inputs"],  # prompts -> requests
     ["engine.llm_engine"],  # add_request / step / outputs
+    ["engine.output_processor"],  # what a sampled token does: stops, grammar, text, logprobs; the outputs
     ["engine.worker"],  # the device side of a step
-    ["engine.spec_decode"],  # speculative decoding: proposals, their worth, their verification rows
+    ["engine.spec_decode"],  # speculative decoding: proposals and their worth
     ["engine.core"],  # the scheduler side: bookkeeping only
     ["engine.model_loader"],  # model folder -> built, loaded, routed model
     ["engine.models"],  # model families
@@ -64,11 +65,12 @@ TIERS: list[list[str]] = [
     ["engine.structured_output"],
     # compiled and Triton kernels, and the PyTorch reference of a scaled KV cache (kv_cache_quant); process plumbing
     ["engine.kernels", "engine.distributed"],
-    ["engine.output_parsing"],  # a completion's reasoning, answer and tool calls apart
+    # a completion's reasoning, answer and tool calls apart; what the output processor keeps of a sequence
+    ["engine.output_processor.parsing", "engine.output_processor.state"],
     ["engine.config"],  # settings, one module per group of them: a leaf above the API types
     ["engine.entrypoints.tool_choice"],  # tool_choice: a forced call's grammar, and the calls read from what it made
-    ["engine.detokenizer", "engine.entrypoints.chat_utils", "engine.entrypoints.progress_bar", "engine.reasoning",
-     "engine.tool_parsers"],
+    ["engine.entrypoints.chat_utils", "engine.entrypoints.progress_bar", "engine.output_processor.detokenizer",
+     "engine.reasoning", "engine.tool_parsers"],
     ["engine.beam_search"],  # API types, from here down
     ["engine.pooling_params", "engine.sampling_params"],
     ["engine.outputs", "engine.structured_output.params"],

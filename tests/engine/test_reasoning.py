@@ -12,7 +12,7 @@ import torch
 from transformers import AutoTokenizer
 
 from engine import LLM, SamplingParams, StructuredOutputsParams
-from engine.detokenizer import IncrementalDetokenizer
+from engine.output_processor.detokenizer import IncrementalDetokenizer
 from engine.reasoning import Phase, ReasoningSplit, detect_reasoning_parser, reasoning_parser
 from engine.structured_output.manager import grammar_bitmask
 from tests.reasoning_models import build_reasoning_model
@@ -163,7 +163,7 @@ def thinking_params(tokenizer, seed: int, schema: bool = True) -> SamplingParams
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_thinking_on_and_a_json_schema(qwen3_folder, async_scheduling, caplog):
-    with caplog.at_level(logging.INFO, logger="engine.llm_engine"):
+    with caplog.at_level(logging.INFO, logger="engine.output_processor.processor"):
         llm = LLM(qwen3_folder, dtype="float32", async_scheduling=async_scheduling)
     assert "reasoning_parser='qwen3'" in caplog.text
     with llm:

@@ -16,8 +16,7 @@ import torch
 from transformers import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 import engine.sample.sampler as sampler_module
-from engine.core.sequence import Sequence
-from engine.llm_engine import _processes_logits
+from engine.core.sequence import Sequence, logits_processing
 from engine.sample.sampler import (
     FixedWindow,
     GrowingWindow,
@@ -54,13 +53,10 @@ def filter_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch
 
 def make_sequence(row: int, params: SamplingParams, prompt: list[int], output: list[int],
                   bad_words: list[list[int]] | None = None) -> Sequence:
-    """A sequence as the engine makes it: with its request's seed and its logits'
-    processors flagged."""
-    seq = Sequence(row, str(row), None, prompt, params, None)
+    """A sequence as the engine makes it: with its logits' processing where it has one."""
+    seq = Sequence(row, str(row), None, prompt, params)
     seq.token_ids += output
-    seq.seed = params.seed
-    seq.bad_words_ids = bad_words or []
-    seq.processes_logits = _processes_logits(seq)
+    seq.logits_processing = logits_processing(params, bad_words or [])
     return seq
 
 

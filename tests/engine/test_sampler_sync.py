@@ -20,8 +20,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from engine.core.sequence import Sequence
-from engine.llm_engine import _processes_logits
+from engine.core.sequence import Sequence, logits_processing
 from engine.sample.sampler import FixedWindow, GrowingWindow, Sampler, SamplingMetadata
 from engine.sampling_params import SamplingParams
 from engine.worker.sampling_metadata import SamplingMetadataBuilder
@@ -154,11 +153,9 @@ def mixed_batch() -> list[Sequence]:
     ]
     seqs = []
     for row, p in enumerate(params):
-        seq = Sequence(row, str(row), None, [row + 1, 7, 7, 300], p, None)
+        seq = Sequence(row, str(row), None, [row + 1, 7, 7, 300], p)
         seq.token_ids += [7, 12, 12][: row % 4]
-        seq.seed = p.seed
-        seq.bad_words_ids = [[2], [8, 10]] if row == 2 else []
-        seq.processes_logits = _processes_logits(seq)
+        seq.logits_processing = logits_processing(p, [[2], [8, 10]] if row == 2 else [])
         seqs.append(seq)
     return seqs
 

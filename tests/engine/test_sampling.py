@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
-from engine.detokenizer import IncrementalDetokenizer
+from engine.output_processor.detokenizer import IncrementalDetokenizer
 from tests.processes import run_in_batch_mode
 
 EOS = 2  # the tiny models' EOS id
@@ -172,14 +172,14 @@ def test_incremental_detokenizer_never_splits_a_character(tiny_models):
 
 def test_stop_on_a_multibyte_character(llm):
     """A stop string that is one character of several bytes, each byte its own token."""
-    from engine.llm_engine import _find_stop
+    from engine.output_processor.stop_checker import find_stop
 
     tokenizer = llm.get_tokenizer()
     tokens = tokenizer("café 東京 done", add_special_tokens=False).input_ids
     detok = IncrementalDetokenizer(tokenizer, [5])
     hit = None
     for token in tokens:
-        hit = _find_stop(detok, detok.add_token(token), SamplingParams(stop=["東"]))
+        hit = find_stop(detok, detok.add_token(token), SamplingParams(stop=["東"]))
         if hit:
             break
     assert hit == "東" and detok.text == "café "

@@ -21,7 +21,7 @@ def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, chunk
 
 def make_seq(seq_id: int, prompt_len: int, max_tokens: int, priority: int = 0, start: int = 0) -> Sequence:
     tokens = [start + i for i in range(prompt_len)]
-    return Sequence(seq_id, str(seq_id), None, tokens, SamplingParams(max_tokens=max_tokens), None, priority)
+    return Sequence(seq_id, str(seq_id), None, tokens, SamplingParams(max_tokens=max_tokens), priority)
 
 
 def run_to_completion(sched: Scheduler, max_steps: int = 10_000) -> list[tuple[list[Sequence], list[int]]]:
@@ -49,11 +49,11 @@ def check_block_invariants(sched: Scheduler) -> None:
     bm = sched.block_manager
     counts = {}
     for seq in sched.running:
-        assert len(seq.block_table) * bm.block_size >= seq.num_computed_tokens
-        for b in seq.block_table:
+        assert len(seq.blocks.table) * bm.block_size >= seq.num_computed_tokens
+        for b in seq.blocks.table:
             counts[b] = counts.get(b, 0) + 1
     for seq in sched.waiting:
-        assert seq.block_table == [] and seq.num_computed_tokens == 0
+        assert seq.blocks.table == [] and seq.num_computed_tokens == 0
     for block in bm.blocks:
         assert block.ref_count == counts.get(block.block_id, 0)
         assert (block.ref_count == 0) == (block.block_id in bm.free_queue)

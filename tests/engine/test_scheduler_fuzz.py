@@ -28,7 +28,9 @@ from engine.core.sched_output import ScheduledBatch
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import Sequence, SequenceStatus
 from engine.llm_engine import LLMEngine
+from engine.output_processor.processor import OutputProcessor
 from engine.outputs import EngineStats
+from engine.spec_decode.proposer import SpecState
 from engine.worker.model_runner import StepOutput
 
 # Hundreds of generated workloads and a set of LLMs: outside the quick set (-m 'not slow').
@@ -87,7 +89,9 @@ class FakeProposer:
             right = fake_next_token(tokens, seq.index)
             proposals.append(right if self.rng.random() < 0.67 else (right + 1) % _VOCAB)
             tokens.append(proposals[-1])
-        seq.spec_token_ids = proposals
+        if seq.spec is None:
+            seq.spec = SpecState()
+        seq.spec.proposal = proposals
 
     def keep_worthwhile(self, seqs: list[Sequence]) -> None:
         pass
@@ -134,8 +138,8 @@ class FakeModelRunner:
             assert not drafts or start == seq.num_tokens - 1, "proposals follow a sequence's last token"
             known = seq.num_tokens + seq.num_pending_tokens + len(drafts)
             assert end <= known
-            assert len(seq.block_table) * self.block_size >= end
-            rows.append((seq, start, end, list(seq.block_table), end == known, drafts))
+            assert len(seq.blocks.table) * self.block_size >= end
+            rows.append((seq, start, end, list(seq.blocks.table), end == known, drafts))
         return SimpleNamespace(copies=batch.block_copies, rows=rows, forks=batch.forks, seqs=[], drafts={})
 
     def release_rows(self, seqs: list[Sequence]) -> None:
@@ -184,15 +188,14 @@ def make_engine(num_blocks: int, block_size: int, max_num_seqs: int, max_num_bat
                                  enable_chunked_prefill=enable_chunked_prefill, scheduling_policy=policy,
                                  async_scheduling=async_scheduling)
     engine._in_flight = None
-    engine._token_texts = {}
     engine.tokenizer = _FakeTokenizer()
     engine.model_config = SimpleNamespace(eos_token_ids=set(), max_model_len=1 << 20, device=torch.device("cpu"))
+    engine.output_processor = OutputProcessor(engine.tokenizer, frozenset())
     engine.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
     engine.scheduler = Scheduler(engine.config, engine.block_manager)
     engine.model_runner = FakeModelRunner(engine.scheduler)
     engine.stats = EngineStats()
     engine._seq_ids = itertools.count()
-    engine.reasoning_parser = engine.tool_parser = None
     engine.proposer = FakeProposer(num_blocks * 1000 + max_num_seqs) if speculate else None
     return engine
 
@@ -209,17 +212,17 @@ def check_invariants(engine: LLMEngine, live: list[Sequence]) -> None:
     holders: dict[int, int] = {}
     for seq in scheduler.running:
         assert seq.status is SequenceStatus.RUNNING
-        assert len(seq.block_table) * bm.block_size >= seq.num_computed_tokens
+        assert len(seq.blocks.table) * bm.block_size >= seq.num_computed_tokens
         assert seq.num_computed_tokens < seq.num_tokens + seq.num_pending_tokens
-        assert len(set(seq.block_table)) == len(seq.block_table)
-        for block_id in seq.block_table:
+        assert len(set(seq.blocks.table)) == len(seq.blocks.table)
+        for block_id in seq.blocks.table:
             holders[block_id] = holders.get(block_id, 0) + 1
     for seq in scheduler.waiting:
         assert seq.status is SequenceStatus.WAITING
-        assert seq.block_table == [] and seq.num_computed_tokens == 0
+        assert seq.blocks.table == [] and seq.num_computed_tokens == 0
     for seq in live:
         if seq.is_finished:
-            assert seq.block_table == [] and seq not in scheduler.running and seq not in scheduler.waiting
+            assert seq.blocks.table == [] and seq not in scheduler.running and seq not in scheduler.waiting
     free = set(bm.free_queue)
     assert len(free) == len(bm.free_queue) == bm.num_free_blocks
     assert free.isdisjoint(holders), "a block is both free and held"

@@ -93,7 +93,7 @@ class Decoding:
     def __init__(self, acceptance: float, proposals: int) -> None:
         self.spec = SpecState()
         self.spec.recent.proposed, self.spec.recent.accepted = 1000.0, acceptance * 1000
-        self.spec_token_ids = list(range(proposals))
+        self.spec.proposal = list(range(proposals))
 
 
 def test_proposals_are_kept_where_their_expected_tokens_are_worth_their_rows():
@@ -105,13 +105,13 @@ def test_proposals_are_kept_where_their_expected_tokens_are_worth_their_rows():
     assert abs(cost.overhead_s - 0.020) < 1e-6 and abs(cost.per_row_s - 0.00025) < 1e-8
     alone = [Decoding(0.5, 4)]
     proposer.keep_worthwhile(alone)
-    assert len(alone[0].spec_token_ids) == 4  # one sequence: rows are nearly free
+    assert len(alone[0].spec.proposal) == 4  # one sequence: rows are nearly free
     even = [Decoding(0.5, 4) for _ in range(64)]
     proposer.keep_worthwhile(even)
-    assert [len(s.spec_token_ids) for s in even] == [1] * 64  # a second token (0.25) is not worth a row
+    assert [len(s.spec.proposal) for s in even] == [1] * 64  # a second token (0.25) is not worth a row
     poor, good = [Decoding(0.1, 4) for _ in range(32)], [Decoding(0.95, 4) for _ in range(32)]
     proposer.keep_worthwhile(poor + good)
-    assert all(not s.spec_token_ids for s in poor) and all(len(s.spec_token_ids) == 4 for s in good)
+    assert all(not s.spec.proposal for s in poor) and all(len(s.spec.proposal) == 4 for s in good)
 
 
 def both(make_llm, family="llama", **settings):

@@ -1,5 +1,5 @@
 """The end of a completion's parsing: its reasoning section apart from its answer, then the
-tool calls in the answer. `LLMEngine` runs it on every finished (and streamed) completion;
+tool calls in the answer. The output processor runs it on every finished (and streamed) completion;
 tests/parser_conformance.py runs vLLM's parser cases through the same function, so what
 the cases check is what a user's table gets."""
 
