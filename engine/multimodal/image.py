@@ -10,19 +10,17 @@ fits). The budget is the engine's own, whatever Pillow's global `MAX_IMAGE_PIXEL
 image processors resize every image to a few megapixels at most, so decoding more only costs
 memory (docs/engine.md, "Images in")."""
 
-import base64
-import binascii
 import hashlib
 import io
 import math
-import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
-from urllib.parse import unquote, urlparse
 
 from PIL import Image, UnidentifiedImageError
+
+from engine.multimodal.media import MediaKind, read_location, short_location
 
 # Modes an image processor can convert to RGB without losing what the image shows.
 SUPPORTED_MODES = ("RGB", "RGBA", "L", "LA", "P", "PA", "CMYK", "YCbCr", "1")
@@ -45,6 +43,11 @@ JPEG_DRAFT_SCALES = (2, 4, 8)
 
 class ImageInputError(ValueError):
     """An image a row gives that cannot be used; the message says why and what to do."""
+
+
+# How the shared location reading (`engine.multimodal.media`) names an image in its messages.
+IMAGE = MediaKind(ImageInputError, "image", "data:image/png;base64,...", "an image within the decode budget takes",
+                  "give the image file itself, resized")
 
 
 ImageLike = Image.Image | bytes | bytearray | str | Path
@@ -115,7 +118,8 @@ def load_image(value: ImageLike, limits: ImageLimits = ImageLimits()) -> Image.I
     elif isinstance(value, (bytes, bytearray)):
         image = _decode(bytes(value), "the bytes", limits)
     elif isinstance(value, (str, Path)):
-        image = _decode(_read_location(str(value), limits), f"the bytes of {_short(str(value))}", limits)
+        data = read_location(str(value), limits.max_file_bytes, IMAGE)
+        image = _decode(data, f"the bytes of {short_location(str(value))}", limits)
     else:
         raise ImageInputError(f"expected a PIL image, encoded image bytes, a local path or a file:// or data: URI, "
                               f"got {type(value).__name__}")
@@ -145,7 +149,7 @@ def read_image(value: ImageLike, limits: ImageLimits = ImageLimits()) -> PromptI
     if isinstance(value, (bytes, bytearray)):
         source = bytes(value)
     elif isinstance(value, (str, Path)):
-        source = _read_location(str(value), limits)
+        source = read_location(str(value), limits.max_file_bytes, IMAGE)
     return PromptImage(load_image(source, limits), source)
 
 
@@ -160,47 +164,6 @@ def image_hash(image: Image.Image) -> str:
     if (transparency := image.info.get("transparency")) is not None:
         digest.update(f"transparency:{transparency!r}".encode())
     return digest.hexdigest()
-
-
-def _read_location(location: str, limits: ImageLimits) -> bytes:
-    """The bytes of a local path, `file://` or `data:` URI (a file of at most `limits.max_file_bytes`)."""
-    if location.startswith("data:"):
-        header, _, payload = location.partition(",")
-        if not header.endswith(";base64"):
-            raise ImageInputError("a data: URI must be base64-encoded (data:image/png;base64,...)")
-        try:
-            return base64.b64decode(payload, validate=True)
-        except (binascii.Error, ValueError) as exc:
-            raise ImageInputError(f"the data: URI's base64 payload does not decode ({exc}): fix the encoding") from exc
-    try:
-        url = urlparse(location)
-    except ValueError as exc:  # "file://[x": a bracket that opens no IPv6 address
-        raise ImageInputError(f"{_short(location)}: is not a usable path or URI ({exc}): fix it") from exc
-    if url.scheme and url.scheme != "file" and len(url.scheme) > 1:  # "C:" is a Windows drive, not a scheme
-        raise ImageInputError(f"{_short(location)}: the engine does not fetch {url.scheme}:// URLs (it reads nothing "
-                              "from the network): download the image and pass its bytes or a local path")
-    return _read_file(unquote(url.path) if url.scheme == "file" else location, limits.max_file_bytes)
-
-
-def _read_file(location: str, max_bytes: int) -> bytes:
-    """The bytes of a local file; a device or a pipe (whose reading may never end) and a file of
-    more than `max_bytes` are refused unread."""
-    try:
-        path = Path(location).expanduser()
-        info = path.stat()
-        regular, size = stat.S_ISREG(info.st_mode), info.st_size
-        data = path.read_bytes() if regular and size <= max_bytes else b""
-    except OSError as exc:
-        raise ImageInputError(f"{_short(location)}: cannot be read ({exc.strerror or exc}): fix the path") from exc
-    except (ValueError, RuntimeError) as exc:  # a NUL in the path; "~user" of no such user
-        raise ImageInputError(f"{_short(location)}: is not a usable path ({exc}): fix the path") from exc
-    if not regular:
-        raise ImageInputError(f"{_short(location)}: is not a file (a directory, device or pipe): give the path of an "
-                              "image file")
-    if size > max_bytes:
-        raise ImageInputError(f"{_short(location)}: is {size:,} bytes, more than an image within the decode budget "
-                              f"takes ({max_bytes:,}): give the image file itself, resized")
-    return data
 
 
 def _decode(data: bytes, what: str, limits: ImageLimits) -> Image.Image:
@@ -261,10 +224,3 @@ def _pillow(call: Callable[[], T], what: str, limits: ImageLimits) -> T:
     except Exception as exc:
         raise ImageInputError(f"{what} do not decode as an image ({type(exc).__name__}: {exc}): the file is "
                               "truncated or corrupt; re-export it") from exc
-
-
-def _short(location: str) -> str:
-    """A location as a one-line message shows it: quoted where it holds a newline or another
-    unprintable character, its middle cut where it is long."""
-    shown = location if location.isprintable() else repr(location)
-    return shown if len(shown) <= 80 else shown[:60] + "..." + shown[-12:]
