@@ -22,10 +22,10 @@ import hashlib
 import io
 import math
 import numbers
-from itertools import chain
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 
 import av
