@@ -45,7 +45,7 @@ def test_the_definitions_load_without_torch_or_the_engine():
                  "engine.config.parsers", "engine.config.scheduler", "engine.config.speculative",
                  "engine.config.utils",
                  "engine.model_loader", "engine.model_loader.embedded_model",
-                 "engine.multimodal", "engine.multimodal.image", "engine.outputs",
+                 "engine.multimodal", "engine.multimodal.image", "engine.multimodal.media", "engine.outputs",
                  "engine.pooling_params", "engine.sampling_params",
                  "engine.core",  # the package alone: its __init__ imports nothing
                  "engine.core.step_cost", "engine.structured_output", "engine.structured_output.params",
