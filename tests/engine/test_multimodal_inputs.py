@@ -3,7 +3,7 @@ a fake processor (LLaVA's, which also reads audio: one placeholder token per 0.1
 pairs each modality's placeholders with its items, the row check reads audio in every form
 vLLM takes into the request, names the field of a bad item, and holds each modality to its
 own limit; chat parts (OpenAI's input_audio, vLLM's audio_url, transformers' audio) reach
-`multi_modal_data["audio"]`; and a model that reads no audio refuses it per row. The request
+`multi_modal_data["audio"]` (in `LLM.chat` and batch lines alike); and a model that reads no audio refuses it per row. The request
 checks run against a stand-in engine (no model is loaded); the text-only model is a real one."""
 
 import base64
@@ -21,6 +21,8 @@ from engine import LLM, SamplingParams
 from engine.config import MultiModalSettings
 from engine.entrypoints.chat_utils import chat_items, chat_messages_problem, render_chat, unread_parts_problem
 from engine.entrypoints.inputs import RequestChecker
+from engine.entrypoints.openai.protocol import CHAT_URL
+from engine.entrypoints.openai.serving import generation_request
 from engine.models.llava import LlavaMultiModalProcessor
 from engine.multimodal.audio import AudioLimits, PromptAudio, audio_hash, read_audio
 from engine.multimodal.image import read_image
@@ -204,6 +206,8 @@ def test_chat_audio_parts_become_multi_modal_data(tmp_path):
     prompt = render_chat(tokenizer, messages, chat_template=template)
     assert prompt["prompt"] == "<audio><audio><audio><audio><image>Which is louder?"
     assert prompt["multi_modal_data"] == items
+    line = generation_request(CHAT_URL, {"messages": messages, "chat_template": template}, tokenizer)
+    assert line.prompts == [prompt]  # a batch line's parts pass its checks alike
     assert unread_parts_problem(messages, {"image", "audio"}) is None
     assert unread_parts_problem(messages, {"image"}) == (
         "message 0: content part 0 is audio ('input_audio'), but the model reads no audio: drop the audio, or "
