@@ -16,7 +16,7 @@ from engine.config.engine import EngineConfig, engine_settings
 from engine.config.lora import LoRASettings
 from engine.config.model import AT_LOAD, CHECKPOINT_METHODS, DTYPES, POOLING_TYPES, QUANTIZATION_METHODS, RUNNERS, \
     ModelConfig, ModelSettings, PoolerConfig
-from engine.config.multimodal import DEFAULT_IMAGES_PER_PROMPT, MultiModalSettings
+from engine.config.multimodal import DEFAULT_IMAGES_PER_PROMPT, DEFAULT_LIMIT_MM_PER_PROMPT, MultiModalSettings
 from engine.config.parallel import ParallelSettings
 from engine.config.parsers import ParserSettings
 from engine.config.scheduler import DEFAULT_STEP_TOKENS, SchedulerSettings
@@ -25,8 +25,8 @@ from engine.config.utils import MODEL_FILES, OPERATIONAL, OUTPUT, SETTING_CLASSE
 
 __all__ = [
     "AT_LOAD", "BACKEND_CACHE_DTYPES", "CHECKPOINT_METHODS", "DEFAULT_IMAGES_PER_PROMPT", "DEFAULT_KV_CACHE_MEMORY",
-    "DEFAULT_STEP_TOKENS", "DTYPES", "KV_CACHE_DTYPES", "MODEL_FILES", "OPERATIONAL", "OUTPUT", "POOLING_TYPES",
-    "QUANTIZATION_METHODS", "RUNNERS", "SETTING_CLASSES", "CacheSettings", "DeviceSettings", "EngineConfig",
+    "DEFAULT_LIMIT_MM_PER_PROMPT", "DEFAULT_STEP_TOKENS", "DTYPES", "KV_CACHE_DTYPES", "MODEL_FILES", "OPERATIONAL",
+    "OUTPUT", "POOLING_TYPES", "QUANTIZATION_METHODS", "RUNNERS", "SETTING_CLASSES", "CacheSettings", "DeviceSettings", "EngineConfig",
     "LoRASettings", "ModelConfig", "ModelSettings", "MultiModalSettings", "ParallelSettings", "ParserSettings",
     "PoolerConfig", "SchedulerSettings", "SpeculativeConfig", "SpeculativeSettings", "engine_settings",
     "resolve_kv_cache_dtype",

@@ -1,19 +1,31 @@
 """Conversations: checking chat messages and rendering them to an engine prompt with the
 model's chat template (what `LLM.chat` and the Dagster prompts share)."""
 
+from collections.abc import Collection
 from typing import Any
 
 
-# OpenAI's image content parts and the key of each one's image, as vLLM's chat accepts them
-# ("image" is transformers' own form): the value is a URL dict or string for "image_url"
-# (data: and file:// URIs, local paths), a PIL image for "image_pil", any of those for "image".
-IMAGE_PARTS = {"image_url": "image_url", "image_pil": "image_pil", "image": "image"}
+# OpenAI's image content parts, as vLLM's chat accepts them ("image" is transformers' own form);
+# each holds its image under its type's key: a URL dict or string for "image_url" (data: and
+# file:// URIs, local paths), a PIL image for "image_pil", any of those for "image".
+IMAGE_PARTS = ("image_url", "image_pil", "image")
+# Audio content parts, each holding its clip under its type's key: OpenAI's "input_audio"
+# ({"data": base64, "format": one of INPUT_AUDIO_FORMATS}), vLLM's "audio_url" (a URL dict or
+# string: data: and file:// URIs, local paths) and transformers' "audio" (any form `read_audio` takes).
+AUDIO_PARTS = ("input_audio", "audio_url", "audio")
+INPUT_AUDIO_FORMATS = ("wav", "mp3")
+# The content parts of each modality, under the name chat templates read ({"type": "audio"})
+# and `multi_modal_data` keys.
+MEDIA_PARTS = {"image": IMAGE_PARTS, "audio": AUDIO_PARTS}
+# How a conversation gets a model that reads a modality its model does not.
+READERS = {"image": "load a vision-language model",
+           "audio": "transcribe it upstream: no model the engine runs reads audio yet"}
 
 
 def chat_messages_problem(messages: object) -> str | None:
     """Why `messages` is not a conversation a chat template can render (a list of
-    {"role": str, "content": str or a list of text and image parts} with valid Unicode),
-    or None. Images are decoded later, with the row's other checks.
+    {"role": str, "content": str or a list of text, image and audio parts} with valid
+    Unicode), or None. Images and audio are decoded later, with the row's other checks.
 
     The problem does not name the field that holds the conversation (the caller does:
     "messages: ...", "prompt: ..."); a message's own problem starts with "message i: "."""
@@ -37,13 +49,17 @@ def chat_messages_problem(messages: object) -> str | None:
     return None
 
 
-def text_only_problem(messages: list[dict[str, Any]]) -> str | None:
-    """Why a text-only model cannot take the conversation (it holds an image part), or None."""
+def unread_parts_problem(messages: list[dict[str, Any]], reads: Collection[str]) -> str | None:
+    """Why a model that reads only the modalities `reads` (none: text only) cannot take the
+    conversation (it holds an image or audio part of another), or None."""
     for i, message in enumerate(messages):
         for j, part in enumerate(message["content"] if isinstance(message["content"], list) else []):
-            if part["type"] in IMAGE_PARTS:
-                return (f"message {i}: content part {j} is an image ({part['type']!r}), but the model reads text "
-                        "only: drop the image, or load a vision-language model")
+            modality = _modality(part["type"])
+            if modality is not None and modality not in reads:
+                what = "an image" if modality == "image" else modality
+                model = "text only" if modality == "image" and not reads else f"no {modality}"
+                return (f"message {i}: content part {j} is {what} ({part['type']!r}), but the model reads {model}: "
+                        f"drop the {modality}, or {READERS[modality]}")
     return None
 
 
@@ -54,23 +70,30 @@ def text_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{**m, "content": _joined(m["content"])} if isinstance(m["content"], list) else m for m in messages]
 
 
-def chat_images(messages: list[dict[str, Any]]) -> list[Any]:
-    """The conversation's images in order, as given (a URL, path, bytes or PIL image)."""
-    images = []
+def chat_items(messages: list[dict[str, Any]]) -> dict[str, list[Any]]:
+    """The conversation's images and audio clips in order, per modality that it holds, as
+    `multi_modal_data` takes them: as given (a URL, path, bytes, PIL image, (waveform, rate)),
+    an input_audio part as a base64 data: URI."""
+    items: dict[str, list[Any]] = {}
     for message in messages:
         for part in message["content"] if isinstance(message["content"], list) else []:
-            if part["type"] in IMAGE_PARTS:
-                value = part[IMAGE_PARTS[part["type"]]]
-                images.append(value["url"] if isinstance(value, dict) else value)
-    return images
+            if (modality := _modality(part["type"])) is not None:
+                items.setdefault(modality, []).append(_part_item(part))
+    return items
+
+
+def chat_images(messages: list[dict[str, Any]]) -> list[Any]:
+    """The conversation's images in order, as given (a URL, path, bytes or PIL image)."""
+    return chat_items(messages).get("image", [])
 
 
 def multimodal_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The conversation as a vision-language chat template reads it: content lists of
-    {"type": "text", "text": ...} and {"type": "image"} parts (the template writes the
-    model's image placeholder for each)."""
+    """The conversation as a multimodal chat template reads it: content lists of
+    {"type": "text", "text": ...}, {"type": "image"} and {"type": "audio"} parts (the
+    template writes the model's placeholder for each)."""
     def part(p: dict[str, Any]) -> dict[str, Any]:
-        return {"type": "image"} if p["type"] in IMAGE_PARTS else p
+        modality = _modality(p["type"])
+        return p if modality is None else {"type": modality}
 
     return [{**m, "content": [part(p) for p in m["content"]]} if isinstance(m["content"], list) else m
             for m in messages]
@@ -89,9 +112,9 @@ def render_chat(
 ) -> dict[str, Any]:
     """One conversation as an engine prompt, {"prompt": text, "prompt_token_ids": ids},
     rendered with the tokenizer's chat template (or `chat_template`) and vLLM's arguments;
-    with image parts the template writes each image's placeholder, and the prompt carries
-    the images as given ({"multi_modal_data": {"image": [...]}}, decoded when the row is
-    checked); with `tools` it carries them too ({"tools": [...]}), for the tool parser to
+    with image or audio parts the template writes each item's placeholder, and the prompt
+    carries the items as given ({"multi_modal_data": {"image": [...], "audio": [...]}}, decoded
+    when the row is checked); with `tools` it carries them too ({"tools": [...]}), for the tool parser to
     read the calls by (qwen3_coder converts each parameter by its schema), and a
     `tool_choice` mode other than "auto" ({"tool_choice": "none"}, "required", "function"),
     under which the engine's tool parser leaves the calls to the entry point
@@ -101,15 +124,15 @@ def render_chat(
     holds any BOS token: a second one would change the output. Assumes
     `chat_messages_problem(messages)` found nothing.
     """
-    images = chat_images(messages)
+    items = chat_items(messages)
     messages = [_with_both_reasoning_keys(m) for m in messages]
-    rendered = multimodal_messages(messages) if images else text_messages(messages)
+    rendered = multimodal_messages(messages) if items else text_messages(messages)
     text = tokenizer.apply_chat_template(rendered, tokenize=False, chat_template=chat_template,
                                          tools=tools, add_generation_prompt=add_generation_prompt,
                                          continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
     prompt = {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids}
-    if images:
-        prompt["multi_modal_data"] = {"image": images}
+    if items:
+        prompt["multi_modal_data"] = items
     if tools:
         prompt["tools"] = tools
     if tool_choice != "auto":
@@ -142,18 +165,47 @@ def invalid_unicode_problem(prompt: object, field: str = "prompt") -> str | None
 
 
 def _text_parts_problem(parts: list, index: int) -> str | None:
+    """Why message `index`'s content parts are not text, image and audio parts, each with
+    its value, or None."""
     for j, part in enumerate(parts):
         kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-        if kind in IMAGE_PARTS:
-            value = part.get(IMAGE_PARTS[kind])
-            if value is None or (isinstance(value, dict) and not isinstance(value.get("url"), str)):
-                return (f"message {index}: content part {j} ({kind!r}) has no image: give "
-                        f"{{'type': {kind!r}, {IMAGE_PARTS[kind]!r}: ...}}"
-                        + (" with {'url': 'data:...' or 'file://...'}" if kind == "image_url" else ""))
+        if _modality(kind) is not None:
+            if (problem := _media_part_problem(part, kind)) is not None:
+                return f"message {index}: content part {j} ({kind!r}) {problem}"
         elif kind != "text" or not isinstance(part.get("text"), str):
             return (f"message {index}: content part {j} is {kind!r}: content parts are text "
-                    "({'type': 'text', 'text': str}) or images ('image_url', 'image_pil')")
+                    "({'type': 'text', 'text': str}), images ('image_url', 'image_pil', 'image') or audio "
+                    "('input_audio', 'audio_url', 'audio')")
     return None
+
+
+def _media_part_problem(part: dict[str, Any], kind: str) -> str | None:
+    """Why an image or audio part holds no item, as "has no ...: give ...", or None."""
+    value = part.get(kind)  # each part's key is its type
+    if kind == "input_audio":
+        if not (isinstance(value, dict) and isinstance(value.get("data"), str)
+                and value.get("format") in INPUT_AUDIO_FORMATS):
+            return ("has no audio: give {'type': 'input_audio', 'input_audio': {'data': <base64>, 'format': "
+                    f"{' or '.join(map(repr, INPUT_AUDIO_FORMATS))}}}")
+        return None
+    if value is None or (isinstance(value, dict) and not isinstance(value.get("url"), str)):
+        noun = "image" if kind in IMAGE_PARTS else "audio"
+        url = " with {'url': 'data:...' or 'file://...'}" if kind.endswith("_url") else ""
+        return f"has no {noun}: give {{'type': {kind!r}, {kind!r}: ...}}{url}"
+    return None
+
+
+def _modality(kind: object) -> str | None:
+    """The modality of a content part's type ("image", "audio"), None for text and others."""
+    return next((modality for modality, parts in MEDIA_PARTS.items() if kind in parts), None)
+
+
+def _part_item(part: dict[str, Any]) -> Any:
+    """An image or audio part's item as `multi_modal_data` takes it."""
+    value = part[part["type"]]
+    if part["type"] == "input_audio":
+        return f"data:audio/{value['format']};base64,{value['data']}"
+    return value["url"] if isinstance(value, dict) else value
 
 
 def _joined(parts: list[dict[str, Any]]) -> str:

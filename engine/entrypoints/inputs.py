@@ -2,18 +2,21 @@
 or into the text of each bad row's problems ("field: reason and what to do"), before any
 work starts."""
 
+from collections import Counter
 from collections.abc import Callable, Sequence as SequenceABC
 from dataclasses import dataclass
 from typing import Any
 
 from engine.beam_search import BeamSearchParams
-from engine.entrypoints.chat_utils import invalid_unicode_problem
+from engine.config import DEFAULT_LIMIT_MM_PER_PROMPT
+from engine.entrypoints.chat_utils import READERS, invalid_unicode_problem
 from engine.llm_engine import LLMEngine
 from engine.lora.request import LoRARequest
 from engine.models import MULTIMODAL_MODELS
+from engine.multimodal.audio import AudioInputError, read_audio
 from engine.multimodal.image import ImageInputError, read_image
 from engine.multimodal.inputs import ProcessedPrompt
-from engine.multimodal.processing import MultiModalInputError
+from engine.multimodal.processing import ITEM_NOUNS, BaseMultiModalProcessor, MultiModalInputError, PromptItem
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams, logprobs_count
 from engine.tool_parsers.request_tools import RequestTools
@@ -25,6 +28,8 @@ SamplingParamsArg = SamplingParams | SequenceABC[SamplingParams] | None
 LoRARequestArg = LoRARequest | SequenceABC[LoRARequest | None] | None
 PriorityArg = int | SequenceABC[int] | None
 UseTqdm = bool | Callable[..., Any]
+# How a row gets a model that reads a modality its model does not.
+_READERS = {**READERS, "image": f"{READERS['image']} ({', '.join(sorted(MULTIMODAL_MODELS))})"}
 
 
 @dataclass
@@ -38,7 +43,7 @@ class Request:
     lora_request: LoRARequest | None
     beam_search: BeamSearchParams | None = None
     pooling: PoolingParams | None = None
-    multi_modal: ProcessedPrompt | None = None  # the prompt's images, processed (`prompt_token_ids` expanded)
+    multi_modal: ProcessedPrompt | None = None  # its images and audio, processed (`prompt_token_ids` expanded)
     tools: RequestTools | None = None  # a chat prompt's tools and tool choice (`render_chat`)
 
     def submit(self, engine: LLMEngine, request_id: str) -> None:
@@ -147,50 +152,72 @@ class RequestChecker:
         if not isinstance(params, SamplingParams):
             params = SamplingParams()  # the prompt is still checked, against the defaults
         text, ids = self._tokenize(prompt)
-        images, problem = self._images(prompt, ids)
-        if images is not None:
-            ids = images.prompt_token_ids
-        if (problem := problem or _prompt_problem(prompt, ids, self.max_len, self.vocab, images)
+        items, problem = self._multimodal(prompt, ids)
+        if items is not None:
+            ids = items.prompt_token_ids
+        if (problem := problem or _prompt_problem(prompt, ids, self.max_len, self.vocab, items)
                 or self._params_problem(ids, params, kind)):
             found.append(problem)
         if found:
             return RowCheck(None, "; ".join(found))
-        return RowCheck(Request(text, ids, params, priority, adapter, multi_modal=images,
+        return RowCheck(Request(text, ids, params, priority, adapter, multi_modal=items,
                                 tools=RequestTools.of_prompt(prompt)), None)
 
-    def _images(self, prompt: Any, ids: list[int] | None) -> tuple[ProcessedPrompt | None, str | None]:
-        """The prompt's images processed into its token ids (None: a prompt without images),
-        or the problem with them: images for a text-only model, more than
-        limit_mm_per_prompt, an image that does not decode or is outside the model's limits
-        (decode budget, aspect ratio), one its image processor refuses, placeholders and
-        images that do not pair up."""
+    def _multimodal(self, prompt: Any, ids: list[int] | None) -> tuple[ProcessedPrompt | None, str | None]:
+        """The prompt's images and audio clips processed into its token ids (None: a prompt
+        without any), or the problem with them: a modality the model does not read (video
+        for every model, for now), more items than limit_mm_per_prompt, an item that does
+        not read or is outside the model's limits, one its processor refuses, placeholders
+        and items that do not pair up. What the model cannot take is refused before any item
+        is read."""
         data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
         processor = self.engine.mm_processor
-        if ids is None or (data is None and (processor is None or processor.image_token_id not in ids)):
+        if ids is None or (data is None and (processor is None
+                                             or not set(processor.placeholder_ids.values()).intersection(ids))):
             return None, None
-        if processor is None:
-            return None, ("multi_modal_data: the model reads text only: drop the images, or load a vision-language "
-                          f"model ({', '.join(sorted(MULTIMODAL_MODELS))})")
-        if data is None:
-            data = {"image": []}
-        if not isinstance(data, dict) or set(data) != {"image"}:
-            keys = sorted(data) if isinstance(data, dict) else type(data).__name__
-            return None, f"multi_modal_data: expected {{'image': an image or a list of images}}, got {keys}"
-        images = data["image"] if isinstance(data["image"], (list, tuple)) else [data["image"]]
-        limit = self.engine.config.max_images_per_prompt
-        if len(images) > limit:
-            return None, (f"multi_modal_data: holds {len(images)} images, but limit_mm_per_prompt allows {limit}: "
-                          "use fewer images, or raise LLM(limit_mm_per_prompt={'image': n})")
-        loaded = []
-        for i, image in enumerate(images):
-            try:
-                loaded.append(read_image(image, processor.limits))
-            except ImageInputError as exc:
-                return None, f"multi_modal_data['image'][{i}]: {exc}"
+        given, problem = self._given_items({} if data is None else data, processor)
+        if problem is not None or (not given and processor is None):
+            return None, problem
+        items: dict[str, list[PromptItem]] = {}
+        for modality, values in given.items():
+            read, limits = ((read_image, processor.limits) if modality == "image"
+                            else (read_audio, processor.audio_limits))
+            items[modality] = []
+            for i, value in enumerate(values):
+                try:
+                    items[modality].append(read(value, limits))
+                except (ImageInputError, AudioInputError) as exc:
+                    return None, f"multi_modal_data['{modality}'][{i}]: {exc}"
         try:
-            return processor.apply(ids, loaded), None
+            return processor.apply(ids, items), None
         except MultiModalInputError as exc:
             return None, str(exc)
+
+    def _given_items(self, data: Any, processor: BaseMultiModalProcessor | None) -> tuple[dict[str, list], str | None]:
+        """`multi_modal_data`'s items as given, a list per modality, or why the row cannot
+        have them: not a dict of known modalities, a modality the model does not read, more
+        items than limit_mm_per_prompt allows. An image list may be a tuple; an audio tuple
+        is one clip, vLLM's (waveform, sample_rate)."""
+        if not isinstance(data, dict) or set(data) - set(DEFAULT_LIMIT_MM_PER_PROMPT):
+            keys = sorted(map(str, data)) if isinstance(data, dict) else type(data).__name__
+            return {}, ("multi_modal_data: expected {'image': an image or a list of images, 'audio': a clip or a list "
+                        f"of clips}} (either key, or both), got {keys}")
+        reads = processor.placeholder_ids if processor is not None else {}
+        given = {}
+        for modality, value in data.items():
+            noun = ITEM_NOUNS[modality]
+            if modality == "video":
+                return {}, ("multi_modal_data['video']: the engine reads no video yet: pass frames sampled from it as "
+                            "images (multi_modal_data['image']) to a vision-language model, or drop the video")
+            if modality not in reads:
+                return {}, _unread_problem(modality, processor)
+            many = (list, tuple) if modality == "image" else list  # an audio tuple is one (waveform, rate) clip
+            given[modality] = list(value) if isinstance(value, many) else [value]
+            limit = self.engine.config.max_items_per_prompt(modality)
+            if len(given[modality]) > limit:
+                return {}, (f"multi_modal_data: holds {len(given[modality])} {noun}s, but limit_mm_per_prompt allows "
+                            f"{limit}: use fewer {noun}s, or raise LLM(limit_mm_per_prompt={{'{modality}': n}})")
+        return given, None
 
     def _argument_problems(self, params: Any, adapter: Any, priority: Any) -> list[str]:
         """The row's adapter, sampling params and priority that cannot be used as given."""
@@ -269,19 +296,29 @@ class RequestChecker:
         return text, self.engine.tokenizer(text).input_ids if text else []
 
 
+def _unread_problem(modality: str, processor: BaseMultiModalProcessor | None) -> str:
+    """Why a row's items of `modality` cannot run on a model that does not read it."""
+    if modality == "image" and processor is None:
+        return f"multi_modal_data: the model reads text only: drop the images, or {_READERS['image']}"
+    return (f"multi_modal_data['{modality}']: the model reads no {modality}: drop the {ITEM_NOUNS[modality]}s, or "
+            f"{_READERS[modality]}")
+
+
 def _prompt_problem(prompt: Any, ids: list[int] | None, max_len: int, vocab: int,
-                    images: ProcessedPrompt | None = None) -> str | None:
+                    items: ProcessedPrompt | None = None) -> str | None:
     """What is wrong with the prompt itself (its form, length or token ids), or None."""
     if ids is None:
         return ("prompt: expected a str, {'prompt': str} or {'prompt_token_ids': [int, ...]}, "
                 f"got {type(prompt).__name__}")
     if not ids:
         return "prompt: is empty: drop the row or give it text"
-    if images is not None and len(ids) >= max_len:
-        image_tokens = sum(f.length for f in images.features)
-        return (f"multi_modal_data: the prompt's {len(images.features)} image(s) take {image_tokens} tokens and its "
-                f"text {len(ids) - image_tokens}, {len(ids)} in all, but max_model_len is {max_len}: use fewer or "
-                "smaller images, shorten the text, or raise max_model_len")
+    if items is not None and len(ids) >= max_len:
+        item_tokens = sum(f.length for f in items.features)
+        counts = Counter(f.modality for f in items.features)
+        what = " and ".join(f"{n} {ITEM_NOUNS[modality]}(s)" for modality, n in counts.items())
+        return (f"multi_modal_data: the prompt's {what} take {item_tokens} tokens and its text "
+                f"{len(ids) - item_tokens}, {len(ids)} in all, but max_model_len is {max_len}: use fewer or "
+                "smaller items, shorten the text, or raise max_model_len")
     if len(ids) >= max_len:
         return (f"prompt: has {len(ids)} tokens, but max_model_len is {max_len}: shorten it "
                 f"to at most {max_len - 1} tokens, or raise max_model_len")

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from engine.beam_search import BeamSearchOutput, BeamSearchParams
-from engine.entrypoints.chat_utils import chat_messages_problem, render_chat, text_only_problem
+from engine.entrypoints.chat_utils import chat_messages_problem, render_chat, unread_parts_problem
 from engine.config import OUTPUT, EngineConfig, PoolerConfig, engine_settings
 from engine.entrypoints.data_parallel import ReplicaPool, deal
 from engine.distributed.plan import plan_parallelism
@@ -228,10 +228,11 @@ class LLM:
             raise ValueError("chat: add_generation_prompt and continue_final_message cannot both be True: "
                              "set add_generation_prompt=False to continue the final message")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        text_only = self.image_placeholder is None
+        processor = self.llm_engine.mm_processor
+        reads = processor.placeholder_ids if processor is not None else {}
         problems = [f"conversation {i}, {problem}" for i, conversation in enumerate(conversations)
                     if (problem := chat_messages_problem(conversation)
-                        or (text_only_problem(conversation) if text_only else None)) is not None]
+                        or unread_parts_problem(conversation, reads)) is not None]
         if problems:
             raise ValueError(f"{len(problems)} invalid conversation(s); nothing was run:\n  " + "\n  ".join(problems))
         choice = resolve_tool_choice(tool_choice, tools)

@@ -23,7 +23,7 @@ from engine.distributed.communicator import TensorParallelGroup
 from engine.layers.linear import ShardSlice, StoredTensor
 from engine.models.llama import LlamaForCausalLM
 from engine.models.vision_language import VisionEncoderLayer, VisionLanguageModel, vision_linear
-from engine.multimodal.inputs import ImageTokens, ProcessedImage
+from engine.multimodal.inputs import ItemTokens, ProcessedImage
 from engine.multimodal.processing import BaseMultiModalProcessor
 
 _PATCH_KERNEL = "vision_model.embeddings.patch_embedding.weight"
@@ -82,7 +82,7 @@ class Idefics3Processor(BaseMultiModalProcessor):
                              f"tokens but its text holds {sum(is_embed)} {self.tokens.image!r} tokens: the "
                              "tokenizer splits the image tokens (add them as special tokens)")
         data = {"pixel_values": pixels, "pixel_attention_mask": out["pixel_attention_mask"][0].bool()}
-        return ProcessedImage(data, ImageTokens(ids, is_embed))
+        return ProcessedImage(data, ItemTokens(ids, is_embed))
 
     def image_text(self, rows: int, cols: int) -> str:
         """The text transformers' processor puts for an image cut into rows x cols (0 x 0:

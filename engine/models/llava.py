@@ -27,7 +27,7 @@ from engine.models.qwen2 import Qwen2ForCausalLM
 from engine.models.vision_language import (
     VisionEncoderLayer, VisionLanguageModel, vision_activation, vision_linear,
 )
-from engine.multimodal.inputs import ImageTokens, ProcessedImage
+from engine.multimodal.inputs import ItemTokens, ProcessedImage
 from engine.multimodal.processing import BaseMultiModalProcessor
 
 # Activations a CLIP tower (`hidden_act`) or a projector (`projector_hidden_act`) may name,
@@ -206,17 +206,17 @@ class LlavaMultiModalProcessor(BaseMultiModalProcessor):
         pixel_values = self.image_processor(images=[image], return_tensors="pt")["pixel_values"]
         return ProcessedImage({"pixel_values": pixel_values}, self._tokens(*pixel_values.shape[-2:]))
 
-    def image_tokens(self, image: Image.Image) -> ImageTokens:
+    def image_tokens(self, image: Image.Image) -> ItemTokens:
         """The crop's tokens, known from the image processor's crop size where it crops."""
         processor = self.image_processor
         if not getattr(processor, "do_center_crop", False):
             return super().image_tokens(image)
         return self._tokens(processor.crop_size["height"], processor.crop_size["width"])
 
-    def _tokens(self, height: int, width: int) -> ImageTokens:
+    def _tokens(self, height: int, width: int) -> ItemTokens:
         """One "<image>" per patch of a crop of height x width pixels (and the CLS row's where kept)."""
         count = (height // self.patch_size) * (width // self.patch_size) + int(self.keep_cls)
-        return ImageTokens([self.image_token_id] * count)
+        return ItemTokens([self.image_token_id] * count)
 
 
 class LlavaNextMultiModalProcessor(LlavaMultiModalProcessor):
@@ -238,12 +238,12 @@ class LlavaNextMultiModalProcessor(LlavaMultiModalProcessor):
         return ProcessedImage({"pixel_values": data["pixel_values"], "image_sizes": data["image_sizes"]},
                               self.image_tokens(image))
 
-    def image_tokens(self, image: Image.Image) -> ImageTokens:
+    def image_tokens(self, image: Image.Image) -> ItemTokens:
         """The whole's patches, then the grid's kept rows with their newlines: from the
         image's size (transformers' image_sizes)."""
         grid = anyres_grid(self.hf_config, image.height, image.width)
         side = self.hf_config.vision_config.image_size // self.patch_size
-        return ImageTokens([self.image_token_id] * (side * side + grid.rows * (grid.cols + 1)))
+        return ItemTokens([self.image_token_id] * (side * side + grid.rows * (grid.cols + 1)))
 
 
 class LlavaProjector(nn.Module):

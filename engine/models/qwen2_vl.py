@@ -35,7 +35,7 @@ from engine.layers.rotary import MRotaryEmbedding, rope_parameters
 from engine.models.llama import head_dim_of
 from engine.models.qwen2 import Qwen2ForCausalLM
 from engine.models.vision_language import VisionLanguageModel, VisionMLP, vision_activation, vision_linear
-from engine.multimodal.inputs import ImageTokens, MultiModalFeature, ProcessedImage
+from engine.multimodal.inputs import ItemTokens, MultiModalFeature, ProcessedImage
 from engine.multimodal.processing import BaseMultiModalProcessor
 
 
@@ -71,7 +71,7 @@ class Qwen2VLProcessor(BaseMultiModalProcessor):
         return ProcessedImage({"pixel_values": out["pixel_values"], "image_grid_thw": grid},
                               self._tokens(tuple(int(x) for x in grid.view(3))))
 
-    def image_tokens(self, image: Image.Image) -> ImageTokens:
+    def image_tokens(self, image: Image.Image) -> ItemTokens:
         """The tokens of the grid the image processor resizes the image to (transformers'
         `smart_resize`: sides multiples of patch x merge, pixels within min and max)."""
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
@@ -85,9 +85,9 @@ class Qwen2VLProcessor(BaseMultiModalProcessor):
                                      max_pixels=processor.size["longest_edge"])
         return self._tokens((1, height // patch, width // patch))
 
-    def _tokens(self, grid: tuple[int, int, int]) -> ImageTokens:
+    def _tokens(self, grid: tuple[int, int, int]) -> ItemTokens:
         """One image token per merged patch of a (temporal, height, width) patch grid."""
-        return ImageTokens([self.image_token_id] * (math.prod(grid) // self.merge_size**2), grid=grid)
+        return ItemTokens([self.image_token_id] * (math.prod(grid) // self.merge_size**2), grid=grid)
 
     def rope_positions(self, token_ids: list[int], features: list[MultiModalFeature]) -> tuple[torch.Tensor, int]:
         """[3, len(token_ids)] positions and the offset of generated tokens' (max + 1 - length)."""

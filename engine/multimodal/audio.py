@@ -2,7 +2,8 @@
 (a `(waveform, sample_rate)` tuple, encoded bytes, a local path, a `file://` or base64 `data:`
 URI), checked, decoded, downmixed to mono and resampled to the model's feature extractor's
 rate before any work starts, with each clip's content hash, which keys the encoder cache and
-the prefix cache. Not wired into `LLM` yet: that comes with the audio models (issue 65).
+the prefix cache. The row check reads a prompt's clips with it (for a model that reads audio;
+no model the engine runs does yet, so every model refuses them).
 
 A row's audio is hostile input, read through kept libraries: libsndfile (`soundfile`: WAV,
 FLAC, OGG Vorbis/Opus, MP3) first, FFmpeg (PyAV) for what it does not read (M4A/AAC, WebM,
@@ -31,7 +32,6 @@ from pathlib import Path
 import av
 import numpy as np
 import soundfile
-from scipy.signal import resample_poly
 
 from engine.multimodal.media import MediaKind, read_location, short_location
 
@@ -272,4 +272,8 @@ def _resample(mono: np.ndarray, rate: int, target: int) -> np.ndarray:
     if rate == target:
         return mono
     step = math.gcd(rate, target)
+    # Imported here: scipy.signal takes most of a second to import, and the engine's row
+    # checks (which import this module) load with `from engine import LLM`.
+    from scipy.signal import resample_poly
+
     return resample_poly(mono, target // step, rate // step).astype(np.float32, copy=False)

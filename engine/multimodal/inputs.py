@@ -1,5 +1,5 @@
-"""The records an image leaves in the engine once processed: where its tokens sit in the
-prompt and what the vision encoder reads (`MultiModalFeature`, vLLM's `MultiModalFeatureSpec`
+"""The records a prompt's item (an image, an audio clip) leaves in the engine once processed:
+where its tokens sit in the prompt and what its encoder reads (`MultiModalFeature`, vLLM's `MultiModalFeatureSpec`
 with its `PlaceholderRange`), and the encoder outputs a step hands the model (`MultiModalEmbeds`)."""
 
 from dataclasses import dataclass, field
@@ -7,13 +7,15 @@ from dataclasses import dataclass, field
 import torch
 from PIL import Image
 
+from engine.multimodal.audio import PromptAudio
+
 
 @dataclass
-class ImageTokens:
-    """The token ids that stand for one image in the prompt (`replacement`, in place of its
-    single placeholder token), which of them take an encoder output row (`is_embed`; None:
-    all of them), and for a family with multimodal rotary positions the image's patch grid
-    (temporal, height, width)."""
+class ItemTokens:
+    """The token ids that stand for one item (an image, an audio clip) in the prompt
+    (`replacement`, in place of its single placeholder token), which of them take an encoder
+    output row (`is_embed`; None: all of them), and for a family with multimodal rotary
+    positions the image's patch grid (temporal, height, width)."""
 
     replacement: list[int]
     is_embed: list[bool] | None = None
@@ -21,7 +23,7 @@ class ImageTokens:
 
     @property
     def num_embeds(self) -> int:
-        """Rows the encoder yields for this image."""
+        """Rows the encoder yields for this item."""
         return len(self.replacement) if self.is_embed is None else sum(self.is_embed)
 
 
@@ -31,21 +33,22 @@ class ProcessedImage:
     pixel_values, batch dimension of one image) and its tokens."""
 
     data: dict[str, torch.Tensor]
-    tokens: ImageTokens
+    tokens: ItemTokens
 
 
 @dataclass(eq=False)
 class MultiModalFeature:
-    """An image of a prompt: its tokens are prompt positions [offset, offset + length),
-    `identifier` is its content hash (two prompts with the same image share its encoder
-    output and their prefix-cache blocks). The encoder's inputs (`data`) are made from
-    `source` when the image is encoded and dropped once it is: a queue of prompts holds its
-    images compressed, not as pixels."""
+    """An item of a prompt, of `modality` "image" or "audio": its tokens are prompt positions
+    [offset, offset + length), `identifier` is its content hash (two prompts with the same
+    item share its encoder output and their prefix-cache blocks). The encoder's inputs
+    (`data`) are made from `source` when the item is encoded and dropped once it is: a queue
+    of prompts holds its images compressed, not as pixels, and its clips as their waveforms,
+    not as features."""
 
     identifier: str
     offset: int
     length: int
-    source: Image.Image | bytes = field(repr=False)
+    source: Image.Image | bytes | PromptAudio = field(repr=False)
     is_embed: list[bool] | None = field(default=None, repr=False)
     grid: tuple[int, int, int] | None = None
     data: dict[str, torch.Tensor] | None = field(default=None, repr=False)
@@ -84,8 +87,8 @@ class MultiModalEmbeds:
 
 @dataclass
 class ProcessedPrompt:
-    """A prompt with its images: the token ids with every image's placeholder expanded, the
-    images in prompt order, and for a model with multimodal rotary positions (Qwen2-VL) the
+    """A prompt with its items: the token ids with every item's placeholder expanded, the
+    items (of every modality) in prompt order, and for a model with multimodal rotary positions (Qwen2-VL) the
     prompt's [3, len] positions and the offset of the positions of generated tokens."""
 
     prompt_token_ids: list[int]

@@ -1,11 +1,13 @@
-"""A prompt with images to token ids and encoder inputs: the part every family shares (vLLM's
-`BaseMultiModalProcessor`). A family's processor (beside its model in `engine.models`) says
-what one image becomes (`process_image`); this class finds each image's placeholder token in
-the prompt, expands it into the image's tokens, and records where they sit.
+"""A prompt with images or audio to token ids and encoder inputs: the part every family
+shares (vLLM's `BaseMultiModalProcessor`). A family's processor (beside its model in
+`engine.models`) says what one item of each modality it reads becomes (`process_image`,
+`audio_tokens`); this class finds each item's placeholder token in the prompt, pairs the runs
+of each modality's placeholder with that modality's items in prompt order, expands them into
+the items' tokens, and records where they sit.
 
-A prompt holds one placeholder token per image (the text a chat template writes for an image,
-or `image_placeholder` in a hand-written prompt), or the image's tokens already expanded (ids
-from an earlier processing): both are accepted, so that ids round-trip.
+A prompt holds one placeholder token per item (the text a chat template writes for an image
+or a clip, or the processor's `placeholders` in a hand-written prompt), or the item's tokens
+already expanded (ids from an earlier processing): both are accepted, so that ids round-trip.
 """
 
 import json
@@ -15,8 +17,14 @@ import torch
 from PIL import Image
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
+from engine.multimodal.audio import AudioLimits, PromptAudio
 from engine.multimodal.image import ImageLimits, PromptImage, decode_budget, image_hash, load_image
-from engine.multimodal.inputs import ImageTokens, MultiModalFeature, ProcessedImage, ProcessedPrompt
+from engine.multimodal.inputs import ItemTokens, MultiModalFeature, ProcessedImage, ProcessedPrompt
+
+# What a row's `multi_modal_data` holds, read and checked, per modality.
+PromptItem = PromptImage | PromptAudio
+# How a message names a modality's items, by count: "2 image(s)", "2 audio clip(s)".
+ITEM_NOUNS = {"image": "image", "audio": "audio clip", "video": "video"}
 
 
 class MultiModalInputError(ValueError):
@@ -24,15 +32,18 @@ class MultiModalInputError(ValueError):
 
 
 class BaseMultiModalProcessor:
-    """Turns (prompt ids, images) into a `ProcessedPrompt` for one model folder.
+    """Turns (prompt ids, items per modality) into a `ProcessedPrompt` for one model folder.
 
     Subclasses set `image_token_id` and `image_placeholder` and implement `process_image`
     (and `image_tokens` where the tokens follow from the image's size); a family with
-    multimodal rotary positions overrides `rope_positions`.
+    multimodal rotary positions overrides `rope_positions`. A family that reads audio adds
+    "audio" to `placeholder_ids` and `placeholders`, sets `audio_limits` (its feature
+    extractor's rate and window rules) and implements `audio_tokens` and `audio_inputs`.
     """
 
     image_token_id: int
     image_placeholder: str  # what stands for one image in a prompt's text
+    audio_limits: AudioLimits | None = None  # what a clip may be, for a family that reads audio
 
     def __init__(self, path: Path, hf_config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase) -> None:
         """`hf_config` is the checkpoint's whole config (vision and text parts). The
@@ -52,6 +63,17 @@ class BaseMultiModalProcessor:
         self.limits = ImageLimits(budget, self.max_aspect_ratio(budget),
                                   f"the {hf_config.model_type} image processor")
 
+    @property
+    def placeholder_ids(self) -> dict[str, int]:
+        """The token that stands for one item in a prompt, per modality the model reads (its
+        keys are those modalities)."""
+        return {"image": self.image_token_id}
+
+    @property
+    def placeholders(self) -> dict[str, str]:
+        """The text that stands for one item in a prompt, per modality the model reads."""
+        return {"image": self.image_placeholder}
+
     def kept_pixels(self) -> int:
         """The most pixels of an image the image processor keeps (what it resizes to), which
         sizes the decode budget."""
@@ -66,16 +88,33 @@ class BaseMultiModalProcessor:
         """The encoder inputs and prompt tokens of one image."""
         raise NotImplementedError
 
-    def image_tokens(self, image: Image.Image) -> ImageTokens:
+    def image_tokens(self, image: Image.Image) -> ItemTokens:
         """The prompt tokens of one image; by default from a whole processing, which a family
         whose count follows from the image's size alone overrides (then an image is
         processed once, when it is encoded)."""
         return self.process_image(image).tokens
 
+    def audio_tokens(self, audio: PromptAudio) -> ItemTokens:
+        """The prompt tokens of one clip, for a family that reads audio."""
+        raise NotImplementedError
+
+    def audio_inputs(self, audio: PromptAudio) -> dict[str, torch.Tensor]:
+        """The audio encoder's inputs for one clip (its feature extractor's features), for a
+        family that reads audio."""
+        raise NotImplementedError
+
+    def item_tokens(self, modality: str, item: PromptItem) -> ItemTokens:
+        """The prompt tokens of one item of `modality`."""
+        if modality == "image":
+            return self.image_tokens(item.image)
+        return self.audio_tokens(item)
+
     def encoder_inputs(self, feature: MultiModalFeature) -> dict[str, torch.Tensor]:
-        """The encoder's inputs for an image of a prompt, made from its source (decoded as
-        when its row was checked)."""
-        return self.process_image(load_image(feature.source, self.limits)).data
+        """The encoder's inputs for an item of a prompt, made from its source (an image
+        decoded as when its row was checked, a clip's waveform)."""
+        if feature.modality == "image":
+            return self.process_image(load_image(feature.source, self.limits)).data
+        return self.audio_inputs(feature.source)
 
     def rope_positions(self, token_ids: list[int],
                        features: list[MultiModalFeature]) -> tuple[torch.Tensor, int] | None:
@@ -84,74 +123,98 @@ class BaseMultiModalProcessor:
         positions are not the token index; None for the others."""
         return None
 
-    def apply(self, token_ids: list[int], images: list[PromptImage]) -> ProcessedPrompt:
-        """The prompt with each image's placeholder expanded and its features.
+    def apply(self, token_ids: list[int], items: dict[str, list[PromptItem]]) -> ProcessedPrompt:
+        """The prompt with each item's placeholder expanded and its features, in prompt order;
+        each modality's placeholders pair with its items (`items[modality]`) in order.
+        `items` holds modalities the model reads only (the row check refuses the others).
 
         Raises:
-            MultiModalInputError: the prompt's placeholders and its images do not pair up.
+            MultiModalInputError: a modality's placeholders and its items do not pair up.
         """
         ids: list[int] = []
         features: list[MultiModalFeature] = []
+        used = dict.fromkeys(self.placeholder_ids, 0)  # items of each modality placed so far
         last = 0
-        for start, length in self._placeholder_runs(token_ids):
+        for start, length, modality in self._placeholder_runs(token_ids):
             ids += token_ids[last:start]
+            given = items.get(modality, [])
             position, end = start, start + length
-            while position < end:  # adjacent placeholders, or an image expanded by an earlier processing
-                if len(features) == len(images):
-                    raise MultiModalInputError(self._count_problem(len(features) + 1, len(images)))
-                image = images[len(features)]
-                tokens = self._checked_tokens(image.image, len(features))
+            while position < end:  # adjacent placeholders, or an item expanded by an earlier processing
+                index = used[modality]
+                if index == len(given):
+                    raise MultiModalInputError(self._count_problem(modality, index + 1, len(given)))
+                tokens = self._checked_tokens(modality, given[index], index)
                 expanded = tokens.replacement
                 taken = len(expanded) if token_ids[position : position + len(expanded)] == expanded else 1
-                features.append(MultiModalFeature(image_hash(image.image), len(ids), len(expanded), image.source,
-                                                  tokens.is_embed, tokens.grid))
+                features.append(_feature(modality, given[index], len(ids), tokens))
+                used[modality] += 1
                 ids += expanded
                 position += taken
             last = end
-        if len(features) < len(images):
-            raise MultiModalInputError(self._count_problem(len(features), len(images)))
+        for modality, given in items.items():
+            if used[modality] < len(given):
+                raise MultiModalInputError(self._count_problem(modality, used[modality], len(given)))
         ids += token_ids[last:]
         prompt = ProcessedPrompt(ids, features)
         if (rope := self.rope_positions(ids, features)) is not None:
             prompt.rope_positions, prompt.rope_delta = rope
         return prompt
 
-    def _checked_tokens(self, image: Image.Image, index: int) -> ImageTokens:
-        """The tokens of the prompt's image `index`. The image processor is transformers' code
-        run on a row's image: whatever it raises (a ValueError for a size it refuses, a
-        TypeError, ...) is that image's problem, not the call's.
+    def _checked_tokens(self, modality: str, item: PromptItem, index: int) -> ItemTokens:
+        """The tokens of the prompt's item `index` of `modality`. The processor is
+        transformers' code (or its rules) run on a row's item: whatever it raises (a
+        ValueError for a size it refuses, a TypeError, ...) is that item's problem, not the call's.
 
         Raises:
-            MultiModalInputError: naming the image, the processor's reason and the fix.
+            MultiModalInputError: naming the item, the processor's reason and the fix.
         """
         try:
-            return self.image_tokens(image)
+            return self.item_tokens(modality, item)
         except Exception as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+            if modality == "image":
+                image = item.image
+                raise MultiModalInputError(
+                    f"multi_modal_data['image'][{index}]: {self.limits.processor} refuses the {image.width}x"
+                    f"{image.height} {image.mode} image ({reason}): convert it to an RGB image of ordinary size and "
+                    "aspect ratio upstream") from exc
             raise MultiModalInputError(
-                f"multi_modal_data['image'][{index}]: {self.limits.processor} refuses the {image.width}x"
-                f"{image.height} {image.mode} image ({type(exc).__name__}: {exc}): convert it to an RGB image of "
-                "ordinary size and aspect ratio upstream") from exc
+                f"multi_modal_data['{modality}'][{index}]: the {self.hf_config.model_type} processor refuses the "
+                f"{item.seconds:,.2f} s clip ({reason}): cut or fix the clip upstream") from exc
 
-    def _placeholder_runs(self, token_ids: list[int]) -> list[tuple[int, int]]:
-        """(start, length) of each run of image tokens: single placeholders side by side,
-        or images' tokens expanded by an earlier processing."""
-        runs: list[tuple[int, int]] = []
+    def _placeholder_runs(self, token_ids: list[int]) -> list[tuple[int, int, str]]:
+        """(start, length, modality) of each run of one modality's placeholder tokens: single
+        placeholders side by side, or items' tokens expanded by an earlier processing."""
+        modality_of = {token: modality for modality, token in self.placeholder_ids.items()}
+        runs: list[tuple[int, int, str]] = []
         i = 0
         while i < len(token_ids):
-            if token_ids[i] != self.image_token_id:
+            token = token_ids[i]
+            if token not in modality_of:
                 i += 1
                 continue
             start = i
-            while i < len(token_ids) and token_ids[i] == self.image_token_id:
+            while i < len(token_ids) and token_ids[i] == token:
                 i += 1
-            runs.append((start, i - start))
+            runs.append((start, i - start, modality_of[token]))
         return runs
 
-    def _count_problem(self, placeholders: int, images: int) -> str:
-        """`placeholders` counts those read: one more than the images where they ran out."""
-        if placeholders < images:
-            return (f"multi_modal_data: {images} image(s) but the prompt has {placeholders} image placeholder(s): "
-                    f"put {self.image_placeholder!r} in the prompt once per image (LLM.chat places them), "
-                    "or drop the extra images")
-        return (f"prompt: has more image placeholders {self.image_placeholder!r} than the {images} image(s) "
-                "given: pass one image per placeholder in multi_modal_data['image']")
+    def _count_problem(self, modality: str, placeholders: int, items: int) -> str:
+        """`placeholders` counts those read: one more than the items where they ran out."""
+        noun, placeholder = ITEM_NOUNS[modality], self.placeholders[modality]
+        if placeholders < items:
+            return (f"multi_modal_data: {items} {noun}(s) but the prompt has {placeholders} {modality} placeholder(s): "
+                    f"put {placeholder!r} in the prompt once per {noun} (LLM.chat places them), "
+                    f"or drop the extra {noun}s")
+        return (f"prompt: has more {modality} placeholders {placeholder!r} than the {items} {noun}(s) "
+                f"given: pass one {noun} per placeholder in multi_modal_data['{modality}']")
+
+
+def _feature(modality: str, item: PromptItem, offset: int, tokens: ItemTokens) -> MultiModalFeature:
+    """The record of a prompt's item whose tokens start at `offset`: keyed by its content
+    hash, with its compact source (an image's as given, a clip's waveform)."""
+    if modality == "image":
+        return MultiModalFeature(image_hash(item.image), offset, len(tokens.replacement), item.source,
+                                 tokens.is_embed, tokens.grid)
+    return MultiModalFeature(item.content_hash, offset, len(tokens.replacement), item, tokens.is_embed,
+                             modality=modality)

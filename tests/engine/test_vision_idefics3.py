@@ -144,7 +144,8 @@ def test_expansion_matches_transformers(family, engine_model, splitting):
     processor.image_processor.do_image_splitting = splitting
     try:
         for images in ([IMAGES[0], IMAGES[1]], [IMAGES[3], IMAGES[2]]):
-            ours = processor.apply(processor.tokenizer(prompt)["input_ids"], [read_image(image) for image in images])
+            ours = processor.apply(processor.tokenizer(prompt)["input_ids"],
+                                   {"image": [read_image(image) for image in images]})
             assert ours.prompt_token_ids == transformers_prompt_ids(name, folder, prompt, images, splitting)
             for feature in ours.features:
                 ids = ours.prompt_token_ids[feature.offset : feature.end]

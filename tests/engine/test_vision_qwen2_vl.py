@@ -111,7 +111,7 @@ def test_rope_positions_match_get_rope_index(folder, reference, count):
     text = chat_text(folder, parts)
     processor = engine_processor(folder)
     prompt = processor.apply(processor.tokenizer(text, add_special_tokens=False).input_ids,
-                             [read_image(picture) for picture in pictures])
+                             {"image": [read_image(picture) for picture in pictures]})
     for picture in pictures:  # the grid from the size alone is the image processor's
         assert processor.image_tokens(picture) == processor.process_image(picture).tokens
     inputs = reference_inputs(folder, text, pictures)
