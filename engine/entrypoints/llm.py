@@ -378,7 +378,7 @@ class LLM:
         """The text that stands for one image in a prompt of this model ("<image>"); None
         for a model that reads text only."""
         processor = self.llm_engine.mm_processor
-        return processor.image_placeholder if processor is not None else None
+        return processor.placeholders.get("image") if processor is not None else None
 
     @property
     def image_limits(self) -> ImageLimits:
@@ -386,7 +386,7 @@ class LLM:
         the decode budget in pixels and the aspect ratio its image processor takes (the
         engine's default budget for a model that reads text only)."""
         processor = self.llm_engine.mm_processor
-        return processor.limits if processor is not None else ImageLimits()
+        return processor.limits if processor is not None and "image" in processor.modalities else ImageLimits()
 
     @property
     def max_num_seqs(self) -> int:

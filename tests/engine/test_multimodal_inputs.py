@@ -41,16 +41,13 @@ class ImageAndAudioProcessor(LlavaMultiModalProcessor):
     tiny tokenizer has and prompts do not use) and becomes one such token per 0.1 s; a clip
     under 50 ms is refused, as a feature extractor refuses one shorter than its frame."""
 
+    modalities = ("image", "audio")
     audio_placeholder = "<|endoftext|>"
     audio_limits = AudioLimits(sample_rate=RATE, max_seconds=2.0)
 
     @property
-    def placeholder_ids(self) -> dict[str, int]:
-        return {**super().placeholder_ids, "audio": self.tokenizer.convert_tokens_to_ids(self.audio_placeholder)}
-
-    @property
-    def placeholders(self) -> dict[str, str]:
-        return {**super().placeholders, "audio": self.audio_placeholder}
+    def audio_token_id(self) -> int:
+        return self.tokenizer.convert_tokens_to_ids(self.audio_placeholder)
 
     def audio_tokens(self, audio: PromptAudio) -> ItemTokens:
         if audio.seconds < 0.05:

@@ -1,0 +1,125 @@
+"""Whisper through the engine (an encoder-decoder model): greedy tokens equal transformers'
+`generate` in float32 for a batch of clips of different lengths, tasks and languages, however
+the engine schedules them (decoder prompts in chunks, preemption and recompute), each distinct
+clip encoded once; and the rows it refuses."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from engine import LLM, SamplingParams
+from tests.audio_models.whisper import SAMPLE_RATE, build_tiny_whisper
+
+PROMPTS = [
+    "<|startoftranscript|><|en|><|transcribe|><|notimestamps|>",
+    "<|startoftranscript|><|fr|><|translate|><|notimestamps|>",
+    "<|prev|> hello there, how are you<|startoftranscript|><|en|><|transcribe|><|notimestamps|>",
+    "<|startoftranscript|><|en|><|translate|>",
+]
+NEW_TOKENS = 20
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def whisper(tmp_path_factory) -> Path:
+    return build_tiny_whisper(tmp_path_factory.mktemp("whisper"))
+
+
+def clips() -> list[np.ndarray]:
+    """Four clips of different lengths within the 2 s window: a tone, a chirp, noise, and
+    bursts of a low tone with silence between them."""
+    rng = np.random.default_rng(0)
+    t = np.arange(2 * SAMPLE_RATE) / SAMPLE_RATE
+    tone = 0.5 * np.sin(2 * np.pi * 440 * t)
+    chirp = 0.3 * np.sin(2 * np.pi * (200 + 800 * t) * t)
+    bursts = 0.4 * np.sin(2 * np.pi * 150 * t) * (np.sin(2 * np.pi * 3 * t) > 0)
+    return [wave.astype(np.float32) for wave in (tone[:16000], chirp[:12000], rng.normal(0, 0.2, 8000),
+                                                  bursts[:30000])]
+
+
+def rows() -> list[dict]:
+    """The four clips with their prompts, and the first clip again under the third prompt."""
+    waves = clips()
+    given = [{"prompt": p, "multi_modal_data": {"audio": (w, SAMPLE_RATE)}} for p, w in zip(PROMPTS, waves)]
+    return given + [{"prompt": PROMPTS[2], "multi_modal_data": {"audio": (waves[0], SAMPLE_RATE)}}]
+
+
+@pytest.fixture(scope="module")
+def expected(whisper) -> list[list[int]]:
+    """transformers' greedy tokens for each row, one clip at a time (float32)."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(whisper)
+    extractor = transformers.WhisperFeatureExtractor.from_pretrained(whisper)
+    model = transformers.WhisperForConditionalGeneration.from_pretrained(whisper, dtype=torch.float32).eval()
+    tokens = []
+    for row in rows():
+        wave, rate = row["multi_modal_data"]["audio"]
+        features = extractor(wave, sampling_rate=rate, return_tensors="pt").input_features
+        prompt = torch.tensor([tokenizer(row["prompt"], add_special_tokens=False).input_ids])
+        out = model.generate(features, decoder_input_ids=prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
+        tokens.append(out[0, -NEW_TOKENS:].tolist())
+    return tokens
+
+
+def kv_token_bytes(folder: Path) -> int:
+    """Bytes of float32 keys and values one token takes (the decoder's layers; cross-attention
+    shares their blocks)."""
+    config = json.loads((folder / "config.json").read_text())
+    return 2 * config["decoder_layers"] * config["d_model"] * 4
+
+
+def greedy(llm: LLM) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in llm.generate(rows(), GREEDY, use_tqdm=False)]
+
+
+def test_greedy_tokens_equal_transformers_and_each_clip_is_encoded_once(whisper, expected):
+    with LLM(str(whisper), dtype="float32") as llm:
+        assert greedy(llm) == expected
+        assert llm.get_stats().num_audios_encoded == 4  # the repeated clip once
+        assert llm.get_stats().num_images_encoded == 0
+        manager = llm.llm_engine.block_manager
+        assert manager.num_free_blocks == manager.num_blocks  # cross blocks returned with the rest
+
+
+@pytest.mark.parametrize("schedule", ["chunked", "preempting"])
+def test_chunked_decoder_prompts_and_preemption_change_no_token(whisper, expected, schedule):
+    cross_blocks = -(-100 // 16)
+    # Chunks of 3 tokens (a clip's 100 encoder rows still run whole: a step's first item
+    # always fits); or two sequences' cross blocks and first decoder blocks and one block
+    # more: every sequence outgrows its first block (prompt plus 20 tokens), so one of two is
+    # preempted, and recomputes from its cross blocks on.
+    settings = ({"max_num_batched_tokens": 3} if schedule == "chunked" else
+                {"kv_cache_memory": (2 * (cross_blocks + 1) + 1) * 16 * kv_token_bytes(whisper)})
+    with LLM(str(whisper), dtype="float32", **settings) as llm:
+        assert greedy(llm) == expected
+        engine = llm.llm_engine
+        assert engine.stats.num_audios_encoded == 4  # held in the encoder cache through recomputes
+        assert engine.scheduler.num_preemptions > 0 or schedule == "chunked"
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_whisper_rows_are_refused_with_their_fix(whisper):
+    wave = clips()[0]
+    long_clip = np.zeros(3 * SAMPLE_RATE, dtype=np.float32)
+    with LLM(str(whisper), dtype="float32") as llm:
+        good = {"prompt": PROMPTS[0], "multi_modal_data": {"audio": (wave, SAMPLE_RATE)}}
+        bad = [
+            PROMPTS[0],
+            {"prompt": PROMPTS[0], "multi_modal_data": {"audio": [(wave, SAMPLE_RATE), (wave, SAMPLE_RATE)]}},
+            {"prompt": PROMPTS[0], "multi_modal_data": {"audio": (long_clip, SAMPLE_RATE)}},
+            {"prompt": PROMPTS[0], "multi_modal_data": {"image": b"png"}},
+            {"prompt": PROMPTS[0], "multi_modal_data": {"audio": b"not audio"}},
+        ]
+        problems = llm.validate([good, *bad])
+        assert problems[0] is None
+        assert "whisper generates from audio only" in problems[1]
+        assert "one clip per prompt, got 2" in problems[2]
+        assert "3.00 s long" in problems[3] and "LLM.transcribe" in problems[3]
+        assert "multi_modal_data['image']: the model reads no image" in problems[4]
+        assert problems[5].startswith("multi_modal_data['audio'][0]:")
+        with pytest.raises(ValueError, match="nothing was run"):
+            llm.generate(bad[:1], GREEDY, use_tqdm=False)
+        assert llm.get_stats().num_steps == 0
