@@ -20,7 +20,7 @@ import engine
 from dagster_llm.core.checks import DESCRIPTIONS, PARSE_RATE, PARSE_RATE_DESCRIPTION, evaluate
 from dagster_llm.core.generation import GenerationRun, PartitionInput, PartitionResult, RunOptions
 from dagster_llm.core.prompts import (
-    PartitionSettings, PromptTableError, check_columns, read_rows, to_dataframe, tools_problem,
+    ModelMedia, PartitionSettings, PromptTableError, check_columns, read_rows, to_dataframe, tools_problem,
 )
 from dagster_llm.core.sampling import BeamSearchConfig, SamplingConfig, used_values
 from dagster_llm.core.schema import ToolArguments, tool_columns_problem
@@ -47,7 +47,8 @@ def build_generation_asset(name: str, upstream: str | dg.AssetKey | dg.AssetsDef
     text, or chat messages ([{"role", "content"}, ...]) rendered with the model's chat
     template (`chat=True` also wraps plain text as one user message). Optional columns
     named like `SamplingConfig` fields override the partition's sampling for their row;
-    `image_column` names a column of each row's images for a vision-language model.
+    `image_column` names a column of each row's images for a vision-language model,
+    `audio_column` one of each row's audio clips for a model that reads audio.
 
     The generation table goes through the IO manager (`ParquetIOManager`: one Parquet file
     per partition), so downstream assets take it as an input. With that IO manager, rows
@@ -55,16 +56,16 @@ def build_generation_asset(name: str, upstream: str | dg.AssetKey | dg.AssetsDef
     materialization, checks) as soon as its rows are done, and a rerun after a crash
     generates only the rows that are missing (`resumed_rows` in the metadata). A
     partition's data version digests its rows (id, prompt, the sampling used, adapter and
-    its fingerprint, the sha256 of each image), the model's files (weights, config, tokenizer,
-    chat template, generation_config.json), every engine setting that can change a row as the
-    engine resolved it (dtype, quantization, KV cache dtype, max_model_len, the reasoning and
+    its fingerprint, the sha256 of each image and clip), the model's files (weights, config,
+    tokenizer, chat template, generation_config.json), every engine setting that can change a
+    row as the engine resolved it (dtype, quantization, KV cache dtype, max_model_len, the reasoning and
     tool-call parsers...) and the code version. When it changes,
     a reproducible row (greedy, seeded or beam search) whose row digest matches a
     committed row of the asset is reused rather than generated (`reused_rows`;
     `reuse_rows=False` turns this off), so adding rows or editing one generates just those.
 
     A row that cannot run (null or bad prompt, bad override, unknown or broken adapter,
-    unreadable image, repeated id, too long) gets its `error` and the others run. A
+    unreadable image or clip, repeated id, too long) gets its `error` and the others run. A
     reasoning model's reasoning goes to the `reasoning` column and its tool calls (with
     `tools`) to `tool_calls`; `generated_text` is the answer. The asset carries five checks
     per partition (error rows, empty generations, truncation rate, unique ids, reasoning
@@ -175,7 +176,7 @@ def generation_asset(spec: GenerationSpec, partitions_def: dg.PartitionsDefiniti
 
     @table_asset(spec, partitions_def, code_version=d.code_version,
                  default_description=f"LLM completions of {spec.upstream}.{spec.prompt_column}",
-                 column_schema=column_schema(output.default, spec.image_column is not None, d.tool),
+                 column_schema=column_schema(output.default, tuple(spec.media_columns), d.tool),
                  input_name="prompts", checks=_checks(d.structured),
                  resource_keys=[spec.resource_key], backfill_policy=_backfill_policy(spec, partitions_def),
                  op_tags=spec.kubernetes.tags() if spec.kubernetes else None)
@@ -279,6 +280,7 @@ class _GenerationStep(PartitionedStep):
                 llm: "engine.LLM") -> list[PartitionInput]:
         """Each partition's rows with its adapter, structured output and storage."""
         defaults, tokenizer = llm.get_default_sampling_params(), llm.get_tokenizer()
+        media = ModelMedia.of(llm, self.spec)
         parts = []
         try:
             for key in self.keys:
@@ -286,9 +288,9 @@ class _GenerationStep(PartitionedStep):
                                              self.d.output.for_partition(key), defaults, self.d.beam.for_partition(key),
                                              self.d.tool_choice)
                 self.settings[key] = settings
-                rows = read_rows(frames[key], settings, self.spec, tokenizer, llm.image_placeholder, llm.image_limits)
+                rows = read_rows(frames[key], settings, self.spec, tokenizer, media)
                 store = self.store.partition(self.spec.asset_key.path, key) if self.store else None
-                parts.append(PartitionInput(key, rows, store, settings.output, self.spec.image_column is not None,
+                parts.append(PartitionInput(key, rows, store, settings.output, tuple(self.spec.media_columns),
                                             self.d.tool, self.d.tool_choice))
         except PromptTableError as exc:
             raise dg.Failure(f"{self.spec.name}: {exc}; nothing was run") from None

@@ -1,6 +1,7 @@
 """What a generation asset shows in Dagster: its column schema and lineage, a preview of
 the first rows, and each partition's materialization metadata."""
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,38 +35,38 @@ class PartitionFacts:
     upstream_data_version: str | None
 
 
-def column_schema(output: StructuredOutput | None, images: bool = False,
+def column_schema(output: StructuredOutput | None, media: Sequence[str] = (),
                   tool: ToolArguments | None = None) -> dg.TableSchema:
-    """The generation table's columns (with a structured output's typed columns, the image
-    digests where the prompts have images, and the tool's argument columns) and their
+    """The generation table's columns (with a structured output's typed columns, the digests
+    of each modality the prompts have a column of, and the tool's argument columns) and their
     descriptions."""
     descriptions = column_descriptions(output, tool)
     return dg.TableSchema(columns=[
         dg.TableColumn(f.name, str(f.type), description=descriptions[f.name])
-        for f in generation_schema(output, images, tool)
+        for f in generation_schema(output, media, tool)
     ])
 
 
 def table_metadata(table: pa.Table, spec: GenerationSpec, output: StructuredOutput | None,
                    tool: ToolArguments | None) -> dict[str, object]:
     """Row count, column schema, column lineage (every generated column comes from the
-    prompt, and from the images where there are some) and the preview."""
+    prompt, and from the images and clips where there are some) and the preview."""
     def from_columns(*columns: str) -> list[dg.TableColumnDep]:
         return [dg.TableColumnDep(asset_key=spec.upstream_key, column_name=column) for column in columns]
 
-    generated = [spec.prompt_column, *([spec.image_column] if spec.image_column is not None else [])]
+    generated = [spec.prompt_column, *spec.media_columns.values()]
     typed = (*output_columns(output), *tool_columns(tool))
     derived = ["reasoning", "tool_calls", *(column.name for column in typed)]
     lineage = dg.TableColumnLineage(deps_by_column={
         "generated_text": from_columns(*generated),
         "prompt": from_columns(spec.prompt_column),
         "id": from_columns(spec.id_column),
-        **({"image_digests": from_columns(spec.image_column)} if spec.image_column is not None else {}),
+        **{f"{modality}_digests": from_columns(column) for modality, column in spec.media_columns.items()},
         **{name: from_columns(*generated) for name in derived},
     })
     return {
         "dagster/row_count": table.num_rows,
-        "dagster/column_schema": column_schema(output, spec.image_column is not None, tool),
+        "dagster/column_schema": column_schema(output, tuple(spec.media_columns), tool),
         "dagster/column_lineage": lineage,
         "preview": dg.MetadataValue.md(preview_markdown(table)),
     }

@@ -184,7 +184,7 @@ class GenerationSpec(CheckThresholds, PromptTableRules, AssetKeys):
         """Digest of every setting that changes the table: all fields but the operational
         ones and the check thresholds (they judge the table, they do not change it).
         Adapters enter each row's data version by the fingerprint of their weights."""
-        return digest(self.model_dump(mode="json", exclude=data_version_exclusions()))
+        return digest(self._settings(data_version_exclusions()))
 
     def row_settings_digest(self) -> str:
         """Digest of the settings that every row's result depends on: the settings digest's
@@ -192,7 +192,14 @@ class GenerationSpec(CheckThresholds, PromptTableRules, AssetKeys):
         adapter, beam search and output; its prompt, id and images whatever their column's
         name; whether a repeated id is an error). Changing one partition's sampling then
         regenerates that partition's rows only."""
-        return digest(self.model_dump(mode="json", exclude=data_version_exclusions() | _RESOLVED_PER_ROW))
+        return digest(self._settings(data_version_exclusions() | _RESOLVED_PER_ROW))
+
+    def _settings(self, exclude: set[str]) -> dict[str, Any]:
+        """The fields a digest reads: all but `exclude`, and but the settings added after tables
+        existed while they are unset, so that a new setting keeps the old tables' versions."""
+        values = self.model_dump(mode="json", exclude=exclude)
+        return {name: value for name, value in values.items()
+                if not (name in _ADDED_LATER and value == GenerationSpec.model_fields[name].default)}
 
     def thresholds(self) -> CheckThresholds:
         return CheckThresholds(**self.model_dump(include=set(CheckThresholds.model_fields)))
@@ -201,8 +208,10 @@ class GenerationSpec(CheckThresholds, PromptTableRules, AssetKeys):
 _RESOLVED_PER_ROW = {
     "sampling", "sampling_by_partition", "beam_search", "beam_search_by_partition", "adapter", "adapter_by_partition",
     "output_schema", "choices", "output_schema_by_partition", "choices_by_partition", "prompt_column", "id_column",
-    "adapter_column", "image_column", "duplicate_ids",
+    "adapter_column", "image_column", "audio_column", "duplicate_ids",
 }
+# Settings added after tables were made with this spec: left out of the digests at their defaults.
+_ADDED_LATER = {"audio_column"}
 
 
 def data_version_exclusions() -> set[str]:

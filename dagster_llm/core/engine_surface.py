@@ -13,8 +13,9 @@ What the core takes, and why:
   problems found, before any row runs, exactly as `LLM.chat` would render it;
 - `tool_choice`: a table's forced tool call is checked against its tools where the asset is
   defined, and its calls are read from what the grammar made, as `LLM.chat` reads them;
-- images: a row's images are read and checked against the model's limits with the engine's
-  own loader, so a row the engine would refuse is an error row before the model runs;
+- images and audio: a row's images and clips are read and checked against the model's limits
+  with the engine's own readers (and their errors named as the engine names them), so a row
+  the engine would refuse is an error row before the model runs;
 - the model cache folder (`default_cache_dir`): model folders fetched from an object store
   go where the engine looks for models;
 - the OpenAI batch protocol: a request table's rows are checked with the very line checks
@@ -47,18 +48,23 @@ _EXPORTS = {
     "StepCost": "engine.core.step_cost",
     "StepTimes": "engine.core.step_cost",
     # Chat rendering and its checks
-    "chat_images": "engine.entrypoints.chat_utils",
     "chat_messages_problem": "engine.entrypoints.chat_utils",
     "invalid_unicode_problem": "engine.entrypoints.chat_utils",
     "render_chat": "engine.entrypoints.chat_utils",
+    "unread_parts_problem": "engine.entrypoints.chat_utils",
     # tool_choice: checked against the tools, its grammar, the calls read from it
     "ToolChoice": "engine.entrypoints.tool_choice",
     "apply_tool_choice": "engine.entrypoints.tool_choice",
     "grammar_problem": "engine.entrypoints.tool_choice",
-    # Images in prompts
-    "ImageInputError": "engine.multimodal.image",
+    # Images and audio in prompts
+    "IMAGE": "engine.multimodal.image",
     "ImageLimits": "engine.multimodal.image",
     "load_image": "engine.multimodal.image",
+    "AUDIO": "engine.multimodal.audio",
+    "AudioLimits": "engine.multimodal.audio",
+    "read_audio": "engine.multimodal.audio",
+    "MediaKind": "engine.multimodal.media",
+    "short_location": "engine.multimodal.media",
     # Where the engine looks for models
     "default_cache_dir": "engine.model_loader.embedded_model",
     # The OpenAI batch protocol (line checks, error codes), and the run of lines of one task on a loaded LLM

@@ -56,12 +56,13 @@ class RunOptions:
 class PartitionInput(PartitionRows[PromptRow]):
     """One partition to generate: its prompt rows, its storage (None: nothing is saved until
     the caller stores the table), what its completions must be (None: free text), whether
-    its prompt table has an image column (its table then records each row's image digests),
+    its prompt table has image or audio columns (`media`: their modalities; its table then
+    records each row's digests of those),
     the argument columns of its one declared tool (None: none) and its tool choice (a forced
     one's calls are read from what its grammar made)."""
 
     output: StructuredOutput | None = None
-    images: bool = False
+    media: tuple[str, ...] = ()
     tool: ToolArguments | None = None
     tool_choice: ToolChoice = ToolChoice()
 
@@ -196,10 +197,10 @@ class GenerationRun(PartitionRun[PartitionInput, PartitionStats]):
         """Digest of everything the partition's table depends on: the code version, the model's
         files and the output settings the engine resolved for them (rows of other settings never
         join the table: a resume on a machine that resolves otherwise regenerates), the rows;
-        images by their contents' digests, so that new bytes under the same path are a new
-        version."""
+        images and clips by their contents' digests, so that new bytes under the same path are
+        a new version."""
         rows = [(r.id, r.prompt_text, used_values(r.params), r.adapter, self.fingerprints.get(r.adapter), r.error,
-                 r.beam.model_dump() if r.beam is not None else None, r.image_digests)
+                 r.beam.model_dump() if r.beam is not None else None, *_media_digests(r))
                 for r in part.rows]
         output = part.source.output.describe() if part.source.output is not None else None
         return digest({"code_version": self.options.code_version, "model": model, "rows": rows,
@@ -214,12 +215,13 @@ class GenerationRun(PartitionRun[PartitionInput, PartitionStats]):
         the same result. Unseeded sampled rows get none: they are never reused."""
         source = part.source
         shared = digest({"settings": self.options.row_settings or self.options.code_version, "model": model,
-                         "columns": str(generation_schema(source.output, source.images, source.tool)),
+                         "columns": str(generation_schema(source.output, source.media, source.tool)),
                          "output": source.output.describe() if source.output is not None else None})
         return {row.position: digest({
             "shared": shared, "prompt": row.prompt_text, "tokens": _token_digest(row.prompt["prompt_token_ids"]),
             "sampling": used_values(row.params), "adapter": [row.adapter, self.fingerprints.get(row.adapter)],
-            "beam": row.beam.model_dump() if row.beam is not None else None, "images": row.image_digests,
+            "beam": row.beam.model_dump() if row.beam is not None else None, "images": row.digests.get("image"),
+            **({"audio": row.digests["audio"]} if row.digests.get("audio") else {}),
         })[:32] for row in part.rows if row.error is None and _reproducible(row)}
 
     def _reuse(self, parts: list[_Partition]) -> None:
@@ -310,7 +312,7 @@ class GenerationRun(PartitionRun[PartitionInput, PartitionStats]):
         return result_record(row, None, self.options.model_id, part.source.tool)
 
     def _table(self, part: _Partition, records: list[dict[str, Any]]) -> pa.Table:
-        return records_table(records, part.source.output, images=part.source.images, tool=part.source.tool)
+        return records_table(records, part.source.output, media=part.source.media, tool=part.source.tool)
 
     def _reusable_rows(self, part: _Partition) -> dict[int, str]:
         """The digests of the committed table's reproducible rows, by position."""
@@ -345,6 +347,13 @@ def digest(value: object) -> str:
 
 def _token_digest(token_ids: Sequence[int]) -> str:
     return hashlib.sha256(array.array("q", token_ids).tobytes()).hexdigest()
+
+
+def _media_digests(row: PromptRow) -> list[list[str] | None]:
+    """The row's digests as its data version reads them: its images' (None: no image column,
+    or unread), then its clips' where it has any (a table made before audio columns keeps its
+    version)."""
+    return [row.digests.get("image"), *([row.digests["audio"]] if row.digests.get("audio") else [])]
 
 
 def _reproducible(row: PromptRow) -> bool:

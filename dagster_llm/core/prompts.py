@@ -1,7 +1,8 @@
-"""Prompt tables in: column checks, per-row overrides, images, chat rendering and every
+"""Prompt tables in: column checks, per-row overrides, images and audio, chat rendering and every
 row's problem found before the model runs. Rows in, `PromptRow`s out."""
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -11,9 +12,10 @@ import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from dagster_llm.core.engine_surface import (
-    ImageLimits, SamplingParams, ToolChoice, chat_images, chat_messages_problem, invalid_unicode_problem, render_chat,
+    SamplingParams, ToolChoice, chat_messages_problem, invalid_unicode_problem, render_chat,
+    unread_parts_problem,
 )
-from dagster_llm.core.images import RowImages, read_images
+from dagster_llm.core.media import MediaColumn, RowItems, audio_column, image_column, read_column
 from dagster_llm.core.sampling import SAMPLING_FIELD_NAMES, BeamSearchConfig, SamplingConfig
 from dagster_llm.core.structured import StructuredOutput
 
@@ -57,6 +59,12 @@ class PromptTableRules(BaseModel):
                                   "bytes, a local path, a file://, data: or object-store URI) for a vision-language "
                                   "model; with chat the images open the last user message, else the prompt text "
                                   "holds the model's image placeholder once per image.")
+    audio_column: str | None = Field(
+        default=None, description="Optional prompt-table column of each row's audio clip or list of clips (encoded "
+                                  "bytes in any format libsndfile or FFmpeg decodes, a local path, a file://, data: "
+                                  "or object-store URI, or Hugging Face's {'array', 'sampling_rate'}) for a model "
+                                  "that reads audio; with chat the clips open the last user message (after any "
+                                  "images), else the prompt text holds the model's audio placeholder once per clip.")
     duplicate_ids: Literal["error", "keep"] = Field(
         default="error", description="'error' (a repeated id is an error row and fails the unique_ids check) or "
                                      "'keep' (every copy is generated).")
@@ -65,6 +73,13 @@ class PromptTableRules(BaseModel):
     @classmethod
     def _folders_as_text(cls, value: object) -> object:
         return {name: str(folder) for name, folder in value.items()} if isinstance(value, dict) else value
+
+    @property
+    def media_columns(self) -> dict[str, str]:
+        """The column of each modality the prompts carry ("image", "audio"), in the order a
+        chat message holds them."""
+        return {modality: column for modality, column in (("image", self.image_column), ("audio", self.audio_column))
+                if column is not None}
 
 
 _TOOL_EXAMPLE = ("{'type': 'function', 'function': {'name': 'get_weather', 'description': 'The weather in a city.', "
@@ -113,7 +128,8 @@ class PromptRow:
     error: str | None = None
     output: StructuredOutput | None = None
     beam: BeamSearchConfig | None = None
-    image_digests: list[str] | None = None  # sha256 of each image's bytes; None: no image column, or unread
+    # sha256 of each item's bytes per modality with a column ("image", "audio"); absent: unread
+    digests: dict[str, list[str]] = field(default_factory=dict)
 
     def fail(self, problem: str) -> None:
         """Records a problem; the first one found is the row's error."""
@@ -130,7 +146,8 @@ def to_dataframe(value: object, upstream: str, where: str) -> pd.DataFrame:
 
 
 def check_columns(frame: pd.DataFrame, spec: PromptTableRules, where: str) -> None:
-    arguments = {"id_column": spec.id_column, "prompt_column": spec.prompt_column, "image_column": spec.image_column}
+    arguments = {"id_column": spec.id_column, "prompt_column": spec.prompt_column,
+                 **{f"{modality}_column": column for modality, column in spec.media_columns.items()}}
     missing = [(argument, c) for argument, c in arguments.items() if c is not None and c not in frame.columns]
     if missing:
         argument, column = missing[0]
@@ -158,13 +175,38 @@ class PartitionSettings:
         return sampling.effective_params(self.defaults, constraint)
 
 
+@dataclass(frozen=True)
+class ModelMedia:
+    """What a model reads besides text: the text that stands for one item in its prompts, per
+    modality it reads (none: a text-only model), and how each modality's column is read for
+    it (the limits of its images and clips; a modality not given: the engine's default limits)."""
+
+    placeholders: dict[str, str] = field(default_factory=dict)
+    columns: dict[str, MediaColumn] = field(default_factory=dict)
+
+    def column(self, modality: str) -> MediaColumn:
+        """How the column of `modality` is read."""
+        return self.columns.get(modality) or _COLUMN_READERS[modality]()
+
+    @classmethod
+    def of(cls, llm: Any, spec: "PromptTableRules") -> "ModelMedia":
+        """The loaded `llm`'s (its `image_placeholder`, `image_limits`, `audio_placeholder`...),
+        for the columns `spec` reads."""
+        placeholders = {modality: text for modality in _COLUMN_READERS
+                        if (text := getattr(llm, f"{modality}_placeholder")) is not None}
+        return cls(placeholders, {modality: _COLUMN_READERS[modality](getattr(llm, f"{modality}_limits"))
+                                  for modality in spec.media_columns})
+
+
+# How each modality's column is read, given the model's limits for it (None: the engine's defaults).
+_COLUMN_READERS: dict[str, Callable[..., MediaColumn]] = {"image": image_column, "audio": audio_column}
+
+
 def read_rows(frame: pd.DataFrame, partition: PartitionSettings, spec: PromptTableRules,
-              tokenizer: Any, image_placeholder: str | None = None,
-              image_limits: ImageLimits = ImageLimits()) -> list[PromptRow]:
-    """The partition's rows, rendered to token ids, with their images read (`image_column`);
-    a row that cannot run gets its error. `image_placeholder` is the text that stands for
-    one image in the model's prompts (None: a text-only model), `image_limits` what an image
-    may be for it (`LLM.image_limits`: its decode budget and aspect ratio).
+              tokenizer: Any, media: ModelMedia = ModelMedia()) -> list[PromptRow]:
+    """The partition's rows, rendered to token ids, with their images and clips read
+    (`image_column`, `audio_column`) as `media` says the model reads them; a row that cannot
+    run gets its error.
 
     Raises:
         PromptTableError: the partition's own sampling clashes with the model's defaults.
@@ -176,7 +218,8 @@ def read_rows(frame: pd.DataFrame, partition: PartitionSettings, spec: PromptTab
         raise PromptTableError(f"the sampling{where}: {exc}") from None
     overrides = [c for c in SAMPLING_FIELD_NAMES if c in frame.columns]
     first_position: dict[str, int] = {}
-    images = read_images(frame[spec.image_column].tolist(), image_limits) if spec.image_column is not None else None
+    columns = {modality: read_column(frame[column].tolist(), media.column(modality))
+               for modality, column in spec.media_columns.items()}
     rows = []
     for position, record in enumerate(frame.to_dict("records")):
         raw_id = record[spec.id_column]
@@ -186,9 +229,9 @@ def read_rows(frame: pd.DataFrame, partition: PartitionSettings, spec: PromptTab
         _check_id(row, first_position, spec)
         _apply_adapter(row, record, spec)
         _apply_overrides(row, {c: _plain(record[c]) for c in overrides if not missing_cell(record[c])}, partition)
-        row_images = _attach_images(row, images[position], spec, image_placeholder) if images else None
-        _render(row, record[spec.prompt_column], spec, tokenizer, image_placeholder, row_images,
-                partition.tool_choice.mode)
+        items = {modality: _attach_items(row, modality, read[position], spec, media)
+                 for modality, read in columns.items()}
+        _render(row, record[spec.prompt_column], spec, tokenizer, media, items, partition.tool_choice.mode)
         rows.append(row)
     return rows
 
@@ -227,33 +270,41 @@ def _apply_adapter(row: PromptRow, record: dict, spec: PromptTableRules) -> None
                  "declare it in adapters= or fix the row")
 
 
-def _attach_images(row: PromptRow, images: RowImages, spec: PromptTableRules,
-                   image_placeholder: str | None) -> list[bytes]:
-    """Records the row's image digests; the images its prompt carries (none where it fails)."""
-    column = spec.image_column
-    if images.problem is not None:
+# What a row's messages call one item of each modality, and the models that read it.
+_NOUNS = {"image": "image", "audio": "clip"}
+_READERS = {"image": "a vision-language model", "audio": "a model that reads audio (Qwen2-Audio, Voxtral, Whisper)"}
+
+
+def _attach_items(row: PromptRow, modality: str, items: RowItems, spec: PromptTableRules,
+                  media: ModelMedia) -> list[object]:
+    """Records the row's digests of `modality`; the items its prompt carries (none where it fails)."""
+    column = spec.media_columns[modality]
+    if items.problem is not None:
         which = f"row {row.id!r}" if row.id is not None else f"the row at position {row.position}"
-        row.fail(f"{column}: {which}: {images.problem}")
+        row.fail(f"{column}: {which}: {items.problem}")
         return []
-    row.image_digests = images.digests
-    if images.data and image_placeholder is None:
-        row.fail(f"{column}: the model reads text only, so it cannot take the row's {len(images.data)} image(s): "
-                 "point the resource's model_id at a vision-language model, or leave image_column unset")
-    return images.data
+    row.digests[modality] = items.digests
+    if items.data and modality not in media.placeholders:
+        reads = "text only" if not media.placeholders else f"no {modality}"
+        row.fail(f"{column}: the model reads {reads}, so it cannot take the row's {len(items.data)} "
+                 f"{_NOUNS[modality]}(s): point the resource's model_id at {_READERS[modality]}, or leave "
+                 f"{modality}_column unset")
+    return items.data
 
 
 def _render(row: PromptRow, value: object, spec: PromptTableRules, tokenizer: Any,
-            image_placeholder: str | None, images: list[bytes] | None, tool_choice: str) -> None:
-    """Sets the row's prompt text (as stored) and the engine prompt (token ids and images;
-    a chat's tools and its `tool_choice` mode)."""
+            media: ModelMedia, items: dict[str, list[object]], tool_choice: str) -> None:
+    """Sets the row's prompt text (as stored) and the engine prompt (token ids, images and
+    clips; a chat's tools and its `tool_choice` mode)."""
     value = _plain(value)
     messages = _read_prompt(row, value, spec)
     if row.error is not None:
         return
+    items = {modality: data for modality, data in items.items() if data}
     if messages is None:
-        _text_prompt(row, value, spec, tokenizer, image_placeholder, images or [])
+        _text_prompt(row, value, spec, tokenizer, media, items)
     else:
-        _chat_prompt(row, messages, spec, tokenizer, image_placeholder, images or [], tool_choice)
+        _chat_prompt(row, messages, spec, tokenizer, media, items, tool_choice)
 
 
 def _read_prompt(row: PromptRow, value: object, spec: PromptTableRules) -> list[dict[str, Any]] | None:
@@ -284,37 +335,41 @@ def _read_prompt(row: PromptRow, value: object, spec: PromptTableRules) -> list[
 
 
 def _text_prompt(row: PromptRow, text: str, spec: PromptTableRules, tokenizer: Any,
-                 image_placeholder: str | None, images: list[bytes]) -> None:
-    """A plain-text prompt, whose text places each image by the model's placeholder."""
-    if spec.image_column is not None and image_placeholder is not None:
-        found = text.count(image_placeholder)
-        if found != len(images):
-            row.fail(f"{spec.prompt_column}: holds {found} {image_placeholder!r} placeholder(s) for the row's "
-                     f"{len(images)} image(s) in {spec.image_column!r}: write {image_placeholder!r} once where each "
-                     "image goes, or set chat=True for the model's chat template to place them")
+                 media: ModelMedia, items: dict[str, list[object]]) -> None:
+    """A plain-text prompt, whose text places each item by the model's placeholder of its modality."""
+    for modality, column in spec.media_columns.items():
+        if (placeholder := media.placeholders.get(modality)) is None:
+            continue
+        found, given = text.count(placeholder), len(items.get(modality, []))
+        if found != given:
+            noun = _NOUNS[modality]
+            row.fail(f"{spec.prompt_column}: holds {found} {placeholder!r} placeholder(s) for the row's {given} "
+                     f"{noun}(s) in {column!r}: write {placeholder!r} once where each {noun} goes, or set chat=True "
+                     "for the model's chat template to place them")
             return
     row.prompt = {"prompt": text, "prompt_token_ids": tokenizer(text).input_ids}
-    if images:
-        row.prompt["multi_modal_data"] = {"image": images}
+    if items:
+        row.prompt["multi_modal_data"] = items
 
 
 def _chat_prompt(row: PromptRow, messages: list[dict[str, Any]], spec: PromptTableRules, tokenizer: Any,
-                 image_placeholder: str | None, images: list[bytes], tool_choice: str) -> None:
+                 media: ModelMedia, items: dict[str, list[object]], tool_choice: str) -> None:
     """A conversation rendered with the model's chat template, which gets the spec's tools and
-    chat_template_kwargs; the row's images open its last user message."""
-    if image_placeholder is None and chat_images(messages):
-        row.fail(f"{spec.prompt_column}: the conversation holds image parts, but the model reads text only: point "
-                 "the resource's model_id at a vision-language model, or drop the image parts")
+    chat_template_kwargs; the row's images, then its clips, open its last user message."""
+    if (problem := unread_parts_problem(messages, media.placeholders)) is not None:
+        row.fail(f"{spec.prompt_column}: {problem}")
         return
-    if images:
+    if items:
         last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
         if last_user is None:
-            row.fail(f"{spec.image_column}: the conversation has no user message for the row's images: add one")
+            columns = " and ".join(spec.media_columns[modality] for modality in items)
+            nouns = " and ".join(f"{_NOUNS[modality]}s" for modality in items)
+            row.fail(f"{columns}: the conversation has no user message for the row's {nouns}: add one")
             return
         content = messages[last_user]["content"]
         text_parts = content if isinstance(content, list) else [{"type": "text", "text": content}]
-        messages[last_user] = {**messages[last_user],
-                               "content": [*({"type": "image", "image": data} for data in images), *text_parts]}
+        parts = [{"type": modality, modality: data} for modality, data_list in items.items() for data in data_list]
+        messages[last_user] = {**messages[last_user], "content": [*parts, *text_parts]}
     try:
         row.prompt = render_chat(tokenizer, messages, tools=spec.tools, chat_template_kwargs=spec.chat_template_kwargs,
                                  tool_choice=tool_choice)

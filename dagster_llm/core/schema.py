@@ -1,7 +1,7 @@
 """The generation table: its columns (sampling columns from `SAMPLING_FIELDS`, typed
 output columns from a `StructuredOutput`, typed columns of the one declared tool's
-arguments, the image digests of a table with images), their descriptions, and the table
-built from finished rows."""
+arguments, the image and audio digests of a table with those columns), their descriptions,
+and the table built from finished rows."""
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -42,13 +42,16 @@ _RESULT_COLUMNS: tuple[tuple[str, pa.DataType, str], ...] = (
 _ERROR_COLUMN = ("error", pa.string(), "Why the row was not generated, or why its answer is not usable (its "
                                        "reasoning did not end, its tool call or structured output did not parse); "
                                        "null otherwise.")
-# Only in the table of an asset with an image_column, after the error.
-_IMAGE_DIGESTS_COLUMN = ("image_digests", pa.list_(pa.string()),
-                         "sha256 (hex) of each of the row's images as read from the image column, in order; null "
-                         "when they could not be read.")
+# Only in the table of an asset with an image_column (audio_column), after the error.
+_DIGESTS_COLUMNS = {modality: (f"{modality}_digests", pa.list_(pa.string()),
+                               f"sha256 (hex) of each of the row's {noun} as read from the {modality} column, in "
+                               f"order{decoded}; null when they could not be read.")
+                    for modality, noun, decoded in (("image", "images", ""),
+                                                    ("audio", "clips", " (a decoded clip's: of its float32 samples "
+                                                                       "and sample rate)"))}
 
 COLUMN_DESCRIPTIONS: dict[str, str] = {
-    **{name: text for name, _, text in (*_RESULT_COLUMNS, _ERROR_COLUMN, _IMAGE_DIGESTS_COLUMN)},
+    **{name: text for name, _, text in (*_RESULT_COLUMNS, _ERROR_COLUMN, *_DIGESTS_COLUMNS.values())},
     **{f.name: f"Sampling setting used. {f.description}" for f in SAMPLING_FIELDS},
 }
 GENERATION_SCHEMA = pa.schema(
@@ -132,7 +135,7 @@ def tool_columns_problem(tool: ToolArguments, outputs: Iterable[StructuredOutput
 
 
 def _table_names() -> list[str]:
-    return generation_schema(None, images=True).names
+    return generation_schema(None, media=tuple(_DIGESTS_COLUMNS)).names
 
 
 def _table_clashes(columns: Sequence[OutputColumn]) -> list[str]:
@@ -148,13 +151,15 @@ def tool_columns(tool: ToolArguments | None) -> tuple[OutputColumn, ...]:
     return tool.columns if tool is not None else ()
 
 
-def generation_schema(output: StructuredOutput | None, images: bool = False,
+def generation_schema(output: StructuredOutput | None, media: Sequence[str] = (),
                       tool: ToolArguments | None = None) -> pa.Schema:
-    """The generation table's schema; after `error`, the image digests where the prompts
-    have images, a structured output's columns, then the tool's argument columns."""
+    """The generation table's schema; after `error`, the digests of each modality the prompts
+    have a column of (`media`: "image", "audio"), a structured output's columns, then the
+    tool's argument columns."""
     schema = GENERATION_SCHEMA
-    if images:
-        schema = schema.append(pa.field(_IMAGE_DIGESTS_COLUMN[0], _IMAGE_DIGESTS_COLUMN[1]))
+    for modality in _DIGESTS_COLUMNS:
+        if modality in media:
+            schema = schema.append(pa.field(_DIGESTS_COLUMNS[modality][0], _DIGESTS_COLUMNS[modality][1]))
     for column in (*output_columns(output), *tool_columns(tool)):
         schema = schema.append(pa.field(column.name, column.arrow_type))
     return schema
@@ -188,7 +193,8 @@ def result_record(row: PromptRow, output: RequestOutput | None, model_id: str,
         "beam_width": row.beam.beam_width if row.beam is not None else None,
         **used_values(row.params),
         "error": row.error or (_answer_problem(completion, row.params.max_tokens) if completion else None),
-        "image_digests": row.image_digests,  # dropped by a table without images
+        # Dropped by a table without the modality's column.
+        **{name: row.digests.get(modality) for modality, (name, _, _) in _DIGESTS_COLUMNS.items()},
     }
     answered = completion is not None and record["error"] is None
     if row.output is not None:
@@ -236,12 +242,12 @@ def _answer_problem(completion: CompletionOutput, max_tokens: int | None) -> str
 
 
 def records_table(records: Sequence[Mapping[str, Any]], output: StructuredOutput | None = None,
-                  extra: Mapping[str, pa.Array] | None = None, images: bool = False,
+                  extra: Mapping[str, pa.Array] | None = None, media: Sequence[str] = (),
                   tool: ToolArguments | None = None) -> pa.Table:
     """The generation table of `records` (plus `extra` columns, such as shard positions;
-    `images`: with the image digests column; `tool`: with its argument columns). A record
-    without a column (saved before the column existed) has it null."""
-    table = pa.Table.from_pylist(list(records), schema=generation_schema(output, images, tool))
+    `media`: with the digests columns of those modalities; `tool`: with its argument columns).
+    A record without a column (saved before the column existed) has it null."""
+    table = pa.Table.from_pylist(list(records), schema=generation_schema(output, media, tool))
     for name, values in (extra or {}).items():
         table = table.append_column(name, values)
     return table

@@ -22,6 +22,7 @@ from engine.entrypoints.inputs import (
 )
 from engine.llm_engine import LLMEngine
 from engine.lora.request import LoRARequest
+from engine.multimodal.audio import AudioLimits
 from engine.multimodal.image import ImageLimits
 from engine.model_loader.folder import model_fingerprint
 from engine.output_processor.parsing import PARSING_REVISION
@@ -387,6 +388,20 @@ class LLM:
         engine's default budget for a model that reads text only)."""
         processor = self.llm_engine.mm_processor
         return processor.limits if processor is not None and "image" in processor.modalities else ImageLimits()
+
+    @property
+    def audio_placeholder(self) -> str | None:
+        """The text that stands for one audio clip in a prompt of this model
+        ("<|audio_bos|><|AUDIO|><|audio_eos|>"); None for a model that reads no audio."""
+        processor = self.llm_engine.mm_processor
+        return processor.placeholders.get("audio") if processor is not None else None
+
+    @property
+    def audio_limits(self) -> AudioLimits:
+        """What a clip may be for this model: the sample rate its feature extractor reads and
+        the longest clip it takes (the engine's defaults for a model that reads no audio)."""
+        processor = self.llm_engine.mm_processor
+        return processor.audio_limits if processor is not None and processor.audio_limits else AudioLimits()
 
     @property
     def max_num_seqs(self) -> int:

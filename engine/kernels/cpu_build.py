@@ -5,8 +5,11 @@
 
 They are compiled with the machine's own instruction set on first use (about 3 minutes on 2
 cores, announced in the log before it starts; then cached by PyTorch under
-~/.cache/torch_extensions, keyed by the sources, the CPU's flags and the PyTorch version). Where they cannot be built (no C++ compiler, no ninja), `load()` says
-so once and returns None, and the layers run on PyTorch's operations instead.
+~/.cache/torch_extensions, keyed by the sources, the folder they are installed in, the CPU's
+flags and the PyTorch version: PyTorch's build records the sources' paths, so two installs on
+one machine sharing a key would rebuild over each other on every load). Where they cannot be
+built (no C++ compiler, no ninja), `load()` says so once and returns None, and the layers run on
+PyTorch's operations instead.
 """
 
 import functools
@@ -38,7 +41,7 @@ def load() -> ModuleType | None:
     flags = ["-O3", "-fopenmp", "-ffp-contract=off",
              "-march=native" if platform.machine() in ("x86_64", "AMD64") else "-mcpu=native"]
     texts = [path.read_text() for path in _SOURCES + _HEADERS]
-    key = "\n".join([*texts, " ".join(flags), " ".join(sorted(machine_cpu().flags)), torch.__version__])
+    key = "\n".join([*texts, str(_HERE), " ".join(flags), " ".join(sorted(machine_cpu().flags)), torch.__version__])
     name = f"engine_cpu_kernels_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
     start = time.monotonic()
     try:

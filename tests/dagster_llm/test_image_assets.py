@@ -20,7 +20,9 @@ from upath import UPath
 from dagster_llm import (
     BeamSearchConfig, LLMResource, ParquetIOManager, SamplingConfig, build_generation_asset, partition_file,
 )
-from dagster_llm.core.prompts import PartitionSettings, PromptTableError, PromptTableRules, check_columns, read_rows
+from dagster_llm.core.prompts import (
+    ModelMedia, PartitionSettings, PromptTableError, PromptTableRules, check_columns, read_rows,
+)
 from engine import SamplingParams
 from tests.dagster_llm.crash_defs import MAX_TOKENS, ROWS
 from tests.dagster_llm.test_crash_resume import (
@@ -72,7 +74,8 @@ def resources(vlm, tmp_path) -> dict:
 
 
 def rows_of(frame: pd.DataFrame, tokenizer, placeholder: str | None = PLACEHOLDER, **rules):
-    return read_rows(frame, SETTINGS, PromptTableRules(image_column="photo", **rules), tokenizer, placeholder)
+    media = ModelMedia({"image": placeholder} if placeholder is not None else {})
+    return read_rows(frame, SETTINGS, PromptTableRules(image_column="photo", **rules), tokenizer, media)
 
 
 def table_asset(frame: pd.DataFrame, partitions_def: dg.PartitionsDefinition | None = None) -> dg.AssetsDefinition:
@@ -94,7 +97,7 @@ def test_every_cell_form_is_read_to_bytes_and_digested(tokenizer, tmp_path):
     rows = rows_of(frame, tokenizer)
     expected = [[RED], [GREEN], [GREEN], [BLUE], [RED, BLUE], [GREEN], []]
     assert [r.error for r in rows] == [None] * len(cells)
-    assert [r.image_digests for r in rows] == [[sha256(b) for b in images] for images in expected]
+    assert [r.digests.get("image") for r in rows] == [[sha256(b) for b in images] for images in expected]
     assert [r.prompt.get("multi_modal_data", {}).get("image", []) for r in rows] == expected
     assert "multi_modal_data" not in rows[-1].prompt and rows[-1].prompt_text == "No image"
 
@@ -110,7 +113,7 @@ def test_an_unreadable_image_is_its_rows_error_naming_the_row_and_column(tokeniz
                           "drop the row")
     assert second.error.startswith("photo: row 'second': image 2 of 2: the bytes are not an image")
     assert thing.error.startswith("photo: row 'thing': expected encoded image bytes, a path or a URI")
-    assert [r.image_digests for r in (cut, gone, second, thing)] == [None] * 4
+    assert [r.digests.get("image") for r in (cut, gone, second, thing)] == [None] * 4
 
 
 def test_plain_text_needs_one_placeholder_per_image_and_chat_places_them(tokenizer):
@@ -139,7 +142,7 @@ def test_a_text_only_model_refuses_rows_with_images_and_runs_the_others(tokenize
     with_image, text = rows_of(frame, tokenizer, placeholder=None, chat=True)
     assert with_image.error == ("photo: the model reads text only, so it cannot take the row's 1 image(s): point the "
                                 "resource's model_id at a vision-language model, or leave image_column unset")
-    assert text.error is None and text.image_digests == []
+    assert text.error is None and text.digests["image"] == []
 
 
 def test_a_missing_image_column_fails_the_table():

@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dagster_llm import LLMResource, ParquetIOManager, SamplingConfig, build_generation_asset, partition_file
-from dagster_llm.core.images import read_images
-from dagster_llm.core.prompts import PartitionSettings, PromptTableRules, read_rows
+from dagster_llm.core.media import image_column, read_column
+from dagster_llm.core.prompts import ModelMedia, PartitionSettings, PromptTableRules, read_rows
 from engine import LLM, SamplingParams
 from tests.fuzzing import examples
 from tests.image_fuzz import BOMB, HostileImage, good_picture, hostile_images, strip_png
@@ -68,14 +68,14 @@ def test_a_hostile_image_cell_is_its_rows_error_and_the_rows_beside_it_run(llm, 
     frame = pd.DataFrame({"id": ["good-a", "hostile", "good-b"], "photo": [GOOD, cell, GOOD],
                           "prompt": [placeholder + " Describe", placeholder * count + " Describe",
                                      placeholder + " Describe"]})
-    rows = read_rows(frame, SETTINGS, PromptTableRules(image_column="photo"), llm.get_tokenizer(), placeholder,
-                     llm.image_limits)
+    media = ModelMedia({"image": placeholder}, {"image": image_column(llm.image_limits)})
+    rows = read_rows(frame, SETTINGS, PromptTableRules(image_column="photo"), llm.get_tokenizer(), media)
     good_a, hostile, good_b = rows
     assert good_a.error is None and good_b.error is None
     if hostile.error is not None:  # the image named, or the prompt where the cell holds no image (a null, [])
         prefix = "photo: row 'hostile': " + ("image 2 of 2: " if holding == "listed" else "")
         assert hostile.error.startswith((prefix, "prompt: holds 1 ")) and "\n" not in hostile.error, hostile.error
-        assert hostile.image_digests in (None, [])
+        assert hostile.digests.get("image") in (None, [])
         return
     problems = llm.validate([row.prompt for row in rows])  # the generation step's check of the rows
     assert problems[0] is None and problems[2] is None
@@ -83,7 +83,7 @@ def test_a_hostile_image_cell_is_its_rows_error_and_the_rows_beside_it_run(llm, 
 
 
 def test_the_bomb_and_the_strip_are_refused_when_their_cells_are_read(llm):
-    bomb, strip, good = read_images([BOMB, strip_png(), GOOD], llm.image_limits)
+    bomb, strip, good = read_column([BOMB, strip_png(), GOOD], image_column(llm.image_limits))
     assert bomb.problem.startswith("the bytes claim more pixels than Pillow opens (Image size (200000000 pixels)")
     assert bomb.problem.endswith("resize the image below 40,000,000 pixels upstream")
     assert strip.problem == ("the image is 500x2, an aspect ratio of 250, over the 200 that the qwen2_vl image "
@@ -114,6 +114,6 @@ def test_a_strip_and_a_bomb_get_row_errors_while_the_partition_generates_the_oth
 
 def test_a_cell_that_holds_no_image_is_named_on_one_line():
     """A numpy array's repr spans lines; a row's error is one line (found by the fuzz test)."""
-    (row,) = read_images([[GOOD, np.zeros((4, 4, 3))]])
+    (row,) = read_column([[GOOD, np.zeros((4, 4, 3))]], image_column())
     assert row.problem.startswith("image 2 of 2: expected encoded image bytes") and "\n" not in row.problem
     assert "got ndarray array([[[0., 0., 0.], [0., 0., 0" in row.problem

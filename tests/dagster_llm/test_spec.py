@@ -12,6 +12,7 @@ import pytest
 
 import dagster_llm.components
 from dagster_llm import BeamSearchConfig, GenerationComponent, GenerationSpec, SamplingConfig, build_generation_asset
+from dagster_llm.core.generation import digest
 from dagster_llm.spec import data_version_exclusions
 from dagster_llm.kubernetes import KubernetesStep
 from tests.dagster_llm.readme_tables import options_table, sampling_table
@@ -22,6 +23,7 @@ TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {"type"
 OTHER_VALUES = {
     "name": "other", "upstream": "raw/other", "prompt_column": "text", "id_column": "key", "chat": True,
     "adapters": {"x": "/adapters/x"}, "adapter_column": "lora", "image_column": "photo",
+    "audio_column": "recording",
     "duplicate_ids": "keep", "max_error_rate": 0.1, "max_empty_rate": 0.2, "max_truncation_rate": 0.3, "min_parse_rate": 0.4,
     "max_unfinished_reasoning_rate": 0.5, "chat_template_kwargs": {"enable_thinking": False}, "tools": [TOOL],
     "tool_choice": "required",
@@ -120,3 +122,12 @@ def test_the_readme_is_short_and_every_relative_link_resolves():
             if not (page.parent / path).exists():
                 broken.append(f"{page.relative_to(ROOT)}: {target}")
     assert not broken, "relative links to missing files:\n" + "\n".join(broken)
+
+
+def test_a_setting_added_later_keeps_the_old_tables_versions_while_unset():
+    """audio_column came after tables existed: unset, it leaves the digests as they were (no
+    table is generated again for a release that adds a setting); set, it moves them."""
+    spec = GenerationSpec(**BASE)
+    before = spec.model_dump(mode="json", exclude=data_version_exclusions() | {"audio_column"})
+    assert spec.settings_digest() == digest(before)
+    assert GenerationSpec(**BASE, audio_column="clip").settings_digest() != digest(before)

@@ -176,7 +176,8 @@ def test_a_second_writer_of_a_partition_is_refused_with_a_clear_message(env):
      "prompt: message 0 content: holds a lone surrogate '\\ud800' at character 4"),
     ("prompt", ["ok", [{"role": "user", "content": 5}], "fine"], "message 0: content must be a string, got int"),
     ("prompt", ["ok", [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]}], "fine"],
-     "prompt: the conversation holds image parts, but the model reads text only"),
+     "prompt: message 0: content part 0 is an image ('image_url'), but the model reads text only: drop the image, "
+     "or load a vision-language model"),
     ("stop", [None, 5, None], "sampling override column stop: input should be a valid list, got 5"),
     ("temperature", [None, -1.0, None], f"sampling override column temperature must be {SamplingParams.rule('temperature')}"),
 ])
