@@ -29,6 +29,7 @@ _EXPORTS = {
     "ScoringOutput": "engine.outputs",
     "ScoringRequestOutput": "engine.outputs",
     "StructuredOutputsParams": "engine.structured_output.params",
+    "TranscriptionOutput": "engine.entrypoints.transcription",
     "UnfinishedOutput": "engine.outputs",
 }
 __all__ = sorted(_EXPORTS)

@@ -22,7 +22,8 @@ from engine.entrypoints.inputs import (
 )
 from engine.llm_engine import LLMEngine
 from engine.lora.request import LoRARequest
-from engine.multimodal.audio import AudioLimits
+from engine.entrypoints.transcription import TranscriptionOutput, transcribe, transcription_processor
+from engine.multimodal.audio import AudioLike, AudioLimits
 from engine.multimodal.image import ImageLimits
 from engine.model_loader.folder import model_fingerprint
 from engine.output_processor.parsing import PARSING_REVISION
@@ -388,6 +389,25 @@ class LLM:
         engine's default budget for a model that reads text only)."""
         processor = self.llm_engine.mm_processor
         return processor.limits if processor is not None and "image" in processor.modalities else ImageLimits()
+
+    def transcribe(self, audio: AudioLike | SequenceABC[AudioLike], *, language: str | None = None,
+                   task: str = "transcribe", prompt: str | None = None, sampling_params: SamplingParams | None = None,
+                   use_tqdm: UseTqdm = True) -> list[TranscriptionOutput]:
+        """Transcribes (or, with `task="translate"`, translates to English) each clip with a
+        speech-to-text model (Whisper), as vLLM's transcription endpoint does: a clip (any form
+        `multi_modal_data["audio"]` takes; a list of them) longer than the model's window (30 s)
+        is cut into windows at quiet points, every window of every clip runs in one batch, and a
+        clip's text is its windows' texts joined in order. `language` is an ISO 639-1 code the
+        model's tokenizer has (None: detected per clip from its first window); `prompt` is text
+        the windows follow (earlier speech, spellings). `sampling_params` defaults to greedy
+        decoding up to the model's context.
+
+        Raises:
+            ValueError: before any work, the model does not transcribe, or listing every bad
+                setting and clip.
+        """
+        processor = transcription_processor(self.llm_engine.mm_processor)
+        return transcribe(processor, self.generate, audio, language, task, prompt, sampling_params, use_tqdm)
 
     @property
     def audio_placeholder(self) -> str | None:

@@ -32,10 +32,12 @@ from engine.models.llama import allocate, check_shape
 from engine.models.vision_language import vision_activation
 from engine.multimodal.audio import AudioLimits, PromptAudio
 from engine.multimodal.inputs import MultiModalFeature, ProcessedPrompt
-from engine.multimodal.processing import BaseMultiModalProcessor, MultiModalInputError, PromptItem
+from engine.multimodal.processing import (
+    BaseMultiModalProcessor, MultiModalInputError, PromptItem, SupportsTranscription,
+)
 
 
-class WhisperProcessor(BaseMultiModalProcessor):
+class WhisperProcessor(BaseMultiModalProcessor, SupportsTranscription):
     """A Whisper row: its decoder prompt as given (no audio placeholder: the clip goes to the
     encoder, `ProcessedPrompt.cross`), and exactly one clip of at most the feature extractor's
     `chunk_length`; the clip's encoder inputs are the extractor's features, padded to the window."""
@@ -89,6 +91,25 @@ class WhisperProcessor(BaseMultiModalProcessor):
                 f"{self.window_s} s window: use LLM.transcribe, which splits it, or cut it upstream")
         feature = MultiModalFeature(clip.content_hash, 0, self.encoder_rows, clip, modality="audio")
         return ProcessedPrompt(list(token_ids), [], cross=[feature])
+
+    @property
+    def transcription_window_s(self) -> float:
+        return self.window_s
+
+    def transcription_languages(self) -> dict[str, int]:
+        """The languages of transformers' Whisper list whose `<|xx|>` token the tokenizer holds."""
+        from transformers.models.whisper.tokenization_whisper import LANGUAGES
+
+        vocab = self.tokenizer.get_vocab()
+        return {code: vocab[f"<|{code}|>"] for code in LANGUAGES if f"<|{code}|>" in vocab}
+
+    def transcription_prompt(self, language: str, task: str, prompt: str | None) -> str:
+        """vLLM's Whisper prompt: `<|prev|>` and the prompt's text where given, then the task tokens."""
+        previous = f"<|prev|>{prompt}" if prompt else ""
+        return f"{previous}<|startoftranscript|><|{language}|><|{task}|><|notimestamps|>"
+
+    def language_detection_prompt(self) -> str:
+        return "<|startoftranscript|>"
 
 
 class WhisperAttention(nn.Module):

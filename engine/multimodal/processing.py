@@ -238,3 +238,25 @@ def _feature(modality: str, item: PromptItem, offset: int, tokens: ItemTokens) -
                                  tokens.is_embed, tokens.grid)
     return MultiModalFeature(item.content_hash, offset, len(tokens.replacement), item, tokens.is_embed,
                              modality=modality)
+
+
+class SupportsTranscription:
+    """A processor whose model transcribes and translates speech (vLLM's
+    `SupportsTranscription`): `LLM.transcribe` cuts each clip into windows of
+    `transcription_window_s` seconds and runs one prompt per window."""
+
+    transcription_window_s: float
+
+    def transcription_languages(self) -> dict[str, int]:
+        """The languages a prompt may name (ISO 639-1 codes), each with its token."""
+        raise NotImplementedError
+
+    def transcription_prompt(self, language: str, task: str, prompt: str | None) -> str:
+        """The prompt of one window in `language` for `task` ("transcribe", "translate"),
+        after the text of `prompt` (earlier speech or spellings to follow; None: none)."""
+        raise NotImplementedError
+
+    def language_detection_prompt(self) -> str:
+        """The prompt whose next token is the window's language (among
+        `transcription_languages`' tokens)."""
+        raise NotImplementedError

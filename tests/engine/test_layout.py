@@ -51,6 +51,7 @@ TIERS: list[list[str]] = [
     ["engine.entrypoints.openai.protocol"],  # OpenAI batch lines: their checks, the engine inputs, the output lines
     ["engine.entrypoints.llm"],  # LLM, the offline entry point
     ["engine.entrypoints.score_utils"],  # LLM.score's pairs, cross-encoder inputs and scores
+    ["engine.entrypoints.transcription"],  # LLM.transcribe's windows, prompts and joined texts
     ["engine.entrypoints.data_parallel"],  # replicas as whole engines
     ["engine.entrypoints.inputs"],  # prompts -> requests
     ["engine.llm_engine"],  # add_request / step / outputs
