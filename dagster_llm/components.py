@@ -1,5 +1,5 @@
-"""`GenerationComponent` and `EmbeddingComponent`: a generation or embedding asset declared
-in a `defs.yaml`."""
+"""`GenerationComponent`, `EmbeddingComponent` and `TranscriptionComponent`: a generation,
+embedding or transcript asset declared in a `defs.yaml`."""
 
 import dagster as dg
 from pydantic import BaseModel, Field
@@ -8,6 +8,8 @@ from dagster_llm.assets import generation_asset
 from dagster_llm.embedding_assets import embedding_asset
 from dagster_llm.embedding_spec import EmbeddingSpec
 from dagster_llm.spec import GenerationSpec
+from dagster_llm.transcription_assets import transcription_asset
+from dagster_llm.transcription_spec import TranscriptionSpec
 
 
 class PartitionFields(BaseModel):
@@ -108,3 +110,25 @@ class EmbeddingComponent(EmbeddingSpec, PartitionFields, dg.Component, dg.Resolv
     def build_defs(self, context: dg.ComponentLoadContext) -> dg.Definitions:
         spec = EmbeddingSpec(**self.model_dump(include=set(EmbeddingSpec.model_fields)))
         return dg.Definitions(assets=[embedding_asset(spec, self.partitions_def(self.name))])
+
+
+class TranscriptionComponent(TranscriptionSpec, PartitionFields, dg.Component, dg.Resolvable):
+    """Transcribes an audio column of an upstream table with the transcriber resource; the
+    transcript table goes through the IO manager. Its fields are `TranscriptionSpec`'s (the
+    options of `build_transcription_asset`), plus the partitions.
+
+    Examples:
+        .. code-block:: yaml
+
+            type: dagster_llm.components.TranscriptionComponent
+            attributes:
+              name: call_transcripts
+              upstream: call_recordings
+              audio_column: recording
+              language: en
+              daily_start_date: "2024-06-01"
+    """
+
+    def build_defs(self, context: dg.ComponentLoadContext) -> dg.Definitions:
+        spec = TranscriptionSpec(**self.model_dump(include=set(TranscriptionSpec.model_fields)))
+        return dg.Definitions(assets=[transcription_asset(spec, self.partitions_def(self.name))])

@@ -16,6 +16,8 @@ What the core takes, and why:
 - images and audio: a row's images and clips are read and checked against the model's limits
   with the engine's own readers (and their errors named as the engine names them), so a row
   the engine would refuse is an error row before the model runs;
+- transcripts: a transcript table's clips are cut into windows and prompted as
+  `LLM.transcribe` does it, from the same functions;
 - the model cache folder (`default_cache_dir`): model folders fetched from an object store
   go where the engine looks for models;
 - the OpenAI batch protocol: a request table's rows are checked with the very line checks
@@ -65,6 +67,12 @@ _EXPORTS = {
     "read_audio": "engine.multimodal.audio",
     "MediaKind": "engine.multimodal.media",
     "short_location": "engine.multimodal.media",
+    # Transcripts: clips cut into the model's windows, their prompts, detected languages
+    "ClipWindows": "engine.entrypoints.transcription",
+    "detect_languages": "engine.entrypoints.transcription",
+    "read_clips": "engine.entrypoints.transcription",
+    "request_problems": "engine.entrypoints.transcription",
+    "transcription_processor": "engine.entrypoints.transcription",
     # Where the engine looks for models
     "default_cache_dir": "engine.model_loader.embedded_model",
     # The OpenAI batch protocol (line checks, error codes), and the run of lines of one task on a loaded LLM

@@ -97,11 +97,9 @@ class PartitionResult(CommittedPartition[PartitionStats]):
 @dataclass
 class _Partition(OpenPartition[PartitionInput]):
     """A partition while it generates: besides what every run keeps (`OpenPartition`), the
-    digest of each reproducible row by position, and the rows and tokens resumed and reused."""
+    tokens resumed and reused."""
 
-    row_digests: dict[int, str] = field(default_factory=dict)
     resumed_tokens: int = 0
-    reused_rows: int = 0
     reused_tokens: int = 0
 
 
@@ -225,25 +223,12 @@ class GenerationRun(PartitionRun[PartitionInput, PartitionStats]):
         })[:32] for row in part.rows if row.error is None and _reproducible(row)}
 
     def _reuse(self, parts: list[_Partition]) -> None:
-        """Takes, for each row still to generate, a committed row of the asset (any partition,
-        any data version) with the same digest, under the row's own id."""
-        if not (self.options.resume and self.options.reuse_rows):
-            return
-        stored = [part for part in parts if part.files is not None]
-        wanted: dict[str, list[tuple[_Partition, PromptRow]]] = {}
-        for part in stored:
-            for row in part.rows:
-                if row.position in part.row_digests and row.position not in part.records:
-                    wanted.setdefault(part.row_digests[row.position], []).append((part, row))
-        if not wanted:
-            return
-        found = stored[0].files.row_index.find(set(wanted), [part.files.index_path for part in stored])
-        for row_digest, record in found.items():
-            for part, row in wanted[row_digest]:
-                part.records[row.position] = {**record, "id": row.id, "model": self.options.model_id}
-                part.reused_rows += 1
-                part.reused_tokens += record["completion_tokens"] or 0
-                part.unsaved.append(row.position)
+        if self.options.resume and self.options.reuse_rows:
+            super()._reuse(parts)
+
+    def _reused_record(self, part: _Partition, row: PromptRow, record: dict[str, Any]) -> dict[str, Any]:
+        part.reused_tokens += record["completion_tokens"] or 0
+        return {**record, "id": row.id, "model": self.options.model_id}
 
     def _resume(self, part: _Partition) -> None:
         """Takes the rows already generated for the partition's data version, saying so where
@@ -313,10 +298,6 @@ class GenerationRun(PartitionRun[PartitionInput, PartitionStats]):
 
     def _table(self, part: _Partition, records: list[dict[str, Any]]) -> pa.Table:
         return records_table(records, part.source.output, media=part.source.media, tool=part.source.tool)
-
-    def _reusable_rows(self, part: _Partition) -> dict[int, str]:
-        """The digests of the committed table's reproducible rows, by position."""
-        return {p: d for p, d in part.row_digests.items() if p in part.records}
 
     def _stats(self, part: _Partition, records: list[dict[str, Any]]) -> PartitionStats:
         """The partition's stats; rows resumed from a table saved before the reasoning and

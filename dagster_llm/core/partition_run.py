@@ -10,8 +10,13 @@ in a shard when one is due (`Shards`: every so many rows or seconds); once no ro
 commits (its table in input order, with its data version, to its files) and the run yields
 its `CommittedPartition`. A row with an error never runs: its record is made at the commit.
 
+A row whose result is reproducible may carry a row digest (what its result depends on); a
+run that gives them (`row_digests`) takes, for each row still to run, a committed row of the
+asset with the same digest (any partition, any data version: `_reuse`), and offers its own
+rows for reuse when it commits.
+
 A run specialises what its rows, records, tables and stats are (`_missing_record`, `_table`,
-`_stats`, `result_type`); `GenerationRun` adds the reuse of committed rows of the same row digest.
+`_stats`, `result_type`).
 """
 
 import time
@@ -78,6 +83,8 @@ class OpenPartition(Generic[SourceT]):
     data_version: str = ""
     records: dict[int, dict[str, Any]] = field(default_factory=dict)
     resumed_rows: int = 0
+    row_digests: dict[int, str] = field(default_factory=dict)
+    reused_rows: int = 0
     pending: int = 0
     unsaved: list[int] = field(default_factory=list)
     last_shard: float = field(default_factory=time.monotonic)
@@ -140,6 +147,28 @@ class PartitionRun(ABC, Generic[SourceT, StatsT]):
                                                    {row.position for row in part.rows if row.error is None})
         part.resumed_rows = len(part.records)
 
+    def _reuse(self, parts: Sequence[OpenPartition]) -> None:
+        """Takes, for each row still to run, a committed row of the asset (any partition, any
+        data version) with the same row digest, under the row's own id (`_reused_record`)."""
+        stored = [part for part in parts if part.files is not None]
+        wanted: dict[str, list[tuple[OpenPartition, Any]]] = {}
+        for part in stored:
+            for row in part.rows:
+                if row.position in part.row_digests and row.position not in part.records:
+                    wanted.setdefault(part.row_digests[row.position], []).append((part, row))
+        if not wanted:
+            return
+        found = stored[0].files.row_index.find(set(wanted), [part.files.index_path for part in stored])
+        for row_digest, record in found.items():
+            for part, row in wanted[row_digest]:
+                part.records[row.position] = self._reused_record(part, row, record)
+                part.reused_rows += 1
+                part.unsaved.append(row.position)
+
+    def _reused_record(self, part: OpenPartition, row: Any, record: dict[str, Any]) -> dict[str, Any]:
+        """A committed row of the same digest as the record of `row` (its own id and model)."""
+        return record
+
     def _todo(self, parts: Sequence[OpenPartition]) -> list[PendingRow]:
         """The rows left to run: neither an error nor recorded; each partition counts its own."""
         todo = [PendingRow(part, row) for part in parts for row in part.rows
@@ -191,10 +220,9 @@ class PartitionRun(ABC, Generic[SourceT, StatsT]):
     def _elapsed_s(self) -> float:
         return round(time.monotonic() - self.started, 3)
 
-    def _reusable_rows(self, part: OpenPartition) -> Mapping[int, str] | None:
-        """The digest of each reusable row of the committed table, by position (None: its rows
-        are not offered for reuse)."""
-        return None
+    def _reusable_rows(self, part: OpenPartition) -> Mapping[int, str]:
+        """The digest of each reusable row of the committed table, by position."""
+        return {p: d for p, d in part.row_digests.items() if p in part.records}
 
     @abstractmethod
     def _missing_record(self, part: OpenPartition, row: Any) -> dict[str, Any]:

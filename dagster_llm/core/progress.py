@@ -184,12 +184,14 @@ class GenerationProgress:
                 f"{counters.output_tokens_done} output tokens ({counters.output_tokens_done / elapsed:.1f}/s{accepted}), "
                 f"{elapsed:.0f} s elapsed, ETA {'unknown' if eta is None else f'{eta:.0f} s'}")
 
-    def bar(self, **_: Any) -> "_StepHook":
+    def bar(self, **_: Any) -> "StepHook":
         """A stand-in for tqdm that `LLM.generate` calls after every step."""
-        return _StepHook(self.check)
+        return StepHook(self.check)
 
 
-class _StepHook:
+class StepHook:
+    """A stand-in for tqdm's bar that runs `check` after every engine step (and shows nothing)."""
+
     def __init__(self, check: Callable[[], None]) -> None:
         self.check = check
         self.postfix = ""

@@ -272,7 +272,8 @@ def _apply_adapter(row: PromptRow, record: dict, spec: PromptTableRules) -> None
 
 # What a row's messages call one item of each modality, and the models that read it.
 _NOUNS = {"image": "image", "audio": "clip"}
-_READERS = {"image": "a vision-language model", "audio": "a model that reads audio (Qwen2-Audio, Voxtral, Whisper)"}
+_READERS = {"image": "a vision-language model",
+            "audio": "a model that reads audio in its prompts (Whisper transcribes through build_transcription_asset)"}
 
 
 def _attach_items(row: PromptRow, modality: str, items: RowItems, spec: PromptTableRules,

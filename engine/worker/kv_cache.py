@@ -114,7 +114,7 @@ def plan_num_blocks(config: EngineConfig, model: nn.Module, kv_cache: KVCache, g
                     draft_cache: KVCache | None = None) -> int:
     """Blocks that fit the memory budget (kv_cache_memory, or on a GPU what
     gpu_memory_utilization leaves after a measured step), at most what max_num_seqs
-    sequences of max_model_len need; logged with how the number was arrived at. With a
+    sequences of max_model_len (and their encoder rows' cross blocks) need; logged with how the number was arrived at. With a
     draft model's cache (`draft_cache`), which holds as many blocks, a block counts both.
 
     Raises:
@@ -130,7 +130,9 @@ def plan_num_blocks(config: EngineConfig, model: nn.Module, kv_cache: KVCache, g
     how = budget.how
     if num_blocks < 1:
         raise ValueError(f"the KV cache budget ({how}) holds no block of {block_bytes} bytes; raise it")
-    most_needed = config.max_num_seqs * -(-config.max_model_len // config.block_size)
+    # An encoder-decoder sequence also holds its encoder rows' cross-attention blocks.
+    cross_blocks = -(-getattr(model, "max_cross_rows", 0) // config.block_size)
+    most_needed = config.max_num_seqs * (-(-config.max_model_len // config.block_size) + cross_blocks)
     if num_blocks > most_needed:
         num_blocks = most_needed
         how += f", capped at what max_num_seqs={config.max_num_seqs} full-length sequences need"

@@ -127,8 +127,8 @@ def test_a_model_without_an_audio_tower_refuses_rows_with_clips_and_runs_the_oth
     frame = pd.DataFrame({"id": ["with", "without"], "clip": [LOW, None], "prompt": ["Say", "Say"]})
     with_clip, without = rows_of(frame, tokenizer, ModelMedia())
     assert with_clip.error == ("clip: the model reads text only, so it cannot take the row's 1 clip(s): point the "
-                               "resource's model_id at a model that reads audio (Qwen2-Audio, Voxtral, Whisper), or "
-                               "leave audio_column unset")
+                               "resource's model_id at a model that reads audio in its prompts (Whisper transcribes "
+                               "through build_transcription_asset), or leave audio_column unset")
     assert without.error is None and without.digests == {"audio": []}
     vision = ModelMedia({"image": IMAGE}, {"image": image_column()})
     (refused,) = rows_of(frame.iloc[:1], tokenizer, vision)
