@@ -179,3 +179,31 @@ def test_the_transcription_component_builds_the_factorys_asset_from_yaml():
     assert (component.task, component.max_tokens) == ("translate", 200)
     with pytest.raises(dg.DagsterInvalidDefinitionError, match="task: Input should be 'transcribe' or 'translate'"):
         build_transcription_asset("t", upstream="calls", task="summarize")
+
+
+def run_dagster(args: list[str], tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    (tmp_path / "home").mkdir(exist_ok=True)
+    environment = {**{k: v for k, v in os.environ.items() if k != "DAGSTER_LLM_AUDIO_MODEL"},
+                   "DAGSTER_HOME": str(tmp_path / "home"), "DAGSTER_LLM_OUTPUT_DIR": str(tmp_path / "out"), **env}
+    return subprocess.run([str(DAGSTER), *args], cwd=REPO, env=environment, capture_output=True, text=True,
+                          timeout=600)
+
+
+@pytest.mark.slow
+def test_the_call_example_from_the_cli(whisper, tmp_path):
+    result = run_dagster(["asset", "materialize", "-f", "definitions.py", "--select", "*call_transcripts"], tmp_path,
+                         DAGSTER_LLM_AUDIO_MODEL=str(whisper), DAGSTER_LLM_DTYPE="float32")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    table = pd.read_parquet(tmp_path / "out" / "tables" / "call_transcripts" / "data.parquet").set_index("id")
+    calls = pd.read_csv(REPO / "example_pipelines" / "data" / "call_recordings.csv")
+    assert list(table.index) == list(calls["call_id"]) and table["error"].isna().all()
+    durations = [soundfile.info(REPO / "example_pipelines" / "data" / path).duration for path in calls["recording"]]
+    assert table["duration_s"].tolist() == pytest.approx(durations)
+    assert (table["windows"] >= np.ceil(np.array(durations) / 2)).all()  # the tiny model's 2 s window
+
+
+@pytest.mark.slow
+def test_the_call_example_without_a_model_fails_naming_the_setting(tmp_path):
+    result = run_dagster(["asset", "materialize", "-f", "definitions.py", "--select", "*call_transcripts"], tmp_path)
+    assert result.returncode != 0
+    assert "DAGSTER_LLM_AUDIO_MODEL" in result.stdout + result.stderr
