@@ -3,12 +3,15 @@ where its tokens sit in the prompt and what its encoder reads (`MultiModalFeatur
 with its `PlaceholderRange`), and the encoder outputs a step hands the model (`MultiModalEmbeds`)."""
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from PIL import Image
 
 from engine.multimodal.audio import PromptAudio
-from engine.multimodal.video import PromptVideo
+
+if TYPE_CHECKING:  # the scheduler reads these records: it need not load the video decoding
+    from engine.multimodal.video import PromptVideo
 
 
 @dataclass
@@ -49,7 +52,7 @@ class MultiModalFeature:
     identifier: str
     offset: int
     length: int
-    source: Image.Image | bytes | PromptAudio | PromptVideo = field(repr=False)
+    source: "Image.Image | bytes | PromptAudio | PromptVideo" = field(repr=False)
     is_embed: list[bool] | None = field(default=None, repr=False)
     grid: tuple[int, int, int] | None = None
     data: dict[str, torch.Tensor] | None = field(default=None, repr=False)
