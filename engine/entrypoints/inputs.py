@@ -159,7 +159,7 @@ class RequestChecker:
         if items is not None:
             ids = items.prompt_token_ids
         if (problem := problem or _prompt_problem(prompt, ids, self.max_len, self.vocab, items)
-                or self._params_problem(ids, params, kind)):
+                or self._params_problem(ids, params, kind) or self._positions_problem(ids, params, items)):
             found.append(problem)
         if found:
             return RowCheck(None, "; ".join(found))
@@ -257,6 +257,20 @@ class RequestChecker:
         if params.structured_outputs is not None and (problem := self._structured_problem(params)):
             return f"structured_outputs: {problem}"
         return None
+
+    def _positions_problem(self, ids: list[int], params: SamplingParams, items: ProcessedPrompt | None) -> str | None:
+        """Why the row's last token would take a rotary position past the decoder's tables, or
+        None: a prompt whose items' positions run ahead of its tokens (a Qwen2.5-VL video's,
+        in time) moves every generated token's position on as far."""
+        limit = self.engine.mm_processor.max_position if items is not None else None
+        if limit is None or items.rope_delta <= 0:
+            return None
+        last = len(ids) + params.max_output_tokens(len(ids), self.max_len) - 1 + items.rope_delta
+        if last < limit:
+            return None
+        return (f"max_tokens: the prompt's items put its rotary positions {items.rope_delta} ahead of its tokens, so "
+                f"its last token would take position {last}, past the model's {limit} (max_position_embeddings): "
+                "lower max_tokens, or give shorter videos (fewer frames, or a lower fps)")
 
     def _logprobs_problem(self, params: SamplingParams) -> str | None:
         """Why the request asks for more logprobs per token than `max_logprobs` allows, or None."""

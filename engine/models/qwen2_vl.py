@@ -153,8 +153,7 @@ class Qwen2VLProcessor(BaseMultiModalProcessor):
                             "video processor")
         self.video_limits = VideoLimits(frame, min_frames=rules.min_frames, max_frames=rules.max_frames,
                                         temporal_patch_size=rules.temporal_patch_size, frame_size=rules.frame_size)
-        # The positions the decoder's rotary tables hold (`Qwen2VLDecoder`): a prompt past them is refused.
-        self.max_position = hf_config.get_text_config().max_position_embeddings
+        self.max_position = hf_config.get_text_config().max_position_embeddings  # `Qwen2VLDecoder`'s tables
 
     @property
     def placeholder_ids(self) -> dict[str, int]:

@@ -48,6 +48,8 @@ class BaseMultiModalProcessor:
     image_placeholder: str  # what stands for one image in a prompt's text
     audio_limits: AudioLimits | None = None  # what a clip may be, for a family that reads audio
     video_limits: VideoLimits | None = None  # what a video may be, for a family that reads videos
+    # For a family with its own rotary positions (`rope_positions`), how many the decoder's tables hold.
+    max_position: int | None = None
 
     def __init__(self, path: Path, hf_config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase) -> None:
         """`hf_config` is the checkpoint's whole config (vision and text parts). The

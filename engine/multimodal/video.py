@@ -160,14 +160,18 @@ def _given_frames(value: object, limits: VideoLimits) -> np.ndarray:
                 raise VideoInputError(f"frame {i}: {problem}")
         _check_count(len(value), limits)
         _check_sizes([frame.size[::-1] for frame in value])
-        return np.stack([np.asarray(frame.convert("RGB")) for frame in value])
+        try:
+            return np.stack([np.asarray(frame.convert("RGB")) for frame in value])
+        except Exception as exc:  # a lazily opened image whose data does not decode
+            raise VideoInputError(f"a frame does not decode as an image ({type(exc).__name__}: {exc}): re-export "
+                                  "the frames") from exc
+    if isinstance(value, list) and all(isinstance(frame, np.ndarray) for frame in value):
+        _check_sizes([frame.shape[:2] for frame in value])
     try:
         frames = np.asarray(value)
     except Exception as exc:  # a ragged list, an object whose __array__ raises
         raise VideoInputError(f"the frames are not an array ({type(exc).__name__}: {exc}): give a uint8 array "
                               "[frames, height, width, 3] or a list of PIL images of one size") from exc
-    if frames.dtype == object and frames.ndim == 1:  # a list of arrays of different shapes
-        _check_sizes([np.shape(frame)[:2] for frame in value])
     if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[-1] != 3:
         raise VideoInputError(f"the frames are a {frames.dtype} array of shape {frames.shape}: give uint8 RGB "
                               "frames [frames, height, width, 3] (or a list of PIL images)")
@@ -206,9 +210,9 @@ def _decode(data: bytes, what: str, limits: VideoLimits) -> tuple[np.ndarray, fl
             total = sum(1 for _ in _frames(data))
         if total == 0:
             raise VideoInputError(f"{what} hold a video stream with no frames: give a video with frames")
-        indices = sample_indices(total, source_fps, limits)
-        wanted = set(indices.tolist())
-        kept = [frame.to_ndarray(format="rgb24") for i, frame in enumerate(_frames(data)) if i in wanted]
+        wanted = set(sample_indices(total, source_fps, limits).tolist())
+        kept = [frame.to_ndarray(format="rgb24") for i, frame in zip(range(max(wanted) + 1), _frames(data))
+                if i in wanted]
     if len(kept) != len(wanted):
         raise VideoInputError(f"{what} decode to fewer frames than the container says ({len(kept)} of the "
                               f"{len(wanted)} sampled): the file is truncated or corrupt; re-export it")
@@ -257,7 +261,11 @@ def _resized(frames: np.ndarray, frame_size: FrameSize | None) -> np.ndarray:
     count, height, width, _ = frames.shape
     if frame_size is None:
         return frames.copy()
-    new_height, new_width = frame_size(count, height, width)
+    try:
+        new_height, new_width = frame_size(count, height, width)
+    except Exception as exc:  # the processor's rules (transformers' smart_resize raises ValueError)
+        raise VideoInputError(f"the video processor refuses {width}x{height} frames ({type(exc).__name__}: {exc}): "
+                              "crop or resize the video upstream") from exc
     if (new_height, new_width) == (height, width):
         return frames.copy()
     return np.stack([np.asarray(Image.fromarray(frame).resize((new_width, new_height), Image.Resampling.BICUBIC))

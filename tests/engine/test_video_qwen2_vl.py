@@ -303,3 +303,22 @@ def test_bad_video_rows_fail_alone_before_any_work(folder):
     for problem, part in zip(problems, expected, strict=False):
         assert problem is not None and part in problem, (part, problem)
     assert all(p.startswith("multi_modal_data") for p in problems[:-1])
+
+
+def test_positions_past_the_rotary_tables_are_refused(folder, version):
+    """Qwen2.5-VL's temporal positions count time: at 0.04 fps each temporal patch is 50 s,
+    200 positions at 4 tokens a second. Four patches run past the tiny model's 512 positions;
+    two stay within, but move the generated tokens' positions 150 or more ahead, so 400 new
+    tokens do not fit. Qwen2-VL counts temporal patches, and takes every row."""
+    with LLM(str(folder), dtype="float32", quantization=None) as llm:
+        text = chat_text(folder, [{"type": "video"}, {"type": "text", "text": "Hm?"}])
+        rows = [{"prompt": text, "multi_modal_data": {"video": (clip(frames, 28, 28, 0), {"fps": 0.04})}}
+                for frames in (8, 4, 4)]
+        problems = [llm.validate([row], SamplingParams(max_tokens=n))[0] for row, n in zip(rows, (16, 400, 16))]
+    if version == "2":
+        assert problems == [None] * 3
+        return
+    assert problems[0].startswith("multi_modal_data: the prompt's items reach rotary position ")
+    assert "past the model's 512 (max_position_embeddings)" in problems[0]
+    assert problems[1].startswith("max_tokens: the prompt's items put its rotary positions ")
+    assert problems[2] is None
