@@ -322,3 +322,36 @@ def test_positions_past_the_rotary_tables_are_refused(folder, version):
     assert "past the model's 512 (max_position_embeddings)" in problems[0]
     assert problems[1].startswith("max_tokens: the prompt's items put its rotary positions ")
     assert problems[2] is None
+
+
+def test_frame_forms_read_alike_and_hostile_videos_are_the_rows_errors():
+    """An array, a list of PIL images and a tuple without a rate are one video; a rate
+    changes the hash (Qwen2.5-VL's positions read it). Cut, corrupted and random bytes, odd
+    objects and arrays: each is read or refused with a VideoInputError, nothing else."""
+    rules = Qwen2VLVideoRules(patch_size=7, merge_size=2, min_pixels=784, max_pixels=2352)
+    limits = VideoLimits(min_frames=2, max_frames=16, frame_size=rules.frame_size)
+    frames = clip(4, 30, 44, 5)
+    forms = [frames, [Image.fromarray(frame) for frame in frames], tuple(frames), (frames, {})]
+    read = [read_video(form, limits) for form in forms]
+    assert len({video.content_hash for video in read}) == 1 and read[0].frames.shape == (4, 28, 42, 3)
+    assert read_video((frames, {"fps": 2}), limits).content_hash != read[0].content_hash
+    good = mp4_bytes(clip(12, 32, 48, 1, noise=0), 6)
+    rng = np.random.default_rng(0)
+    hostile = [None, 3, "", "http://example.com/a.mp4", "data:video/mp4;base64,@@", [1, "a"], (1, 2, 3), (b"", {}),
+               [np.zeros((4, 4, 3), np.uint8), np.zeros((5, 4, 3), np.uint8)], np.zeros((2, 1, 1000, 3), np.uint8),
+               np.zeros((2, 0, 5, 3), np.uint8), np.zeros((2, 4, 4), np.uint8), (frames, {"fps": float("nan")}),
+               good[: len(good) // 2], good[:200], rng.bytes(5000), b"\0" * 1000, mp4_bytes(clip(1, 32, 48, 1), 6)]
+    for _ in range(40):
+        corrupted = bytearray(good)
+        for position in rng.integers(0, len(good), rng.integers(1, 30)):
+            corrupted[position] = rng.integers(0, 256)
+        hostile.append(bytes(corrupted))
+    refused = 0
+    for value in hostile:
+        try:
+            video = read_video(value, limits)
+        except VideoInputError:
+            refused += 1
+        else:
+            assert video.frames.dtype == np.uint8 and len(video.frames) >= 2
+    assert refused >= 18  # every one before the corrupted files
