@@ -23,6 +23,7 @@ from engine.entrypoints.inputs import (
 from engine.llm_engine import LLMEngine
 from engine.lora.request import LoRARequest
 from engine.multimodal.image import ImageLimits
+from engine.multimodal.video import VideoLimits
 from engine.model_loader.folder import model_fingerprint
 from engine.output_processor.parsing import PARSING_REVISION
 from engine.outputs import (
@@ -387,6 +388,21 @@ class LLM:
         engine's default budget for a model that reads text only)."""
         processor = self.llm_engine.mm_processor
         return processor.limits if processor is not None else ImageLimits()
+
+    @property
+    def video_placeholder(self) -> str | None:
+        """The text that stands for one video in a prompt of this model
+        ("<|vision_start|><|video_pad|><|vision_end|>"); None for a model that reads no video."""
+        processor = self.llm_engine.mm_processor
+        return processor.placeholders.get("video") if processor is not None else None
+
+    @property
+    def video_limits(self) -> VideoLimits | None:
+        """What a video may be for this model (frames per file second sampled, frame counts, the
+        per-frame decode budget, the resize to its grid), as `read_video` takes them; None for a
+        model that reads no video."""
+        processor = self.llm_engine.mm_processor
+        return processor.video_limits if processor is not None else None
 
     @property
     def max_num_seqs(self) -> int:

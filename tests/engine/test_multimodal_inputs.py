@@ -239,6 +239,7 @@ def test_a_text_model_refuses_audio_per_row_and_in_chat(tmp_path):
             "multi_modal_data['audio']: the model reads no audio: drop the audio clips, or transcribe it upstream: "
             "no model the engine runs reads audio yet")
         assert problems[1] is None and "the model reads text only" in problems[3]
+        assert llm.video_placeholder is None and llm.video_limits is None
         messages = [{"role": "user", "content": [{"type": "audio_url", "audio_url": {"url": "x.wav"}}]}]
         with pytest.raises(ValueError, match=r"conversation 0, message 0: content part 0 is audio \('audio_url'\), "
                                              "but the model reads no audio"):

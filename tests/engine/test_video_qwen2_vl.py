@@ -275,12 +275,16 @@ def test_video_files_are_sampled_at_the_fps_and_read_alike(folder, processor, tm
     assert {read_video(form, limits).content_hash for form in (path, str(path), f"file://{path}", uri)} == {
         video.content_hash}
     with LLM(str(folder), dtype="float32", quantization=None) as llm:
-        rows = [{"prompt": chat_text(folder, [{"type": "video"}, {"type": "text", "text": "Hm?"}]),
-                 "multi_modal_data": {"video": form}} for form in (data, str(path))]
+        assert read_video(data, llm.video_limits).content_hash == read_video(data, processor.video_limits).content_hash
+        rows = [{"prompt": llm.video_placeholder + "Hm?", "multi_modal_data": {"video": form}}
+                for form in (data, str(path))]
+        rows.append({"prompt": chat_text(folder, [{"type": "video"}, {"type": "text", "text": "Hm?"}]),
+                     "multi_modal_data": {"video": data}})
         outputs = llm.generate(rows, GREEDY, use_tqdm=False)
         chat = llm.chat([{"role": "user", "content": [{"type": "video_url", "video_url": {"url": uri}},
                                                       {"type": "text", "text": "Hm?"}]}], GREEDY, use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outputs] == [chat[0].outputs[0].token_ids] * 2
+        assert outputs[0].outputs[0].token_ids == outputs[1].outputs[0].token_ids
+        assert outputs[2].outputs[0].token_ids == chat[0].outputs[0].token_ids
         assert llm.get_stats().num_videos_encoded == 1
     grid = processor.video_tokens(read_video(data, processor.video_limits)).grid
     assert grid == (2, *(side // 7 for side in processor.video_rules.frame_size(4, 56, 84)))
