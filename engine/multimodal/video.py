@@ -95,20 +95,20 @@ def read_video(value: VideoLike, limits: VideoLimits = VideoLimits()) -> PromptV
             decode, a path that does not exist or is too large, a URL the engine does not fetch,
             a rate that is not a positive number.
     """
-    if isinstance(value, tuple):
-        frames, fps = _from_tuple(value, limits)
-    elif isinstance(value, (bytes, bytearray)):
-        frames, fps = _decode(bytes(value), "the bytes", limits)
+    if isinstance(value, (bytes, bytearray)):
+        kept, fps = _decode(bytes(value), "the bytes", limits)
     elif isinstance(value, (str, Path)):
         data = read_location(str(value), limits.max_file_bytes, VIDEO)
-        frames, fps = _decode(data, f"the bytes of {short_location(str(value))}", limits)
-    elif isinstance(value, (np.ndarray, list)):
-        frames, fps = _given_frames(value, limits), UNKNOWN_FRAMES_FPS
+        kept, fps = _decode(data, f"the bytes of {short_location(str(value))}", limits)
+    elif isinstance(value, (tuple, np.ndarray, list)):
+        frames, fps = _from_tuple(value, limits) if isinstance(value, tuple) else (_given_frames(value, limits),
+                                                                                   UNKNOWN_FRAMES_FPS)
+        size = _target_size(limits.frame_size, *frames.shape[:3])
+        kept = np.stack([_resize(frame, size) for frame in frames])  # a copy: the caller's array may change
     else:
         raise VideoInputError(f"expected a uint8 array [frames, height, width, 3], a list of PIL images, (frames, "
                               f"{{'fps': f}}), encoded video bytes, a local path or a file:// or data: URI, got "
                               f"{type(value).__name__}")
-    kept = _resized(frames, limits.frame_size)
     kept.setflags(write=False)  # its hash must keep naming it
     return PromptVideo(kept, fps, video_hash(kept, fps))
 
@@ -199,9 +199,10 @@ def _check_sizes(sizes: list[tuple[int, ...]]) -> None:
 
 
 def _decode(data: bytes, what: str, limits: VideoLimits) -> tuple[np.ndarray, float]:
-    """A video file's sampled frames (uint8 RGB) and their rate: its first video stream, the
-    frame size checked before any frame is decoded, the frames counted where the container
-    does not say how many it holds, then the sampled ones decoded."""
+    """A video file's sampled frames, resized, and their rate: its first video stream, the frame
+    size checked before any frame is decoded, the frames counted where the container does not
+    say how many it holds, then the sampled ones decoded and each resized at once (at most one
+    frame is held at its decoded size)."""
     with _decoder_errors(what):
         width, height, total, source_fps = _probe(data, what)
         if (problem := limits.frame.size_problem(width, height)) is not None:
@@ -211,12 +212,16 @@ def _decode(data: bytes, what: str, limits: VideoLimits) -> tuple[np.ndarray, fl
         if total == 0:
             raise VideoInputError(f"{what} hold a video stream with no frames: give a video with frames")
         wanted = set(sample_indices(total, source_fps, limits).tolist())
-        kept = [frame.to_ndarray(format="rgb24") for i, frame in zip(range(max(wanted) + 1), _frames(data))
-                if i in wanted]
+        size = _target_size(limits.frame_size, len(wanted), height, width)
+        kept, sizes = [], []
+        for i, frame in zip(range(max(wanted) + 1), _frames(data)):
+            if i in wanted:
+                sizes.append((frame.height, frame.width))
+                kept.append(_resize(frame.to_ndarray(format="rgb24"), size))
     if len(kept) != len(wanted):
         raise VideoInputError(f"{what} decode to fewer frames than the container says ({len(kept)} of the "
                               f"{len(wanted)} sampled): the file is truncated or corrupt; re-export it")
-    _check_sizes([frame.shape[:2] for frame in kept])
+    _check_sizes(sizes)
     return np.stack(kept), len(kept) / total * source_fps
 
 
@@ -256,17 +261,23 @@ def _decoder_errors(what: str) -> Iterator[None]:
                               "truncated or corrupt; re-export it") from exc
 
 
-def _resized(frames: np.ndarray, frame_size: FrameSize | None) -> np.ndarray:
-    """The frames resized (bicubic) to the grid `frame_size` gives them; a copy either way."""
-    count, height, width, _ = frames.shape
+def _target_size(frame_size: FrameSize | None, count: int, height: int, width: int) -> tuple[int, int]:
+    """The (height, width) `frame_size` gives `count` frames of height x width (None: theirs).
+
+    Raises:
+        VideoInputError: the processor's rules refuse the size.
+    """
     if frame_size is None:
-        return frames.copy()
+        return height, width
     try:
-        new_height, new_width = frame_size(count, height, width)
+        return frame_size(count, height, width)
     except Exception as exc:  # the processor's rules (transformers' smart_resize raises ValueError)
         raise VideoInputError(f"the video processor refuses {width}x{height} frames ({type(exc).__name__}: {exc}): "
                               "crop or resize the video upstream") from exc
-    if (new_height, new_width) == (height, width):
-        return frames.copy()
-    return np.stack([np.asarray(Image.fromarray(frame).resize((new_width, new_height), Image.Resampling.BICUBIC))
-                     for frame in frames])
+
+
+def _resize(frame: np.ndarray, size: tuple[int, int]) -> np.ndarray:
+    """One uint8 frame resized (Pillow's bicubic) to `size` (height, width), or as it is."""
+    if frame.shape[:2] == size:
+        return frame
+    return np.asarray(Image.fromarray(frame).resize(size[::-1], Image.Resampling.BICUBIC))

@@ -6,6 +6,7 @@ files through PyAV, and bad rows."""
 
 import ast
 import base64
+import dataclasses
 import io
 import math
 from pathlib import Path
@@ -276,6 +277,9 @@ def test_video_files_are_sampled_at_the_fps_and_read_alike(folder, processor, tm
         video.content_hash}
     with LLM(str(folder), dtype="float32", quantization=None) as llm:
         assert read_video(data, llm.video_limits).content_hash == read_video(data, processor.video_limits).content_hash
+        slower = read_video(data, dataclasses.replace(llm.video_limits, fps=1.0))  # the docs' way to another rate
+        assert len(slower.frames) == 2 and slower.fps == 1.0
+        assert read_video((slower.frames, {"fps": slower.fps}), llm.video_limits).content_hash == slower.content_hash
         rows = [{"prompt": llm.video_placeholder + "Hm?", "multi_modal_data": {"video": form}}
                 for form in (data, str(path))]
         rows.append({"prompt": chat_text(folder, [{"type": "video"}, {"type": "text", "text": "Hm?"}]),
