@@ -258,7 +258,8 @@ class RequestChecker:
             return f"structured_outputs: {problem}"
         return None
 
-    def _positions_problem(self, ids: list[int], params: SamplingParams, items: ProcessedPrompt | None) -> str | None:
+    def _positions_problem(self, ids: list[int], params: SamplingParams,
+                           items: ProcessedPrompt | None) -> str | None:
         """Why the row's last token would take a rotary position past the decoder's tables, or
         None: a prompt whose items' positions run ahead of its tokens (a Qwen2.5-VL video's,
         in time) moves every generated token's position on as far."""
@@ -268,8 +269,8 @@ class RequestChecker:
         last = len(ids) + params.max_output_tokens(len(ids), self.max_len) - 1 + items.rope_delta
         if last < limit:
             return None
-        return (f"max_tokens: the prompt's items put its rotary positions {items.rope_delta} ahead of its tokens, so "
-                f"its last token would take position {last}, past the model's {limit} (max_position_embeddings): "
+        return (f"max_tokens: the prompt's items put its rotary positions {items.rope_delta} ahead of its tokens, "
+                f"so its last token would take position {last}, past the model's {limit} (max_position_embeddings): "
                 "lower max_tokens, or give shorter videos (fewer frames, or a lower fps)")
 
     def _logprobs_problem(self, params: SamplingParams) -> str | None:

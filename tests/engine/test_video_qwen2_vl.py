@@ -127,8 +127,8 @@ def test_video_rules_match_transformers_source():
     rules = Qwen2VLVideoRules(patch_size=7, merge_size=2, temporal_patch_size=2)
     for frames, height, width in ((4, 28, 28), (3, 42, 56), (1, 14, 70)):
         video = clip(frames, height, width, frames)
-        normalised = (torch.from_numpy(video).permute(0, 3, 1, 2).float() - torch.tensor(rules.image_mean)[:, None, None]
-                      * 255) / (torch.tensor(rules.image_std)[:, None, None] * 255)
+        mean, std = (torch.tensor(values)[:, None, None] * 255 for values in (rules.image_mean, rules.image_std))
+        normalised = (torch.from_numpy(video).permute(0, 3, 1, 2).float() - mean) / std  # fused, as transformers
         expected, *grid = theirs.patchify(normalised[None], 7, 2, 2)
         assert torch.equal(rules.patches(video), expected[0])
         assert rules.grid(frames, height, width) == tuple(grid)
@@ -301,8 +301,9 @@ def test_bad_video_rows_fail_alone_before_any_work(folder):
         text = chat_text(folder, [{"type": "video"}, {"type": "text", "text": "Hm?"}])
         good = clip(4, 28, 28, 0)
         mixed = [Image.fromarray(frame) for frame in clip(2, 28, 28, 0)] + [Image.new("RGB", (30, 28))]
-        bad = [np.zeros((0, 28, 28, 3), np.uint8), mixed, b"not a video", clip(VIDEO_PROCESSOR["max_frames"] + 1, 28, 28, 0),
-               good.astype(np.float32), (good, {"fps": 0}), [good, good]]
+        too_many = clip(VIDEO_PROCESSOR["max_frames"] + 1, 28, 28, 0)
+        bad = [np.zeros((0, 28, 28, 3), np.uint8), mixed, b"not a video", too_many, good.astype(np.float32),
+               (good, {"fps": 0}), [good, good]]
         problems = llm.validate([{"prompt": text, "multi_modal_data": {"video": video}} for video in bad]
                                 + [{"prompt": text, "multi_modal_data": {"video": good}}])
     assert problems[-1] is None
