@@ -100,11 +100,11 @@ def read_video(value: VideoLike, limits: VideoLimits = VideoLimits()) -> PromptV
     elif isinstance(value, (str, Path)):
         data = read_location(str(value), limits.max_file_bytes, VIDEO)
         kept, fps = _decode(data, f"the bytes of {short_location(str(value))}", limits)
-    elif isinstance(value, (tuple, np.ndarray, list)):
-        frames, fps = _from_tuple(value, limits) if isinstance(value, tuple) else (_given_frames(value, limits),
-                                                                                   UNKNOWN_FRAMES_FPS)
-        size = _target_size(limits.frame_size, *frames.shape[:3])
-        kept = np.stack([_resize(frame, size) for frame in frames])  # a copy: the caller's array may change
+    elif isinstance(value, tuple):
+        frames, fps = _from_tuple(value, limits)
+        kept = _fitted(frames, limits)
+    elif isinstance(value, (np.ndarray, list)):
+        kept, fps = _fitted(_given_frames(value, limits), limits), UNKNOWN_FRAMES_FPS
     else:
         raise VideoInputError(f"expected a uint8 array [frames, height, width, 3], a list of PIL images, (frames, "
                               f"{{'fps': f}}), encoded video bytes, a local path or a file:// or data: URI, got "
@@ -259,6 +259,12 @@ def _decoder_errors(what: str) -> Iterator[None]:
     except Exception as exc:
         raise VideoInputError(f"{what} do not decode as a video ({type(exc).__name__}: {exc}): the file is "
                               "truncated or corrupt; re-export it") from exc
+
+
+def _fitted(frames: np.ndarray, limits: VideoLimits) -> np.ndarray:
+    """Given frames resized to the processor's grid, as a copy (the caller's array may change)."""
+    size = _target_size(limits.frame_size, *frames.shape[:3])
+    return np.stack([_resize(frame, size) for frame in frames])
 
 
 def _target_size(frame_size: FrameSize | None, count: int, height: int, width: int) -> tuple[int, int]:
