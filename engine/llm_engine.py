@@ -244,6 +244,7 @@ class LLMEngine:
         computed."""
         self.stats.num_cached_prompt_tokens += batch.cached_prompt_tokens
         self.stats.num_images_encoded += sum(feature.modality == "image" for feature in batch.encoder_inputs)
+        self.stats.num_videos_encoded += sum(feature.modality == "video" for feature in batch.encoder_inputs)
         for feature in batch.encoder_inputs:
             feature.data = self.mm_processor.encoder_inputs(feature)
         # A parent forks its completions in the step that computes its prompt's last token.

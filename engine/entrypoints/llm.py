@@ -24,6 +24,7 @@ from engine.llm_engine import LLMEngine
 from engine.lora.request import LoRARequest
 from engine.multimodal.audio import AudioLimits
 from engine.multimodal.image import ImageLimits
+from engine.multimodal.video import VideoLimits
 from engine.model_loader.folder import model_fingerprint
 from engine.output_processor.parsing import PARSING_REVISION
 from engine.outputs import (
@@ -402,6 +403,21 @@ class LLM:
         the longest clip it takes (the engine's defaults for a model that reads no audio)."""
         processor = self.llm_engine.mm_processor
         return processor.audio_limits if processor is not None and processor.audio_limits else AudioLimits()
+
+    @property
+    def video_placeholder(self) -> str | None:
+        """The text that stands for one video in a prompt of this model
+        ("<|vision_start|><|video_pad|><|vision_end|>"); None for a model that reads no video."""
+        processor = self.llm_engine.mm_processor
+        return processor.placeholders.get("video") if processor is not None else None
+
+    @property
+    def video_limits(self) -> VideoLimits | None:
+        """What a video may be for this model (frames per file second sampled, frame counts, the
+        per-frame decode budget, the resize to its grid), as `read_video` takes them; None for a
+        model that reads no video."""
+        processor = self.llm_engine.mm_processor
+        return processor.video_limits if processor is not None else None
 
     @property
     def max_num_seqs(self) -> int:
