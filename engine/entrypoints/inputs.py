@@ -28,8 +28,16 @@ SamplingParamsArg = SamplingParams | SequenceABC[SamplingParams] | None
 LoRARequestArg = LoRARequest | SequenceABC[LoRARequest | None] | None
 PriorityArg = int | SequenceABC[int] | None
 UseTqdm = bool | Callable[..., Any]
+
+
+def _architectures_reading(modality: str) -> str:
+    """The multimodal architectures that read `modality`, by name."""
+    return ", ".join(sorted(name for name, model in MULTIMODAL_MODELS.items()
+                            if modality in model.processor_class.modalities))
+
+
 # How a row gets a model that reads a modality its model does not.
-_READERS = {**READERS, "image": f"{READERS['image']} ({', '.join(sorted(MULTIMODAL_MODELS))})"}
+_READERS = {modality: f"{how} ({_architectures_reading(modality)})" for modality, how in READERS.items()}
 
 
 @dataclass
