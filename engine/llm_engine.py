@@ -239,11 +239,12 @@ class LLMEngine:
         return list({seq.group[0] for seq in self.step() if seq.request_finished})
 
     def _launch_forward(self, batch: ScheduledBatch) -> LaunchedStep:
-        """Makes the encoder inputs of the items (images) the step encodes, forks the completions
+        """Makes the encoder inputs of the items (images, clips) the step encodes, forks the completions
         whose prompt this step finishes, queues the forward pass and counts its tokens as
         computed."""
         self.stats.num_cached_prompt_tokens += batch.cached_prompt_tokens
         self.stats.num_images_encoded += sum(feature.modality == "image" for feature in batch.encoder_inputs)
+        self.stats.num_audios_encoded += sum(feature.modality == "audio" for feature in batch.encoder_inputs)
         self.stats.num_videos_encoded += sum(feature.modality == "video" for feature in batch.encoder_inputs)
         for feature in batch.encoder_inputs:
             feature.data = self.mm_processor.encoder_inputs(feature)

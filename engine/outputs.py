@@ -173,6 +173,7 @@ class EngineStats:
     num_generated_tokens: int = 0
     num_cached_prompt_tokens: int = 0
     num_images_encoded: int = 0  # vision-encoder runs, one per image (its output is then cached)
+    num_audios_encoded: int = 0  # audio-encoder runs, one per clip (likewise)
     num_videos_encoded: int = 0  # vision-encoder runs on videos, one per distinct video
     # Speculative decoding: verifications of a sequence's proposals, the tokens proposed in
     # them, and those accepted (vLLM's num_drafts, num_draft_tokens, num_accepted_tokens).

@@ -22,7 +22,7 @@ VIDEO_PARTS = ("video_url", "video")
 MEDIA_PARTS = {"image": IMAGE_PARTS, "audio": AUDIO_PARTS, "video": VIDEO_PARTS}
 # How a conversation gets a model that reads a modality its model does not.
 READERS = {"image": "load a vision-language model",
-           "audio": "transcribe it upstream: no model the engine runs reads audio yet",
+           "audio": "load an audio-language model",
            "video": "load Qwen2-VL or Qwen2.5-VL, or pass frames sampled from it as images"}
 
 

@@ -31,8 +31,16 @@ SamplingParamsArg = SamplingParams | SequenceABC[SamplingParams] | None
 LoRARequestArg = LoRARequest | SequenceABC[LoRARequest | None] | None
 PriorityArg = int | SequenceABC[int] | None
 UseTqdm = bool | Callable[..., Any]
+
+
+def _architectures_reading(modality: str) -> str:
+    """The multimodal architectures that read `modality`, by name."""
+    return ", ".join(sorted(name for name, model in MULTIMODAL_MODELS.items()
+                            if modality in model.processor_class.modalities))
+
+
 # How a row gets a model that reads a modality its model does not.
-_READERS = {**READERS, "image": f"{READERS['image']} ({', '.join(sorted(MULTIMODAL_MODELS))})"}
+_READERS = {modality: f"{how} ({_architectures_reading(modality)})" for modality, how in READERS.items()}
 
 
 @dataclass
@@ -181,10 +189,12 @@ class RequestChecker:
         if problem is not None or (not given and processor is None):
             return None, problem
         items: dict[str, list[PromptItem]] = {}
-        readers = {"image": (read_image, processor.limits), "audio": (read_audio, processor.audio_limits),
-                   "video": (read_video, processor.video_limits)}
+        # Each modality's reader and the processor's limits for it (only a family that reads
+        # images has image limits).
+        readers = {"image": (read_image, "limits"), "audio": (read_audio, "audio_limits"),
+                   "video": (read_video, "video_limits")}
         for modality, values in given.items():
-            read, limits = readers[modality]
+            read, limits = readers[modality][0], getattr(processor, readers[modality][1])
             items[modality] = []
             for i, value in enumerate(values):
                 try:

@@ -378,17 +378,17 @@ class LLM:
     @property
     def image_placeholder(self) -> str | None:
         """The text that stands for one image in a prompt of this model ("<image>"); None
-        for a model that reads text only."""
+        for a model that reads no images."""
         processor = self.llm_engine.mm_processor
-        return processor.image_placeholder if processor is not None else None
+        return processor.placeholders.get("image") if processor is not None else None
 
     @property
     def image_limits(self) -> ImageLimits:
         """What an image may be for this model, checked on its header before it is decoded:
         the decode budget in pixels and the aspect ratio its image processor takes (the
-        engine's default budget for a model that reads text only)."""
+        engine's default budget for a model that reads no images)."""
         processor = self.llm_engine.mm_processor
-        return processor.limits if processor is not None else ImageLimits()
+        return processor.limits if processor is not None and "image" in processor.modalities else ImageLimits()
 
     @property
     def audio_placeholder(self) -> str | None:
@@ -398,11 +398,11 @@ class LLM:
         return processor.placeholders.get("audio") if processor is not None else None
 
     @property
-    def audio_limits(self) -> AudioLimits:
-        """What a clip may be for this model: the sample rate its feature extractor reads and
-        the longest clip it takes (the engine's defaults for a model that reads no audio)."""
+    def audio_limits(self) -> AudioLimits | None:
+        """What a clip may be for this model (its feature extractor's rate, the longest clip
+        it takes); None for a model that reads no audio."""
         processor = self.llm_engine.mm_processor
-        return processor.audio_limits if processor is not None and processor.audio_limits else AudioLimits()
+        return processor.audio_limits if processor is not None else None
 
     @property
     def video_placeholder(self) -> str | None:

@@ -139,6 +139,7 @@ class Qwen2VLProcessor(BaseMultiModalProcessor):
     "<|video_pad|>" run, as transformers' `Qwen2VLProcessor` expands one; and the prompt's
     M-RoPE positions, as its model's `get_rope_index` computes them."""
 
+    modalities = ("image", "video")
     image_placeholder = "<|vision_start|><|image_pad|><|vision_end|>"
     video_placeholder = "<|vision_start|><|video_pad|><|vision_end|>"
 
@@ -154,14 +155,6 @@ class Qwen2VLProcessor(BaseMultiModalProcessor):
         self.video_limits = VideoLimits(frame, min_frames=rules.min_frames, max_frames=rules.max_frames,
                                         temporal_patch_size=rules.temporal_patch_size, frame_size=rules.frame_size)
         self.max_position = hf_config.get_text_config().max_position_embeddings  # `Qwen2VLDecoder`'s tables
-
-    @property
-    def placeholder_ids(self) -> dict[str, int]:
-        return {"image": self.image_token_id, "video": self.video_token_id}
-
-    @property
-    def placeholders(self) -> dict[str, str]:
-        return {"image": self.image_placeholder, "video": self.video_placeholder}
 
     def kept_pixels(self) -> int:
         """max_pixels: `smart_resize` scales every image to at most that."""

@@ -157,13 +157,14 @@ def vision_linear(in_features: int, out_features: int, bias: bool = True) -> Lin
 
 class VisionAttention(nn.Module):
     """Bidirectional multi-head self-attention within each image of a ViT tower (CLIP's,
-    SigLIP's: q_proj, k_proj, v_proj, out_proj), with no cache."""
+    SigLIP's: q_proj, k_proj, v_proj, out_proj), or each clip of a Whisper-style audio
+    encoder (whose k_proj has no bias: `key_bias` False), with no cache."""
 
-    def __init__(self, hidden: int, num_heads: int) -> None:
+    def __init__(self, hidden: int, num_heads: int, key_bias: bool = True) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.q_proj = vision_linear(hidden, hidden)
-        self.k_proj = vision_linear(hidden, hidden)
+        self.k_proj = vision_linear(hidden, hidden, bias=key_bias)
         self.v_proj = vision_linear(hidden, hidden)
         self.out_proj = vision_linear(hidden, hidden)
 

@@ -35,50 +35,61 @@ class MultiModalInputError(ValueError):
 class BaseMultiModalProcessor:
     """Turns (prompt ids, items per modality) into a `ProcessedPrompt` for one model folder.
 
-    Subclasses set `image_token_id` and `image_placeholder` and implement `process_image`
-    (and `image_tokens` where the tokens follow from the image's size); a family with
-    multimodal rotary positions overrides `rope_positions`. A family that reads audio adds
-    "audio" to `placeholder_ids` and `placeholders`, sets `audio_limits` (its feature
-    extractor's rate and window rules) and implements `audio_tokens` and `audio_inputs`; one
-    that reads videos does the same with "video", `video_limits` (its video processor's frame
-    rules), `video_tokens` and `video_inputs`.
+    Subclasses name the `modalities` they read and, for each, its placeholder token and text
+    (`image_token_id` and `image_placeholder`, `audio_token_id` and `audio_placeholder`). A
+    family that reads images implements `process_image` (and `image_tokens` where the tokens
+    follow from the image's size); one with multimodal rotary positions overrides
+    `rope_positions`. A family that reads audio sets `audio_limits` (its feature extractor's
+    rate and window rules) and implements `audio_tokens` and `audio_inputs`; one that reads
+    no images (Qwen2-Audio) has no image processor. One that reads videos
+    does the same with "video": `video_limits` (its video processor's frame rules),
+    `video_tokens` and `video_inputs`.
     """
 
+    modalities: tuple[str, ...] = ("image",)  # what the family reads beside text
     image_token_id: int
     image_placeholder: str  # what stands for one image in a prompt's text
+    audio_token_id: int
+    audio_placeholder: str  # what stands for one clip in a prompt's text
     audio_limits: AudioLimits | None = None  # what a clip may be, for a family that reads audio
     video_limits: VideoLimits | None = None  # what a video may be, for a family that reads videos
     # For a family with its own rotary positions (`rope_positions`), how many the decoder's tables hold.
     max_position: int | None = None
 
     def __init__(self, path: Path, hf_config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase) -> None:
-        """`hf_config` is the checkpoint's whole config (vision and text parts). The
-        tokenizer takes the processor's chat template (chat_template.json) where it has none."""
+        """`hf_config` is the checkpoint's whole config (vision or audio, and text parts). The
+        tokenizer takes the processor's chat template (chat_template.json) where it has none.
+        A family that reads images gets its image processor and `limits`."""
         self.path = path
         self.hf_config = hf_config
         self.tokenizer = tokenizer
+        template = path / "chat_template.json"
+        if tokenizer.chat_template is None and template.exists():  # the processor's, in its older file
+            tokenizer.chat_template = json.loads(template.read_text())["chat_template"]
+        if "image" in self.modalities:
+            self._set_up_images()
+
+    def _set_up_images(self) -> None:
+        """The image processor (transformers', its PIL backend) and what an image may be for it."""
         # Imported here: transformers' processing modules pull in torch._dynamo (and Triton)
         # and would load with every `import engine`.
         from transformers import AutoImageProcessor
 
-        self.image_processor = AutoImageProcessor.from_pretrained(path, backend="pil")
-        template = path / "chat_template.json"
-        if tokenizer.chat_template is None and template.exists():  # the processor's, in its older file
-            tokenizer.chat_template = json.loads(template.read_text())["chat_template"]
+        self.image_processor = AutoImageProcessor.from_pretrained(self.path, backend="pil")
         budget = decode_budget(self.kept_pixels())
         self.limits = ImageLimits(budget, self.max_aspect_ratio(budget),
-                                  f"the {hf_config.model_type} image processor")
+                                  f"the {self.hf_config.model_type} image processor")
 
     @property
     def placeholder_ids(self) -> dict[str, int]:
         """The token that stands for one item in a prompt, per modality the model reads (its
         keys are those modalities)."""
-        return {"image": self.image_token_id}
+        return {modality: getattr(self, f"{modality}_token_id") for modality in self.modalities}
 
     @property
     def placeholders(self) -> dict[str, str]:
         """The text that stands for one item in a prompt, per modality the model reads."""
-        return {"image": self.image_placeholder}
+        return {modality: getattr(self, f"{modality}_placeholder") for modality in self.modalities}
 
     def kept_pixels(self) -> int:
         """The most pixels of an image the image processor keeps (what it resizes to), which

@@ -41,16 +41,13 @@ class ImageAndAudioProcessor(LlavaMultiModalProcessor):
     tiny tokenizer has and prompts do not use) and becomes one such token per 0.1 s; a clip
     under 50 ms is refused, as a feature extractor refuses one shorter than its frame."""
 
+    modalities = ("image", "audio")
     audio_placeholder = "<|endoftext|>"
     audio_limits = AudioLimits(sample_rate=RATE, max_seconds=2.0)
 
     @property
-    def placeholder_ids(self) -> dict[str, int]:
-        return {**super().placeholder_ids, "audio": self.tokenizer.convert_tokens_to_ids(self.audio_placeholder)}
-
-    @property
-    def placeholders(self) -> dict[str, str]:
-        return {**super().placeholders, "audio": self.audio_placeholder}
+    def audio_token_id(self) -> int:
+        return self.tokenizer.convert_tokens_to_ids(self.audio_placeholder)
 
     def audio_tokens(self, audio: PromptAudio) -> ItemTokens:
         if audio.seconds < 0.05:
@@ -211,7 +208,7 @@ def test_chat_audio_parts_become_multi_modal_data(tmp_path):
     assert unread_parts_problem(messages, {"image", "audio"}) is None
     assert unread_parts_problem(messages, {"image"}) == (
         "message 0: content part 0 is audio ('input_audio'), but the model reads no audio: drop the audio, or "
-        "transcribe it upstream: no model the engine runs reads audio yet")
+        "load an audio-language model")
 
 
 @pytest.mark.parametrize("part, words", [
@@ -236,8 +233,8 @@ def test_a_text_model_refuses_audio_per_row_and_in_chat(tmp_path):
                 {"prompt": "hi", "multi_modal_data": {"image": picture(1), "audio": (tone(0.2), RATE)}}]
         problems = llm.validate(rows, SETTINGS)
         assert problems[0] == problems[2] == (
-            "multi_modal_data['audio']: the model reads no audio: drop the audio clips, or transcribe it upstream: "
-            "no model the engine runs reads audio yet")
+            "multi_modal_data['audio']: the model reads no audio: drop the audio clips, or load an audio-language "
+            "model (Qwen2AudioForConditionalGeneration, VoxtralForConditionalGeneration)")
         assert problems[1] is None and "the model reads text only" in problems[3]
         assert llm.video_placeholder is None and llm.video_limits is None
         messages = [{"role": "user", "content": [{"type": "audio_url", "audio_url": {"url": "x.wav"}}]}]
