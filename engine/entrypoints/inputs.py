@@ -151,6 +151,9 @@ class RequestChecker:
             return RowCheck(None, "; ".join([*found, bad_text]))
         if not isinstance(params, SamplingParams):
             params = SamplingParams()  # the prompt is still checked, against the defaults
+        prompt, problem = self._encoder_decoder_prompt(prompt)
+        if problem is not None:
+            return RowCheck(None, "; ".join([*found, problem]))
         text, ids = self._tokenize(prompt)
         items, problem = self._multimodal(prompt, ids)
         if items is not None:
@@ -163,6 +166,30 @@ class RequestChecker:
             return RowCheck(None, "; ".join(found))
         return RowCheck(Request(text, ids, params, priority, adapter, multi_modal=items,
                                 tools=RequestTools.of_prompt(prompt)), None)
+
+    def _encoder_decoder_prompt(self, prompt: Any) -> tuple[Any, str | None]:
+        """vLLM's explicit encoder-decoder prompt, `{"encoder_prompt": {"prompt": "",
+        "multi_modal_data": ...}, "decoder_prompt": text or {"prompt": ...} or
+        {"prompt_token_ids": ...}}`, as the one prompt dict the checks read (the decoder's prompt
+        with the encoder's items); any other prompt as given. Or why it cannot be read that way:
+        a decoder-only model, an encoder prompt with text (Whisper's encoder reads audio only),
+        a decoder prompt of another form."""
+        if not isinstance(prompt, dict) or not {"encoder_prompt", "decoder_prompt"} & set(prompt):
+            return prompt, None
+        processor = self.engine.mm_processor
+        if processor is None or processor.cross_modality is None:
+            return prompt, ("encoder_prompt: the model is a decoder: give {'prompt': ..., 'multi_modal_data': ...} "
+                            "without encoder_prompt and decoder_prompt")
+        encoder, decoder = prompt.get("encoder_prompt"), prompt.get("decoder_prompt")
+        if not isinstance(encoder, dict) or encoder.get("prompt") or encoder.get("prompt_token_ids"):
+            return prompt, (f"encoder_prompt: expected {{'prompt': '', 'multi_modal_data': {{'{processor.cross_modality}'"
+                            f": ...}}}}: the encoder reads the {processor.cross_modality} alone")
+        if isinstance(decoder, str):
+            decoder = {"prompt": decoder}
+        if not isinstance(decoder, dict):
+            return prompt, ("decoder_prompt: expected the decoder's prompt, a str or {'prompt': str} or "
+                            f"{{'prompt_token_ids': [int, ...]}}, got {type(decoder).__name__}")
+        return {**decoder, "multi_modal_data": encoder.get("multi_modal_data")}, None
 
     def _multimodal(self, prompt: Any, ids: list[int] | None) -> tuple[ProcessedPrompt | None, str | None]:
         """The prompt's images and audio clips processed into its token ids (None: a prompt

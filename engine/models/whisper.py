@@ -178,6 +178,7 @@ class WhisperForConditionalGeneration(nn.Module):
         super().__init__()
         self.config = config
         self.max_cross_rows = config.max_source_positions  # encoder rows per clip (the window's)
+        self.cross_width = config.d_model  # the encoder rows' width
         self.encoder = AudioEncoder(config)
         self.decoder = WhisperDecoder(config)
         self.proj_out = ParallelLMHead(config.d_model, config.vocab_size, group or TensorParallelGroup())

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention.layer import AttentionMetadata
+from engine.attention.layer import AttentionMetadata, cross_attention_metadata
 from engine.core.sched_output import ScheduledBatch
 from engine.core.sequence import Sequence
 from engine.lora.slots import LoRARange
@@ -322,13 +322,7 @@ class InputBatch:
         keys = [seq.cross_rows for seq in seqs]
         row_keys = [k for k, n in zip(keys, nums) for _ in range(n)]
         row_slots = torch.repeat_interleave(slots, upload(nums, torch.long, device), output_size=len(row_keys))
-        meta = AttentionMetadata(
-            slot_mapping=torch.full((len(row_keys),), -1, dtype=torch.long, device=device),  # writes nothing
-            query_start_loc=torch.arange(len(row_keys) + 1, dtype=torch.int32, device=device),
-            seq_lens=upload(row_keys, torch.int32, device),
-            block_tables=self.cross_tables[row_slots],
-            positions=upload([k - 1 for k in row_keys], torch.long, device),
-            query_lens=[1] * len(row_keys), context_lens=row_keys, block_size=size)
+        meta = cross_attention_metadata(row_keys, self.cross_tables[row_slots], size)
         starting = [i for i, start in enumerate(starts) if start == 0]
         if not starting:
             return CrossRows(meta)
