@@ -50,7 +50,7 @@ class WhisperProcessor(BaseMultiModalProcessor):
 
         self.feature_extractor = WhisperFeatureExtractor.from_pretrained(path)
         self.audio_limits = AudioLimits(self.feature_extractor.sampling_rate)
-        self.window_s = self.feature_extractor.chunk_length
+        self.transcription_window_s = self.feature_extractor.chunk_length
         self.encoder_rows = hf_config.max_source_positions
 
     @property
@@ -83,12 +83,32 @@ class WhisperProcessor(BaseMultiModalProcessor):
                 f"multi_modal_data: Whisper transcribes one clip per prompt, got {len(clips)}: give exactly one, "
                 "multi_modal_data={'audio': (waveform, sample_rate)}")
         clip = clips[0]
-        if clip.seconds > self.window_s:
+        if clip.seconds > self.transcription_window_s:
             raise MultiModalInputError(
                 f"multi_modal_data['audio'][0]: the clip is {clip.seconds:,.2f} s long, more than Whisper's "
-                f"{self.window_s} s window: use LLM.transcribe, which splits it, or cut it upstream")
+                f"{self.transcription_window_s} s window: use LLM.transcribe, which splits it, or cut it upstream")
         feature = MultiModalFeature(clip.content_hash, 0, self.encoder_rows, clip, modality="audio")
         return ProcessedPrompt(list(token_ids), [], cross=[feature])
+
+
+    def transcription_prompt(self, language: str, task: str, prompt: str | None) -> str:
+        """Whisper's task tokens after the previous text, as vLLM writes them:
+        "<|prev|>{prompt}<|startoftranscript|><|{language}|><|{task}|><|notimestamps|>".
+
+        Raises:
+            ValueError: a language without a `<|xx|>` token in the tokenizer, a task other than
+                "transcribe" or "translate".
+        """
+        if task not in ("transcribe", "translate"):
+            raise ValueError(f"task: expected 'transcribe' or 'translate', got {task!r}")
+        vocabulary = self.tokenizer.get_vocab()
+        if f"<|{language}|>" not in vocabulary:
+            known = sorted(t[2:-2] for t in vocabulary if len(t) in (6, 7) and t[:2] == "<|" and t[-2:] == "|>"
+                           and t[2:-2].isalpha() and t[2:-2].islower())
+            raise ValueError(f"language: {language!r} is not one of the model's languages: use one of "
+                             f"{', '.join(known[:20])}{', ...' if len(known) > 20 else ''}")
+        previous = f"<|prev|>{prompt}" if prompt else ""
+        return f"{previous}<|startoftranscript|><|{language}|><|{task}|><|notimestamps|>"
 
 
 class WhisperAttention(nn.Module):

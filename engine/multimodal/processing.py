@@ -53,6 +53,9 @@ class BaseMultiModalProcessor:
     # which its decoder attends to (`ProcessedPrompt.cross`); None for a decoder-only family.
     cross_modality: str | None = None
     add_special_tokens = True  # whether a prompt's text is tokenized with the tokenizer's special tokens
+    # The longest clip a family that transcribes (Whisper) reads at once, in seconds: what
+    # `LLM.transcribe` cuts longer clips into; None for a family that does not transcribe.
+    transcription_window_s: float | None = None
 
     def __init__(self, path: Path, hf_config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase) -> None:
         """`hf_config` is the checkpoint's whole config (vision or audio, and text parts). The
@@ -130,6 +133,16 @@ class BaseMultiModalProcessor:
         if feature.modality == "image":
             return self.process_image(load_image(feature.source, self.limits)).data
         return self.audio_inputs(feature.source)
+
+    def transcription_prompt(self, language: str, task: str, prompt: str | None) -> str:
+        """The decoder prompt that transcribes (`task` "transcribe") or translates one window
+        of audio in `language`, after the text `prompt` (None: no text), for a family that
+        transcribes (sets `transcription_window_s`).
+
+        Raises:
+            ValueError: for a family that does not transcribe, or a language or task it does not know.
+        """
+        raise ValueError(f"the {self.hf_config.model_type} model does not transcribe: load Whisper")
 
     def max_item_rows(self) -> int:
         """The most encoder rows one item of the family yields where that is more than a prompt

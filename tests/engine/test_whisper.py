@@ -131,6 +131,8 @@ def test_whisper_rows_are_refused_with_their_fix(whisper):
         assert problems[5].startswith("multi_modal_data['audio'][0]:")
         assert problems[6].startswith("encoder_prompt: expected {'prompt': '', 'multi_modal_data'")
         assert problems[7].startswith("decoder_prompt: expected the decoder's prompt")
+        with pytest.raises(ValueError, match="encoder-decoder model with no chat template"):
+            llm.chat([{"role": "user", "content": [{"type": "audio", "audio": (wave, SAMPLE_RATE)}]}], GREEDY)
         steps = llm.get_stats().num_steps
         with pytest.raises(ValueError, match="nothing was run"):
             llm.generate(bad[:1], GREEDY, use_tqdm=False)
