@@ -179,12 +179,13 @@ class TranscriptionWindow:
 class TranscriptionOutput:
     """A clip's transcript (`LLM.transcribe`): its windows' texts joined in order without a
     separator (as vLLM's transcription endpoint joins them), the windows, their token ids in
-    order, and the clip's duration."""
+    order, the clip's duration and its language (as given, or as detected)."""
 
     text: str
     windows: list[TranscriptionWindow]
     token_ids: list[int]
     duration_s: float
+    language: str
 
 
 @dataclass

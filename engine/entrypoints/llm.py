@@ -310,8 +310,8 @@ class LLM:
         requests = valid_requests(rows)
         return CompletedRequests(self._run(requests, use_tqdm), len(requests))
 
-    def transcribe(self, audio: Any, *, language: str = "en", task: str = "transcribe", prompt: str | None = None,
-                   sampling_params: SamplingParams | None = None,
+    def transcribe(self, audio: Any, *, language: str | None = "en", task: str = "transcribe",
+                   prompt: str | None = None, sampling_params: SamplingParams | None = None,
                    use_tqdm: UseTqdm = False) -> list[TranscriptionOutput]:
         """Each clip's transcript (`task="translate"`: its English translation), in input order,
         with a model that transcribes (Whisper; vLLM's transcription endpoint, offline).
@@ -322,15 +322,21 @@ class LLM:
         windows (`engine.multimodal.audio_windows.split_windows`), each window of every clip
         runs as one request of one `generate` under "<|prev|>{prompt}<|startoftranscript|>
         <|{language}|><|{task}|><|notimestamps|>", and a clip's window texts are joined in
-        order. `sampling_params` default to greedy decoding up to the decoder's context.
+        order. `language=None` detects each clip's language first, as vLLM does (one greedy
+        token among the language tokens, over its first window). `sampling_params` default to
+        greedy decoding up to the decoder's context.
 
         Raises:
             ValueError: before any work: a model that does not transcribe, an unknown
                 language or task, and every clip that cannot be read, listed.
         """
         plan = plan_transcription(self.llm_engine.mm_processor, audio, language, task, prompt)
+        if language is None:
+            languages = plan.detected(self.generate(plan.detection_rows(), plan.detection_params(), use_tqdm=False))
+        else:
+            languages = [language] * len(plan.clips)
         params = sampling_params if sampling_params is not None else SamplingParams(temperature=0, max_tokens=None)
-        return plan.outputs(self.generate(plan.prompts, params, use_tqdm=use_tqdm))
+        return plan.outputs(languages, self.generate(plan.rows(languages), params, use_tqdm=use_tqdm))
 
     def beam_search(self, prompts: Prompts, params: BeamSearchParams, lora_request: LoRARequestArg = None,
                     use_tqdm: UseTqdm = False) -> list[BeamSearchOutput]:

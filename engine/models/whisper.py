@@ -101,14 +101,23 @@ class WhisperProcessor(BaseMultiModalProcessor):
         """
         if task not in ("transcribe", "translate"):
             raise ValueError(f"task: expected 'transcribe' or 'translate', got {task!r}")
-        vocabulary = self.tokenizer.get_vocab()
-        if f"<|{language}|>" not in vocabulary:
-            known = sorted(t[2:-2] for t in vocabulary if len(t) in (6, 7) and t[:2] == "<|" and t[-2:] == "|>"
-                           and t[2:-2].isalpha() and t[2:-2].islower())
+        known = sorted(self.language_token_ids())
+        if language not in known:
             raise ValueError(f"language: {language!r} is not one of the model's languages: use one of "
                              f"{', '.join(known[:20])}{', ...' if len(known) > 20 else ''}")
         previous = f"<|prev|>{prompt}" if prompt else ""
         return f"{previous}<|startoftranscript|><|{language}|><|{task}|><|notimestamps|>"
+
+    def language_token_ids(self) -> dict[str, int]:
+        """The tokenizer's language tokens, "<|xx|>" or "<|xxx|>" of lowercase letters ("<|en|>",
+        "<|haw|>"), by code."""
+        return {token[2:-2]: token_id for token, token_id in self.tokenizer.get_vocab().items()
+                if token.startswith("<|") and token.endswith("|>") and 2 <= len(token) - 4 <= 3
+                and token[2:-2].isalpha() and token[2:-2].islower()}
+
+    def language_detection_prompt(self) -> str:
+        """vLLM's: the start of transcript, whose next token is the language's."""
+        return "<|startoftranscript|>"
 
 
 class WhisperAttention(nn.Module):

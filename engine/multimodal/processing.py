@@ -144,6 +144,15 @@ class BaseMultiModalProcessor:
         """
         raise ValueError(f"the {self.hf_config.model_type} model does not transcribe: load Whisper")
 
+    def language_token_ids(self) -> dict[str, int]:
+        """A family that transcribes: the token of each language it knows, by code ("en")."""
+        raise ValueError(f"the {self.hf_config.model_type} model does not transcribe: load Whisper")
+
+    def language_detection_prompt(self) -> str:
+        """A family that transcribes: the decoder prompt after which its next token names the
+        clip's language (among `language_token_ids`)."""
+        raise ValueError(f"the {self.hf_config.model_type} model does not transcribe: load Whisper")
+
     def max_item_rows(self) -> int:
         """The most encoder rows one item of the family yields where that is more than a prompt
         holds (an encoder-decoder family's clip, which takes no prompt positions); 0 for the others."""

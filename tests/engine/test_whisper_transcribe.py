@@ -92,3 +92,29 @@ def test_transcribe_refuses_before_any_work(whisper, tmp_path):
     with LLM(str(build_tiny_model(tmp_path / "llama", "llama")), dtype="float32") as llm:
         with pytest.raises(ValueError, match="transcribe: the model does not transcribe: load Whisper"):
             llm.transcribe(clip)
+
+
+def test_language_none_detects_each_clips_language_as_transformers_ranks_them(whisper):
+    """vLLM's detection: the greedy token after "<|startoftranscript|>" among the language
+    tokens, over the clip's first window; the clip is then transcribed in that language."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(whisper)
+    extractor = transformers.WhisperFeatureExtractor.from_pretrained(whisper)
+    model = transformers.WhisperForConditionalGeneration.from_pretrained(whisper, dtype=torch.float32).eval()
+    languages = {"en": tokenizer.convert_tokens_to_ids("<|en|>"), "fr": tokenizer.convert_tokens_to_ids("<|fr|>")}
+    clips = [speech_like(40_000, [], seed=seed) for seed in range(4)]
+    start = torch.tensor([[tokenizer.convert_tokens_to_ids("<|startoftranscript|>")]])
+    expected = []
+    for clip in clips:
+        first = split_windows(clip, SAMPLE_RATE, window_s=CHUNK_SECONDS)[0]
+        features = extractor(clip[first.start : first.end], sampling_rate=SAMPLE_RATE, return_tensors="pt").input_features
+        with torch.no_grad():
+            logits = model(input_features=features, decoder_input_ids=start).logits[0, -1]
+        expected.append(max(languages, key=lambda code: logits[languages[code]].item()))
+    assert set(expected) == {"en", "fr"}  # the tiny model (seed 0) hears both among these clips
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with LLM(str(whisper), dtype="float32") as llm:
+        outputs = llm.transcribe([(clip, SAMPLE_RATE) for clip in clips], language=None, sampling_params=params)
+        assert [o.language for o in outputs] == expected
+        given = llm.transcribe([(clip, SAMPLE_RATE) for clip in clips], language=expected[0], sampling_params=params)
+    assert [o.token_ids for o in outputs if o.language == expected[0]] == [
+        g.token_ids for g, o in zip(given, outputs) if o.language == expected[0]]
