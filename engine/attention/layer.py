@@ -247,8 +247,8 @@ class CrossAttention(Attention):
     sequence's decoder keys and values or its cross ones, so the KV-cache budget counts one
     layer's bytes per token (`engine.worker.kv_cache.KVCache`)."""
 
-    def __init__(self, paired_with: Attention, scale: float | None = None) -> None:
-        super().__init__(paired_with.num_heads, paired_with.head_dim, paired_with.num_kv_heads, scale)
+    def __init__(self, paired_with: Attention) -> None:
+        super().__init__(paired_with.num_heads, paired_with.head_dim, paired_with.num_kv_heads)
         self.paired_with = [paired_with]  # a list, so that the pair is not registered twice as a module
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,

@@ -281,7 +281,7 @@ class InputBatch:
         if self.uses_mrope:
             step.rope_positions = _rope_positions(seqs, starts, nums).to(self.device, non_blocking=True)
         if self.cross_tables is not None:
-            step.cross = self.cross_rows(slots, seqs, starts, nums)
+            step.cross = self.cross_attention_rows(slots, seqs, starts, nums)
         if lora_slots:
             step.lora_ranges = _lora_ranges(seqs, ends, nums, lora_slots)
         return step
@@ -312,8 +312,8 @@ class InputBatch:
             block_tables=self.block_tables[slots, :width],
             positions=positions, query_lens=nums, context_lens=context_lens, block_size=size)
 
-    def cross_rows(self, slots: torch.Tensor, seqs: list[Sequence], starts: list[int],
-                   nums: list[int]) -> CrossRows:
+    def cross_attention_rows(self, slots: torch.Tensor, seqs: list[Sequence], starts: list[int],
+                             nums: list[int]) -> CrossRows:
         """The step's cross-attention rows: each of the `nums[i]` decoder rows of the sequence in
         batch row `slots[i]` one query over its `cross_rows` keys (its position the last key's,
         so that a causal backend sees them all), and the encoder rows written by the
@@ -331,7 +331,7 @@ class InputBatch:
         positions = torch.cat([torch.arange(n, device=device) for n in lengths])
         tables = self.cross_tables[slots[starting]]
         rows = torch.repeat_interleave(torch.arange(len(starting), device=device),
-                                       torch.tensor(lengths, device=device), output_size=len(positions))
+                                       upload(lengths, torch.long, device), output_size=len(positions))
         writes = AttentionMetadata(
             slot_mapping=tables[rows, positions // size].long() * size + positions % size,
             query_start_loc=upload([0, *itertools.accumulate(lengths)], torch.int32, device),
