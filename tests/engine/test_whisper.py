@@ -86,15 +86,17 @@ def test_greedy_tokens_equal_transformers_and_each_clip_is_encoded_once(whisper,
         assert manager.num_free_blocks == manager.num_blocks  # cross blocks returned with the rest
 
 
-@pytest.mark.parametrize("schedule", ["chunked", "preempting"])
+@pytest.mark.parametrize("schedule", ["chunked", "preempting", "preempting_async"])
 def test_chunked_decoder_prompts_and_preemption_change_no_token(whisper, expected, schedule):
     cross_blocks = -(-100 // 16)
     # Chunks of 3 tokens (a clip's 100 encoder rows still run whole: a step's first item
     # always fits); or two sequences' cross blocks and first decoder blocks and one block
     # more: every sequence outgrows its first block (prompt plus 20 tokens), so one of two is
-    # preempted, and recomputes from its cross blocks on.
+    # preempted, and recomputes from its cross blocks on; also with asynchronous scheduling
+    # (a GPU's default: a preempted sequence may have a token in flight).
     settings = ({"max_num_batched_tokens": 3} if schedule == "chunked" else
-                {"kv_cache_memory": (2 * (cross_blocks + 1) + 1) * 16 * kv_token_bytes(whisper)})
+                {"kv_cache_memory": (2 * (cross_blocks + 1) + 1) * 16 * kv_token_bytes(whisper),
+                 "async_scheduling": schedule == "preempting_async"})
     with LLM(str(whisper), dtype="float32", **settings) as llm:
         assert greedy(llm) == expected
         engine = llm.llm_engine
