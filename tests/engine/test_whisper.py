@@ -225,3 +225,18 @@ def test_the_memory_profile_runs_the_decoder_with_stand_in_cross_inputs(whisper)
         scratch.backend.prepare(cross.meta)
         with torch.inference_mode():
             assert model(torch.zeros_like(meta.positions), meta.positions, meta, cross=cross).shape == (8, 64)
+
+
+def test_encoder_rows_equal_transformers_whisper_encoder(whisper):
+    """The loaded model's encoder (the shared `AudioEncoder` under Whisper's checkpoint names)
+    on a step's batch of clips: transformers' `model.encoder` rows, rtol 1e-4."""
+    extractor = transformers.WhisperFeatureExtractor.from_pretrained(whisper)
+    model = transformers.WhisperForConditionalGeneration.from_pretrained(whisper, dtype=torch.float32).eval()
+    features = extractor([wave for wave in clips()], sampling_rate=SAMPLE_RATE, return_tensors="pt").input_features
+    with torch.no_grad():
+        expected = model.model.encoder(features).last_hidden_state
+    with LLM(str(whisper), dtype="float32") as llm:
+        with torch.inference_mode():
+            encoded = llm.llm_engine.model_runner.model.embed_images([{"input_features": f[None]} for f in features])
+    assert len(encoded) == 4 and all(r.shape == (100, 64) for r in encoded)
+    torch.testing.assert_close(torch.stack(encoded), expected, rtol=1e-4, atol=1e-4)
