@@ -240,3 +240,15 @@ def test_encoder_rows_equal_transformers_whisper_encoder(whisper):
             encoded = llm.llm_engine.model_runner.model.embed_images([{"input_features": f[None]} for f in features])
     assert len(encoded) == 4 and all(r.shape == (100, 64) for r in encoded)
     torch.testing.assert_close(torch.stack(encoded), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_row_whose_cross_blocks_do_not_fit_the_cache_is_refused(whisper):
+    """The row check counts a prompt's cross blocks (7 of 16 tokens for 100 encoder rows) in
+    its KV need: 4 prompt tokens and 20 more fit 8 blocks alone, not beside them."""
+    with LLM(str(whisper), dtype="float32", kv_cache_memory=8 * 16 * kv_token_bytes(whisper)) as llm:
+        assert llm.llm_engine.kv_cache_tokens == 128
+        row = rows()[0]
+        assert llm.validate([row], SamplingParams(max_tokens=8)) == [None]  # 12 + 112 tokens
+        [problem] = llm.validate([row], SamplingParams(max_tokens=20))
+        assert problem == ("max_tokens: prompt plus max_tokens needs 24 and its encoder rows 112 tokens of KV cache, "
+                           "which holds 128: lower max_tokens or raise kv_cache_memory / gpu_memory_utilization")
