@@ -243,7 +243,7 @@ class LLMEngine:
         return list({seq.group[0] for seq in self.step() if seq.request_finished})
 
     def _launch_forward(self, batch: ScheduledBatch) -> LaunchedStep:
-        """Makes the encoder inputs of the items (images) the step encodes, forks the completions
+        """Makes the encoder inputs of the items (images, clips) the step encodes, forks the completions
         whose prompt this step finishes, queues the forward pass and counts its tokens as
         computed."""
         self.stats.num_cached_prompt_tokens += batch.cached_prompt_tokens

@@ -197,7 +197,7 @@ class EngineStats:
     num_generated_tokens: int = 0
     num_cached_prompt_tokens: int = 0
     num_images_encoded: int = 0  # vision-encoder runs, one per image (its output is then cached)
-    num_audios_encoded: int = 0  # audio-encoder runs, one per clip (its output is then cached)
+    num_audios_encoded: int = 0  # audio-encoder runs, one per clip (likewise)
     # Speculative decoding: verifications of a sequence's proposals, the tokens proposed in
     # them, and those accepted (vLLM's num_drafts, num_draft_tokens, num_accepted_tokens).
     num_drafts: int = 0

@@ -19,7 +19,7 @@ INPUT_AUDIO_FORMATS = ("wav", "mp3")
 MEDIA_PARTS = {"image": IMAGE_PARTS, "audio": AUDIO_PARTS}
 # How a conversation gets a model that reads a modality its model does not.
 READERS = {"image": "load a vision-language model",
-           "audio": "transcribe it upstream: no model the engine runs reads audio yet"}
+           "audio": "load an audio-language model"}
 
 
 def chat_messages_problem(messages: object) -> str | None:

@@ -12,7 +12,7 @@ from engine.config import DEFAULT_LIMIT_MM_PER_PROMPT
 from engine.entrypoints.chat_utils import READERS, invalid_unicode_problem
 from engine.llm_engine import LLMEngine
 from engine.lora.request import LoRARequest
-from engine.models import MULTIMODAL_MODELS
+from engine.models import ENCODER_DECODER_MODELS, MULTIMODAL_MODELS
 from engine.multimodal.audio import AudioInputError, read_audio
 from engine.multimodal.image import ImageInputError, read_image
 from engine.multimodal.inputs import ProcessedPrompt
@@ -28,8 +28,16 @@ SamplingParamsArg = SamplingParams | SequenceABC[SamplingParams] | None
 LoRARequestArg = LoRARequest | SequenceABC[LoRARequest | None] | None
 PriorityArg = int | SequenceABC[int] | None
 UseTqdm = bool | Callable[..., Any]
+
+
+def _architectures_reading(modality: str) -> str:
+    """The multimodal and encoder-decoder architectures that read `modality`, by name."""
+    return ", ".join(sorted(name for name, model in {**MULTIMODAL_MODELS, **ENCODER_DECODER_MODELS}.items()
+                            if modality in model.processor_class.modalities))
+
+
 # How a row gets a model that reads a modality its model does not.
-_READERS = {**READERS, "image": f"{READERS['image']} ({', '.join(sorted(MULTIMODAL_MODELS))})"}
+_READERS = {modality: f"{how} ({_architectures_reading(modality)})" for modality, how in READERS.items()}
 
 
 @dataclass

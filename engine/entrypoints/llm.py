@@ -22,6 +22,7 @@ from engine.entrypoints.inputs import (
 )
 from engine.llm_engine import LLMEngine
 from engine.lora.request import LoRARequest
+from engine.multimodal.audio import AudioLimits
 from engine.multimodal.image import ImageLimits
 from engine.model_loader.folder import model_fingerprint
 from engine.output_processor.parsing import PARSING_REVISION
@@ -409,7 +410,7 @@ class LLM:
     @property
     def image_placeholder(self) -> str | None:
         """The text that stands for one image in a prompt of this model ("<image>"); None
-        for a model that reads text only."""
+        for a model that reads no images."""
         processor = self.llm_engine.mm_processor
         return processor.placeholders.get("image") if processor is not None else None
 
@@ -417,9 +418,23 @@ class LLM:
     def image_limits(self) -> ImageLimits:
         """What an image may be for this model, checked on its header before it is decoded:
         the decode budget in pixels and the aspect ratio its image processor takes (the
-        engine's default budget for a model that reads text only)."""
+        engine's default budget for a model that reads no images)."""
         processor = self.llm_engine.mm_processor
         return processor.limits if processor is not None and "image" in processor.modalities else ImageLimits()
+
+    @property
+    def audio_placeholder(self) -> str | None:
+        """The text that stands for one audio clip in a prompt of this model
+        ("<|audio_bos|><|AUDIO|><|audio_eos|>"); None for a model that reads no audio."""
+        processor = self.llm_engine.mm_processor
+        return processor.placeholders.get("audio") if processor is not None else None
+
+    @property
+    def audio_limits(self) -> AudioLimits | None:
+        """What a clip may be for this model (its feature extractor's rate, the longest clip
+        it takes); None for a model that reads no audio."""
+        processor = self.llm_engine.mm_processor
+        return processor.audio_limits if processor is not None else None
 
     @property
     def max_num_seqs(self) -> int:

@@ -208,7 +208,7 @@ def test_chat_audio_parts_become_multi_modal_data(tmp_path):
     assert unread_parts_problem(messages, {"image", "audio"}) is None
     assert unread_parts_problem(messages, {"image"}) == (
         "message 0: content part 0 is audio ('input_audio'), but the model reads no audio: drop the audio, or "
-        "transcribe it upstream: no model the engine runs reads audio yet")
+        "load an audio-language model")
 
 
 @pytest.mark.parametrize("part, words", [
@@ -231,8 +231,8 @@ def test_a_text_model_refuses_audio_per_row_and_in_chat(tmp_path):
                 {"prompt": "hi", "multi_modal_data": {"image": picture(1), "audio": (tone(0.2), RATE)}}]
         problems = llm.validate(rows, SETTINGS)
         assert problems[0] == problems[2] == (
-            "multi_modal_data['audio']: the model reads no audio: drop the audio clips, or transcribe it upstream: "
-            "no model the engine runs reads audio yet")
+            "multi_modal_data['audio']: the model reads no audio: drop the audio clips, or load an audio-language "
+            "model (Qwen2AudioForConditionalGeneration, WhisperForConditionalGeneration)")
         assert problems[1] is None and "the model reads text only" in problems[3]
         messages = [{"role": "user", "content": [{"type": "audio_url", "audio_url": {"url": "x.wav"}}]}]
         with pytest.raises(ValueError, match=r"conversation 0, message 0: content part 0 is audio \('audio_url'\), "
