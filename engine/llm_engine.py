@@ -97,12 +97,14 @@ class LLMEngine:
             self.model_runner.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching
         )
         self.mm_processor = _multimodal_processor(model_config, self.tokenizer)
-        # An image's output must fit the cache alone; a prompt, images included, fits max_model_len;
-        # an encoder-decoder model's clips take no prompt positions: room for four of them.
-        encoder_cache = (EncoderCacheManager(max(config.max_num_batched_tokens, config.max_model_len,
-                                                 4 * self.mm_processor.max_item_rows()))
+        # An image's output must fit the cache alone; a prompt, images included, fits max_model_len.
+        # An encoder-decoder model's clips take no prompt positions: the cache holds four, and a
+        # step may encode as many (their rows are no step tokens).
+        cross_rows = 4 * self.mm_processor.max_item_rows() if self.mm_processor is not None else 0
+        encoder_cache = (EncoderCacheManager(max(config.max_num_batched_tokens, config.max_model_len, cross_rows))
                          if self.mm_processor is not None else None)
-        self.scheduler = Scheduler(config, self.block_manager, encoder_cache)
+        self.scheduler = Scheduler(config, self.block_manager, encoder_cache,
+                                   encoder_budget=max(config.max_num_batched_tokens, cross_rows))
         self.proposer = ((DraftModelProposer if spec.method == "draft_model" else NgramProposer)(
             spec, config.max_model_len) if spec is not None else None)
         self.stats = EngineStats()

@@ -218,3 +218,14 @@ def test_a_clip_that_does_not_fit_the_cache_waits():
     assert step(sched) == ([(1, 3)], ["a"])  # b's rows do not fit beside a's, in use by the step
     scheduled, encoded = step(sched)
     assert encoded == ["b"] and (2, 3) in scheduled  # a's output, written, may go
+
+
+def test_a_step_encodes_clips_up_to_the_encoder_budget_not_the_token_budget():
+    """An encoder-decoder model's clips take no prompt positions: the engine gives the
+    scheduler an encoder budget of its own (four clips' rows), beyond the step's tokens."""
+    config = EngineConfig(max_num_seqs=8, max_num_batched_tokens=8, enable_chunked_prefill=True)
+    sched = Scheduler(config, BlockManager(64, 4, False), EncoderCacheManager(48), encoder_budget=36)
+    for i, clip in enumerate("abcd"):
+        sched.add(clip_seq(i + 1, 2, clip, rows=12))
+    assert step(sched) == ([(1, 2), (2, 2), (3, 2)], ["a", "b", "c"])  # d's 12 rows would pass 36
+    assert step(sched)[1] == ["d"]
