@@ -52,10 +52,13 @@ class WhisperProcessor(BaseMultiModalProcessor):
         self.audio_limits = AudioLimits(self.feature_extractor.sampling_rate)
         self.transcription_window_s = self.feature_extractor.chunk_length
         self.encoder_rows = hf_config.max_source_positions
+        self.languages = {token[2:-2]: token_id for token, token_id in tokenizer.get_vocab().items()
+                          if token.startswith("<|") and token.endswith("|>") and 2 <= len(token) - 4 <= 3
+                          and token[2:-2].isalpha() and token[2:-2].islower()}
 
     @property
     def placeholder_ids(self) -> dict[str, int]:
-        """None: no prompt token stands for the clip."""
+        """None at all: no prompt token stands for the clip."""
         return {}
 
     @property
@@ -90,7 +93,6 @@ class WhisperProcessor(BaseMultiModalProcessor):
         feature = MultiModalFeature(clip.content_hash, 0, self.encoder_rows, clip, modality="audio")
         return ProcessedPrompt(list(token_ids), [], cross=[feature])
 
-
     def transcription_prompt(self, language: str, task: str, prompt: str | None) -> str:
         """Whisper's task tokens after the previous text, as vLLM writes them:
         "<|prev|>{prompt}<|startoftranscript|><|{language}|><|{task}|><|notimestamps|>".
@@ -111,9 +113,7 @@ class WhisperProcessor(BaseMultiModalProcessor):
     def language_token_ids(self) -> dict[str, int]:
         """The tokenizer's language tokens, "<|xx|>" or "<|xxx|>" of lowercase letters ("<|en|>",
         "<|haw|>"), by code."""
-        return {token[2:-2]: token_id for token, token_id in self.tokenizer.get_vocab().items()
-                if token.startswith("<|") and token.endswith("|>") and 2 <= len(token) - 4 <= 3
-                and token[2:-2].isalpha() and token[2:-2].islower()}
+        return dict(self.languages)
 
     def language_detection_prompt(self) -> str:
         """vLLM's: the start of transcript, whose next token is the language's."""
@@ -132,8 +132,8 @@ class WhisperAttention(nn.Module):
         self.k_proj = Linear(width, width, bias=False)
         self.v_proj = Linear(width, width)
         self.out_proj = Linear(width, width)
-        heads = (num_heads, self.head_dim)
-        self.attn = CrossAttention(paired_with) if paired_with is not None else Attention(*heads, num_heads)
+        self.attn = (CrossAttention(paired_with) if paired_with is not None
+                     else Attention(num_heads, self.head_dim, num_heads))
 
     def forward(self, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Self-attention of the step's rows."""
