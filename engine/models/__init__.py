@@ -18,6 +18,7 @@ from engine.models.qwen2 import Qwen2ForCausalLM
 from engine.models.qwen2_audio import Qwen2AudioForConditionalGeneration
 from engine.models.qwen2_vl import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
 from engine.models.qwen3 import Qwen3ForCausalLM
+from engine.models.voxtral import VoxtralForConditionalGeneration
 from engine.models.whisper import WhisperForConditionalGeneration
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
@@ -82,6 +83,7 @@ MULTIMODAL_MODELS: dict[str, type[nn.Module]] = {
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     "LlavaNextForConditionalGeneration": LlavaNextForConditionalGeneration,
     "Qwen2AudioForConditionalGeneration": Qwen2AudioForConditionalGeneration,
+    "VoxtralForConditionalGeneration": VoxtralForConditionalGeneration,
 }
 
 
