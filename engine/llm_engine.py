@@ -26,7 +26,7 @@ from engine.lora.manager import LoRAManager
 from engine.lora.request import LoRARequest
 from engine.model_loader.folder import check_model_folder, resolve_model_path
 from engine.model_loader.model_config import resolve_model_config
-from engine.models import multimodal_class_for
+from engine.models import is_encoder_decoder, multimodal_class_for
 from engine.multimodal.inputs import ProcessedPrompt
 from engine.multimodal.processing import BaseMultiModalProcessor
 from engine.output_processor.processor import OutputProcessor, resolve_reasoning_parser, resolve_tool_parser
@@ -71,8 +71,10 @@ class LLMEngine:
         model_config = resolve_model_config(path, config, self.tokenizer.eos_token_id)
         check_tensor_parallel(model_config.hf_config, config.tensor_parallel_size)
         if model_config.multimodal_config is not None and config.tensor_parallel_size > 1:
-            raise ValueError(f"{path}: a vision-language model runs on one rank here (its vision encoder is not "
+            raise ValueError(f"{path}: a model that reads images or audio runs on one rank here (its encoder is not "
                              "split): use tensor_parallel_size=1, and data_parallel_size for more devices")
+        if is_encoder_decoder(model_config.hf_config.architectures):
+            _check_encoder_decoder_settings(path, config)
         if replica is None:
             replica = plan_parallelism(config.tensor_parallel_size, config.data_parallel_size,
                                        model_config.device).replicas[0]
@@ -96,9 +98,13 @@ class LLMEngine:
         )
         self.mm_processor = _multimodal_processor(model_config, self.tokenizer)
         # An image's output must fit the cache alone; a prompt, images included, fits max_model_len.
-        encoder_cache = (EncoderCacheManager(max(config.max_num_batched_tokens, config.max_model_len))
+        # An encoder-decoder model's clips take no prompt positions: the cache holds four, and a
+        # step may encode as many (their rows are no step tokens).
+        cross_rows = 4 * self.mm_processor.max_item_rows() if self.mm_processor is not None else 0
+        encoder_cache = (EncoderCacheManager(max(config.max_num_batched_tokens, config.max_model_len, cross_rows))
                          if self.mm_processor is not None else None)
-        self.scheduler = Scheduler(config, self.block_manager, encoder_cache)
+        self.scheduler = Scheduler(config, self.block_manager, encoder_cache,
+                                   encoder_budget=max(config.max_num_batched_tokens, cross_rows))
         self.proposer = ((DraftModelProposer if spec.method == "draft_model" else NgramProposer)(
             spec, config.max_model_len) if spec is not None else None)
         self.stats = EngineStats()
@@ -417,6 +423,20 @@ def _multimodal_processor(model_config: ModelConfig,
     if whole is None:
         return None
     return multimodal_class_for(whole.architectures).processor_class(model_config.path, whole, tokenizer)
+
+
+def _check_encoder_decoder_settings(path: Path, config: EngineConfig) -> None:
+    """Refuses the settings an encoder-decoder model (Whisper) does not run with.
+
+    Raises:
+        ValueError: enable_lora or speculative decoding, naming the fix.
+    """
+    if config.enable_lora:
+        raise ValueError(f"{path}: LoRA adapters are not supported for encoder-decoder models (Whisper): drop "
+                         "enable_lora")
+    if config.speculative is not None:
+        raise ValueError(f"{path}: speculative decoding is not supported for encoder-decoder models (Whisper): drop "
+                         "speculative_config")
 
 
 def _free_dropped_engine(attributes: dict) -> None:

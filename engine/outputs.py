@@ -165,6 +165,30 @@ PoolingRequestOutput = EmbeddingRequestOutput | ClassificationRequestOutput
 
 
 @dataclass
+class TranscriptionWindow:
+    """One window of a transcribed clip (`LLM.transcribe`): its span in the clip, in seconds,
+    and what the model wrote for it."""
+
+    start_s: float
+    end_s: float
+    text: str
+    token_ids: list[int]
+
+
+@dataclass
+class TranscriptionOutput:
+    """A clip's transcript (`LLM.transcribe`): its windows' texts joined in order without a
+    separator (as vLLM's transcription endpoint joins them), the windows, their token ids in
+    order, the clip's duration and its language (as given, or as detected)."""
+
+    text: str
+    windows: list[TranscriptionWindow]
+    token_ids: list[int]
+    duration_s: float
+    language: str
+
+
+@dataclass
 class EngineStats:
     """Counters since the engine started: what was computed, and how often it had to redo work."""
 

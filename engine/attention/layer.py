@@ -208,6 +208,58 @@ class Attention(nn.Module):
         return self.backend.forward(self, q, meta)
 
 
+@dataclass
+class CrossInputs:
+    """A step's cross-attention inputs (an encoder-decoder model's: Whisper's decoder over its
+    clip's encoder rows). In `meta` each decoder row of the step is a sequence of its own:
+    one query over all its sequence's encoder rows, read from the sequence's cross blocks, so
+    that every backend attends over them unchanged (the causal rule sees every key, the query
+    standing at the last one). `states` [rows, width] are the encoder outputs whose keys and
+    values the step writes (those of the sequences whose decoder prompt it starts), to the
+    slots of `writes` (its `slot_mapping`); None when it writes none."""
+
+    meta: AttentionMetadata
+    states: torch.Tensor | None = None
+    writes: AttentionMetadata | None = None
+
+
+def cross_attention_metadata(row_keys: list[int], block_tables: torch.Tensor, block_size: int) -> AttentionMetadata:
+    """The metadata in which row i of a step is a sequence of its own: one query over the first
+    `row_keys[i]` keys of the cross blocks in `block_tables[i]`, standing at the last key (so
+    that a causal backend sees them all). It writes nothing (`CrossInputs.writes` does)."""
+    device = block_tables.device
+    count = len(row_keys)
+    keys = torch.tensor(row_keys, dtype=torch.int32).to(device)
+    return AttentionMetadata(
+        slot_mapping=torch.empty(0, dtype=torch.long, device=device),
+        query_start_loc=torch.arange(count + 1, dtype=torch.int32, device=device),
+        seq_lens=keys, block_tables=block_tables, positions=keys.long() - 1,
+        query_lens=[1] * count, context_lens=list(row_keys), block_size=block_size)
+
+
+class CrossAttention(Attention):
+    """A decoder layer's attention over its encoder's outputs (Whisper's `encoder_attn`): its
+    keys and values are written once per sequence, from the encoder rows, into the sequence's
+    cross blocks, then read at every step.
+
+    It has no cache tensors of its own: it shares those of its layer's self-attention
+    (`paired_with`, same heads and head size), and a block of the one pool holds either a
+    sequence's decoder keys and values or its cross ones, so the KV-cache budget counts one
+    layer's bytes per token (`engine.worker.kv_cache.KVCache`)."""
+
+    def __init__(self, paired_with: Attention) -> None:
+        super().__init__(paired_with.num_heads, paired_with.head_dim, paired_with.num_kv_heads)
+        self.paired_with = [paired_with]  # a list, so that the pair is not registered twice as a module
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                cross: CrossInputs) -> torch.Tensor:
+        """`q` [tokens, heads, head_dim]; `k`/`v` [encoder rows, kv_heads, head_dim] of
+        `cross.states`, or None in a step that writes none."""
+        if k is not None:
+            self.backend.write_kv(self, k, v, cross.writes)
+        return self.backend.forward(self, q, cross.meta)
+
+
 def _sinks_parameter(sinks: bool | torch.Tensor, num_heads: int) -> nn.Parameter | None:
     """The float32 sinks parameter [num_heads] that `Attention(sinks=...)` asks for, or None."""
     if isinstance(sinks, torch.Tensor):

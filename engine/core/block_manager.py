@@ -31,6 +31,14 @@ class BlockManager:
     A block holding image tokens adds the images' content hashes to its token ids: every
     image has the same placeholder ids, so two prompts share such a block only when their
     images are the same.
+
+    An encoder-decoder sequence (Whisper) also holds `cross` blocks for its encoder rows'
+    cross-attention keys and values, from the same pool (vLLM's `CrossAttentionManager` over one
+    block pool): taken with its first blocks, all or none; shared with its forks (written once,
+    so never copied); freed with the rest. Its decoder blocks are never cached or found as a
+    prefix: their keys and values depend on its clip, which the token ids do not show, and
+    a hit would skip the step that writes the cross blocks (vLLM disables prefix caching for
+    encoder-decoder models too).
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
@@ -69,7 +77,7 @@ class BlockManager:
 
         The last token is always left to compute, because its logits give the next token.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.cross_rows:
             return []
         hits = []
         for i in range((seq.num_tokens - 1) // self.block_size):
@@ -84,8 +92,9 @@ class BlockManager:
 
         `cached_blocks` (from `find_cached_blocks`, only when the sequence is admitted)
         become the head of its block table. A partial last block shared with a forked
-        sibling is copied before the sequence writes into it (copy on write). Returns
-        False when too few blocks are free.
+        sibling is copied before the sequence writes into it (copy on write). A sequence
+        with encoder rows for cross-attention and no cross blocks yet takes those too.
+        Returns False when too few blocks are free.
         """
         size = self.block_size
         if not cached_blocks and seq.num_computed_tokens + num_new_tokens <= len(seq.blocks.table) * size:
@@ -103,8 +112,10 @@ class BlockManager:
             and num_computed < len(seq.blocks.table) * self.block_size
             and self.blocks[seq.blocks.table[num_computed // self.block_size]].ref_count > 1
         )
-        if max(num_new_blocks, 0) + num_reclaimed + copy_last > len(self.free_queue):
+        num_cross = -(-seq.cross_rows // size) if not seq.blocks.cross else 0
+        if max(num_new_blocks, 0) + num_reclaimed + copy_last + num_cross > len(self.free_queue):
             return False
+        seq.blocks.cross += [self._take_free_block() for _ in range(num_cross)]
         if copy_last:
             index = num_computed // self.block_size
             shared = self.blocks[seq.blocks.table[index]]
@@ -125,11 +136,12 @@ class BlockManager:
         return True
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Lets `child` share every block of `parent` (a new completion of the same prompt)."""
-        for block_id in parent.blocks.table:
+        """Lets `child` share every block of `parent` (a new completion of the same prompt),
+        its cross blocks included."""
+        for block_id in (*parent.blocks.table, *parent.blocks.cross):
             self.blocks[block_id].ref_count += 1
-        child.blocks = SequenceBlocks(list(parent.blocks.table), parent.blocks.num_registered,
-                                      list(parent.blocks.keys))
+        child.blocks = SequenceBlocks(list(parent.blocks.table), list(parent.blocks.cross),
+                                      parent.blocks.num_registered, list(parent.blocks.keys))
 
     def _take_free_block(self) -> int:
         block_id, _ = self.free_queue.popitem(last=False)
@@ -147,7 +159,7 @@ class BlockManager:
         # Only blocks whose tokens are all known: a token still being sampled may be
         # computed already (asynchronous scheduling), but it cannot be hashed yet.
         num_full = min(seq.num_computed_tokens, len(seq.token_ids)) // self.block_size
-        if num_full <= seq.blocks.num_registered or not self.enable_prefix_caching:
+        if num_full <= seq.blocks.num_registered or not self.enable_prefix_caching or seq.cross_rows:
             return
         for i in range(seq.blocks.num_registered, num_full):
             block = self.blocks[seq.blocks.table[i]]
@@ -157,8 +169,9 @@ class BlockManager:
         seq.blocks.num_registered = max(seq.blocks.num_registered, num_full)
 
     def free(self, seq: Sequence) -> None:
-        """Releases the sequence's blocks, its last block first so that it is evicted first."""
-        for block_id in reversed(seq.blocks.table):
+        """Releases the sequence's blocks, its last block first so that it is evicted first
+        (its cross blocks, which hold nothing reusable, before them)."""
+        for block_id in (*reversed(seq.blocks.table), *seq.blocks.cross):
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count < 0:
@@ -168,6 +181,7 @@ class BlockManager:
                 if block.key is None:
                     self.free_queue.move_to_end(block_id, last=False)
         seq.blocks.table = []
+        seq.blocks.cross = []
         seq.blocks.num_registered = 0
 
     def reset_prefix_cache(self) -> bool:

@@ -7,6 +7,10 @@ reads the rest in later steps, and two prompts with the same image (same content
 one output. Once no sequence needs it an output stays cached, least recently released first
 out, until its rows are wanted for another: a preempted sequence that recomputes, or a later
 prompt with the same image, then does not run the encoder again.
+
+An encoder-decoder model's clip (Whisper's, `Sequence.cross_features`) is needed by the step that
+starts its decoder prompt, which writes the clip's rows into the sequence's cross-attention
+blocks; it is released once that step is computed, and stays cached like an image.
 """
 
 from collections import OrderedDict
@@ -61,14 +65,18 @@ class EncoderCacheManager:
         self.unused.pop(feature.identifier, None)
 
     def release_computed(self, seq: Sequence) -> None:
-        """Releases the images whose tokens `seq` has all computed."""
+        """Releases the images whose tokens `seq` has all computed, and its cross-attention
+        items once its decoder has started (their rows are in its cross blocks then)."""
         for feature in seq.mm_features:
             if feature.end <= seq.num_computed_tokens:
                 self._release(seq, feature)
+        if seq.num_computed_tokens:
+            for feature in seq.cross_features:
+                self._release(seq, feature)
 
     def release(self, seq: Sequence) -> None:
-        """Releases every image of a sequence that finished, was aborted or was preempted."""
-        for feature in seq.mm_features:
+        """Releases every item of a sequence that finished, was aborted or was preempted."""
+        for feature in seq.encoder_features:
             self._release(seq, feature)
 
     def take_freed(self) -> list[str]:

@@ -33,18 +33,24 @@ class Scheduler:
     tokens are read back, only its last token counts as computed.
 
     A prompt's images are encoded in the first step that schedules any of their tokens
-    (`encoder_cache`): a step encodes images of at most max_num_batched_tokens output rows
+    (`encoder_cache`): a step encodes images of at most `encoder_budget` output rows
     (one image at least), and a chunk stops before an image whose output can be neither
-    had nor computed in the step.
+    had nor computed in the step. An encoder-decoder sequence's clip (Whisper's) is encoded
+    for the chunk that starts its decoder prompt (after admission, or after a preemption: such
+    a sequence has no prefix-cache hits), which writes its cross-attention keys and values.
     """
 
     def __init__(self, config: "EngineConfig", block_manager: BlockManager,
-                 encoder_cache: EncoderCacheManager | None = None) -> None:
+                 encoder_cache: EncoderCacheManager | None = None, encoder_budget: int | None = None) -> None:
         """`config` is resolved (`EngineConfig.resolve`): the scheduler reads max_num_seqs,
-        max_num_batched_tokens, enable_chunked_prefill, scheduling_policy and max_loras."""
+        max_num_batched_tokens, enable_chunked_prefill, scheduling_policy and max_loras.
+        `encoder_budget`: the encoder output rows a step may compute (default
+        max_num_batched_tokens: a prompt item's rows take prompt positions; an encoder-decoder
+        model's clips take none, and run several to a step under a larger one)."""
         self.config = config
         self.block_manager = block_manager
         self.encoder_cache = encoder_cache
+        self.encoder_budget = encoder_budget or config.max_num_batched_tokens
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.released: list[Sequence] = []
@@ -68,7 +74,7 @@ class Scheduler:
             RuntimeError: nothing could be placed although requests wait (the KV cache is
                 too small for the next one).
         """
-        plan = _StepPlan(self.config.max_num_batched_tokens, self.config.max_num_batched_tokens)
+        plan = _StepPlan(self.config.max_num_batched_tokens, self.encoder_budget)
         self._schedule_running(plan)
         if not plan.preempted:
             self._schedule_waiting(plan)
@@ -114,13 +120,13 @@ class Scheduler:
                 i += 1
                 continue
             num_new, images = min(num_tokens - start, plan.budget), []
-            if seq.mm_features:
+            if seq.encoder_features:
                 num_new, images = self._encoder_work(seq, start, num_new, plan)
                 if num_new == 0:
                     i += 1  # its next tokens are an image the step cannot encode
                     continue
             if allocate(seq, num_new):
-                if seq.mm_features:
+                if seq.encoder_features:
                     self._take_encoder_outputs(seq, start, num_new, images, plan)
                 plan.add(seq, num_new, drafts)
                 i += 1
@@ -141,7 +147,7 @@ class Scheduler:
                 i -= 1
             if victim is seq:
                 return i
-        if seq.mm_features:
+        if seq.encoder_features:
             self._take_encoder_outputs(seq, seq.num_computed_tokens, num_new, images, plan)
         plan.add(seq, num_new, drafts)
         return i + 1
@@ -192,7 +198,7 @@ class Scheduler:
         images, and the images it must encode for them: the chunk stops before the first
         image that is not held and does not fit the step's encoder budget (the first image
         of a step always does) or the cache (without evicting the held images it reads)."""
-        images = _images_in(seq, start, num_new)
+        images = _items_in(seq, start, num_new)
         if not images:
             return num_new, []
         cache = self.encoder_cache
@@ -215,7 +221,7 @@ class Scheduler:
         """Records that the scheduled chunk reads its images' outputs (the held ones first,
         so that making room for the others cannot evict them), computing `todo` in the step."""
         cache = self.encoder_cache
-        for feature in _images_in(seq, start, num_new):
+        for feature in _items_in(seq, start, num_new):
             if cache.has(feature):
                 cache.use(seq, feature)
         for feature in todo:
@@ -251,8 +257,8 @@ class Scheduler:
         self.add(seq)
 
     def _release_images(self, seq: Sequence) -> None:
-        """A sequence that left the running set needs none of its images' outputs any more."""
-        if seq.mm_features:
+        """A sequence that left the running set needs none of its items' outputs any more."""
+        if seq.encoder_features:
             self.encoder_cache.release(seq)
 
     def update_computed(self, batch: ScheduledBatch) -> None:
@@ -261,7 +267,7 @@ class Scheduler:
         spec = batch.spec_token_ids
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             self._computed(seq, num_new - len(spec[seq]) if spec and seq in spec else num_new)
-            if seq.mm_features:
+            if seq.encoder_features:
                 self.encoder_cache.release_computed(seq)
 
     def update_accepted(self, seq: Sequence, num_accepted: int) -> None:
@@ -332,9 +338,12 @@ def _rows_reserved(seq: Sequence, counted: set) -> int:
     return seq.beam.params.beam_width
 
 
-def _images_in(seq: Sequence, start: int, num_new: int) -> list[MultiModalFeature]:
-    """The images of `seq` with tokens among positions [start, start + num_new)."""
-    return [f for f in seq.mm_features if f.offset < start + num_new and f.end > start]
+def _items_in(seq: Sequence, start: int, num_new: int) -> list[MultiModalFeature]:
+    """The items whose encoder outputs the chunk [start, start + num_new) of `seq` reads: the
+    images with tokens among those positions, and a chunk that starts the decoder prompt of an
+    encoder-decoder sequence its cross-attention items."""
+    images = [f for f in seq.mm_features if f.offset < start + num_new and f.end > start]
+    return images + seq.cross_features if start == 0 else images
 
 
 def _mark_aborted(seq: Sequence) -> None:

@@ -59,10 +59,13 @@ class SequenceStatus(enum.Enum):
 @dataclass
 class SequenceBlocks:
     """The block manager's bookkeeping of a sequence (`engine.core.block_manager`): its block
-    table, how many of its leading blocks are registered in the prefix cache, and the key
-    (parent key's hash, token ids and image hashes) of each full block found so far."""
+    table, how many of its leading blocks are registered in the prefix cache, the key
+    (parent key's hash, token ids and image hashes) of each full block found so far, and for
+    an encoder-decoder model (Whisper) the blocks holding its cross-attention keys and values
+    (`cross`: its encoder rows', written once, in the same pool as the decoder's)."""
 
     table: list[int] = field(default_factory=list)
+    cross: list[int] = field(default_factory=list)
     num_registered: int = 0
     keys: list[tuple[int | None, tuple[int | str, ...]]] = field(default_factory=list)
 
@@ -109,7 +112,9 @@ class Sequence:
     its first admission found in the prefix cache.
 
     `multi_modal` holds the prompt's images (by position; `mm_features`) and, for M-RoPE
-    models, its [3, prompt] rotary positions and the offset of the generated tokens'. With
+    models, its [3, prompt] rotary positions and the offset of the generated tokens'. For an
+    encoder-decoder model (Whisper) it holds the clip its decoder attends to
+    (`cross_features`, `cross_rows` encoder rows), which no prompt position stands for. With
     n > 1 the sequence is completion `index` of its request: the parent (index 0) forks the
     other n - 1 once its prompt is computed, and `group` is shared by all of them.
     """
@@ -135,6 +140,10 @@ class Sequence:
         self.lora_request = lora_request
         self.multi_modal = multi_modal
         self.mm_features: list["MultiModalFeature"] = multi_modal.features if multi_modal is not None else []
+        self.cross_features: list["MultiModalFeature"] = multi_modal.cross if multi_modal is not None else []
+        self.cross_rows = sum(f.num_embeds for f in self.cross_features)
+        # Every item whose encoder output the sequence reads (the scheduler's encoder work).
+        self.encoder_features = self.mm_features + self.cross_features
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.max_num_tokens = 0

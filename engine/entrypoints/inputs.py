@@ -14,7 +14,7 @@ from engine.config import DEFAULT_LIMIT_MM_PER_PROMPT
 from engine.entrypoints.chat_utils import READERS, invalid_unicode_problem
 from engine.llm_engine import LLMEngine
 from engine.lora.request import LoRARequest
-from engine.models import MULTIMODAL_MODELS
+from engine.models import ENCODER_DECODER_MODELS, MULTIMODAL_MODELS
 from engine.multimodal.audio import AudioInputError, read_audio
 from engine.multimodal.image import ImageInputError, read_image
 from engine.multimodal.inputs import ProcessedPrompt
@@ -34,8 +34,8 @@ UseTqdm = bool | Callable[..., Any]
 
 
 def _architectures_reading(modality: str) -> str:
-    """The multimodal architectures that read `modality`, by name."""
-    return ", ".join(sorted(name for name, model in MULTIMODAL_MODELS.items()
+    """The multimodal and encoder-decoder architectures that read `modality`, by name."""
+    return ", ".join(sorted(name for name, model in {**MULTIMODAL_MODELS, **ENCODER_DECODER_MODELS}.items()
                             if modality in model.processor_class.modalities))
 
 
@@ -162,17 +162,46 @@ class RequestChecker:
             return RowCheck(None, "; ".join([*found, bad_text]))
         if not isinstance(params, SamplingParams):
             params = SamplingParams()  # the prompt is still checked, against the defaults
+        prompt, problem = self._encoder_decoder_prompt(prompt)
+        if problem is not None:
+            return RowCheck(None, "; ".join([*found, problem]))
         text, ids = self._tokenize(prompt)
         items, problem = self._multimodal(prompt, ids)
         if items is not None:
             ids = items.prompt_token_ids
+        cross_rows = sum(f.num_embeds for f in items.cross) if items is not None else 0
         if (problem := problem or _prompt_problem(prompt, ids, self.max_len, self.vocab, items)
-                or self._params_problem(ids, params, kind) or self._positions_problem(ids, params, items)):
+                or self._params_problem(ids, params, kind, cross_rows)
+                or self._positions_problem(ids, params, items)):
             found.append(problem)
         if found:
             return RowCheck(None, "; ".join(found))
         return RowCheck(Request(text, ids, params, priority, adapter, multi_modal=items,
                                 tools=RequestTools.of_prompt(prompt)), None)
+
+    def _encoder_decoder_prompt(self, prompt: Any) -> tuple[Any, str | None]:
+        """vLLM's explicit encoder-decoder prompt, `{"encoder_prompt": {"prompt": "",
+        "multi_modal_data": ...}, "decoder_prompt": text or {"prompt": ...} or
+        {"prompt_token_ids": ...}}`, as the one prompt dict the checks read (the decoder's prompt
+        with the encoder's items); any other prompt as given. Or why it cannot be read that way:
+        a decoder-only model, an encoder prompt with text (Whisper's encoder reads audio only),
+        a decoder prompt of another form."""
+        if not isinstance(prompt, dict) or not {"encoder_prompt", "decoder_prompt"} & set(prompt):
+            return prompt, None
+        processor = self.engine.mm_processor
+        if processor is None or processor.cross_modality is None:
+            return prompt, ("encoder_prompt: the model is a decoder: give {'prompt': ..., 'multi_modal_data': ...} "
+                            "without encoder_prompt and decoder_prompt")
+        encoder, decoder = prompt.get("encoder_prompt"), prompt.get("decoder_prompt")
+        if not isinstance(encoder, dict) or encoder.get("prompt") or encoder.get("prompt_token_ids"):
+            return prompt, (f"encoder_prompt: expected {{'prompt': '', 'multi_modal_data': {{'{processor.cross_modality}'"
+                            f": ...}}}}: the encoder reads the {processor.cross_modality} alone")
+        if isinstance(decoder, str):
+            decoder = {"prompt": decoder}
+        if not isinstance(decoder, dict):
+            return prompt, ("decoder_prompt: expected the decoder's prompt, a str or {'prompt': str} or "
+                            f"{{'prompt_token_ids': [int, ...]}}, got {type(decoder).__name__}")
+        return {**decoder, "multi_modal_data": encoder.get("multi_modal_data")}, None
 
     def _multimodal(self, prompt: Any, ids: list[int] | None) -> tuple[ProcessedPrompt | None, str | None]:
         """The prompt's images, audio clips and videos processed into its token ids (None: a
@@ -182,6 +211,11 @@ class RequestChecker:
         up. What the model cannot take is refused before any item is read."""
         data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
         processor = self.engine.mm_processor
+        if ids is not None and data is None and processor is not None and processor.cross_modality is not None:
+            modality = processor.cross_modality
+            return None, (f"multi_modal_data: {self.engine.model_config.hf_config.model_type} generates from "
+                          f"{modality} only: give one {ITEM_NOUNS[modality]}, as "
+                          f"multi_modal_data={{'{modality}': ...}}")
         if ids is None or (data is None and (processor is None
                                              or not set(processor.placeholder_ids.values()).intersection(ids))):
             return None, None
@@ -216,7 +250,7 @@ class RequestChecker:
             keys = sorted(map(str, data)) if isinstance(data, dict) else type(data).__name__
             return {}, ("multi_modal_data: expected {'image': an image or a list of images, 'audio': a clip or a list "
                         f"of clips, 'video': a video or a list of videos}} (any of the keys), got {keys}")
-        reads = processor.placeholder_ids if processor is not None else {}
+        reads = processor.modalities if processor is not None else ()
         given = {}
         for modality, value in data.items():
             noun = ITEM_NOUNS[modality]
@@ -242,11 +276,13 @@ class RequestChecker:
             found.append(f"priority: expected an integer, got {priority!r}")
         return found
 
-    def _params_problem(self, ids: list[int], params: SamplingParams, kind: str = "generate") -> str | None:
+    def _params_problem(self, ids: list[int], params: SamplingParams, kind: str = "generate",
+                        cross_rows: int = 0) -> str | None:
         """The first way the sampling settings do not fit the engine with this prompt, or
         None. `kind` is "generate", "beam_search" (its candidates are not logprobs the
         caller asked for, so max_logprobs does not bound them) or "pooling" (the prompt
-        alone is computed)."""
+        alone is computed). `cross_rows`: an encoder-decoder prompt's encoder rows, whose
+        cross-attention keys and values take whole blocks of the same cache."""
         engine, vocab = self.engine, self.vocab
         if kind == "pooling":
             return None if len(ids) <= engine.kv_cache_tokens else (
@@ -256,9 +292,12 @@ class RequestChecker:
         if any(t >= vocab for t in params.token_ids()):
             return (f"sampling_params: stop_token_ids, logit_bias or allowed_token_ids name ids "
                     f"outside the vocabulary [0, {vocab}): fix the ids")
-        if needed > engine.kv_cache_tokens:
-            return (f"max_tokens: prompt plus max_tokens needs {needed} tokens of KV cache, which holds "
-                    f"{engine.kv_cache_tokens}: lower max_tokens or raise kv_cache_memory / gpu_memory_utilization")
+        block = engine.config.block_size if cross_rows else 1
+        cross = -(-cross_rows // block) * block
+        if needed + cross > engine.kv_cache_tokens:
+            what = f"prompt plus max_tokens needs {needed}" + (f" and its encoder rows {cross}" if cross else "")
+            return (f"max_tokens: {what} tokens of KV cache, which holds {engine.kv_cache_tokens}: lower "
+                    "max_tokens or raise kv_cache_memory / gpu_memory_utilization")
         if params.n > engine.config.max_num_seqs:
             return (f"sampling_params: n={params.n} completions run side by side, but max_num_seqs is "
                     f"{engine.config.max_num_seqs}: lower n or raise max_num_seqs")
@@ -318,7 +357,9 @@ class RequestChecker:
         text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
         if not isinstance(text, str):
             return None, None
-        return text, self.engine.tokenizer(text).input_ids if text else []
+        processor = self.engine.mm_processor
+        special = processor.add_special_tokens if processor is not None else True
+        return text, self.engine.tokenizer(text, add_special_tokens=special).input_ids if text else []
 
 
 def _item_list(modality: str, value: Any) -> list:
@@ -346,7 +387,7 @@ def _prompt_problem(prompt: Any, ids: list[int] | None, max_len: int, vocab: int
                 f"got {type(prompt).__name__}")
     if not ids:
         return "prompt: is empty: drop the row or give it text"
-    if items is not None and len(ids) >= max_len:
+    if items is not None and items.features and len(ids) >= max_len:
         item_tokens = sum(f.length for f in items.features)
         counts = Counter(f.modality for f in items.features)
         what = " and ".join(f"{n} {ITEM_NOUNS[modality]}(s)" for modality, n in counts.items())

@@ -29,13 +29,14 @@ from engine.model_loader.folder import model_fingerprint
 from engine.output_processor.parsing import PARSING_REVISION
 from engine.outputs import (
     ClassificationRequestOutput, EmbeddingRequestOutput, EngineStats, RequestOutput, ScoringRequestOutput,
-    UnfinishedOutput,
+    TranscriptionOutput, UnfinishedOutput,
 )
 from engine.pooling_params import PoolingParams
 from engine.entrypoints.progress_bar import ProgressBar
 from engine.entrypoints.score_utils import cosine_scores, cross_encoder_inputs, cross_encoder_scores, score_pairs
 from engine.sampling_params import SamplingParams
 from engine.structured_output.params import StructuredOutputsParams
+from engine.entrypoints.transcription import plan_transcription
 from engine.entrypoints.tool_choice import ToolChoice, apply_tool_choice, constrained, grammar_problem, resolve_tool_choice
 from engine.tool_parsers.abstract import OPENAI_CALL_IDS, CallIds
 
@@ -231,6 +232,10 @@ class LLM:
                              "set add_generation_prompt=False to continue the final message")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         processor = self.llm_engine.mm_processor
+        if processor is not None and processor.cross_modality is not None:
+            raise ValueError(f"chat: {self.llm_engine.model_config.hf_config.model_type} is an encoder-decoder model "
+                             "with no chat template: call generate with its decoder prompt and the "
+                             f"{processor.cross_modality}, or LLM.transcribe")
         reads = processor.placeholder_ids if processor is not None else {}
         problems = [f"conversation {i}, {problem}" for i, conversation in enumerate(conversations)
                     if (problem := chat_messages_problem(conversation)
@@ -306,6 +311,34 @@ class LLM:
         rows = RequestChecker(self.llm_engine).check(prompts, sampling_params, lora_request, priority)
         requests = valid_requests(rows)
         return CompletedRequests(self._run(requests, use_tqdm), len(requests))
+
+    def transcribe(self, audio: Any, *, language: str | None = "en", task: str = "transcribe",
+                   prompt: str | None = None, sampling_params: SamplingParams | None = None,
+                   use_tqdm: UseTqdm = False) -> list[TranscriptionOutput]:
+        """Each clip's transcript (`task="translate"`: its English translation), in input order,
+        with a model that transcribes (Whisper; vLLM's transcription endpoint, offline).
+
+        `audio` is one clip (a `(waveform, sample_rate)` tuple, encoded bytes, a path, a file://
+        or data: URI: what `multi_modal_data["audio"]` takes) or a list of clips, of any length:
+        a clip longer than the model's window (30 s) is cut at its quietest moments into
+        windows (`engine.multimodal.audio_windows.split_windows`), each window of every clip
+        runs as one request of one `generate` under "<|prev|>{prompt}<|startoftranscript|>
+        <|{language}|><|{task}|><|notimestamps|>", and a clip's window texts are joined in
+        order. `language=None` detects each clip's language first, as vLLM does (one greedy
+        token among the language tokens, over its first window). `sampling_params` default to
+        greedy decoding up to the decoder's context.
+
+        Raises:
+            ValueError: before any work: a model that does not transcribe, an unknown
+                language or task, and every clip that cannot be read, listed.
+        """
+        plan = plan_transcription(self.llm_engine.mm_processor, audio, language, task, prompt)
+        if language is None:
+            languages = plan.detected(self.generate(plan.detection_rows(), plan.detection_params(), use_tqdm=False))
+        else:
+            languages = [language] * len(plan.clips)
+        params = sampling_params if sampling_params is not None else SamplingParams(temperature=0, max_tokens=None)
+        return plan.outputs(languages, self.generate(plan.rows(languages), params, use_tqdm=use_tqdm))
 
     def beam_search(self, prompts: Prompts, params: BeamSearchParams, lora_request: LoRARequestArg = None,
                     use_tqdm: UseTqdm = False) -> list[BeamSearchOutput]:

@@ -11,7 +11,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from engine.config import DTYPES, EngineConfig, ModelConfig, PoolerConfig
 from engine.hardware import cpu_dtype, detect_cpu, resolve_device
 from engine.model_loader.folder import ModelLoadError
-from engine.models import POOLING_ARCHITECTURES, language_model_config, multimodal_class_for
+from engine.models import POOLING_ARCHITECTURES, is_encoder_decoder, language_model_config, multimodal_class_for
 from engine.quantization import resolve_quantization
 
 # generation_config.json keys that vLLM takes as sampling defaults -> SamplingParams field.
@@ -41,7 +41,13 @@ def resolve_model_config(path: Path, engine: EngineConfig, eos_token_id: int | N
         # As transformers' AutoModelForCausalLM (and vLLM) resolve a config.json without one.
         hf_config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[hf_config.model_type]]
     device = resolve_device(engine.device)
-    max_model_len = _max_model_len(hf_config, engine.max_model_len)
+    architectures = getattr(whole, "architectures", None) or []
+    encoder_decoder = is_encoder_decoder(architectures)
+    if encoder_decoder and engine.quantization not in (None, "auto"):
+        raise ModelLoadError(f"{path}: quantization={engine.quantization!r} is not supported for "
+                             f"{architectures[0]} yet: leave quantization unset")
+    max_model_len = _max_model_len(hf_config, engine.max_model_len,
+                                   multimodal_class_for(architectures) if encoder_decoder else None)
     eos = {eos_token_id} if eos_token_id is not None else set()
     defaults = {}
     if (path / "generation_config.json").exists():
@@ -51,12 +57,12 @@ def resolve_model_config(path: Path, engine: EngineConfig, eos_token_id: int | N
         # Only what the file sets: transformers' own defaults (top_k=50) are not vLLM's.
         defaults = {name: generation[key] for key, name in _GENERATION_DEFAULTS.items() if key in generation}
     dtype = _resolve_dtype(engine.dtype, hf_config, device)
-    quantization = resolve_quantization(engine.quantization, hf_config, device,
+    quantization = None if encoder_decoder else resolve_quantization(engine.quantization, hf_config, device,
                                         auto_dtype=dtype if engine.dtype == "auto" else None,
                                         batch_invariant=engine.batch_invariant)
     pooler = resolve_pooler(path, hf_config, engine.runner, engine.pooling_type, POOLING_ARCHITECTURES)
     if multimodal is not None and pooler is not None:
-        raise ModelLoadError(f"{path}: {whole.architectures[0]} generates text from images; embedding or "
+        raise ModelLoadError(f"{path}: {whole.architectures[0]} generates text from images or audio; embedding or "
                              "classifying with it is not supported: use runner='generate'")
     return ModelConfig(path, hf_config, dtype, device, max_model_len, eos, defaults, quantization, pooler,
                        multimodal)
@@ -126,13 +132,17 @@ def _resolve_dtype(dtype: str, hf_config: PretrainedConfig, device: torch.device
     return requested or checkpoint
 
 
-def _max_model_len(hf_config: PretrainedConfig, requested: int | None) -> int:
-    limit = getattr(hf_config, "max_position_embeddings", None) or 2048
+def _max_model_len(hf_config: PretrainedConfig, requested: int | None, model_class: type | None = None) -> int:
+    """`requested`, or the model's context: config.json's max_position_embeddings, or what
+    `model_class.max_positions` reads for a model whose config has none (Whisper's decoder:
+    max_target_positions)."""
+    limit = (model_class.max_positions(hf_config) if model_class is not None
+             else getattr(hf_config, "max_position_embeddings", None) or 2048)
     if requested is None:
         return limit
     if requested > limit:
         raise ValueError(
             f"max_model_len={requested} exceeds the model's context of {limit} tokens "
-            f"(config.json max_position_embeddings); use at most {limit}"
+            f"(its config.json); use at most {limit}"
         )
     return requested

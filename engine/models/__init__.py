@@ -19,6 +19,7 @@ from engine.models.qwen2_audio import Qwen2AudioForConditionalGeneration
 from engine.models.qwen2_vl import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
 from engine.models.qwen3 import Qwen3ForCausalLM
 from engine.models.voxtral import VoxtralForConditionalGeneration
+from engine.models.whisper import WhisperForConditionalGeneration
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -89,10 +90,23 @@ MULTIMODAL_MODELS: dict[str, type[nn.Module]] = {
 # A multimodal config's tower config -> what the model is called in messages.
 _TOWER_KINDS = {"vision_config": "vision-language", "audio_config": "audio-language"}
 
+# Encoder-decoder checkpoints (vLLM's): architecture -> the model class, built from the whole
+# config. Its processor sets `cross_modality`, the one item of each prompt its decoder attends to.
+ENCODER_DECODER_MODELS: dict[str, type[nn.Module]] = {
+    "WhisperForConditionalGeneration": WhisperForConditionalGeneration,
+}
+
 
 def multimodal_class_for(architectures: list[str]) -> type[nn.Module] | None:
-    """The multimodal class of these architectures, or None for a text-only model."""
-    return next((MULTIMODAL_MODELS[a] for a in architectures if a in MULTIMODAL_MODELS), None)
+    """The class of these architectures that reads images or audio (a vision-language or
+    encoder-decoder model), or None for a text-only model."""
+    found = {**MULTIMODAL_MODELS, **ENCODER_DECODER_MODELS}
+    return next((found[a] for a in architectures if a in found), None)
+
+
+def is_encoder_decoder(architectures: list[str]) -> bool:
+    """Whether these architectures name an encoder-decoder model (Whisper)."""
+    return any(a in ENCODER_DECODER_MODELS for a in architectures)
 
 
 def language_model_config(hf_config: PretrainedConfig) -> PretrainedConfig:

@@ -47,7 +47,11 @@ class MultiModalFeature:
     item share its encoder output and their prefix-cache blocks). The encoder's inputs
     (`data`) are made from `source` when the item is encoded and dropped once it is: a queue
     of prompts holds its images compressed, not as pixels, and its clips as their waveforms,
-    not as features, and its videos as their kept frames, not as patches."""
+    not as features, and its videos as their kept frames, not as patches.
+
+    An encoder-decoder model's item (Whisper's clip, in `ProcessedPrompt.cross`) has no prompt
+    positions: its decoder attends to its encoder output through cross-attention. Its
+    `offset` is 0 and its `length` the encoder's rows."""
 
     identifier: str
     offset: int
@@ -93,12 +97,14 @@ class MultiModalEmbeds:
 class ProcessedPrompt:
     """A prompt with its items: the token ids with every item's placeholder expanded, the
     items (of every modality) in prompt order, and for a model with multimodal rotary positions (Qwen2-VL) the
-    prompt's [3, len] positions and the offset of the positions of generated tokens."""
+    prompt's [3, len] positions and the offset of the positions of generated tokens. An
+    encoder-decoder model's items (Whisper's clip) are in `cross`, not in the prompt."""
 
     prompt_token_ids: list[int]
     features: list[MultiModalFeature]
     rope_positions: torch.Tensor | None = None
     rope_delta: int = 0
+    cross: list[MultiModalFeature] = field(default_factory=list)
 
 
 def encoder_inputs_on(data: dict[str, torch.Tensor], device: torch.device,

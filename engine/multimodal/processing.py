@@ -55,6 +55,13 @@ class BaseMultiModalProcessor:
     video_limits: VideoLimits | None = None  # what a video may be, for a family that reads videos
     # For a family with its own rotary positions (`rope_positions`), how many the decoder's tables hold.
     max_position: int | None = None
+    # An encoder-decoder family's (Whisper's): the modality of the one item each prompt has,
+    # which its decoder attends to (`ProcessedPrompt.cross`); None for a decoder-only family.
+    cross_modality: str | None = None
+    add_special_tokens = True  # whether a prompt's text is tokenized with the tokenizer's special tokens
+    # The longest clip a family that transcribes (Whisper) reads at once, in seconds: what
+    # `LLM.transcribe` cuts longer clips into; None for a family that does not transcribe.
+    transcription_window_s: float | None = None
 
     def __init__(self, path: Path, hf_config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase) -> None:
         """`hf_config` is the checkpoint's whole config (vision or audio, and text parts). The
@@ -141,6 +148,30 @@ class BaseMultiModalProcessor:
         if feature.modality == "image":
             return self.process_image(load_image(feature.source, self.limits)).data
         return self.audio_inputs(feature.source) if feature.modality == "audio" else self.video_inputs(feature.source)
+
+    def transcription_prompt(self, language: str, task: str, prompt: str | None) -> str:
+        """The decoder prompt that transcribes (`task` "transcribe") or translates one window
+        of audio in `language`, after the text `prompt` (None: no text), for a family that
+        transcribes (sets `transcription_window_s`).
+
+        Raises:
+            ValueError: for a family that does not transcribe, or a language or task it does not know.
+        """
+        raise ValueError(f"the {self.hf_config.model_type} model does not transcribe: load Whisper")
+
+    def language_token_ids(self) -> dict[str, int]:
+        """A family that transcribes: the token of each language it knows, by code ("en")."""
+        raise ValueError(f"the {self.hf_config.model_type} model does not transcribe: load Whisper")
+
+    def language_detection_prompt(self) -> str:
+        """A family that transcribes: the decoder prompt after which its next token names the
+        clip's language (among `language_token_ids`)."""
+        raise ValueError(f"the {self.hf_config.model_type} model does not transcribe: load Whisper")
+
+    def max_item_rows(self) -> int:
+        """The most encoder rows one item of the family yields where that is more than a prompt
+        holds (an encoder-decoder family's clip, which takes no prompt positions); 0 for the others."""
+        return 0
 
     def rope_positions(self, token_ids: list[int],
                        features: list[MultiModalFeature]) -> tuple[torch.Tensor, int] | None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention.layer import AttentionMetadata
+from engine.attention.layer import AttentionMetadata, cross_attention_metadata
 from engine.core.sched_output import ScheduledBatch
 from engine.core.sequence import Sequence
 from engine.lora.slots import LoRARange
@@ -29,7 +29,9 @@ from engine.multimodal.inputs import MultiModalFeature
 class BatchRow:
     """A running sequence's row of the persistent batch: its index in the batch's tensors
     (`slot`), how many leading entries of its block table the row holds, and for a prompt
-    pooled over several steps, its MEAN or CLS state so far (`Pooler.update`)."""
+    pooled over several steps, its MEAN or CLS state so far (`Pooler.update`). An
+    encoder-decoder sequence's cross table is written when its row is made (its cross blocks
+    do not change while it runs)."""
 
     slot: int
     num_blocks: int = 0
@@ -127,6 +129,18 @@ class StepInputs:
     image_rows: list[ImageRows] = field(default_factory=list)
     # [3, num_tokens] rotary positions of an M-RoPE model (None: `positions`).
     rope_positions: torch.Tensor | None = None
+    cross: "CrossRows | None" = None  # an encoder-decoder model's cross-attention rows
+
+
+@dataclass
+class CrossRows:
+    """A step's cross-attention rows (an encoder-decoder model's): `meta` reads each decoder
+    row's encoder keys (see `CrossInputs`); `written` are the items whose encoder outputs the
+    step writes to their sequences' cross blocks, at `writes.slot_mapping`, in that order."""
+
+    meta: AttentionMetadata
+    written: list[MultiModalFeature] = field(default_factory=list)
+    writes: AttentionMetadata | None = None
 
 
 
@@ -157,13 +171,17 @@ class InputBatch:
     """Rows of up to `max_num_seqs` running sequences, and the step inputs built from them."""
 
     def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int, device: torch.device,
-                 uses_mrope: bool = False) -> None:
-        """`uses_mrope`: the model's rotary positions are [3, tokens] (see `_rope_positions`)."""
+                 uses_mrope: bool = False, max_cross_rows: int = 0) -> None:
+        """`uses_mrope`: the model's rotary positions are [3, tokens] (see `_rope_positions`);
+        `max_cross_rows`: an encoder-decoder model's most encoder rows per sequence (0 for
+        the others), which its cross tables hold."""
         self.block_size = block_size
         self.device = device
         self.uses_mrope = uses_mrope
         max_blocks = -(-max_model_len // block_size)
         self.block_tables = torch.zeros(max_num_seqs, max_blocks, dtype=torch.int32, device=device)
+        self.cross_tables = (torch.zeros(max_num_seqs, -(-max_cross_rows // block_size), dtype=torch.int32,
+                                         device=device) if max_cross_rows else None)
         self.last_token_ids = torch.zeros(max_num_seqs, dtype=torch.long, device=device)
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
         self.rows: dict[Sequence, BatchRow] = {}
@@ -203,6 +221,9 @@ class InputBatch:
             row = rows.get(seq)
             if row is None:
                 row = rows[seq] = BatchRow(self._free_slots.pop())
+                if seq.blocks.cross:
+                    self.cross_tables[row.slot, : len(seq.blocks.cross)] = upload(seq.blocks.cross, torch.int32,
+                                                                                  self.device)
             have, table = row.num_blocks, seq.blocks.table
             if have < len(table):
                 slots += [row.slot] * (len(table) - have)
@@ -259,6 +280,8 @@ class InputBatch:
                                              [nums[i] for i in special], [ends[i] for i in special])
         if self.uses_mrope:
             step.rope_positions = _rope_positions(seqs, starts, nums).to(self.device, non_blocking=True)
+        if self.cross_tables is not None:
+            step.cross = self.cross_attention_rows(slots, seqs, starts, nums)
         if lora_slots:
             step.lora_ranges = _lora_ranges(seqs, ends, nums, lora_slots)
         return step
@@ -288,6 +311,33 @@ class InputBatch:
             seq_lens=upload(context_lens, torch.int32, device),
             block_tables=self.block_tables[slots, :width],
             positions=positions, query_lens=nums, context_lens=context_lens, block_size=size)
+
+    def cross_attention_rows(self, slots: torch.Tensor, seqs: list[Sequence], starts: list[int],
+                             nums: list[int]) -> CrossRows:
+        """The step's cross-attention rows: each of the `nums[i]` decoder rows of the sequence in
+        batch row `slots[i]` one query over its `cross_rows` keys (its position the last key's,
+        so that a causal backend sees them all), and the encoder rows written by the
+        sequences whose chunk starts their decoder prompt (`starts[i] == 0`)."""
+        device, size = self.device, self.block_size
+        keys = [seq.cross_rows for seq in seqs]
+        row_keys = [k for k, n in zip(keys, nums) for _ in range(n)]
+        row_slots = torch.repeat_interleave(slots, upload(nums, torch.long, device), output_size=len(row_keys))
+        meta = cross_attention_metadata(row_keys, self.cross_tables[row_slots], size)
+        starting = [i for i, start in enumerate(starts) if start == 0]
+        if not starting:
+            return CrossRows(meta)
+        written = [feature for i in starting for feature in seqs[i].cross_features]
+        lengths = [keys[i] for i in starting]
+        positions = torch.cat([torch.arange(n, device=device) for n in lengths])
+        tables = self.cross_tables[slots[starting]]
+        rows = torch.repeat_interleave(torch.arange(len(starting), device=device),
+                                       upload(lengths, torch.long, device), output_size=len(positions))
+        writes = AttentionMetadata(
+            slot_mapping=tables[rows, positions // size].long() * size + positions % size,
+            query_start_loc=upload([0, *itertools.accumulate(lengths)], torch.int32, device),
+            seq_lens=upload(lengths, torch.int32, device), block_tables=tables, positions=positions,
+            query_lens=lengths, context_lens=lengths, block_size=size)
+        return CrossRows(meta, written, writes)
 
     def _prompt_pool_and_image_rows(self, step: StepInputs, seqs: list[Sequence], starts: list[int],
                                     nums: list[int], ends: list[int]) -> None:

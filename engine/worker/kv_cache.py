@@ -8,7 +8,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.attention.layer import Attention, AttentionBackend, AttentionMetadata
+from engine.attention.layer import (
+    Attention, AttentionBackend, AttentionMetadata, CrossAttention, CrossInputs, cross_attention_metadata,
+)
 from engine.attention.selector import make_backend
 from engine.config import EngineConfig
 from engine.kernels.kv_cache_quant import is_scaled
@@ -32,11 +34,17 @@ class KVCache:
 
     One extra block past the managed ones is the null block: zeros that padded key
     positions point to, so attention never reads memory nothing has written.
+
+    A cross-attention layer (`CrossAttention`, an encoder-decoder model's) has no tensors of its
+    own: it reads and writes those of the self-attention it is paired with, in blocks of its
+    sequence's cross table, so a token costs its bytes once.
     """
 
     def __init__(self, model: nn.Module, backend_name: str, block_size: int, dtype: torch.dtype,
                  device: torch.device) -> None:
-        self.layers = [m for m in model.modules() if isinstance(m, Attention)]
+        attention = [m for m in model.modules() if isinstance(m, Attention)]
+        self.layers = [m for m in attention if not isinstance(m, CrossAttention)]
+        self.cross_layers = [m for m in attention if isinstance(m, CrossAttention)]
         self.backend_name = backend_name
         self.block_size = block_size
         self.dtype = dtype
@@ -69,6 +77,11 @@ class KVCache:
             if layer.values_in_keys:  # one tensor, read as keys and values
                 layer.v_cache, layer.v_scale = layer.k_cache, layer.k_scale
             layer.backend = self.backend
+        for layer in self.cross_layers:
+            pair = layer.paired_with[0]
+            layer.k_cache, layer.v_cache, layer.k_scale, layer.v_scale = (pair.k_cache, pair.v_cache, pair.k_scale,
+                                                                          pair.v_scale)
+            layer.backend = self.backend
 
     def _null_zeroed(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised tensor of `shape` whose null block is zeros."""
@@ -79,7 +92,7 @@ class KVCache:
 
     def free(self) -> None:
         """Drops every layer's caches, so that their memory can be returned."""
-        for layer in self.layers:
+        for layer in (*self.layers, *self.cross_layers):
             layer.k_cache = layer.v_cache = layer.k_scale = layer.v_scale = torch.empty(0)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -169,7 +182,11 @@ def _profile_step(config: EngineConfig, model: nn.Module, kv_cache: KVCache) -> 
     weights = torch.cuda.memory_allocated(device)
     with torch.inference_mode():
         kv_cache.backend.prepare(meta)
-        hidden = model(torch.zeros_like(positions), positions, meta)
+        extra = {}
+        if getattr(model, "max_cross_rows", 0):
+            extra["cross"] = profile_cross_inputs(model, meta, kv_cache)
+            kv_cache.backend.prepare(extra["cross"].meta)
+        hidden = model(torch.zeros_like(positions), positions, meta, **extra)
         logits = model.compute_logits(hidden[: min(config.max_num_seqs, tokens)])  # None on ranks 1..
         if logits is not None:
             logits.sort(dim=-1)
@@ -177,6 +194,18 @@ def _profile_step(config: EngineConfig, model: nn.Module, kv_cache: KVCache) -> 
     peak = torch.cuda.max_memory_allocated(device) - weights
     kv_cache.free()
     return peak
+
+
+def profile_cross_inputs(model: nn.Module, meta: AttentionMetadata, kv_cache: KVCache) -> CrossInputs:
+    """An encoder-decoder model's cross-attention inputs for a pass that keeps nothing (the
+    memory profile's): each prompt of `meta` writes one clip's encoder rows (zeros, to the null
+    slot), and each row reads that many keys (block 0, repeated)."""
+    rows, device, size = model.max_cross_rows, kv_cache.device, kv_cache.block_size
+    writes = prefill_metadata([rows] * len(meta.query_lens), kv_cache)
+    tables = torch.zeros(len(meta.positions), -(-rows // size), dtype=torch.int32, device=device)
+    dtype = next(model.parameters()).dtype
+    states = torch.zeros(len(writes.positions), model.cross_width, dtype=dtype, device=device)
+    return CrossInputs(cross_attention_metadata([rows] * len(meta.positions), tables, size), states, writes)
 
 
 def prefill_metadata(lengths: list[int], kv_cache: KVCache, first_blocks: list[int] | None = None) -> AttentionMetadata:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from engine.attention.layer import CrossInputs
 from engine.config import EngineConfig, ModelConfig
 from engine.core.sched_output import ScheduledBatch
 from engine.core.sequence import Sequence, SequenceStatus
@@ -18,7 +19,7 @@ from engine.multimodal.inputs import MultiModalEmbeds, MultiModalFeature, encode
 from engine.sample.rejection_sampler import sampling_rows
 from engine.sample.sampler import SampledToken, Sampler, SamplerOutput, token_logprobs
 from engine.worker.device_queue import Pending, launch
-from engine.worker.input_batch import ImageRows, InputBatch, KeptRows, PromptRows, StepInputs, upload
+from engine.worker.input_batch import CrossRows, ImageRows, InputBatch, KeptRows, PromptRows, StepInputs, upload
 from engine.worker.kv_cache import KVCache
 from engine.worker.sampling_metadata import SamplingMetadataBuilder
 from engine.worker.worker import ModelInputs
@@ -94,7 +95,8 @@ class ModelRunner:
         self.sampling_metadata = SamplingMetadataBuilder(model_config.hf_config.vocab_size,
                                                          model_config.eos_token_ids, self.device)
         self.input_batch = InputBatch(config.max_num_seqs, model_config.max_model_len, self.block_size, self.device,
-                                      uses_mrope=getattr(self.model, "uses_mrope", False))
+                                      uses_mrope=getattr(self.model, "uses_mrope", False),
+                                      max_cross_rows=getattr(self.model, "max_cross_rows", 0))
         # Encoder outputs [rows, hidden] by image identifier, as the scheduler's encoder cache holds them.
         self.encoder_outputs: dict[str, torch.Tensor] = {}
         self.pooler = (Pooler(model_config.pooler, getattr(self.model, "score", None))
@@ -151,7 +153,7 @@ class ModelRunner:
             self._encode(batch.encoder_inputs)
             return self.workers.execute_model(ModelInputs(
                 inputs.input_ids, inputs.attention, batch.block_copies, inputs.lora_ranges, inputs.kept.index,
-                self._multimodal_embeds(inputs.image_rows), inputs.rope_positions))
+                self._multimodal_embeds(inputs.image_rows), inputs.rope_positions, self._cross_inputs(inputs.cross)))
 
         return LaunchedStep(inputs, launch(forward, self.device))
 
@@ -174,6 +176,16 @@ class ModelRunner:
         rows = [row for part in image_rows for row in part.rows]
         embeds = [self.encoder_outputs[part.feature.identifier][part.first : part.last] for part in image_rows]
         return MultiModalEmbeds(upload(rows, torch.long, self.device), torch.cat(embeds))
+
+    def _cross_inputs(self, rows: CrossRows | None) -> CrossInputs | None:
+        """An encoder-decoder model's cross-attention inputs, with the encoder outputs the step
+        writes into cross blocks (computed by `_encode` before, or held in the encoder cache)."""
+        if rows is None:
+            return None
+        if not rows.written:
+            return CrossInputs(rows.meta)
+        states = torch.cat([self.encoder_outputs[feature.identifier] for feature in rows.written])
+        return CrossInputs(rows.meta, states, rows.writes)
 
     def release_rows(self, seqs: list[Sequence]) -> None:
         """Frees the persistent-batch rows of sequences that left the running set."""

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.attention.layer import AttentionMetadata
+from engine.attention.layer import AttentionMetadata, CrossInputs
 from engine.attention.mla import use_absorbed_attention_only
 from engine.config import EngineConfig, ModelConfig
 from engine.distributed.communicator import TensorParallelGroup
@@ -55,6 +55,7 @@ class ModelInputs:
     kept_rows: torch.Tensor | None = None  # the rows whose final hidden states are read (None: all)
     mm_embeds: MultiModalEmbeds | None = None  # encoder outputs taking the place of image tokens' embeddings
     rope_positions: torch.Tensor | None = None  # [3, tokens] positions of an M-RoPE model
+    cross: CrossInputs | None = None  # an encoder-decoder model's cross-attention rows and writes
 
 
 
@@ -170,6 +171,9 @@ class Worker:
         if getattr(self.model, "uses_mrope", False):
             logger.info("CUDA graphs are off: the model's rotary positions are per image grid (M-RoPE)")
             return None
+        if getattr(self.model, "max_cross_rows", 0):
+            logger.info("CUDA graphs are off: the model's decoder attends to its encoder (cross-attention)")
+            return None
         if config.enable_lora or self.group.size > 1:
             logger.info("CUDA graphs are off with %s", "enable_lora (adapter slots change between steps)"
                         if config.enable_lora else "tensor_parallel_size > 1")
@@ -196,8 +200,11 @@ class Worker:
         else:
             self.kv_cache.backend.prepare(inputs.attention)
             positions = inputs.attention.positions if inputs.rope_positions is None else inputs.rope_positions
-            images = {} if inputs.mm_embeds is None else {"mm_embeds": inputs.mm_embeds}
-            self.hidden = self.model(inputs.input_ids, positions, inputs.attention, inputs.kept_rows, **images)
+            extra = {} if inputs.mm_embeds is None else {"mm_embeds": inputs.mm_embeds}
+            if inputs.cross is not None:
+                self.kv_cache.backend.prepare(inputs.cross.meta)
+                extra["cross"] = inputs.cross
+            self.hidden = self.model(inputs.input_ids, positions, inputs.attention, inputs.kept_rows, **extra)
         return self.hidden
 
     @torch.inference_mode()

@@ -234,7 +234,8 @@ def test_a_text_model_refuses_audio_per_row_and_in_chat(tmp_path):
         problems = llm.validate(rows, SETTINGS)
         assert problems[0] == problems[2] == (
             "multi_modal_data['audio']: the model reads no audio: drop the audio clips, or load an audio-language "
-            "model (Qwen2AudioForConditionalGeneration, VoxtralForConditionalGeneration)")
+            "model (Qwen2AudioForConditionalGeneration, VoxtralForConditionalGeneration, "
+            "WhisperForConditionalGeneration)")
         assert problems[1] is None and "the model reads text only" in problems[3]
         assert llm.video_placeholder is None and llm.video_limits is None
         messages = [{"role": "user", "content": [{"type": "audio_url", "audio_url": {"url": "x.wav"}}]}]
