@@ -29,7 +29,8 @@ _EXPORTS = {
     "ScoringOutput": "engine.outputs",
     "ScoringRequestOutput": "engine.outputs",
     "StructuredOutputsParams": "engine.structured_output.params",
-    "TranscriptionOutput": "engine.entrypoints.transcription",
+    "TranscriptionOutput": "engine.outputs",
+    "TranscriptionWindow": "engine.outputs",
     "UnfinishedOutput": "engine.outputs",
 }
 __all__ = sorted(_EXPORTS)

@@ -97,12 +97,14 @@ class LLMEngine:
             self.model_runner.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching
         )
         self.mm_processor = _multimodal_processor(model_config, self.tokenizer)
-        # An image's output must fit the cache alone; a prompt, images included, fits max_model_len;
-        # an encoder-decoder model's clips take no prompt positions: room for four of them.
-        encoder_cache = (EncoderCacheManager(max(config.max_num_batched_tokens, config.max_model_len,
-                                                 4 * self.mm_processor.max_item_rows()))
+        # An image's output must fit the cache alone; a prompt, images included, fits max_model_len.
+        # An encoder-decoder model's clips take no prompt positions: the cache holds four, and a
+        # step may encode as many (their rows are no step tokens).
+        cross_rows = 4 * self.mm_processor.max_item_rows() if self.mm_processor is not None else 0
+        encoder_cache = (EncoderCacheManager(max(config.max_num_batched_tokens, config.max_model_len, cross_rows))
                          if self.mm_processor is not None else None)
-        self.scheduler = Scheduler(config, self.block_manager, encoder_cache)
+        self.scheduler = Scheduler(config, self.block_manager, encoder_cache,
+                                   encoder_budget=max(config.max_num_batched_tokens, cross_rows))
         self.proposer = ((DraftModelProposer if spec.method == "draft_model" else NgramProposer)(
             spec, config.max_model_len) if spec is not None else None)
         self.stats = EngineStats()
@@ -243,12 +245,13 @@ class LLMEngine:
         return list({seq.group[0] for seq in self.step() if seq.request_finished})
 
     def _launch_forward(self, batch: ScheduledBatch) -> LaunchedStep:
-        """Makes the encoder inputs of the items (images) the step encodes, forks the completions
+        """Makes the encoder inputs of the items (images, clips) the step encodes, forks the completions
         whose prompt this step finishes, queues the forward pass and counts its tokens as
         computed."""
         self.stats.num_cached_prompt_tokens += batch.cached_prompt_tokens
         self.stats.num_images_encoded += sum(feature.modality == "image" for feature in batch.encoder_inputs)
         self.stats.num_audios_encoded += sum(feature.modality == "audio" for feature in batch.encoder_inputs)
+        self.stats.num_videos_encoded += sum(feature.modality == "video" for feature in batch.encoder_inputs)
         for feature in batch.encoder_inputs:
             feature.data = self.mm_processor.encoder_inputs(feature)
         # A parent forks its completions in the step that computes its prompt's last token.

@@ -165,6 +165,30 @@ PoolingRequestOutput = EmbeddingRequestOutput | ClassificationRequestOutput
 
 
 @dataclass
+class TranscriptionWindow:
+    """One window of a transcribed clip (`LLM.transcribe`): its span in the clip, in seconds,
+    and what the model wrote for it."""
+
+    start_s: float
+    end_s: float
+    text: str
+    token_ids: list[int]
+
+
+@dataclass
+class TranscriptionOutput:
+    """A clip's transcript (`LLM.transcribe`): its windows' texts joined in order without a
+    separator (as vLLM's transcription endpoint joins them), the windows, their token ids in
+    order, the clip's duration and its language (as given, or as detected)."""
+
+    text: str
+    windows: list[TranscriptionWindow]
+    token_ids: list[int]
+    duration_s: float
+    language: str
+
+
+@dataclass
 class EngineStats:
     """Counters since the engine started: what was computed, and how often it had to redo work."""
 
@@ -173,7 +197,8 @@ class EngineStats:
     num_generated_tokens: int = 0
     num_cached_prompt_tokens: int = 0
     num_images_encoded: int = 0  # vision-encoder runs, one per image (its output is then cached)
-    num_audios_encoded: int = 0  # audio-encoder runs, one per clip (its output is then cached)
+    num_audios_encoded: int = 0  # audio-encoder runs, one per clip (likewise)
+    num_videos_encoded: int = 0  # vision-encoder runs on videos, one per distinct video
     # Speculative decoding: verifications of a sequence's proposals, the tokens proposed in
     # them, and those accepted (vLLM's num_drafts, num_draft_tokens, num_accepted_tokens).
     num_drafts: int = 0

@@ -69,10 +69,10 @@ _EXPORTS = {
     "short_location": "engine.multimodal.media",
     # Transcripts: clips cut into the model's windows, their prompts, detected languages
     "ClipWindows": "engine.entrypoints.transcription",
-    "detect_languages": "engine.entrypoints.transcription",
-    "read_clips": "engine.entrypoints.transcription",
-    "request_problems": "engine.entrypoints.transcription",
-    "transcription_processor": "engine.entrypoints.transcription",
+    "TranscriptionOutput": "engine.outputs",
+    "TranscriptionPlan": "engine.entrypoints.transcription",
+    "plan_transcription": "engine.entrypoints.transcription",
+    "split_windows": "engine.multimodal.audio_windows",
     # Where the engine looks for models
     "default_cache_dir": "engine.model_loader.embedded_model",
     # The OpenAI batch protocol (line checks, error codes), and the run of lines of one task on a loaded LLM

@@ -26,7 +26,9 @@ from dagster_llm.core.progress import StepHook
 from dagster_llm.core.prompts import missing_cell, storable_text
 
 if TYPE_CHECKING:
-    from dagster_llm.core.engine_surface import LLM, ClipWindows, RequestOutput, SamplingParams
+    from dagster_llm.core.engine_surface import (
+        LLM, ClipWindows, RequestOutput, SamplingParams, TranscriptionOutput, TranscriptionPlan,
+    )
 
 COLUMNS = {
     "id": ("The row's id, from the upstream table (as text).", pa.string()),
@@ -115,9 +117,11 @@ class TranscriptionResult(CommittedPartition[TranscriptionStats]):
 
 @dataclass
 class _Windows:
-    """The windows of a row in flight: each one's output as it finishes, and its language."""
+    """The windows of a row in flight: its clip's place in the run's plan, its language, and
+    each window's output as it finishes."""
 
     pending: PendingRow[ClipRow]
+    clip: int
     language: str
     outputs: dict[int, "RequestOutput"]
 
@@ -149,7 +153,7 @@ class TranscriptionRun(PartitionRun[ClipPartition, TranscriptionStats]):
     partition when its rows are done (`PartitionRun`). `check_alive` runs after every
     engine step and before every write, and may raise to stop.
 
-    Raises (from `transcribe`):
+    Raises (when built):
         ValueError: the model does not transcribe, or the options' language, task or prompt
             are not the model's (before any work).
     """
@@ -164,12 +168,11 @@ class TranscriptionRun(PartitionRun[ClipPartition, TranscriptionStats]):
         self.log = log
         # Imported here, as each engine name below: the engine's transcription loads its audio
         # decoders and torch, which a code location's definitions do not.
-        from dagster_llm.core.engine_surface import request_problems, transcription_processor
+        from dagster_llm.core.engine_surface import plan_transcription
 
-        self.processor = transcription_processor(llm.llm_engine.mm_processor)
+        self.processor = llm.llm_engine.mm_processor
+        plan_transcription(self.processor, [], options.language, options.task, options.prompt)  # the settings' check
         self._encoded_before = 0
-        if problems := request_problems(self.processor, options.language, options.task, options.prompt):
-            raise ValueError("; ".join(problems))
 
     def transcribe(self, partitions: Sequence[ClipPartition]) -> Iterator[TranscriptionResult]:
         """Yields each partition's result as it commits; partitions that need no new rows first."""
@@ -193,41 +196,51 @@ class TranscriptionRun(PartitionRun[ClipPartition, TranscriptionStats]):
             yield from self._run(todo)
 
     def _read(self, todo: list[PendingRow[ClipRow]]) -> None:
-        """Each row's clip read by the engine at the model's rate and cut into windows; a clip
-        the engine refuses is its row's error (its partition commits without it)."""
-        from dagster_llm.core.engine_surface import read_clips
+        """Each row's clip read by the engine at the model's rate and cut into the model's
+        windows, as `LLM.transcribe` reads and cuts it; a clip the engine refuses is its row's
+        error (its partition commits without it)."""
+        from dagster_llm.core.engine_surface import ClipWindows, read_audio, split_windows
 
+        window_s = self.processor.transcription_window_s
         for pending in todo:
-            clips, problems = read_clips(self.processor, [pending.row.audio])
-            if problems:
-                pending.row.error = problems[0].removeprefix("audio[0]: ")
-            else:
-                pending.row.clip = clips[0]
+            try:
+                clip = read_audio(pending.row.audio, self.processor.audio_limits)
+            except ValueError as exc:
+                pending.row.error = str(exc)
+                continue
+            pending.row.clip = ClipWindows(clip, split_windows(clip.waveform, clip.sample_rate, window_s))
 
     def _run(self, todo: list[PendingRow[ClipRow]]) -> Iterator[TranscriptionResult]:
-        from dagster_llm.core.engine_surface import detect_languages
+        from dagster_llm.core.engine_surface import TranscriptionPlan
 
-        ready = [pending for pending in todo if pending.row.error is None]
         for pending in todo:
             if pending.row.error is not None:
-                yield from self._finish(pending.part, pending.row.position, self._missing_record(pending.part,
-                                                                                                 pending.row))
-        languages = ([self.options.language] * len(ready) if self.options.language is not None
-                     else detect_languages(self.llm.generate, self.processor, [p.row.clip for p in ready],
-                                          self._step_hook))
-        flights = [_Windows(pending, language, {}) for pending, language in zip(ready, languages)]
-        prompts, owners = [], []
-        for flight in flights:
-            text = self.processor.transcription_prompt(flight.language, self.options.task, self.options.prompt)
-            for window, prompt in enumerate(flight.pending.row.clip.prompts(text)):
-                prompts.append(prompt)
-                owners.append((flight, window))
-        for index, output in self.llm.generate_as_completed(prompts, self.options.params(),
-                                                              use_tqdm=self._step_hook):
+                yield from self._finish(pending.part, pending.row.position,
+                                        self._missing_record(pending.part, pending.row))
+        ready = [pending for pending in todo if pending.row.error is None]
+        plan = TranscriptionPlan(self.processor, [p.row.clip for p in ready], self.options.task, self.options.prompt)
+        flights = [_Windows(pending, index, language, {})
+                   for index, (pending, language) in enumerate(zip(ready, self._languages(plan)))]
+        owners = [(flight, window) for flight in flights for window in range(len(flight.pending.row.clip.windows))]
+        finished = self.llm.generate_as_completed(plan.rows([f.language for f in flights]), self.options.params(),
+                                                  use_tqdm=self._step_hook)
+        for index, output in finished:
             flight, window = owners[index]
             flight.outputs[window] = output
             if len(flight.outputs) == len(flight.pending.row.clip.windows):
-                yield from self._finish(flight.pending.part, flight.pending.row.position, self._record(flight))
+                transcript = plan.output(flight.clip, flight.language,
+                                         [flight.outputs[w] for w in range(len(flight.outputs))])
+                yield from self._finish(flight.pending.part, flight.pending.row.position,
+                                        self._record(flight.pending.row, transcript))
+
+    def _languages(self, plan: "TranscriptionPlan") -> list[str]:
+        """Each planned clip's language: the options', or detected on its first window."""
+        if self.options.language is not None:
+            return [self.options.language] * len(plan.clips)
+        if not plan.clips:
+            return []
+        return plan.detected(self.llm.generate(plan.detection_rows(), plan.detection_params(),
+                                               use_tqdm=self._step_hook))
 
     def _step_hook(self, **_: Any) -> StepHook:
         """What `LLM.generate` takes for a progress bar: `check_alive` after every step."""
@@ -252,12 +265,11 @@ class TranscriptionRun(PartitionRun[ClipPartition, TranscriptionStats]):
         return {"language": options.language, "task": options.task, "prompt": options.prompt,
                 "max_tokens": options.max_tokens}
 
-    def _record(self, flight: _Windows) -> dict[str, Any]:
-        row, outputs = flight.pending.row, [flight.outputs[w] for w in range(len(flight.outputs))]
-        return {"id": row.id, "text": "".join(o.outputs[0].text for o in outputs), "language": flight.language,
-                "duration_s": row.clip.clip.seconds, "windows": len(outputs),
-                "completion_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
-                "audio_digest": row.audio_digest, "model": self.options.model_id, "error": None}
+    def _record(self, row: ClipRow, transcript: "TranscriptionOutput") -> dict[str, Any]:
+        return {"id": row.id, "text": transcript.text, "language": transcript.language,
+                "duration_s": transcript.duration_s, "windows": len(transcript.windows),
+                "completion_tokens": len(transcript.token_ids), "audio_digest": row.audio_digest,
+                "model": self.options.model_id, "error": None}
 
     def _reused_record(self, part: OpenPartition, row: ClipRow, record: dict[str, Any]) -> dict[str, Any]:
         return {**record, "id": row.id, "model": self.options.model_id}

@@ -223,6 +223,20 @@ class CrossInputs:
     writes: AttentionMetadata | None = None
 
 
+def cross_attention_metadata(row_keys: list[int], block_tables: torch.Tensor, block_size: int) -> AttentionMetadata:
+    """The metadata in which row i of a step is a sequence of its own: one query over the first
+    `row_keys[i]` keys of the cross blocks in `block_tables[i]`, standing at the last key (so
+    that a causal backend sees them all). It writes nothing (`CrossInputs.writes` does)."""
+    device = block_tables.device
+    count = len(row_keys)
+    keys = torch.tensor(row_keys, dtype=torch.int32).to(device)
+    return AttentionMetadata(
+        slot_mapping=torch.empty(0, dtype=torch.long, device=device),
+        query_start_loc=torch.arange(count + 1, dtype=torch.int32, device=device),
+        seq_lens=keys, block_tables=block_tables, positions=keys.long() - 1,
+        query_lens=[1] * count, context_lens=list(row_keys), block_size=block_size)
+
+
 class CrossAttention(Attention):
     """A decoder layer's attention over its encoder's outputs (Whisper's `encoder_attn`): its
     keys and values are written once per sequence, from the encoder rows, into the sequence's
@@ -233,8 +247,8 @@ class CrossAttention(Attention):
     sequence's decoder keys and values or its cross ones, so the KV-cache budget counts one
     layer's bytes per token (`engine.worker.kv_cache.KVCache`)."""
 
-    def __init__(self, paired_with: Attention, scale: float | None = None) -> None:
-        super().__init__(paired_with.num_heads, paired_with.head_dim, paired_with.num_kv_heads, scale)
+    def __init__(self, paired_with: Attention) -> None:
+        super().__init__(paired_with.num_heads, paired_with.head_dim, paired_with.num_kv_heads)
         self.paired_with = [paired_with]  # a list, so that the pair is not registered twice as a module
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,

@@ -33,7 +33,7 @@ class Scheduler:
     tokens are read back, only its last token counts as computed.
 
     A prompt's images are encoded in the first step that schedules any of their tokens
-    (`encoder_cache`): a step encodes images of at most max_num_batched_tokens output rows
+    (`encoder_cache`): a step encodes images of at most `encoder_budget` output rows
     (one image at least), and a chunk stops before an image whose output can be neither
     had nor computed in the step. An encoder-decoder sequence's clip (Whisper's) is encoded
     for the chunk that starts its decoder prompt (after admission, or after a preemption: such
@@ -41,12 +41,16 @@ class Scheduler:
     """
 
     def __init__(self, config: "EngineConfig", block_manager: BlockManager,
-                 encoder_cache: EncoderCacheManager | None = None) -> None:
+                 encoder_cache: EncoderCacheManager | None = None, encoder_budget: int | None = None) -> None:
         """`config` is resolved (`EngineConfig.resolve`): the scheduler reads max_num_seqs,
-        max_num_batched_tokens, enable_chunked_prefill, scheduling_policy and max_loras."""
+        max_num_batched_tokens, enable_chunked_prefill, scheduling_policy and max_loras.
+        `encoder_budget`: the encoder output rows a step may compute (default
+        max_num_batched_tokens: a prompt item's rows take prompt positions; an encoder-decoder
+        model's clips take none, and run several to a step under a larger one)."""
         self.config = config
         self.block_manager = block_manager
         self.encoder_cache = encoder_cache
+        self.encoder_budget = encoder_budget or config.max_num_batched_tokens
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.released: list[Sequence] = []
@@ -70,7 +74,7 @@ class Scheduler:
             RuntimeError: nothing could be placed although requests wait (the KV cache is
                 too small for the next one).
         """
-        plan = _StepPlan(self.config.max_num_batched_tokens, self.config.max_num_batched_tokens)
+        plan = _StepPlan(self.config.max_num_batched_tokens, self.encoder_budget)
         self._schedule_running(plan)
         if not plan.preempted:
             self._schedule_waiting(plan)

@@ -14,12 +14,16 @@ IMAGE_PARTS = ("image_url", "image_pil", "image")
 # string: data: and file:// URIs, local paths) and transformers' "audio" (any form `read_audio` takes).
 AUDIO_PARTS = ("input_audio", "audio_url", "audio")
 INPUT_AUDIO_FORMATS = ("wav", "mp3")
+# Video content parts: vLLM's "video_url" (a URL dict or string: data: and file:// URIs, local
+# paths) and transformers' "video" (any form `read_video` takes: a file, frames).
+VIDEO_PARTS = ("video_url", "video")
 # The content parts of each modality, under the name chat templates read ({"type": "audio"})
 # and `multi_modal_data` keys.
-MEDIA_PARTS = {"image": IMAGE_PARTS, "audio": AUDIO_PARTS}
+MEDIA_PARTS = {"image": IMAGE_PARTS, "audio": AUDIO_PARTS, "video": VIDEO_PARTS}
 # How a conversation gets a model that reads a modality its model does not.
 READERS = {"image": "load a vision-language model",
-           "audio": "transcribe it upstream: no model the engine runs reads audio yet"}
+           "audio": "load an audio-language model",
+           "video": "load Qwen2-VL or Qwen2.5-VL, or pass frames sampled from it as images"}
 
 
 def chat_messages_problem(messages: object) -> str | None:
@@ -71,8 +75,8 @@ def text_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def chat_items(messages: list[dict[str, Any]]) -> dict[str, list[Any]]:
-    """The conversation's images and audio clips in order, per modality that it holds, as
-    `multi_modal_data` takes them: as given (a URL, path, bytes, PIL image, (waveform, rate)),
+    """The conversation's images, audio clips and videos in order, per modality that it holds, as
+    `multi_modal_data` takes them: as given (a URL, path, bytes, PIL image, (waveform, rate), frames),
     an input_audio part as a base64 data: URI."""
     items: dict[str, list[Any]] = {}
     for message in messages:
@@ -89,7 +93,7 @@ def chat_images(messages: list[dict[str, Any]]) -> list[Any]:
 
 def multimodal_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The conversation as a multimodal chat template reads it: content lists of
-    {"type": "text", "text": ...}, {"type": "image"} and {"type": "audio"} parts (the
+    {"type": "text", "text": ...}, {"type": "image"}, {"type": "audio"} and {"type": "video"} parts (the
     template writes the model's placeholder for each)."""
     def part(p: dict[str, Any]) -> dict[str, Any]:
         modality = _modality(p["type"])
@@ -174,8 +178,8 @@ def _text_parts_problem(parts: list, index: int) -> str | None:
                 return f"message {index}: content part {j} ({kind!r}) {problem}"
         elif kind != "text" or not isinstance(part.get("text"), str):
             return (f"message {index}: content part {j} is {kind!r}: content parts are text "
-                    "({'type': 'text', 'text': str}), images ('image_url', 'image_pil', 'image') or audio "
-                    "('input_audio', 'audio_url', 'audio')")
+                    "({'type': 'text', 'text': str}), images ('image_url', 'image_pil', 'image'), audio "
+                    "('input_audio', 'audio_url', 'audio') or videos ('video_url', 'video')")
     return None
 
 
@@ -189,14 +193,14 @@ def _media_part_problem(part: dict[str, Any], kind: str) -> str | None:
                     f"{' or '.join(map(repr, INPUT_AUDIO_FORMATS))}}}")
         return None
     if value is None or (isinstance(value, dict) and not isinstance(value.get("url"), str)):
-        noun = "image" if kind in IMAGE_PARTS else "audio"
+        noun = _modality(kind)
         url = " with {'url': 'data:...' or 'file://...'}" if kind.endswith("_url") else ""
         return f"has no {noun}: give {{'type': {kind!r}, {kind!r}: ...}}{url}"
     return None
 
 
 def _modality(kind: object) -> str | None:
-    """The modality of a content part's type ("image", "audio"), None for text and others."""
+    """The modality of a content part's type ("image", "audio", "video"), None for text and others."""
     return next((modality for modality, parts in MEDIA_PARTS.items() if kind in parts), None)
 
 

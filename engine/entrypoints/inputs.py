@@ -7,16 +7,19 @@ from collections.abc import Callable, Sequence as SequenceABC
 from dataclasses import dataclass
 from typing import Any
 
+from PIL import Image
+
 from engine.beam_search import BeamSearchParams
 from engine.config import DEFAULT_LIMIT_MM_PER_PROMPT
 from engine.entrypoints.chat_utils import READERS, invalid_unicode_problem
 from engine.llm_engine import LLMEngine
 from engine.lora.request import LoRARequest
-from engine.models import MULTIMODAL_MODELS
+from engine.models import ENCODER_DECODER_MODELS, MULTIMODAL_MODELS
 from engine.multimodal.audio import AudioInputError, read_audio
 from engine.multimodal.image import ImageInputError, read_image
 from engine.multimodal.inputs import ProcessedPrompt
 from engine.multimodal.processing import ITEM_NOUNS, BaseMultiModalProcessor, MultiModalInputError, PromptItem
+from engine.multimodal.video import VideoInputError, read_video
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams, logprobs_count
 from engine.tool_parsers.request_tools import RequestTools
@@ -28,8 +31,16 @@ SamplingParamsArg = SamplingParams | SequenceABC[SamplingParams] | None
 LoRARequestArg = LoRARequest | SequenceABC[LoRARequest | None] | None
 PriorityArg = int | SequenceABC[int] | None
 UseTqdm = bool | Callable[..., Any]
+
+
+def _architectures_reading(modality: str) -> str:
+    """The multimodal and encoder-decoder architectures that read `modality`, by name."""
+    return ", ".join(sorted(name for name, model in {**MULTIMODAL_MODELS, **ENCODER_DECODER_MODELS}.items()
+                            if modality in model.processor_class.modalities))
+
+
 # How a row gets a model that reads a modality its model does not.
-_READERS = {**READERS, "image": f"{READERS['image']} ({', '.join(sorted(MULTIMODAL_MODELS))})"}
+_READERS = {modality: f"{how} ({_architectures_reading(modality)})" for modality, how in READERS.items()}
 
 
 @dataclass
@@ -151,26 +162,53 @@ class RequestChecker:
             return RowCheck(None, "; ".join([*found, bad_text]))
         if not isinstance(params, SamplingParams):
             params = SamplingParams()  # the prompt is still checked, against the defaults
+        prompt, problem = self._encoder_decoder_prompt(prompt)
+        if problem is not None:
+            return RowCheck(None, "; ".join([*found, problem]))
         text, ids = self._tokenize(prompt)
         items, problem = self._multimodal(prompt, ids)
         if items is not None:
             ids = items.prompt_token_ids
         cross_rows = sum(f.num_embeds for f in items.cross) if items is not None else 0
         if (problem := problem or _prompt_problem(prompt, ids, self.max_len, self.vocab, items)
-                or self._params_problem(ids, params, kind, cross_rows)):
+                or self._params_problem(ids, params, kind, cross_rows)
+                or self._positions_problem(ids, params, items)):
             found.append(problem)
         if found:
             return RowCheck(None, "; ".join(found))
         return RowCheck(Request(text, ids, params, priority, adapter, multi_modal=items,
                                 tools=RequestTools.of_prompt(prompt)), None)
 
+    def _encoder_decoder_prompt(self, prompt: Any) -> tuple[Any, str | None]:
+        """vLLM's explicit encoder-decoder prompt, `{"encoder_prompt": {"prompt": "",
+        "multi_modal_data": ...}, "decoder_prompt": text or {"prompt": ...} or
+        {"prompt_token_ids": ...}}`, as the one prompt dict the checks read (the decoder's prompt
+        with the encoder's items); any other prompt as given. Or why it cannot be read that way:
+        a decoder-only model, an encoder prompt with text (Whisper's encoder reads audio only),
+        a decoder prompt of another form."""
+        if not isinstance(prompt, dict) or not {"encoder_prompt", "decoder_prompt"} & set(prompt):
+            return prompt, None
+        processor = self.engine.mm_processor
+        if processor is None or processor.cross_modality is None:
+            return prompt, ("encoder_prompt: the model is a decoder: give {'prompt': ..., 'multi_modal_data': ...} "
+                            "without encoder_prompt and decoder_prompt")
+        encoder, decoder = prompt.get("encoder_prompt"), prompt.get("decoder_prompt")
+        if not isinstance(encoder, dict) or encoder.get("prompt") or encoder.get("prompt_token_ids"):
+            return prompt, (f"encoder_prompt: expected {{'prompt': '', 'multi_modal_data': {{'{processor.cross_modality}'"
+                            f": ...}}}}: the encoder reads the {processor.cross_modality} alone")
+        if isinstance(decoder, str):
+            decoder = {"prompt": decoder}
+        if not isinstance(decoder, dict):
+            return prompt, ("decoder_prompt: expected the decoder's prompt, a str or {'prompt': str} or "
+                            f"{{'prompt_token_ids': [int, ...]}}, got {type(decoder).__name__}")
+        return {**decoder, "multi_modal_data": encoder.get("multi_modal_data")}, None
+
     def _multimodal(self, prompt: Any, ids: list[int] | None) -> tuple[ProcessedPrompt | None, str | None]:
-        """The prompt's images and audio clips processed into its token ids (None: a prompt
-        without any), or the problem with them: a modality the model does not read (video
-        for every model, for now), more items than limit_mm_per_prompt, an item that does
-        not read or is outside the model's limits, one its processor refuses, placeholders
-        and items that do not pair up. What the model cannot take is refused before any item
-        is read."""
+        """The prompt's images, audio clips and videos processed into its token ids (None: a
+        prompt without any), or the problem with them: a modality the model does not read,
+        more items than limit_mm_per_prompt, an item that does not read or is outside the
+        model's limits, one its processor refuses, placeholders and items that do not pair
+        up. What the model cannot take is refused before any item is read."""
         data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
         processor = self.engine.mm_processor
         if ids is not None and data is None and processor is not None and processor.cross_modality is not None:
@@ -185,14 +223,17 @@ class RequestChecker:
         if problem is not None or (not given and processor is None):
             return None, problem
         items: dict[str, list[PromptItem]] = {}
+        # Each modality's reader and the processor's limits for it (only a family that reads
+        # images has image limits).
+        readers = {"image": (read_image, "limits"), "audio": (read_audio, "audio_limits"),
+                   "video": (read_video, "video_limits")}
         for modality, values in given.items():
-            read, limits = ((read_image, processor.limits) if modality == "image"
-                            else (read_audio, processor.audio_limits))
+            read, limits = readers[modality][0], getattr(processor, readers[modality][1])
             items[modality] = []
             for i, value in enumerate(values):
                 try:
                     items[modality].append(read(value, limits))
-                except (ImageInputError, AudioInputError) as exc:
+                except (ImageInputError, AudioInputError, VideoInputError) as exc:
                     return None, f"multi_modal_data['{modality}'][{i}]: {exc}"
         try:
             return processor.apply(ids, items), None
@@ -203,22 +244,19 @@ class RequestChecker:
         """`multi_modal_data`'s items as given, a list per modality, or why the row cannot
         have them: not a dict of known modalities, a modality the model does not read, more
         items than limit_mm_per_prompt allows. An image list may be a tuple; an audio tuple
-        is one clip, vLLM's (waveform, sample_rate)."""
+        is one clip, vLLM's (waveform, sample_rate); a video tuple is one video, vLLM's
+        (frames, metadata), and so is a list of PIL images (its frames)."""
         if not isinstance(data, dict) or set(data) - set(DEFAULT_LIMIT_MM_PER_PROMPT):
             keys = sorted(map(str, data)) if isinstance(data, dict) else type(data).__name__
             return {}, ("multi_modal_data: expected {'image': an image or a list of images, 'audio': a clip or a list "
-                        f"of clips}} (either key, or both), got {keys}")
+                        f"of clips, 'video': a video or a list of videos}} (any of the keys), got {keys}")
         reads = processor.modalities if processor is not None else ()
         given = {}
         for modality, value in data.items():
             noun = ITEM_NOUNS[modality]
-            if modality == "video":
-                return {}, ("multi_modal_data['video']: the engine reads no video yet: pass frames sampled from it as "
-                            "images (multi_modal_data['image']) to a vision-language model, or drop the video")
             if modality not in reads:
                 return {}, _unread_problem(modality, processor)
-            many = (list, tuple) if modality == "image" else list  # an audio tuple is one (waveform, rate) clip
-            given[modality] = list(value) if isinstance(value, many) else [value]
+            given[modality] = _item_list(modality, value)
             limit = self.engine.config.max_items_per_prompt(modality)
             if len(given[modality]) > limit:
                 return {}, (f"multi_modal_data: holds {len(given[modality])} {noun}s, but limit_mm_per_prompt allows "
@@ -269,6 +307,21 @@ class RequestChecker:
             return f"structured_outputs: {problem}"
         return None
 
+    def _positions_problem(self, ids: list[int], params: SamplingParams,
+                           items: ProcessedPrompt | None) -> str | None:
+        """Why the row's last token would take a rotary position past the decoder's tables, or
+        None: a prompt whose items' positions run ahead of its tokens (a Qwen2.5-VL video's,
+        in time) moves every generated token's position on as far."""
+        limit = self.engine.mm_processor.max_position if items is not None else None
+        if limit is None or items.rope_delta <= 0:
+            return None
+        last = len(ids) + params.max_output_tokens(len(ids), self.max_len) - 1 + items.rope_delta
+        if last < limit:
+            return None
+        return (f"max_tokens: the prompt's items put its rotary positions {items.rope_delta} ahead of its tokens, "
+                f"so its last token would take position {last}, past the model's {limit} (max_position_embeddings): "
+                "lower max_tokens, or give shorter videos (fewer frames, or a lower fps)")
+
     def _logprobs_problem(self, params: SamplingParams) -> str | None:
         """Why the request asks for more logprobs per token than `max_logprobs` allows, or None."""
         limit = logprobs_count(self.engine.config.max_logprobs, self.vocab)
@@ -307,6 +360,15 @@ class RequestChecker:
         processor = self.engine.mm_processor
         special = processor.add_special_tokens if processor is not None else True
         return text, self.engine.tokenizer(text, add_special_tokens=special).input_ids if text else []
+
+
+def _item_list(modality: str, value: Any) -> list:
+    """A modality's `multi_modal_data` value as the list of its items."""
+    if modality == "image":
+        return list(value) if isinstance(value, (list, tuple)) else [value]
+    if modality == "video" and isinstance(value, list) and value and all(isinstance(v, Image.Image) for v in value):
+        return [value]  # one video's frames
+    return list(value) if isinstance(value, list) else [value]
 
 
 def _unread_problem(modality: str, processor: BaseMultiModalProcessor | None) -> str:

@@ -22,20 +22,21 @@ from engine.entrypoints.inputs import (
 )
 from engine.llm_engine import LLMEngine
 from engine.lora.request import LoRARequest
-from engine.entrypoints.transcription import TranscriptionOutput, transcribe, transcription_processor
 from engine.multimodal.audio import AudioLike, AudioLimits
 from engine.multimodal.image import ImageLimits
+from engine.multimodal.video import VideoLimits
 from engine.model_loader.folder import model_fingerprint
 from engine.output_processor.parsing import PARSING_REVISION
 from engine.outputs import (
     ClassificationRequestOutput, EmbeddingRequestOutput, EngineStats, RequestOutput, ScoringRequestOutput,
-    UnfinishedOutput,
+    TranscriptionOutput, UnfinishedOutput,
 )
 from engine.pooling_params import PoolingParams
 from engine.entrypoints.progress_bar import ProgressBar
 from engine.entrypoints.score_utils import cosine_scores, cross_encoder_inputs, cross_encoder_scores, score_pairs
 from engine.sampling_params import SamplingParams
 from engine.structured_output.params import StructuredOutputsParams
+from engine.entrypoints.transcription import plan_transcription
 from engine.entrypoints.tool_choice import ToolChoice, apply_tool_choice, constrained, grammar_problem, resolve_tool_choice
 from engine.tool_parsers.abstract import OPENAI_CALL_IDS, CallIds
 
@@ -231,6 +232,10 @@ class LLM:
                              "set add_generation_prompt=False to continue the final message")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         processor = self.llm_engine.mm_processor
+        if processor is not None and processor.cross_modality is not None:
+            raise ValueError(f"chat: {self.llm_engine.model_config.hf_config.model_type} is an encoder-decoder model "
+                             "with no chat template: call generate with its decoder prompt and the "
+                             f"{processor.cross_modality}, or LLM.transcribe")
         reads = processor.placeholder_ids if processor is not None else {}
         problems = [f"conversation {i}, {problem}" for i, conversation in enumerate(conversations)
                     if (problem := chat_messages_problem(conversation)
@@ -307,6 +312,34 @@ class LLM:
         requests = valid_requests(rows)
         return CompletedRequests(self._run(requests, use_tqdm), len(requests))
 
+    def transcribe(self, audio: Any, *, language: str | None = "en", task: str = "transcribe",
+                   prompt: str | None = None, sampling_params: SamplingParams | None = None,
+                   use_tqdm: UseTqdm = False) -> list[TranscriptionOutput]:
+        """Each clip's transcript (`task="translate"`: its English translation), in input order,
+        with a model that transcribes (Whisper; vLLM's transcription endpoint, offline).
+
+        `audio` is one clip (a `(waveform, sample_rate)` tuple, encoded bytes, a path, a file://
+        or data: URI: what `multi_modal_data["audio"]` takes) or a list of clips, of any length:
+        a clip longer than the model's window (30 s) is cut at its quietest moments into
+        windows (`engine.multimodal.audio_windows.split_windows`), each window of every clip
+        runs as one request of one `generate` under "<|prev|>{prompt}<|startoftranscript|>
+        <|{language}|><|{task}|><|notimestamps|>", and a clip's window texts are joined in
+        order. `language=None` detects each clip's language first, as vLLM does (one greedy
+        token among the language tokens, over its first window). `sampling_params` default to
+        greedy decoding up to the decoder's context.
+
+        Raises:
+            ValueError: before any work: a model that does not transcribe, an unknown
+                language or task, and every clip that cannot be read, listed.
+        """
+        plan = plan_transcription(self.llm_engine.mm_processor, audio, language, task, prompt)
+        if language is None:
+            languages = plan.detected(self.generate(plan.detection_rows(), plan.detection_params(), use_tqdm=False))
+        else:
+            languages = [language] * len(plan.clips)
+        params = sampling_params if sampling_params is not None else SamplingParams(temperature=0, max_tokens=None)
+        return plan.outputs(languages, self.generate(plan.rows(languages), params, use_tqdm=use_tqdm))
+
     def beam_search(self, prompts: Prompts, params: BeamSearchParams, lora_request: LoRARequestArg = None,
                     use_tqdm: UseTqdm = False) -> list[BeamSearchOutput]:
         """The `params.beam_width` best completions of each prompt by beam search, best
@@ -378,7 +411,7 @@ class LLM:
     @property
     def image_placeholder(self) -> str | None:
         """The text that stands for one image in a prompt of this model ("<image>"); None
-        for a model that reads text only."""
+        for a model that reads no images."""
         processor = self.llm_engine.mm_processor
         return processor.placeholders.get("image") if processor is not None else None
 
@@ -386,28 +419,9 @@ class LLM:
     def image_limits(self) -> ImageLimits:
         """What an image may be for this model, checked on its header before it is decoded:
         the decode budget in pixels and the aspect ratio its image processor takes (the
-        engine's default budget for a model that reads text only)."""
+        engine's default budget for a model that reads no images)."""
         processor = self.llm_engine.mm_processor
         return processor.limits if processor is not None and "image" in processor.modalities else ImageLimits()
-
-    def transcribe(self, audio: AudioLike | SequenceABC[AudioLike], *, language: str | None = None,
-                   task: str = "transcribe", prompt: str | None = None, sampling_params: SamplingParams | None = None,
-                   use_tqdm: UseTqdm = True) -> list[TranscriptionOutput]:
-        """Transcribes (or, with `task="translate"`, translates to English) each clip with a
-        speech-to-text model (Whisper), as vLLM's transcription endpoint does: a clip (any form
-        `multi_modal_data["audio"]` takes; a list of them) longer than the model's window (30 s)
-        is cut into windows at quiet points, every window of every clip runs in one batch, and a
-        clip's text is its windows' texts joined in order. `language` is an ISO 639-1 code the
-        model's tokenizer has (None: detected per clip from its first window); `prompt` is text
-        the windows follow (earlier speech, spellings). `sampling_params` defaults to greedy
-        decoding up to the model's context.
-
-        Raises:
-            ValueError: before any work, the model does not transcribe, or listing every bad
-                setting and clip.
-        """
-        processor = transcription_processor(self.llm_engine.mm_processor)
-        return transcribe(processor, self.generate, audio, language, task, prompt, sampling_params, use_tqdm)
 
     @property
     def audio_placeholder(self) -> str | None:
@@ -417,11 +431,26 @@ class LLM:
         return processor.placeholders.get("audio") if processor is not None else None
 
     @property
-    def audio_limits(self) -> AudioLimits:
-        """What a clip may be for this model: the sample rate its feature extractor reads and
-        the longest clip it takes (the engine's defaults for a model that reads no audio)."""
+    def audio_limits(self) -> AudioLimits | None:
+        """What a clip may be for this model (its feature extractor's rate, the longest clip
+        it takes); None for a model that reads no audio."""
         processor = self.llm_engine.mm_processor
-        return processor.audio_limits if processor is not None and processor.audio_limits else AudioLimits()
+        return processor.audio_limits if processor is not None else None
+
+    @property
+    def video_placeholder(self) -> str | None:
+        """The text that stands for one video in a prompt of this model
+        ("<|vision_start|><|video_pad|><|vision_end|>"); None for a model that reads no video."""
+        processor = self.llm_engine.mm_processor
+        return processor.placeholders.get("video") if processor is not None else None
+
+    @property
+    def video_limits(self) -> VideoLimits | None:
+        """What a video may be for this model (frames per file second sampled, frame counts, the
+        per-frame decode budget, the resize to its grid), as `read_video` takes them; None for a
+        model that reads no video."""
+        processor = self.llm_engine.mm_processor
+        return processor.video_limits if processor is not None else None
 
     @property
     def max_num_seqs(self) -> int:

@@ -3,12 +3,15 @@ it must hold, and a fingerprint of the files that decide its outputs."""
 
 import functools
 import hashlib
+import importlib.util
 import json
 from pathlib import Path
 
 from engine.model_loader.embedded_model import EMBEDDED_MODEL_NAME, ensure_embedded_model
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+# Mistral's own tokenizer file (Voxtral's hub folders hold only it): transformers reads it through mistral_common.
+_MISTRAL_TOKENIZER = "tekken.json"
 
 
 class ModelLoadError(ValueError):
@@ -48,12 +51,22 @@ def check_model_folder(path: Path, tokenizer_path: Path | None = None) -> list[P
             f"pytorch_model.bin with transformers' save_pretrained(safe_serialization=True))"
         )
     tokenizer_dir = tokenizer_path or path
-    if not any((tokenizer_dir / name).is_file() for name in _TOKENIZER_FILES):
+    mistral = (tokenizer_dir / _MISTRAL_TOKENIZER).is_file()
+    if any((tokenizer_dir / name).is_file() for name in _TOKENIZER_FILES) or (mistral and mistral_common_installed()):
+        return files
+    if mistral:
         raise ModelLoadError(
-            f"{tokenizer_dir} has no tokenizer ({', '.join(_TOKENIZER_FILES)}); save the "
-            f"tokenizer into the model folder or pass tokenizer=PATH"
-        )
-    return files
+            f"{tokenizer_dir} holds Mistral's {_MISTRAL_TOKENIZER} tokenizer only, which transformers reads through "
+            "mistral_common: pip install 'dagster-llm[audio]', or pass tokenizer=PATH of a folder with tokenizer.json")
+    raise ModelLoadError(
+        f"{tokenizer_dir} has no tokenizer ({', '.join(_TOKENIZER_FILES)}); save the "
+        f"tokenizer into the model folder or pass tokenizer=PATH"
+    )
+
+
+def mistral_common_installed() -> bool:
+    """Whether mistral_common, which reads Mistral's tokenizer files, can be imported."""
+    return importlib.util.find_spec("mistral_common") is not None
 
 
 @functools.cache

@@ -62,7 +62,7 @@ def resolve_model_config(path: Path, engine: EngineConfig, eos_token_id: int | N
                                         batch_invariant=engine.batch_invariant)
     pooler = resolve_pooler(path, hf_config, engine.runner, engine.pooling_type, POOLING_ARCHITECTURES)
     if multimodal is not None and pooler is not None:
-        raise ModelLoadError(f"{path}: {whole.architectures[0]} generates text from images; embedding or "
+        raise ModelLoadError(f"{path}: {whole.architectures[0]} generates text from images or audio; embedding or "
                              "classifying with it is not supported: use runner='generate'")
     return ModelConfig(path, hf_config, dtype, device, max_model_len, eos, defaults, quantization, pooler,
                        multimodal)

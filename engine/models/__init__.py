@@ -15,8 +15,10 @@ from engine.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeF
 from engine.models.phi3 import Phi3ForCausalLM
 from engine.models.pooling import pooling_model_class
 from engine.models.qwen2 import Qwen2ForCausalLM
+from engine.models.qwen2_audio import Qwen2AudioForConditionalGeneration
 from engine.models.qwen2_vl import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
 from engine.models.qwen3 import Qwen3ForCausalLM
+from engine.models.voxtral import VoxtralForConditionalGeneration
 from engine.models.whisper import WhisperForConditionalGeneration
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
@@ -71,7 +73,7 @@ LANGUAGE_MODELS: dict[str, str] = {
     "Llama4ForConditionalGeneration": "Llama4ForCausalLM",
 }
 
-# Vision-language checkpoints that run with their images: architecture -> the model class
+# Multimodal checkpoints that run with their images or audio: architecture -> the model class
 # (a `VisionLanguageModel`, built from the whole config).
 MULTIMODAL_MODELS: dict[str, type[nn.Module]] = {
     "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
@@ -80,8 +82,13 @@ MULTIMODAL_MODELS: dict[str, type[nn.Module]] = {
     "SmolVLMForConditionalGeneration": SmolVLMForConditionalGeneration,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     "LlavaNextForConditionalGeneration": LlavaNextForConditionalGeneration,
+    "Qwen2AudioForConditionalGeneration": Qwen2AudioForConditionalGeneration,
+    "VoxtralForConditionalGeneration": VoxtralForConditionalGeneration,
 }
 
+
+# A multimodal config's tower config -> what the model is called in messages.
+_TOWER_KINDS = {"vision_config": "vision-language", "audio_config": "audio-language"}
 
 # Encoder-decoder checkpoints (vLLM's): architecture -> the model class, built from the whole
 # config. Its processor sets `cross_modality`, the one item of each prompt its decoder attends to.
@@ -103,21 +110,22 @@ def is_encoder_decoder(architectures: list[str]) -> bool:
 
 
 def language_model_config(hf_config: PretrainedConfig) -> PretrainedConfig:
-    """`hf_config` itself, or for a vision-language checkpoint its language model's config
+    """`hf_config` itself, or for a multimodal checkpoint its language model's config
     (with the checkpoint's dtype and tied embeddings): for one of `LANGUAGE_MODELS` under its
     text family's architecture (the family's loader skips the vision tower's weights), for
     one of `MULTIMODAL_MODELS` under the checkpoint's own (the whole model runs).
 
     Raises:
-        ValueError: a vision-language checkpoint of an architecture the engine does not run.
+        ValueError: a multimodal checkpoint of an architecture the engine does not run.
     """
     architectures = getattr(hf_config, "architectures", None) or []
     family = next((LANGUAGE_MODELS[a] for a in architectures if a in LANGUAGE_MODELS), None)
     multimodal = next((a for a in architectures if a in MULTIMODAL_MODELS), None)
     if family is None and multimodal is None:
-        if getattr(hf_config, "vision_config", None) is not None:
+        kind = next((kind for part, kind in _TOWER_KINDS.items() if getattr(hf_config, part, None) is not None), None)
+        if kind is not None:
             raise ValueError(
-                f"architecture {architectures} is a vision-language model the engine does not run (supported: "
+                f"architecture {architectures} is a {kind} model the engine does not run (supported: "
                 f"{sorted(MULTIMODAL_MODELS)}, and the language model alone of {sorted(LANGUAGE_MODELS)})")
         return hf_config
     text = hf_config.get_text_config()

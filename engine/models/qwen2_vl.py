@@ -12,17 +12,25 @@ and attends within the image; Qwen2.5-VL attends within windows of merged rows e
 its `fullatt_block_indexes` blocks, with the merged rows reordered window by window and
 put back after the merger.
 
+A video is frames resized alike (transformers' `Qwen2VLVideoProcessor` rules, reproduced
+here: its module needs torchvision), each `temporal_patch_size` frames one temporal patch,
+read by the same encoder, which attends within each temporal patch.
+
 In the decoder every token has three rotary positions (temporal, height, width: M-RoPE,
-`MRotaryEmbedding`): text tokens count up with three equal positions, an image's tokens
-take their (t, h, w) place in the merged grid from where the text before them stopped, and
-the text after an image goes on from max(grid_h, grid_w) / spatial_merge_size further.
+`MRotaryEmbedding`): text tokens count up with three equal positions, an image's or video's
+tokens take their (t, h, w) place in the merged grid from where the text before them stopped
+(Qwen2.5-VL spaces a video's temporal positions by `tokens_per_second` times the seconds a
+temporal patch spans), and the text after an item goes on from max(grid_h, grid_w) /
+spatial_merge_size further (transformers' rule; vLLM goes on from the item's largest position).
 """
 
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
@@ -35,25 +43,118 @@ from engine.layers.rotary import MRotaryEmbedding, rope_parameters
 from engine.models.llama import head_dim_of
 from engine.models.qwen2 import Qwen2ForCausalLM
 from engine.models.vision_language import VisionLanguageModel, VisionMLP, vision_activation, vision_linear
+from engine.multimodal.image import ImageLimits
 from engine.multimodal.inputs import ItemTokens, MultiModalFeature, ProcessedImage
-from engine.multimodal.processing import BaseMultiModalProcessor
+from engine.multimodal.processing import BaseMultiModalProcessor, MultiModalInputError
+from engine.multimodal.video import PromptVideo, VideoLimits
 
 
 # transformers' `smart_resize` raises for a wider aspect ratio (vLLM's Qwen2-VL processor too).
 QWEN2_VL_MAX_ASPECT_RATIO = 200
+# Where a folder keeps its video processor's settings, in the order transformers looks
+# (`BaseVideoProcessor.get_video_processor_dict`): the hub's Qwen2-VL folders have only the last.
+VIDEO_PROCESSOR_FILES = ("processor_config.json", "video_preprocessor_config.json", "preprocessor_config.json")
+# The normalisation transformers' Qwen2-VL processors default to (OpenAI CLIP's).
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+@dataclass(frozen=True)
+class Qwen2VLVideoRules:
+    """transformers' `Qwen2VLVideoProcessor` settings (its class defaults, then a folder's
+    values): each frame resized to a multiple of patch_size * merge_size pixels within
+    [min_pixels, max_pixels] (`cap_pixels_per_frame`: within an even share of
+    `max_video_tokens` tokens' pixels too), rescaled and normalised; frames pad to a multiple
+    of `temporal_patch_size` by repeating the last."""
+
+    min_pixels: int = 128 * 28 * 28
+    max_pixels: int = 768 * 28 * 28
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    merge_size: int = 2
+    min_frames: int = 4
+    max_frames: int = 768
+    cap_pixels_per_frame: bool = False
+    max_video_tokens: int = 128000
+    rescale_factor: float = 1 / 255
+    image_mean: tuple[float, ...] = CLIP_MEAN
+    image_std: tuple[float, ...] = CLIP_STD
+
+    @classmethod
+    def from_folder(cls, path: Path) -> "Qwen2VLVideoRules":
+        """The rules a model folder gives: the first of `VIDEO_PROCESSOR_FILES` present
+        (processor_config.json's "video_processor" part), `min_pixels`/`max_pixels` over
+        `size`, as `Qwen2VLVideoProcessor.__init__` reads them."""
+        settings: dict = {}
+        for name in VIDEO_PROCESSOR_FILES:
+            if (path / name).exists():
+                settings = json.loads((path / name).read_text())
+                settings = settings.get("video_processor", {}) if name == "processor_config.json" else settings
+                if settings:
+                    break
+        size = settings.get("size") or {}
+        pixels = {"min_pixels": settings.get("min_pixels", size.get("shortest_edge")),
+                  "max_pixels": settings.get("max_pixels", size.get("longest_edge"))}
+        known = {name: settings[name] for name in cls.__dataclass_fields__ if name in settings}
+        known.update({name: value for name, value in pixels.items() if value is not None})
+        for name in ("image_mean", "image_std"):
+            if name in known:
+                known[name] = tuple(known[name])
+        return cls(**{**known, "cap_pixels_per_frame": bool(known.get("cap_pixels_per_frame"))})
+
+    def frame_size(self, frames: int, height: int, width: int) -> tuple[int, int]:
+        """The (height, width) each of a video's `frames` frames resizes to (`resize`)."""
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+        factor = self.patch_size * self.merge_size
+        max_pixels = self.max_pixels
+        if self.cap_pixels_per_frame:
+            total = int(self.max_video_tokens * factor * factor * 0.9)
+            max_pixels = max(min(max_pixels, total * self.temporal_patch_size // frames), int(self.min_pixels * 1.05))
+        return smart_resize(height, width, factor=factor, min_pixels=self.min_pixels, max_pixels=max_pixels)
+
+    def grid(self, frames: int, height: int, width: int) -> tuple[int, int, int]:
+        """The patch grid (temporal, height, width) of `frames` frames already resized."""
+        return -(-frames // self.temporal_patch_size), height // self.patch_size, width // self.patch_size
+
+    def patches(self, frames: np.ndarray) -> torch.Tensor:
+        """Resized uint8 frames [T, H, W, 3] as flattened patches [grid_t * grid_h * grid_w,
+        3 * temporal_patch * patch**2]: rescaled and normalised in one step (as transformers
+        fuses them), the last frame repeated up to whole temporal patches, each run of
+        merge**2 patches one merged row (`patchify`)."""
+        video = torch.from_numpy(frames.astype(np.float32)).permute(0, 3, 1, 2)
+        mean = torch.tensor(self.image_mean) * (1.0 / self.rescale_factor)
+        std = torch.tensor(self.image_std) * (1.0 / self.rescale_factor)
+        video = (video - mean[:, None, None]) / std[:, None, None]
+        if pad := -len(video) % self.temporal_patch_size:
+            video = torch.cat((video, video[-1:].expand(pad, -1, -1, -1)))
+        t, h, w = self.grid(len(video), video.shape[2], video.shape[3])
+        p, m, tp = self.patch_size, self.merge_size, self.temporal_patch_size
+        patches = video.view(t, tp, 3, h // m, m, p, w // m, m, p).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+        return patches.reshape(t * h * w, 3 * tp * p * p)
 
 
 class Qwen2VLProcessor(BaseMultiModalProcessor):
-    """An image to its flattened patches, grid and "<|image_pad|>" run, as transformers'
-    `Qwen2VLProcessor` expands one; and the prompt's M-RoPE positions, as its model's
-    `get_rope_index` computes them."""
+    """An image or a video to its flattened patches, grid and "<|image_pad|>" or
+    "<|video_pad|>" run, as transformers' `Qwen2VLProcessor` expands one; and the prompt's
+    M-RoPE positions, as its model's `get_rope_index` computes them."""
 
+    modalities = ("image", "video")
     image_placeholder = "<|vision_start|><|image_pad|><|vision_end|>"
+    video_placeholder = "<|vision_start|><|video_pad|><|vision_end|>"
 
     def __init__(self, path: Path, hf_config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase) -> None:
         super().__init__(path, hf_config, tokenizer)
         self.image_token_id = hf_config.image_token_id
+        self.video_token_id = hf_config.video_token_id
         self.merge_size = hf_config.vision_config.spatial_merge_size
+        self.video_rules = Qwen2VLVideoRules.from_folder(path)
+        rules = self.video_rules
+        frame = ImageLimits(self.limits.max_pixels, QWEN2_VL_MAX_ASPECT_RATIO, f"the {hf_config.model_type} "
+                            "video processor")
+        self.video_limits = VideoLimits(frame, min_frames=rules.min_frames, max_frames=rules.max_frames,
+                                        temporal_patch_size=rules.temporal_patch_size, frame_size=rules.frame_size)
+        self.max_position = hf_config.get_text_config().max_position_embeddings  # `Qwen2VLDecoder`'s tables
 
     def kept_pixels(self) -> int:
         """max_pixels: `smart_resize` scales every image to at most that."""
@@ -85,12 +186,33 @@ class Qwen2VLProcessor(BaseMultiModalProcessor):
                                      max_pixels=processor.size["longest_edge"])
         return self._tokens((1, height // patch, width // patch))
 
-    def _tokens(self, grid: tuple[int, int, int]) -> ItemTokens:
-        """One image token per merged patch of a (temporal, height, width) patch grid."""
-        return ItemTokens([self.image_token_id] * (math.prod(grid) // self.merge_size**2), grid=grid)
+    def _tokens(self, grid: tuple[int, int, int], token_id: int | None = None) -> ItemTokens:
+        """One image token (or `token_id`) per merged patch of a (temporal, height, width) patch grid."""
+        token = self.image_token_id if token_id is None else token_id
+        return ItemTokens([token] * (math.prod(grid) // self.merge_size**2), grid=grid)
+
+    def video_tokens(self, video: PromptVideo) -> ItemTokens:
+        """One video token per merged patch of the kept frames' grid (frames already resized)."""
+        count, height, width, _ = video.frames.shape
+        return self._tokens(self.video_rules.grid(count, height, width), self.video_token_id)
+
+    def video_inputs(self, video: PromptVideo) -> dict[str, torch.Tensor]:
+        """pixel_values_videos [patches, channels * temporal_patch * patch**2] and video_grid_thw [1, 3]."""
+        grid = self.video_rules.grid(*video.frames.shape[:3])
+        return {"pixel_values_videos": self.video_rules.patches(video.frames),
+                "video_grid_thw": torch.tensor([grid])}
+
+    def time_interval(self, feature: MultiModalFeature) -> float:
+        """How far apart an item's temporal patches are in the temporal positions: 1 (Qwen2-VL,
+        and every image)."""
+        return 1.0
 
     def rope_positions(self, token_ids: list[int], features: list[MultiModalFeature]) -> tuple[torch.Tensor, int]:
-        """[3, len(token_ids)] positions and the offset of generated tokens' (max + 1 - length)."""
+        """[3, len(token_ids)] positions and the offset of generated tokens' (max + 1 - length).
+
+        Raises:
+            MultiModalInputError: a position past the decoder's rotary tables (a long video).
+        """
         pieces = []
         start = 0  # the position the next run starts from
         done = 0  # tokens placed so far
@@ -98,14 +220,31 @@ class Qwen2VLProcessor(BaseMultiModalProcessor):
             pieces.append(torch.arange(feature.offset - done).expand(3, -1) + start)
             start += feature.offset - done
             t, h, w = feature.grid
-            grid = torch.meshgrid(torch.arange(t), torch.arange(h // self.merge_size),
-                                  torch.arange(w // self.merge_size), indexing="ij")
+            temporal = (torch.arange(t) * self.time_interval(feature)).long()
+            grid = torch.meshgrid(temporal, torch.arange(h // self.merge_size), torch.arange(w // self.merge_size),
+                                  indexing="ij")
             pieces.append(torch.stack(grid).reshape(3, -1) + start)
             start += max(h, w) // self.merge_size
             done = feature.end
         pieces.append(torch.arange(len(token_ids) - done).expand(3, -1) + start)
         positions = torch.cat(pieces, dim=1)
-        return positions, int(positions.max()) + 1 - len(token_ids)
+        if (largest := int(positions.max())) >= self.max_position:
+            raise MultiModalInputError(
+                f"multi_modal_data: the prompt's items reach rotary position {largest}, past the model's "
+                f"{self.max_position} (max_position_embeddings): give shorter videos (fewer frames, or a lower fps)")
+        return positions, largest + 1 - len(token_ids)
+
+
+class Qwen2_5_VLProcessor(Qwen2VLProcessor):
+    """Qwen2.5-VL's: Qwen2-VL's, with a video's temporal positions in time (`time_interval`)."""
+
+    def time_interval(self, feature: MultiModalFeature) -> float:
+        """A video's temporal patches are `tokens_per_second` times the seconds each spans
+        (temporal_patch_size frames at the kept frames' rate) apart."""
+        if feature.modality != "video":
+            return 1.0
+        seconds = self.video_rules.temporal_patch_size / feature.source.fps
+        return self.hf_config.vision_config.tokens_per_second * seconds
 
 
 class PatchEmbed(nn.Module):
@@ -362,7 +501,10 @@ class Qwen2VLDecoder(Qwen2ForCausalLM):
     """The Qwen2 decoder, its queries and keys turned by M-RoPE (positions [3, tokens])."""
 
     def _rotary(self, layer_type: str) -> MRotaryEmbedding:
-        return MRotaryEmbedding(head_dim_of(self.config), self.max_position, rope_parameters(self.config, layer_type))
+        """Tables for the model's whole `max_position_embeddings`, whatever max_model_len: a
+        video's temporal positions (Qwen2.5-VL's, in time) can run past its token count."""
+        positions = max(self.max_position, getattr(self.config, "max_position_embeddings", 0) or 0)
+        return MRotaryEmbedding(head_dim_of(self.config), positions, rope_parameters(self.config, layer_type))
 
 
 class Qwen2VLForConditionalGeneration(VisionLanguageModel):
@@ -390,17 +532,19 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel):
         return "Qwen2ForCausalLM"
 
     def embed_multimodal(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
-        """One image's merged rows [grid_t * grid_h * grid_w / merge**2, hidden].
+        """One image's or video's merged rows [grid_t * grid_h * grid_w / merge**2, hidden].
 
         Raises:
-            ValueError: `data` holds more than one image's grid.
+            ValueError: `data` holds more than one item's grid.
         """
-        grids = data["image_grid_thw"].reshape(-1, 3)
+        kind = "video" if "video_grid_thw" in data else "image"
+        grids = data[f"{kind}_grid_thw"].reshape(-1, 3)
         if len(grids) != 1:
-            raise ValueError(f"image_grid_thw: embed_multimodal takes one image at a time, got {len(grids)} grids")
+            raise ValueError(f"{kind}_grid_thw: embed_multimodal takes one item at a time, got {len(grids)} grids")
+        pixels = data["pixel_values_videos" if kind == "video" else "pixel_values"]
         reference = self.visual.merger.ln_q.weight  # a norm: never prepacked, so on the device in the dtype
         t, h, w = (int(x) for x in grids[0])
-        return self.visual(data["pixel_values"].to(reference.device, reference.dtype), (t, h, w))
+        return self.visual(pixels.to(reference.device, reference.dtype), (t, h, w))
 
     def build_buffers(self, device: torch.device) -> None:
         super().build_buffers(device)
@@ -415,6 +559,7 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel):
 
 
 class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
-    """Qwen2.5-VL: Qwen2-VL's decoder and positions with the windowed encoder."""
+    """Qwen2.5-VL: Qwen2-VL's decoder with the windowed encoder and videos' positions in time."""
 
+    processor_class = Qwen2_5_VLProcessor
     encoder_class = Qwen2_5VisionTransformer

@@ -32,12 +32,10 @@ from engine.models.llama import allocate, check_shape
 from engine.models.vision_language import vision_activation
 from engine.multimodal.audio import AudioLimits, PromptAudio
 from engine.multimodal.inputs import MultiModalFeature, ProcessedPrompt
-from engine.multimodal.processing import (
-    BaseMultiModalProcessor, MultiModalInputError, PromptItem, SupportsTranscription,
-)
+from engine.multimodal.processing import BaseMultiModalProcessor, MultiModalInputError, PromptItem
 
 
-class WhisperProcessor(BaseMultiModalProcessor, SupportsTranscription):
+class WhisperProcessor(BaseMultiModalProcessor):
     """A Whisper row: its decoder prompt as given (no audio placeholder: the clip goes to the
     encoder, `ProcessedPrompt.cross`), and exactly one clip of at most the feature extractor's
     `chunk_length`; the clip's encoder inputs are the extractor's features, padded to the window."""
@@ -52,12 +50,15 @@ class WhisperProcessor(BaseMultiModalProcessor, SupportsTranscription):
 
         self.feature_extractor = WhisperFeatureExtractor.from_pretrained(path)
         self.audio_limits = AudioLimits(self.feature_extractor.sampling_rate)
-        self.window_s = self.feature_extractor.chunk_length
+        self.transcription_window_s = self.feature_extractor.chunk_length
         self.encoder_rows = hf_config.max_source_positions
+        self.languages = {token[2:-2]: token_id for token, token_id in tokenizer.get_vocab().items()
+                          if token.startswith("<|") and token.endswith("|>") and 2 <= len(token) - 4 <= 3
+                          and token[2:-2].isalpha() and token[2:-2].islower()}
 
     @property
     def placeholder_ids(self) -> dict[str, int]:
-        """None: no prompt token stands for the clip."""
+        """None at all: no prompt token stands for the clip."""
         return {}
 
     @property
@@ -85,30 +86,37 @@ class WhisperProcessor(BaseMultiModalProcessor, SupportsTranscription):
                 f"multi_modal_data: Whisper transcribes one clip per prompt, got {len(clips)}: give exactly one, "
                 "multi_modal_data={'audio': (waveform, sample_rate)}")
         clip = clips[0]
-        if clip.seconds > self.window_s:
+        if clip.seconds > self.transcription_window_s:
             raise MultiModalInputError(
                 f"multi_modal_data['audio'][0]: the clip is {clip.seconds:,.2f} s long, more than Whisper's "
-                f"{self.window_s} s window: use LLM.transcribe, which splits it, or cut it upstream")
+                f"{self.transcription_window_s} s window: use LLM.transcribe, which splits it, or cut it upstream")
         feature = MultiModalFeature(clip.content_hash, 0, self.encoder_rows, clip, modality="audio")
         return ProcessedPrompt(list(token_ids), [], cross=[feature])
 
-    @property
-    def transcription_window_s(self) -> float:
-        return self.window_s
-
-    def transcription_languages(self) -> dict[str, int]:
-        """The languages of transformers' Whisper list whose `<|xx|>` token the tokenizer holds."""
-        from transformers.models.whisper.tokenization_whisper import LANGUAGES
-
-        vocab = self.tokenizer.get_vocab()
-        return {code: vocab[f"<|{code}|>"] for code in LANGUAGES if f"<|{code}|>" in vocab}
-
     def transcription_prompt(self, language: str, task: str, prompt: str | None) -> str:
-        """vLLM's Whisper prompt: `<|prev|>` and the prompt's text where given, then the task tokens."""
+        """Whisper's task tokens after the previous text, as vLLM writes them:
+        "<|prev|>{prompt}<|startoftranscript|><|{language}|><|{task}|><|notimestamps|>".
+
+        Raises:
+            ValueError: a language without a `<|xx|>` token in the tokenizer, a task other than
+                "transcribe" or "translate".
+        """
+        if task not in ("transcribe", "translate"):
+            raise ValueError(f"task: expected 'transcribe' or 'translate', got {task!r}")
+        known = sorted(self.language_token_ids())
+        if language not in known:
+            raise ValueError(f"language: {language!r} is not one of the model's languages: use one of "
+                             f"{', '.join(known[:20])}{', ...' if len(known) > 20 else ''}")
         previous = f"<|prev|>{prompt}" if prompt else ""
         return f"{previous}<|startoftranscript|><|{language}|><|{task}|><|notimestamps|>"
 
+    def language_token_ids(self) -> dict[str, int]:
+        """The tokenizer's language tokens, "<|xx|>" or "<|xxx|>" of lowercase letters ("<|en|>",
+        "<|haw|>"), by code."""
+        return dict(self.languages)
+
     def language_detection_prompt(self) -> str:
+        """vLLM's: the start of transcript, whose next token is the language's."""
         return "<|startoftranscript|>"
 
 
@@ -124,8 +132,8 @@ class WhisperAttention(nn.Module):
         self.k_proj = Linear(width, width, bias=False)
         self.v_proj = Linear(width, width)
         self.out_proj = Linear(width, width)
-        heads = (num_heads, self.head_dim)
-        self.attn = CrossAttention(paired_with) if paired_with is not None else Attention(*heads, num_heads)
+        self.attn = (CrossAttention(paired_with) if paired_with is not None
+                     else Attention(num_heads, self.head_dim, num_heads))
 
     def forward(self, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Self-attention of the step's rows."""
@@ -199,6 +207,7 @@ class WhisperForConditionalGeneration(nn.Module):
         super().__init__()
         self.config = config
         self.max_cross_rows = config.max_source_positions  # encoder rows per clip (the window's)
+        self.cross_width = config.d_model  # the encoder rows' width
         self.encoder = AudioEncoder(config)
         self.decoder = WhisperDecoder(config)
         self.proj_out = ParallelLMHead(config.d_model, config.vocab_size, group or TensorParallelGroup())

@@ -2,8 +2,8 @@
 (a `(waveform, sample_rate)` tuple, encoded bytes, a local path, a `file://` or base64 `data:`
 URI), checked, decoded, downmixed to mono and resampled to the model's feature extractor's
 rate before any work starts, with each clip's content hash, which keys the encoder cache and
-the prefix cache. The row check reads a prompt's clips with it (for a model that reads audio;
-no model the engine runs does yet, so every model refuses them).
+the prefix cache. The row check reads a prompt's clips with it, for a model that reads audio
+(Qwen2-Audio); the others refuse them.
 
 A row's audio is hostile input, read through kept libraries: libsndfile (`soundfile`: WAV,
 FLAC, OGG Vorbis/Opus, MP3) first, FFmpeg (PyAV) for what it does not read (M4A/AAC, WebM,

@@ -1,11 +1,15 @@
-"""A clip longer than a model's window (Whisper's 30 s) cut into windows the model reads one
-at a time, as vLLM's transcription endpoint cuts it: each window ends at the quietest stretch
-of its last second, so that a cut falls between words where the audio allows, and the windows
-do not overlap (their transcripts are joined in order, with nothing to deduplicate)."""
+"""Cutting a clip longer than a model's window into windows it reads one at a time (Whisper
+reads 30 s): at the quietest moment near each window's end, so that a cut falls in a pause
+rather than in a word, as vLLM's transcription endpoint cuts (`_split_audio`)."""
 
 from dataclasses import dataclass
 
 import numpy as np
+
+# vLLM's `SpeechToTextConfig` defaults: a cut is searched for in the last second of a window,
+# over stretches of 1600 samples (100 ms at 16 kHz).
+SEARCH_SECONDS = 1.0
+ENERGY_WINDOW = 1600
 
 
 @dataclass(frozen=True)
@@ -15,39 +19,31 @@ class AudioWindow:
     start: int
     end: int
 
-    def seconds(self, sample_rate: int) -> tuple[float, float]:
-        """Where the window starts and ends in the clip, in seconds."""
-        return self.start / sample_rate, self.end / sample_rate
 
-
-def split_windows(waveform: np.ndarray, sample_rate: int, window_s: float, search_s: float = 1.0,
-                  energy_window: int = 1600) -> list[AudioWindow]:
-    """The windows of a mono `waveform`: one for a clip of at most `window_s` seconds; else
-    each window but the last ends at the start of the quietest (lowest RMS) run of
-    `energy_window` samples (100 ms at 16 kHz) among those that start in its last `search_s`
-    seconds, and the last window takes the rest.
-
-    Raises:
-        ValueError: `search_s` not shorter than `window_s`, or a non-positive `energy_window`.
-    """
-    if not 0 < search_s < window_s or energy_window <= 0:
-        raise ValueError(f"split_windows needs 0 < search_s < window_s and energy_window > 0, got search_s={search_s}, "
-                         f"window_s={window_s}, energy_window={energy_window}")
-    size, search = int(window_s * sample_rate), int(search_s * sample_rate)
+def split_windows(waveform: np.ndarray, sample_rate: int, window_s: float, search_s: float = SEARCH_SECONDS,
+                  energy_window: int = ENERGY_WINDOW) -> list[AudioWindow]:
+    """Windows of at most `window_s` that cover the clip in order, without overlap. A clip that
+    fits one window is one window. Otherwise each window ends where the quietest stretch of
+    `energy_window` samples (by RMS) starts, among the consecutive stretches from `search_s`
+    (at most half a window) before the window's full length, those ending before it (vLLM's
+    rule); the last window is the rest of the clip."""
+    size = int(window_s * sample_rate)
+    search = min(int(search_s * sample_rate), size // 2)
     windows, start = [], 0
-    while start + size < len(waveform):
-        end = _quietest(waveform, start + size - search, start + size, energy_window)
+    while len(waveform) - start > size:
+        end = _quietest_stretch(waveform, start + size - search, start + size, energy_window)
         windows.append(AudioWindow(start, end))
         start = end
     windows.append(AudioWindow(start, len(waveform)))
     return windows
 
 
-def _quietest(waveform: np.ndarray, begin: int, end: int, energy_window: int) -> int:
-    """The start of the quietest run of `energy_window` samples starting at begin, begin +
-    energy_window, ... and ending by `end` (the first of equals); `end` where none fits."""
-    starts = np.arange(begin, end - energy_window + 1, energy_window)
-    if len(starts) == 0:
-        return end
-    runs = waveform[starts[0]:starts[-1] + energy_window].astype(np.float64).reshape(len(starts), energy_window)
-    return int(starts[np.argmin(np.mean(runs * runs, axis=1))])
+def _quietest_stretch(waveform: np.ndarray, first: int, last: int, width: int) -> int:
+    """The start of the stretch of `width` samples with the lowest RMS (the first of equals)
+    among those starting at `first`, `first + width`, ... and ending before `last`; `last`
+    where none fits."""
+    count = -(-(last - first - width) // width)
+    if count <= 0:
+        return last
+    stretches = np.asarray(waveform[first : first + count * width], dtype=np.float64).reshape(count, width)
+    return first + int(np.argmin(np.sqrt(np.mean(stretches**2, axis=1)))) * width

@@ -3,11 +3,15 @@ where its tokens sit in the prompt and what its encoder reads (`MultiModalFeatur
 with its `PlaceholderRange`), and the encoder outputs a step hands the model (`MultiModalEmbeds`)."""
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from PIL import Image
 
 from engine.multimodal.audio import PromptAudio
+
+if TYPE_CHECKING:  # the scheduler reads these records: it need not load the video decoding
+    from engine.multimodal.video import PromptVideo
 
 
 @dataclass
@@ -38,12 +42,12 @@ class ProcessedImage:
 
 @dataclass(eq=False)
 class MultiModalFeature:
-    """An item of a prompt, of `modality` "image" or "audio": its tokens are prompt positions
+    """An item of a prompt, of `modality` "image", "audio" or "video": its tokens are prompt positions
     [offset, offset + length), `identifier` is its content hash (two prompts with the same
     item share its encoder output and their prefix-cache blocks). The encoder's inputs
     (`data`) are made from `source` when the item is encoded and dropped once it is: a queue
     of prompts holds its images compressed, not as pixels, and its clips as their waveforms,
-    not as features.
+    not as features, and its videos as their kept frames, not as patches.
 
     An encoder-decoder model's item (Whisper's clip, in `ProcessedPrompt.cross`) has no prompt
     positions: its decoder attends to its encoder output through cross-attention. Its
@@ -52,7 +56,7 @@ class MultiModalFeature:
     identifier: str
     offset: int
     length: int
-    source: Image.Image | bytes | PromptAudio = field(repr=False)
+    source: "Image.Image | bytes | PromptAudio | PromptVideo" = field(repr=False)
     is_embed: list[bool] | None = field(default=None, repr=False)
     grid: tuple[int, int, int] | None = None
     data: dict[str, torch.Tensor] | None = field(default=None, repr=False)

@@ -1,7 +1,7 @@
-"""A prompt with images or audio to token ids and encoder inputs: the part every family
+"""A prompt with images, audio or videos to token ids and encoder inputs: the part every family
 shares (vLLM's `BaseMultiModalProcessor`). A family's processor (beside its model in
 `engine.models`) says what one item of each modality it reads becomes (`process_image`,
-`audio_tokens`); this class finds each item's placeholder token in the prompt, pairs the runs
+`audio_tokens`, `video_tokens`); this class finds each item's placeholder token in the prompt, pairs the runs
 of each modality's placeholder with that modality's items in prompt order, expands them into
 the items' tokens, and records where they sit.
 
@@ -20,9 +20,10 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 from engine.multimodal.audio import AudioLimits, PromptAudio
 from engine.multimodal.image import ImageLimits, PromptImage, decode_budget, image_hash, load_image
 from engine.multimodal.inputs import ItemTokens, MultiModalFeature, ProcessedImage, ProcessedPrompt
+from engine.multimodal.video import PromptVideo, VideoLimits
 
 # What a row's `multi_modal_data` holds, read and checked, per modality.
-PromptItem = PromptImage | PromptAudio
+PromptItem = PromptImage | PromptAudio | PromptVideo
 # How a message names a modality's items, by count: "2 image(s)", "2 audio clip(s)".
 ITEM_NOUNS = {"image": "image", "audio": "audio clip", "video": "video"}
 
@@ -40,7 +41,9 @@ class BaseMultiModalProcessor:
     follow from the image's size); one with multimodal rotary positions overrides
     `rope_positions`. A family that reads audio sets `audio_limits` (its feature extractor's
     rate and window rules) and implements `audio_tokens` and `audio_inputs`; one that reads
-    no images (Qwen2-Audio) has no image processor.
+    no images (Qwen2-Audio) has no image processor. One that reads videos
+    does the same with "video": `video_limits` (its video processor's frame rules),
+    `video_tokens` and `video_inputs`.
     """
 
     modalities: tuple[str, ...] = ("image",)  # what the family reads beside text
@@ -49,10 +52,16 @@ class BaseMultiModalProcessor:
     audio_token_id: int
     audio_placeholder: str  # what stands for one clip in a prompt's text
     audio_limits: AudioLimits | None = None  # what a clip may be, for a family that reads audio
+    video_limits: VideoLimits | None = None  # what a video may be, for a family that reads videos
+    # For a family with its own rotary positions (`rope_positions`), how many the decoder's tables hold.
+    max_position: int | None = None
     # An encoder-decoder family's (Whisper's): the modality of the one item each prompt has,
     # which its decoder attends to (`ProcessedPrompt.cross`); None for a decoder-only family.
     cross_modality: str | None = None
     add_special_tokens = True  # whether a prompt's text is tokenized with the tokenizer's special tokens
+    # The longest clip a family that transcribes (Whisper) reads at once, in seconds: what
+    # `LLM.transcribe` cuts longer clips into; None for a family that does not transcribe.
+    transcription_window_s: float | None = None
 
     def __init__(self, path: Path, hf_config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase) -> None:
         """`hf_config` is the checkpoint's whole config (vision or audio, and text parts). The
@@ -118,18 +127,46 @@ class BaseMultiModalProcessor:
         family that reads audio."""
         raise NotImplementedError
 
+    def video_tokens(self, video: PromptVideo) -> ItemTokens:
+        """The prompt tokens of one video, for a family that reads videos."""
+        raise NotImplementedError
+
+    def video_inputs(self, video: PromptVideo) -> dict[str, torch.Tensor]:
+        """The video encoder's inputs for one video (its kept frames as patches), for a
+        family that reads videos."""
+        raise NotImplementedError
+
     def item_tokens(self, modality: str, item: PromptItem) -> ItemTokens:
         """The prompt tokens of one item of `modality`."""
         if modality == "image":
             return self.image_tokens(item.image)
-        return self.audio_tokens(item)
+        return self.audio_tokens(item) if modality == "audio" else self.video_tokens(item)
 
     def encoder_inputs(self, feature: MultiModalFeature) -> dict[str, torch.Tensor]:
         """The encoder's inputs for an item of a prompt, made from its source (an image
-        decoded as when its row was checked, a clip's waveform)."""
+        decoded as when its row was checked, a clip's waveform, a video's kept frames)."""
         if feature.modality == "image":
             return self.process_image(load_image(feature.source, self.limits)).data
-        return self.audio_inputs(feature.source)
+        return self.audio_inputs(feature.source) if feature.modality == "audio" else self.video_inputs(feature.source)
+
+    def transcription_prompt(self, language: str, task: str, prompt: str | None) -> str:
+        """The decoder prompt that transcribes (`task` "transcribe") or translates one window
+        of audio in `language`, after the text `prompt` (None: no text), for a family that
+        transcribes (sets `transcription_window_s`).
+
+        Raises:
+            ValueError: for a family that does not transcribe, or a language or task it does not know.
+        """
+        raise ValueError(f"the {self.hf_config.model_type} model does not transcribe: load Whisper")
+
+    def language_token_ids(self) -> dict[str, int]:
+        """A family that transcribes: the token of each language it knows, by code ("en")."""
+        raise ValueError(f"the {self.hf_config.model_type} model does not transcribe: load Whisper")
+
+    def language_detection_prompt(self) -> str:
+        """A family that transcribes: the decoder prompt after which its next token names the
+        clip's language (among `language_token_ids`)."""
+        raise ValueError(f"the {self.hf_config.model_type} model does not transcribe: load Whisper")
 
     def max_item_rows(self) -> int:
         """The most encoder rows one item of the family yields where that is more than a prompt
@@ -198,6 +235,11 @@ class BaseMultiModalProcessor:
                     f"multi_modal_data['image'][{index}]: {self.limits.processor} refuses the {image.width}x"
                     f"{image.height} {image.mode} image ({reason}): convert it to an RGB image of ordinary size and "
                     "aspect ratio upstream") from exc
+            if modality == "video":
+                count, height, width, _ = item.frames.shape
+                raise MultiModalInputError(
+                    f"multi_modal_data['video'][{index}]: the {self.hf_config.model_type} processor refuses the "
+                    f"{count}-frame {width}x{height} video ({reason}): resample or resize it upstream") from exc
             raise MultiModalInputError(
                 f"multi_modal_data['{modality}'][{index}]: the {self.hf_config.model_type} processor refuses the "
                 f"{item.seconds:,.2f} s clip ({reason}): cut or fix the clip upstream") from exc
@@ -232,31 +274,10 @@ class BaseMultiModalProcessor:
 
 def _feature(modality: str, item: PromptItem, offset: int, tokens: ItemTokens) -> MultiModalFeature:
     """The record of a prompt's item whose tokens start at `offset`: keyed by its content
-    hash, with its compact source (an image's as given, a clip's waveform)."""
+    hash, with its compact source (an image's as given, a clip's waveform, a video's kept frames)."""
     if modality == "image":
         return MultiModalFeature(image_hash(item.image), offset, len(tokens.replacement), item.source,
                                  tokens.is_embed, tokens.grid)
-    return MultiModalFeature(item.content_hash, offset, len(tokens.replacement), item, tokens.is_embed,
+    return MultiModalFeature(item.content_hash, offset, len(tokens.replacement), item, tokens.is_embed, tokens.grid,
                              modality=modality)
 
-
-class SupportsTranscription:
-    """A processor whose model transcribes and translates speech (vLLM's
-    `SupportsTranscription`): `LLM.transcribe` cuts each clip into windows of
-    `transcription_window_s` seconds and runs one prompt per window."""
-
-    transcription_window_s: float
-
-    def transcription_languages(self) -> dict[str, int]:
-        """The languages a prompt may name (ISO 639-1 codes), each with its token."""
-        raise NotImplementedError
-
-    def transcription_prompt(self, language: str, task: str, prompt: str | None) -> str:
-        """The prompt of one window in `language` for `task` ("transcribe", "translate"),
-        after the text of `prompt` (earlier speech or spellings to follow; None: none)."""
-        raise NotImplementedError
-
-    def language_detection_prompt(self) -> str:
-        """The prompt whose next token is the window's language (among
-        `transcription_languages`' tokens)."""
-        raise NotImplementedError

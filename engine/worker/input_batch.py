@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention.layer import AttentionMetadata
+from engine.attention.layer import AttentionMetadata, cross_attention_metadata
 from engine.core.sched_output import ScheduledBatch
 from engine.core.sequence import Sequence
 from engine.lora.slots import LoRARange
@@ -281,7 +281,7 @@ class InputBatch:
         if self.uses_mrope:
             step.rope_positions = _rope_positions(seqs, starts, nums).to(self.device, non_blocking=True)
         if self.cross_tables is not None:
-            step.cross = self.cross_rows(slots, seqs, starts, nums)
+            step.cross = self.cross_attention_rows(slots, seqs, starts, nums)
         if lora_slots:
             step.lora_ranges = _lora_ranges(seqs, ends, nums, lora_slots)
         return step
@@ -312,8 +312,8 @@ class InputBatch:
             block_tables=self.block_tables[slots, :width],
             positions=positions, query_lens=nums, context_lens=context_lens, block_size=size)
 
-    def cross_rows(self, slots: torch.Tensor, seqs: list[Sequence], starts: list[int],
-                   nums: list[int]) -> CrossRows:
+    def cross_attention_rows(self, slots: torch.Tensor, seqs: list[Sequence], starts: list[int],
+                             nums: list[int]) -> CrossRows:
         """The step's cross-attention rows: each of the `nums[i]` decoder rows of the sequence in
         batch row `slots[i]` one query over its `cross_rows` keys (its position the last key's,
         so that a causal backend sees them all), and the encoder rows written by the
@@ -322,13 +322,7 @@ class InputBatch:
         keys = [seq.cross_rows for seq in seqs]
         row_keys = [k for k, n in zip(keys, nums) for _ in range(n)]
         row_slots = torch.repeat_interleave(slots, upload(nums, torch.long, device), output_size=len(row_keys))
-        meta = AttentionMetadata(
-            slot_mapping=torch.full((len(row_keys),), -1, dtype=torch.long, device=device),  # writes nothing
-            query_start_loc=torch.arange(len(row_keys) + 1, dtype=torch.int32, device=device),
-            seq_lens=upload(row_keys, torch.int32, device),
-            block_tables=self.cross_tables[row_slots],
-            positions=upload([k - 1 for k in row_keys], torch.long, device),
-            query_lens=[1] * len(row_keys), context_lens=row_keys, block_size=size)
+        meta = cross_attention_metadata(row_keys, self.cross_tables[row_slots], size)
         starting = [i for i, start in enumerate(starts) if start == 0]
         if not starting:
             return CrossRows(meta)
@@ -337,7 +331,7 @@ class InputBatch:
         positions = torch.cat([torch.arange(n, device=device) for n in lengths])
         tables = self.cross_tables[slots[starting]]
         rows = torch.repeat_interleave(torch.arange(len(starting), device=device),
-                                       torch.tensor(lengths, device=device), output_size=len(positions))
+                                       upload(lengths, torch.long, device), output_size=len(positions))
         writes = AttentionMetadata(
             slot_mapping=tables[rows, positions // size].long() * size + positions % size,
             query_start_loc=upload([0, *itertools.accumulate(lengths)], torch.int32, device),

@@ -8,7 +8,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.attention.layer import Attention, AttentionBackend, AttentionMetadata, CrossAttention
+from engine.attention.layer import (
+    Attention, AttentionBackend, AttentionMetadata, CrossAttention, CrossInputs, cross_attention_metadata,
+)
 from engine.attention.selector import make_backend
 from engine.config import EngineConfig
 from engine.kernels.kv_cache_quant import is_scaled
@@ -182,7 +184,11 @@ def _profile_step(config: EngineConfig, model: nn.Module, kv_cache: KVCache) -> 
     weights = torch.cuda.memory_allocated(device)
     with torch.inference_mode():
         kv_cache.backend.prepare(meta)
-        hidden = model(torch.zeros_like(positions), positions, meta)
+        extra = {}
+        if getattr(model, "max_cross_rows", 0):
+            extra["cross"] = profile_cross_inputs(model, meta, kv_cache)
+            kv_cache.backend.prepare(extra["cross"].meta)
+        hidden = model(torch.zeros_like(positions), positions, meta, **extra)
         logits = model.compute_logits(hidden[: min(config.max_num_seqs, tokens)])  # None on ranks 1..
         if logits is not None:
             logits.sort(dim=-1)
@@ -190,6 +196,18 @@ def _profile_step(config: EngineConfig, model: nn.Module, kv_cache: KVCache) -> 
     peak = torch.cuda.max_memory_allocated(device) - weights
     kv_cache.free()
     return peak
+
+
+def profile_cross_inputs(model: nn.Module, meta: AttentionMetadata, kv_cache: KVCache) -> CrossInputs:
+    """An encoder-decoder model's cross-attention inputs for a pass that keeps nothing (the
+    memory profile's): each prompt of `meta` writes one clip's encoder rows (zeros, to the null
+    slot), and each row reads that many keys (block 0, repeated)."""
+    rows, device, size = model.max_cross_rows, kv_cache.device, kv_cache.block_size
+    writes = prefill_metadata([rows] * len(meta.query_lens), kv_cache)
+    tables = torch.zeros(len(meta.positions), -(-rows // size), dtype=torch.int32, device=device)
+    dtype = next(model.parameters()).dtype
+    states = torch.zeros(len(writes.positions), model.cross_width, dtype=dtype, device=device)
+    return CrossInputs(cross_attention_metadata([rows] * len(meta.positions), tables, size), states, writes)
 
 
 def prefill_metadata(lengths: list[int], kv_cache: KVCache, first_blocks: list[int] | None = None) -> AttentionMetadata:

@@ -112,12 +112,13 @@ class Worker:
                             self._calibration_images(tokenizer) if images else [])
 
     def _calibration_images(self, tokenizer: "PreTrainedTokenizerBase") -> list[dict[str, torch.Tensor]]:
-        """A vision-language model's encoder inputs of the calibration pictures (none for a text model)."""
+        """A vision-language model's encoder inputs of the calibration pictures (none for a text
+        model, nor for one that reads no images: an audio tower's projections are quantized uncalibrated)."""
         whole = self.model_config.multimodal_config
-        if whole is None:
+        processor_class = multimodal_class_for(whole.architectures).processor_class if whole is not None else None
+        if processor_class is None or "image" not in processor_class.modalities:
             return []
-        processor = multimodal_class_for(whole.architectures).processor_class(self.model_config.path, whole,
-                                                                             tokenizer)
+        processor = processor_class(self.model_config.path, whole, tokenizer)
         return [encoder_inputs_on(processor.process_image(image).data, self.device, self.model_config.dtype)
                 for image in calibration_images()]
 

@@ -1,2 +1,3 @@
-"""Tiny random audio models of each supported family, saved as real model folders with real
-feature extractors and tokenizers that know the families' audio tokens."""
+"""Tiny random audio models (audio-language ones and Whisper), saved as real model folders with
+real processors (the model's WhisperFeatureExtractor, a tokenizer with the audio tokens, a chat
+template where the family has one)."""

@@ -117,7 +117,7 @@ def test_a_model_that_does_not_transcribe_fails_the_step(tmp_path, tiny_models):
         result = materialize(frame, tiny_models["llama"], tmp_path, instance)
     assert not result.success
     failure = next(e for e in result.all_events if e.is_step_failure).step_failure_data.error.message
-    assert "transcripts: the model does not transcribe: load a speech-to-text model (Whisper)" in failure
+    assert "transcripts: transcribe: the model does not transcribe: load Whisper" in failure
 
 
 def test_the_checks_flag_empty_transcripts_and_repeated_ids():

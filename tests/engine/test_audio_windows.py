@@ -3,7 +3,6 @@ does: a window ends at the quietest 100 ms of its last second, the windows tile 
 a clip within the window stays whole."""
 
 import numpy as np
-import pytest
 
 from engine.multimodal.audio_windows import AudioWindow, split_windows
 
@@ -39,14 +38,14 @@ def test_the_windows_tile_the_clip_and_none_is_longer_than_the_window() -> None:
     assert all(a.end == b.start for a, b in zip(windows, windows[1:]))
     assert all(29 * RATE <= w.end - w.start <= 30 * RATE for w in windows[:-1])
     assert np.array_equal(np.concatenate([clip[w.start:w.end] for w in windows]), clip)
-    assert windows[1].seconds(RATE) == (windows[1].start / RATE, windows[1].end / RATE)
 
 
 def test_a_search_too_short_for_one_energy_run_cuts_at_the_window() -> None:
     assert [w.end for w in split_windows(noise(5.0), RATE, 2.0, search_s=0.05)] == [2 * RATE, 4 * RATE, 5 * RATE]
 
 
-@pytest.mark.parametrize("window_s,search_s,energy_window", [(2.0, 2.0, 1600), (2.0, 0.0, 1600), (2.0, 1.0, 0)])
-def test_bad_settings_are_refused(window_s: float, search_s: float, energy_window: int) -> None:
-    with pytest.raises(ValueError, match="split_windows needs 0 < search_s < window_s"):
-        split_windows(noise(5.0), RATE, window_s, search_s, energy_window)
+def test_the_search_is_at_most_half_a_window() -> None:
+    """A short window (a tiny model's 2 s) searches its second half, not more."""
+    clip = noise(5.0)
+    clip[int(0.5 * RATE):int(0.5 * RATE) + 1600] = 0.0  # in the first half: never a cut
+    assert all(w.end - w.start >= RATE for w in split_windows(clip, RATE, 2.0, search_s=1.5)[:-1])

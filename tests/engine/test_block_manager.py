@@ -4,6 +4,7 @@ import pytest
 
 from engine.core.block_manager import BlockManager
 from engine.core.sequence import Sequence
+from engine.multimodal.inputs import MultiModalFeature, ProcessedPrompt
 from engine.sampling_params import SamplingParams
 
 
@@ -22,7 +23,7 @@ def compute(bm: BlockManager, seq: Sequence, num_new: int, cached: list[int] = (
 def check_invariants(bm: BlockManager, live: list[Sequence]) -> None:
     counts = {}
     for seq in live:
-        for b in seq.blocks.table:
+        for b in (*seq.blocks.table, *seq.blocks.cross):
             counts[b] = counts.get(b, 0) + 1
     for block in bm.blocks:
         assert block.ref_count == counts.get(block.block_id, 0) >= 0
@@ -126,3 +127,53 @@ def test_reset_prefix_cache_only_when_idle():
     bm.free(a)
     assert bm.reset_prefix_cache()
     assert bm.find_cached_blocks(make_seq([1, 2, 3, 4, 5], 1)) == []
+
+
+def cross_seq(tokens: list[int], cross_rows: int, seq_id: int = 0) -> Sequence:
+    """An encoder-decoder sequence (Whisper's): a decoder prompt, and a clip of `cross_rows`
+    encoder rows that its cross-attention reads."""
+    clip = MultiModalFeature(f"clip{seq_id}", 0, cross_rows, b"", modality="audio")
+    return Sequence(seq_id, str(seq_id), None, tokens, SamplingParams(),
+                    multi_modal=ProcessedPrompt(list(tokens), [], cross=[clip]))
+
+
+def test_cross_blocks_are_taken_once_with_the_first_blocks_all_or_none():
+    bm = BlockManager(num_blocks=6, block_size=4, enable_prefix_caching=True)
+    seq = cross_seq([1, 2, 3], cross_rows=10)  # 3 cross blocks
+    blocked = BlockManager(num_blocks=3, block_size=4, enable_prefix_caching=True)
+    assert not blocked.allocate(seq, 3)  # 1 decoder block and 3 cross blocks do not fit 3
+    assert seq.blocks.table == [] and seq.blocks.cross == [] and blocked.num_free_blocks == 3
+    compute(bm, seq, 3)
+    assert len(seq.blocks.table) == 1 and len(seq.blocks.cross) == 3 and bm.num_free_blocks == 2
+    cross = list(seq.blocks.cross)
+    seq.token_ids += [4, 5, 6]
+    compute(bm, seq, 3)  # the decoder grows; its cross blocks stay
+    assert len(seq.blocks.table) == 2 and seq.blocks.cross == cross and bm.num_free_blocks == 1
+    bm.free(seq)
+    assert bm.num_free_blocks == 6 and seq.blocks.cross == []
+
+
+def test_forks_share_cross_blocks_and_the_last_free_returns_them():
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    parent, child = cross_seq([1, 2, 3, 4, 5], cross_rows=8), cross_seq([1, 2, 3, 4, 5], cross_rows=8, seq_id=1)
+    compute(bm, parent, 5)
+    bm.fork(parent, child)
+    assert child.blocks.cross == parent.blocks.cross
+    check_invariants(bm, [parent, child])
+    assert all(bm.blocks[b].ref_count == 2 for b in parent.blocks.cross)
+    child.token_ids.append(6)
+    compute(bm, child, 1)  # writes into its own copy of the shared partial block, never into cross blocks
+    assert child.blocks.cross == parent.blocks.cross and not any(b in bm.free_queue for b in parent.blocks.cross)
+    bm.free(parent)
+    assert all(bm.blocks[b].ref_count == 1 for b in child.blocks.cross)
+    bm.free(child)
+    assert bm.num_free_blocks == 8
+
+
+def test_encoder_decoder_sequences_never_hit_or_fill_the_prefix_cache():
+    bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    first = cross_seq(list(range(9)), cross_rows=4)
+    compute(bm, first, 9)
+    assert bm.cached_blocks == {}  # its blocks' keys and values depend on its clip
+    bm.free(first)
+    assert bm.find_cached_blocks(cross_seq(list(range(9)), cross_rows=4, seq_id=1)) == []

@@ -173,3 +173,59 @@ def test_random_workloads_keep_the_runners_outputs_consistent(seed):
             assert all(f.identifier in held for f in seq.mm_features if f.offset < start + n and f.end > start)
         complete(sched, batch)
     raise AssertionError("the requests did not finish")
+
+
+def clip_seq(seq_id: int, prompt: int, clip: str, rows: int = 12, max_tokens: int = 2) -> Sequence:
+    """An encoder-decoder sequence (Whisper's): a decoder prompt of `prompt` tokens and a clip
+    of `rows` encoder rows, which no prompt position stands for."""
+    tokens = [seq_id * 100 + i for i in range(prompt)]
+    feature = MultiModalFeature(clip, 0, rows, b"", modality="audio")
+    return Sequence(seq_id, str(seq_id), None, tokens, SamplingParams(max_tokens=max_tokens),
+                    multi_modal=ProcessedPrompt(tokens, [], cross=[feature]))
+
+
+def test_a_clip_is_encoded_for_the_chunk_that_starts_its_decoder_prompt():
+    sched = make_scheduler(budget=4, cache_rows=64)
+    first, second = clip_seq(1, 6, "speech"), clip_seq(2, 3, "speech")
+    sched.add(first)
+    sched.add(second)
+    assert step(sched) == ([(1, 4)], ["speech"])  # 12 rows over the budget of 4: a step's first item fits
+    assert sched.encoder_cache.users["speech"] == set()  # its rows are in the cross blocks: released
+    assert len(first.blocks.cross) == 3  # ceil(12 / 4)
+    assert run(sched) == []  # the second chunk, the other prompt: the cached output
+
+
+def test_a_preempted_clip_is_written_again_from_the_cached_output():
+    sched = make_scheduler(budget=32, cache_rows=64)
+    seq = clip_seq(1, 5, "talk", max_tokens=4)
+    sched.add(seq)
+    assert step(sched)[1] == ["talk"]
+    free = sched.block_manager.num_free_blocks
+    sched._preempt(seq)
+    assert seq.blocks.cross == [] and sched.block_manager.num_free_blocks == free + 5  # 2 decoder, 3 cross
+    batch = sched.schedule()
+    assert batch.seqs == [seq] and batch.encoder_inputs == []  # restarts at 0, reading the held output
+    assert sched.encoder_cache.users["talk"] == {1}  # held until the step is computed
+    complete(sched, batch)
+    run(sched)
+    assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
+
+
+def test_a_clip_that_does_not_fit_the_cache_waits():
+    sched = make_scheduler(budget=64, cache_rows=20)
+    sched.add(clip_seq(1, 3, "a", rows=12, max_tokens=3))
+    sched.add(clip_seq(2, 3, "b", rows=12, max_tokens=3))
+    assert step(sched) == ([(1, 3)], ["a"])  # b's rows do not fit beside a's, in use by the step
+    scheduled, encoded = step(sched)
+    assert encoded == ["b"] and (2, 3) in scheduled  # a's output, written, may go
+
+
+def test_a_step_encodes_clips_up_to_the_encoder_budget_not_the_token_budget():
+    """An encoder-decoder model's clips take no prompt positions: the engine gives the
+    scheduler an encoder budget of its own (four clips' rows), beyond the step's tokens."""
+    config = EngineConfig(max_num_seqs=8, max_num_batched_tokens=8, enable_chunked_prefill=True)
+    sched = Scheduler(config, BlockManager(64, 4, False), EncoderCacheManager(48), encoder_budget=36)
+    for i, clip in enumerate("abcd"):
+        sched.add(clip_seq(i + 1, 2, clip, rows=12))
+    assert step(sched) == ([(1, 2), (2, 2), (3, 2)], ["a", "b", "c"])  # d's 12 rows would pass 36
+    assert step(sched)[1] == ["d"]

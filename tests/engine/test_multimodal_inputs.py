@@ -150,7 +150,7 @@ def test_bad_items_name_their_field_and_fail_alone(processor, tmp_path):
                 "3.0 s long", "multi_modal_data['audio'][0]: ", "multi_modal_data['audio'][0]: the llava processor "
                 "refuses the 0.01 s clip (ValueError: the clip is shorter", "multi_modal_data['audio'][0]: expected "
                 "(waveform, sample_rate)", "multi_modal_data: 2 audio clip(s) but the prompt has 1",
-                "multi_modal_data['video']: the engine reads no video yet", "multi_modal_data: expected {'image'"]
+                "multi_modal_data['video']: the model reads no video: drop the videos", "multi_modal_data: expected {'image'"]
     for problem, start in zip(problems, expected):
         assert problem is not None and problem.startswith(start), (start, problem)
     assert "absent.wav" in problems[2] and "sample rate beside it" in problems[4] and "'sound'" in problems[7]
@@ -208,7 +208,7 @@ def test_chat_audio_parts_become_multi_modal_data(tmp_path):
     assert unread_parts_problem(messages, {"image", "audio"}) is None
     assert unread_parts_problem(messages, {"image"}) == (
         "message 0: content part 0 is audio ('input_audio'), but the model reads no audio: drop the audio, or "
-        "transcribe it upstream: no model the engine runs reads audio yet")
+        "load an audio-language model")
 
 
 @pytest.mark.parametrize("part, words", [
@@ -217,7 +217,9 @@ def test_chat_audio_parts_become_multi_modal_data(tmp_path):
     ({"type": "audio_url", "audio_url": {"link": "x.wav"}}, "has no audio: give {'type': 'audio_url', 'audio_url': "
                                                              "...} with {'url': 'data:...' or 'file://...'}"),
     ({"type": "audio"}, "has no audio: give {'type': 'audio', 'audio': ...}"),
-    ({"type": "video_url", "video_url": {"url": "x.mp4"}}, "content part 0 is 'video_url': content parts are text"),
+    ({"type": "video_url", "video_url": {"link": "x.mp4"}}, "has no video: give {'type': 'video_url', 'video_url': "
+                                                             "...} with {'url': 'data:...' or 'file://...'}"),
+    ({"type": "file", "file": {"url": "x.pdf"}}, "content part 0 is 'file': content parts are text"),
 ])
 def test_bad_audio_parts_say_what_to_give(part, words):
     problem = chat_messages_problem([{"role": "user", "content": [part]}])
@@ -231,9 +233,11 @@ def test_a_text_model_refuses_audio_per_row_and_in_chat(tmp_path):
                 {"prompt": "hi", "multi_modal_data": {"image": picture(1), "audio": (tone(0.2), RATE)}}]
         problems = llm.validate(rows, SETTINGS)
         assert problems[0] == problems[2] == (
-            "multi_modal_data['audio']: the model reads no audio: drop the audio clips, or transcribe it upstream: "
-            "no model the engine runs reads audio yet")
+            "multi_modal_data['audio']: the model reads no audio: drop the audio clips, or load an audio-language "
+            "model (Qwen2AudioForConditionalGeneration, VoxtralForConditionalGeneration, "
+            "WhisperForConditionalGeneration)")
         assert problems[1] is None and "the model reads text only" in problems[3]
+        assert llm.video_placeholder is None and llm.video_limits is None
         messages = [{"role": "user", "content": [{"type": "audio_url", "audio_url": {"url": "x.wav"}}]}]
         with pytest.raises(ValueError, match=r"conversation 0, message 0: content part 0 is audio \('audio_url'\), "
                                              "but the model reads no audio"):

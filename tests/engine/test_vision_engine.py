@@ -150,7 +150,7 @@ def test_bad_image_rows_fail_alone_before_any_work(vision_models, tmp_path):
         assert problems[0] is None
         expected = ["truncated or corrupt", "not an image", "mode 'I;16' is not supported", "1 image(s) but the "
                     "prompt has 0", "more image placeholders", "limit_mm_per_prompt allows 2", "max_model_len is 64",
-                    "does not fetch https://", "cannot be read", "the engine reads no video yet"]
+                    "does not fetch https://", "cannot be read", "the model reads no video: drop the videos, or load Qwen2-VL"]
         for problem, words in zip(problems[1:], expected):
             assert problem is not None and words in problem, (words, problem)
         assert all(problem.startswith(("multi_modal_data", "prompt")) for problem in problems[1:])

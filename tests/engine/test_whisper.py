@@ -11,7 +11,9 @@ import pytest
 import torch
 import transformers
 
-from engine import LLM, SamplingParams
+from engine import LLM, BeamSearchParams, SamplingParams
+from engine.kernels import triton as triton_kernels
+from engine.worker.kv_cache import KVCache, prefill_metadata, profile_cross_inputs
 from tests.audio_models.whisper import SAMPLE_RATE, build_tiny_whisper
 
 PROMPTS = [
@@ -84,15 +86,17 @@ def test_greedy_tokens_equal_transformers_and_each_clip_is_encoded_once(whisper,
         assert manager.num_free_blocks == manager.num_blocks  # cross blocks returned with the rest
 
 
-@pytest.mark.parametrize("schedule", ["chunked", "preempting"])
+@pytest.mark.parametrize("schedule", ["chunked", "preempting", "preempting_async"])
 def test_chunked_decoder_prompts_and_preemption_change_no_token(whisper, expected, schedule):
     cross_blocks = -(-100 // 16)
     # Chunks of 3 tokens (a clip's 100 encoder rows still run whole: a step's first item
     # always fits); or two sequences' cross blocks and first decoder blocks and one block
     # more: every sequence outgrows its first block (prompt plus 20 tokens), so one of two is
-    # preempted, and recomputes from its cross blocks on.
+    # preempted, and recomputes from its cross blocks on; also with asynchronous scheduling
+    # (a GPU's default: a preempted sequence may have a token in flight).
     settings = ({"max_num_batched_tokens": 3} if schedule == "chunked" else
-                {"kv_cache_memory": (2 * (cross_blocks + 1) + 1) * 16 * kv_token_bytes(whisper)})
+                {"kv_cache_memory": (2 * (cross_blocks + 1) + 1) * 16 * kv_token_bytes(whisper),
+                 "async_scheduling": schedule == "preempting_async"})
     with LLM(str(whisper), dtype="float32", **settings) as llm:
         assert greedy(llm) == expected
         engine = llm.llm_engine
@@ -113,6 +117,13 @@ def test_whisper_rows_are_refused_with_their_fix(whisper):
             {"prompt": PROMPTS[0], "multi_modal_data": {"image": b"png"}},
             {"prompt": PROMPTS[0], "multi_modal_data": {"audio": b"not audio"}},
         ]
+        explicit = {"encoder_prompt": {"prompt": "", "multi_modal_data": good["multi_modal_data"]},
+                    "decoder_prompt": PROMPTS[0]}  # vLLM's encoder-decoder form
+        assert llm.generate([explicit], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == \
+            llm.generate([good], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        bad += [{"encoder_prompt": {"prompt": "text", "multi_modal_data": good["multi_modal_data"]},
+                 "decoder_prompt": PROMPTS[0]},
+                {"encoder_prompt": {"multi_modal_data": good["multi_modal_data"]}, "decoder_prompt": 5}]
         problems = llm.validate([good, *bad])
         assert problems[0] is None
         assert "whisper generates from audio only" in problems[1]
@@ -120,6 +131,124 @@ def test_whisper_rows_are_refused_with_their_fix(whisper):
         assert "3.00 s long" in problems[3] and "LLM.transcribe" in problems[3]
         assert "multi_modal_data['image']: the model reads no image" in problems[4]
         assert problems[5].startswith("multi_modal_data['audio'][0]:")
+        assert problems[6].startswith("encoder_prompt: expected {'prompt': '', 'multi_modal_data'")
+        assert problems[7].startswith("decoder_prompt: expected the decoder's prompt")
+        with pytest.raises(ValueError, match="encoder-decoder model with no chat template"):
+            llm.chat([{"role": "user", "content": [{"type": "audio", "audio": (wave, SAMPLE_RATE)}]}], GREEDY)
+        steps = llm.get_stats().num_steps
         with pytest.raises(ValueError, match="nothing was run"):
             llm.generate(bad[:1], GREEDY, use_tqdm=False)
-        assert llm.get_stats().num_steps == 0
+        assert llm.get_stats().num_steps == steps
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_every_attention_backend_gives_the_same_tokens(whisper, expected, backend):
+    """The compiled CPU kernel (the default, above), PyTorch's products and the Triton
+    kernels (under Triton's interpreter without a GPU: three rows, 6 tokens, a greedy prefix
+    of the reference's) read the cross blocks alike."""
+    if backend == "triton" and not triton_kernels.installed():
+        pytest.skip("triton is not installed")
+    count, tokens = (3, 6) if backend == "triton" else (len(expected), NEW_TOKENS)
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    with LLM(str(whisper), dtype="float32", attention_backend=backend) as llm:
+        outputs = llm.generate(rows()[:count], params, use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outputs] == [e[:tokens] for e in expected[:count]]
+
+
+def test_beams_and_completions_share_their_cross_blocks(whisper, monkeypatch):
+    """Beam search equals transformers' (`generate(num_beams=2)`: the same beams, in order,
+    with the same scores), n=2 completions run; every fork shares its parent's cross blocks
+    (never copied), and every block is free again after."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(whisper)
+    extractor = transformers.WhisperFeatureExtractor.from_pretrained(whisper)
+    model = transformers.WhisperForConditionalGeneration.from_pretrained(whisper, dtype=torch.float32).eval()
+    given = rows()[:3]
+    references = []
+    for row in given:
+        wave, rate = row["multi_modal_data"]["audio"]
+        features = extractor(wave, sampling_rate=rate, return_tensors="pt").input_features
+        prompt = torch.tensor([tokenizer(row["prompt"], add_special_tokens=False).input_ids])
+        # The generation mixin's own: Whisper's long-form `generate` does not return several beams.
+        out = transformers.GenerationMixin.generate(
+            model, input_features=features, decoder_input_ids=prompt, num_beams=2, num_return_sequences=2,
+            do_sample=False, max_new_tokens=8, output_scores=True, return_dict_in_generate=True)
+        references.append([(s[-8:].tolist(), score) for s, score in zip(out.sequences, out.sequences_scores.tolist())])
+    with LLM(str(whisper), dtype="float32") as llm:
+        manager = llm.llm_engine.block_manager
+        shared = []
+        fork = manager.fork
+
+        def recording_fork(parent, child):
+            fork(parent, child)
+            shared.append(bool(parent.blocks.cross) and child.blocks.cross == parent.blocks.cross)
+
+        monkeypatch.setattr(manager, "fork", recording_fork)
+        outputs = llm.beam_search(given, BeamSearchParams(beam_width=2, max_tokens=8))
+        for output, expected in zip(outputs, references):
+            assert [b.tokens[-8:] for b in output.sequences] == [tokens for tokens, _ in expected]
+            assert [b.score for b in output.sequences] == pytest.approx([s for _, s in expected], abs=1e-4)
+        sampled = llm.generate(given, SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=8), use_tqdm=False)
+        assert all(len(o.outputs) == 2 for o in sampled)
+        assert shared and all(shared)
+        assert manager.num_free_blocks == manager.num_blocks
+
+
+def test_default_settings_load_and_run_and_unsupported_ones_are_refused(whisper):
+    """Every setting at its default (the dtype the CPU picks, quantization "auto", which stays
+    off for Whisper): the context is the decoder's max_target_positions, not the encoder's
+    numbers the config's mapped names give; LoRA and an explicit quantization are refused."""
+    with LLM(str(whisper)) as llm:
+        engine = llm.llm_engine
+        assert engine.model_config.max_model_len == 64 and engine.model_config.quantization is None
+        assert engine.kv_cache_tokens % 16 == 0 and llm.image_placeholder is None
+        outputs = llm.generate(rows()[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                               use_tqdm=False)
+        assert [len(o.outputs[0].token_ids) for o in outputs] == [4, 4]
+    with pytest.raises(ValueError, match="LoRA adapters are not supported for encoder-decoder"):
+        LLM(str(whisper), dtype="float32", enable_lora=True)
+    with pytest.raises(ValueError, match="quantization='int8' is not supported"):
+        LLM(str(whisper), dtype="float32", quantization="int8")
+
+
+def test_the_memory_profile_runs_the_decoder_with_stand_in_cross_inputs(whisper):
+    """A GPU sizes the KV cache after a measured pass (`_profile_step`), which gives an
+    encoder-decoder model stand-in cross inputs: here that pass's inputs run on the CPU, over a
+    one-block scratch cache, as the profile's do."""
+    with LLM(str(whisper), dtype="float32") as llm:
+        model = llm.llm_engine.model_runner.model
+        scratch = KVCache(model, "torch", 16, torch.float32, torch.device("cpu"))
+        scratch.allocate(1)
+        meta = prefill_metadata([5, 3], scratch)
+        cross = profile_cross_inputs(model, meta, scratch)
+        assert cross.states.shape == (200, 64) and cross.meta.context_lens == [100] * 8
+        scratch.backend.prepare(meta)
+        scratch.backend.prepare(cross.meta)
+        with torch.inference_mode():
+            assert model(torch.zeros_like(meta.positions), meta.positions, meta, cross=cross).shape == (8, 64)
+
+
+def test_encoder_rows_equal_transformers_whisper_encoder(whisper):
+    """The loaded model's encoder (the shared `AudioEncoder` under Whisper's checkpoint names)
+    on a step's batch of clips: transformers' `model.encoder` rows, rtol 1e-4."""
+    extractor = transformers.WhisperFeatureExtractor.from_pretrained(whisper)
+    model = transformers.WhisperForConditionalGeneration.from_pretrained(whisper, dtype=torch.float32).eval()
+    features = extractor([wave for wave in clips()], sampling_rate=SAMPLE_RATE, return_tensors="pt").input_features
+    with torch.no_grad():
+        expected = model.model.encoder(features).last_hidden_state
+    with LLM(str(whisper), dtype="float32") as llm:
+        with torch.inference_mode():
+            encoded = llm.llm_engine.model_runner.model.embed_images([{"input_features": f[None]} for f in features])
+    assert len(encoded) == 4 and all(r.shape == (100, 64) for r in encoded)
+    torch.testing.assert_close(torch.stack(encoded), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_row_whose_cross_blocks_do_not_fit_the_cache_is_refused(whisper):
+    """The row check counts a prompt's cross blocks (7 of 16 tokens for 100 encoder rows) in
+    its KV need: 4 prompt tokens and 20 more fit 8 blocks alone, not beside them."""
+    with LLM(str(whisper), dtype="float32", kv_cache_memory=8 * 16 * kv_token_bytes(whisper)) as llm:
+        assert llm.llm_engine.kv_cache_tokens == 128
+        row = rows()[0]
+        assert llm.validate([row], SamplingParams(max_tokens=8)) == [None]  # 12 + 112 tokens
+        [problem] = llm.validate([row], SamplingParams(max_tokens=20))
+        assert problem == ("max_tokens: prompt plus max_tokens needs 24 and its encoder rows 112 tokens of KV cache, "
+                           "which holds 128: lower max_tokens or raise kv_cache_memory / gpu_memory_utilization")

@@ -1,6 +1,9 @@
-"""Tiny random Qwen2-VL and Qwen2.5-VL checkpoints with the real PIL image processor, the
-tiny BPE tokenizer with Qwen's vision and ChatML tokens, and a Qwen2-VL chat template."""
+"""Tiny random Qwen2-VL and Qwen2.5-VL checkpoints with the real PIL image processor, a
+video processor config (written by hand: transformers' video processor needs torchvision to
+save one), the tiny BPE tokenizer with Qwen's vision and ChatML tokens, and a Qwen2-VL chat
+template."""
 
+import json
 from pathlib import Path
 
 import torch
@@ -15,6 +18,13 @@ MERGE_SIZE = 2
 # Images resize to between 4 and 48 merged rows (image tokens) of 14 x 14 pixels.
 MIN_PIXELS = (PATCH_SIZE * MERGE_SIZE) ** 2 * 4
 MAX_PIXELS = (PATCH_SIZE * MERGE_SIZE) ** 2 * 48
+# Video frames resize to between 4 and 12 merged rows; a file is sampled into 2 to 16 frames.
+VIDEO_PROCESSOR = {"video_processor_type": "Qwen2VLVideoProcessor",
+                   "size": {"shortest_edge": (PATCH_SIZE * MERGE_SIZE) ** 2 * 4,
+                            "longest_edge": (PATCH_SIZE * MERGE_SIZE) ** 2 * 12},
+                   "patch_size": PATCH_SIZE, "temporal_patch_size": 2, "merge_size": MERGE_SIZE, "min_frames": 2,
+                   "max_frames": 16, "cap_pixels_per_frame": False, "do_sample_frames": False,
+                   "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711]}
 
 # Qwen2-VL's template (ChatML; an image part becomes its placeholder), as the hub's checkpoints ship it.
 CHAT_TEMPLATE = (
@@ -26,6 +36,7 @@ CHAT_TEMPLATE = (
     "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
     "{% set image_count.value = image_count.value + 1 %}"
     "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}<|vision_start|><|video_pad|><|vision_end|>"
     "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
     "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
@@ -44,7 +55,7 @@ def _vision_config(version: str) -> dict:
 def build_tiny_qwen2_vl(folder: Path, version: str = "2", seed: int = 0) -> Path:
     """A random Qwen2-VL (`version` "2") or Qwen2.5-VL ("2.5", with tied embeddings) saved
     in `folder` by transformers (the hub's layout: "visual.", the decoder "model."), with
-    its image processor and tokenizer (the chat template in chat_template.jinja)."""
+    its image and video processors and tokenizer (the chat template in chat_template.jinja)."""
     if version not in ("2", "2.5"):
         raise ValueError(f"version {version!r}: expected '2' or '2.5'")
     folder.mkdir(parents=True, exist_ok=True)
@@ -70,4 +81,5 @@ def build_tiny_qwen2_vl(folder: Path, version: str = "2", seed: int = 0) -> Path
     save_random(model, folder)
     Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, patch_size=PATCH_SIZE,
                              temporal_patch_size=2, merge_size=MERGE_SIZE).save_pretrained(folder)
+    (folder / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PROCESSOR, indent=2))
     return folder
