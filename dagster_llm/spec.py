@@ -208,10 +208,10 @@ class GenerationSpec(CheckThresholds, PromptTableRules, AssetKeys):
 _RESOLVED_PER_ROW = {
     "sampling", "sampling_by_partition", "beam_search", "beam_search_by_partition", "adapter", "adapter_by_partition",
     "output_schema", "choices", "output_schema_by_partition", "choices_by_partition", "prompt_column", "id_column",
-    "adapter_column", "image_column", "audio_column", "duplicate_ids",
+    "adapter_column", "image_column", "audio_column", "video_column", "duplicate_ids",
 }
 # Settings added after tables were made with this spec: left out of the digests at their defaults.
-_ADDED_LATER = {"audio_column"}
+_ADDED_LATER = {"audio_column", "video_column"}
 
 
 def data_version_exclusions() -> set[str]:

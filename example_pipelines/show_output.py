@@ -25,7 +25,7 @@ def main() -> None:
     table = files.read().to_pandas()
     where = f" [{args.partition}]" if args.partition is not None else ""
     print(f"\n{args.asset}{where}: {len(table)} rows in {files.location}\n")
-    own = generation_schema(None, media=("image", "audio")).names
+    own = generation_schema(None, media=("image", "audio", "video")).names
     typed = [c for c in table.columns if c not in own]  # a structured output's columns
     shown = ["id", *typed] if typed else ["id", "generated_text", "finish_reason"]
     preview = table[shown + (["error"] if table["error"].notna().any() else [])].head(args.rows).astype(object)

@@ -13,7 +13,7 @@ What the core takes, and why:
   problems found, before any row runs, exactly as `LLM.chat` would render it;
 - `tool_choice`: a table's forced tool call is checked against its tools where the asset is
   defined, and its calls are read from what the grammar made, as `LLM.chat` reads them;
-- images and audio: a row's images and clips are read and checked against the model's limits
+- images, audio and video: a row's images, clips and videos are read and checked against the model's limits
   with the engine's own readers (and their errors named as the engine names them), so a row
   the engine would refuse is an error row before the model runs;
 - transcripts: a transcript table's clips are cut into windows and prompted as
@@ -65,6 +65,9 @@ _EXPORTS = {
     "AUDIO": "engine.multimodal.audio",
     "AudioLimits": "engine.multimodal.audio",
     "read_audio": "engine.multimodal.audio",
+    "VIDEO": "engine.multimodal.video",
+    "VideoLimits": "engine.multimodal.video",
+    "read_video": "engine.multimodal.video",
     "MediaKind": "engine.multimodal.media",
     "short_location": "engine.multimodal.media",
     # Transcripts: clips cut into the model's windows, their prompts, detected languages

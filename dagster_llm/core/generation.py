@@ -219,7 +219,7 @@ class GenerationRun(PartitionRun[PartitionInput, PartitionStats]):
             "shared": shared, "prompt": row.prompt_text, "tokens": _token_digest(row.prompt["prompt_token_ids"]),
             "sampling": used_values(row.params), "adapter": [row.adapter, self.fingerprints.get(row.adapter)],
             "beam": row.beam.model_dump() if row.beam is not None else None, "images": row.digests.get("image"),
-            **({"audio": row.digests["audio"]} if row.digests.get("audio") else {}),
+            **{m: row.digests[m] for m in ("audio", "video") if row.digests.get(m)},
         })[:32] for row in part.rows if row.error is None and _reproducible(row)}
 
     def _reuse(self, parts: list[_Partition]) -> None:
@@ -332,9 +332,9 @@ def _token_digest(token_ids: Sequence[int]) -> str:
 
 def _media_digests(row: PromptRow) -> list[list[str] | None]:
     """The row's digests as its data version reads them: its images' (None: no image column,
-    or unread), then its clips' where it has any (a table made before audio columns keeps its
-    version)."""
-    return [row.digests.get("image"), *([row.digests["audio"]] if row.digests.get("audio") else [])]
+    or unread), then its clips' and videos' where it has any (a table made before those
+    columns keeps its version)."""
+    return [row.digests.get("image"), *(row.digests[m] for m in ("audio", "video") if row.digests.get(m))]
 
 
 def _reproducible(row: PromptRow) -> bool:

@@ -1,9 +1,10 @@
-"""A prompt table's media columns (`image_column`, `audio_column`): each row's items read
+"""A prompt table's media columns (`image_column`, `audio_column`, `video_column`): each row's items read
 before any work (local paths, `file://` and `data:` URIs, object stores through the fsspec
 file systems the tables use), checked with the engine's own readers against the model's limits
 (an image's decode budget and aspect ratio, read on its header before any pixel; a clip's
-sample rate and length: docs/engine.md, "Images in" and "Audio in"), and digested, so that a
-row's data version follows its items' content rather than their names.
+sample rate and length; a video's frames: docs/engine.md, "Images in", "Audio in" and "Video
+in"), and digested, so that a row's data version follows its items' content rather than their
+names.
 
 A cell is one item or a list of them; an item is encoded bytes (Parquet binary), a path or
 URI, or Hugging Face datasets' struct: `{"bytes", "path"}` (images, audio files), or a decoded
@@ -22,7 +23,7 @@ from upath import UPath
 from dagster_llm.core.engine_surface import IMAGE, ImageLimits, MediaKind, load_image, short_location
 
 if TYPE_CHECKING:
-    from dagster_llm.core.engine_surface import AudioLimits
+    from dagster_llm.core.engine_surface import AudioLimits, VideoLimits
 
 # Items read at once: an object store answers each request slowly, but many side by side.
 READ_THREADS = 16
@@ -59,6 +60,16 @@ def audio_column(limits: "AudioLimits | None" = None) -> MediaColumn:
 
     limits = limits or AudioLimits()
     return MediaColumn("audio", AUDIO, limits.max_file_bytes, lambda item: read_audio(item, limits))
+
+
+def video_column(limits: "VideoLimits | None" = None) -> MediaColumn:
+    """A video column for a model whose videos may be `limits` (`LLM.video_limits`; None: the
+    engine's defaults)."""
+    # Imported here: the engine's video reader loads FFmpeg and torch.
+    from dagster_llm.core.engine_surface import VIDEO, VideoLimits, read_video
+
+    limits = limits or VideoLimits()
+    return MediaColumn("video", VIDEO, limits.max_file_bytes, lambda item: read_video(item, limits))
 
 
 @dataclass(frozen=True)

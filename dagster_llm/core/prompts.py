@@ -15,7 +15,7 @@ from dagster_llm.core.engine_surface import (
     SamplingParams, ToolChoice, chat_messages_problem, invalid_unicode_problem, render_chat,
     unread_parts_problem,
 )
-from dagster_llm.core.media import MediaColumn, RowItems, audio_column, image_column, read_column
+from dagster_llm.core.media import MediaColumn, RowItems, audio_column, image_column, read_column, video_column
 from dagster_llm.core.sampling import SAMPLING_FIELD_NAMES, BeamSearchConfig, SamplingConfig
 from dagster_llm.core.structured import StructuredOutput
 
@@ -65,6 +65,13 @@ class PromptTableRules(BaseModel):
                                   "or object-store URI, or Hugging Face's {'array', 'sampling_rate'}) for a model "
                                   "that reads audio; with chat the clips open the last user message (after any "
                                   "images), else the prompt text holds the model's audio placeholder once per clip.")
+    video_column: str | None = Field(
+        default=None, description="Optional prompt-table column of each row's video or list of videos (an encoded "
+                                  "file FFmpeg decodes, sampled at the model's frame rate: bytes, a local path, a "
+                                  "file://, data: or object-store URI, or Hugging Face's {'bytes', 'path'}) for a "
+                                  "model that reads videos; with chat the videos open the last user message (after "
+                                  "any images and clips), else the prompt text holds the model's video placeholder "
+                                  "once per video.")
     duplicate_ids: Literal["error", "keep"] = Field(
         default="error", description="'error' (a repeated id is an error row and fails the unique_ids check) or "
                                      "'keep' (every copy is generated).")
@@ -76,10 +83,10 @@ class PromptTableRules(BaseModel):
 
     @property
     def media_columns(self) -> dict[str, str]:
-        """The column of each modality the prompts carry ("image", "audio"), in the order a
-        chat message holds them."""
-        return {modality: column for modality, column in (("image", self.image_column), ("audio", self.audio_column))
-                if column is not None}
+        """The column of each modality the prompts carry ("image", "audio", "video"), in the
+        order a chat message holds them."""
+        given = (("image", self.image_column), ("audio", self.audio_column), ("video", self.video_column))
+        return {modality: column for modality, column in given if column is not None}
 
 
 _TOOL_EXAMPLE = ("{'type': 'function', 'function': {'name': 'get_weather', 'description': 'The weather in a city.', "
@@ -199,7 +206,8 @@ class ModelMedia:
 
 
 # How each modality's column is read, given the model's limits for it (None: the engine's defaults).
-_COLUMN_READERS: dict[str, Callable[..., MediaColumn]] = {"image": image_column, "audio": audio_column}
+_COLUMN_READERS: dict[str, Callable[..., MediaColumn]] = {"image": image_column, "audio": audio_column,
+                                                          "video": video_column}
 
 
 def read_rows(frame: pd.DataFrame, partition: PartitionSettings, spec: PromptTableRules,
@@ -271,9 +279,10 @@ def _apply_adapter(row: PromptRow, record: dict, spec: PromptTableRules) -> None
 
 
 # What a row's messages call one item of each modality, and the models that read it.
-_NOUNS = {"image": "image", "audio": "clip"}
+_NOUNS = {"image": "image", "audio": "clip", "video": "video"}
 _READERS = {"image": "a vision-language model",
-            "audio": "a model that reads audio in its prompts (Whisper transcribes through build_transcription_asset)"}
+            "audio": "a model that reads audio in its prompts (Whisper transcribes through build_transcription_asset)",
+            "video": "a model that reads videos (Qwen2-VL, Qwen2.5-VL)"}
 
 
 def _attach_items(row: PromptRow, modality: str, items: RowItems, spec: PromptTableRules,

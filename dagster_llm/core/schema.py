@@ -42,13 +42,14 @@ _RESULT_COLUMNS: tuple[tuple[str, pa.DataType, str], ...] = (
 _ERROR_COLUMN = ("error", pa.string(), "Why the row was not generated, or why its answer is not usable (its "
                                        "reasoning did not end, its tool call or structured output did not parse); "
                                        "null otherwise.")
-# Only in the table of an asset with an image_column (audio_column), after the error.
+# Only in the table of an asset with an image_column (audio_column, video_column), after the error.
 _DIGESTS_COLUMNS = {modality: (f"{modality}_digests", pa.list_(pa.string()),
                                f"sha256 (hex) of each of the row's {noun} as read from the {modality} column, in "
                                f"order{decoded}; null when they could not be read.")
                     for modality, noun, decoded in (("image", "images", ""),
                                                     ("audio", "clips", " (a decoded clip's: of its float32 samples "
-                                                                       "and sample rate)"))}
+                                                                       "and sample rate)"),
+                                                    ("video", "videos", ""))}
 
 COLUMN_DESCRIPTIONS: dict[str, str] = {
     **{name: text for name, _, text in (*_RESULT_COLUMNS, _ERROR_COLUMN, *_DIGESTS_COLUMNS.values())},

@@ -24,6 +24,7 @@ OTHER_VALUES = {
     "name": "other", "upstream": "raw/other", "prompt_column": "text", "id_column": "key", "chat": True,
     "adapters": {"x": "/adapters/x"}, "adapter_column": "lora", "image_column": "photo",
     "audio_column": "recording",
+    "video_column": "clip",
     "duplicate_ids": "keep", "max_error_rate": 0.1, "max_empty_rate": 0.2, "max_truncation_rate": 0.3, "min_parse_rate": 0.4,
     "max_unfinished_reasoning_rate": 0.5, "chat_template_kwargs": {"enable_thinking": False}, "tools": [TOOL],
     "tool_choice": "required",
@@ -125,9 +126,11 @@ def test_the_readme_is_short_and_every_relative_link_resolves():
 
 
 def test_a_setting_added_later_keeps_the_old_tables_versions_while_unset():
-    """audio_column came after tables existed: unset, it leaves the digests as they were (no
-    table is generated again for a release that adds a setting); set, it moves them."""
+    """audio_column and video_column came after tables existed: unset, they leave the digests
+    as they were (no table is generated again for a release that adds a setting); set, they
+    move them."""
     spec = GenerationSpec(**BASE)
-    before = spec.model_dump(mode="json", exclude=data_version_exclusions() | {"audio_column"})
+    before = spec.model_dump(mode="json", exclude=data_version_exclusions() | {"audio_column", "video_column"})
     assert spec.settings_digest() == digest(before)
     assert GenerationSpec(**BASE, audio_column="clip").settings_digest() != digest(before)
+    assert GenerationSpec(**BASE, video_column="clip").settings_digest() != digest(before)
