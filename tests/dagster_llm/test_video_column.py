@@ -1,7 +1,7 @@
 """A prompt table's video column (issue 65): files read before any work (bytes, paths, URIs,
 Hugging Face's {"bytes", "path"} struct), digested by content, a broken video as its row's
 error, placeholders counted per modality, a model that reads no video refusing the rows with
-videos; and a partition of videos, images and text generated on a tiny random Qwen2-VL with the
+videos; and a partition of videos and text generated on a tiny random Qwen2-VL with the
 tokens `LLM.generate` gives the same rows."""
 
 import hashlib
