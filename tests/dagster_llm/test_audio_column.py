@@ -23,6 +23,7 @@ from dagster_llm.core.prompts import (
 from dagster_llm.core.sampling import SamplingConfig
 from engine import SamplingParams
 from engine.multimodal.audio import AudioLimits
+from engine.multimodal.media import short_location
 from tests.tiny_models import build_tiny_model
 
 RATE = 16_000
@@ -88,7 +89,8 @@ def test_a_bad_clip_is_its_rows_error_naming_the_row_and_the_fix(tokenizer, tmp_
     ok, noise, gone, second, empty, thing, folder, bare = rows_of(frame, tokenizer)
     assert ok.error is None and ok.prompt["multi_modal_data"]["audio"] == [LOW]
     assert noise.error.startswith("clip: row 'noise': the bytes") and "\n" not in noise.error
-    assert gone.error == f"clip: row 'gone': {tmp_path / 'gone.wav'}: no such file or object: fix the path or drop the row"
+    gone_path = short_location(str(tmp_path / "gone.wav"))  # a long temporary path is cut in its middle
+    assert gone.error == f"clip: row 'gone': {gone_path}: no such file or object: fix the path or drop the row"
     assert second.error.startswith("clip: row 'second': audio 2 of 2: the bytes")
     assert empty.error.startswith("clip: row 'empty': ") and "no samples" in empty.error
     assert thing.error.startswith("clip: row 'thing': expected encoded audio bytes, a path or a URI")
@@ -104,8 +106,8 @@ def test_the_models_limits_refuse_a_long_clip_and_a_large_file(tmp_path: Path) -
     assert short.problem is None and short.digests == [sha256(LOW)]
     assert long_clip.problem == ("the clip is 2.5 s long, more than the 2 s accepted: cut it into shorter clips "
                                  "upstream")
-    assert large.problem.startswith(f"{tmp_path / 'long.wav'}: is 96,044 bytes, more than the largest audio file read "
-                                    "(50,000)")
+    assert large.problem.startswith(f"{short_location(str(tmp_path / 'long.wav'))}: is 96,044 bytes, more than the "
+                                    "largest audio file read (50,000)")
 
 
 def test_placeholders_are_counted_per_modality(tokenizer) -> None:

@@ -24,6 +24,7 @@ from dagster_llm.core.prompts import (
     ModelMedia, PartitionSettings, PromptTableError, PromptTableRules, check_columns, read_rows,
 )
 from engine import SamplingParams
+from engine.multimodal.media import short_location
 from tests.dagster_llm.crash_defs import MAX_TOKENS, ROWS
 from tests.dagster_llm.test_crash_resume import (
     assert_complete, exists, finish, kill_launcher_and_wait_for_worker, latest, materialize, shard_rows, wait_for,
@@ -109,8 +110,8 @@ def test_an_unreadable_image_is_its_rows_error_naming_the_row_and_column(tokeniz
     ok, cut, gone, second, thing = rows_of(frame, tokenizer)
     assert ok.error is None and ok.prompt["multi_modal_data"]["image"] == [RED]
     assert cut.error.startswith("photo: row 'cut': the bytes") and "truncated or corrupt" in cut.error
-    assert gone.error == (f"photo: row 'gone': {tmp_path / 'gone.png'}: no such file or object: fix the path or "
-                          "drop the row")
+    assert gone.error == (f"photo: row 'gone': {short_location(str(tmp_path / 'gone.png'))}: no such file or object: "
+                          "fix the path or drop the row")
     assert second.error.startswith("photo: row 'second': image 2 of 2: the bytes are not an image")
     assert thing.error.startswith("photo: row 'thing': expected encoded image bytes, a path or a URI")
     assert [r.digests.get("image") for r in (cut, gone, second, thing)] == [None] * 4

@@ -16,6 +16,7 @@ from dagster_llm import LLMResource, ParquetIOManager, SamplingConfig, build_gen
 from dagster_llm.core.media import read_column, video_column
 from dagster_llm.core.prompts import ModelMedia, PartitionSettings, PromptTableRules, read_rows
 from engine import LLM, SamplingParams
+from engine.multimodal.media import short_location
 from tests.engine.test_video_qwen2_vl import clip, mp4_bytes
 from tests.tiny_models import build_tokenizer
 from tests.vision_models.qwen2_vl import build_tiny_qwen2_vl
@@ -80,8 +81,8 @@ def test_a_file_over_the_models_size_limit_is_refused_unread(movies, tmp_path):
 
     (tmp_path / "big.mp4").write_bytes(movies[0])
     (row,) = read_column([str(tmp_path / "big.mp4")], video_column(VideoLimits(max_file_bytes=1000)))
-    assert row.problem.startswith(f"{tmp_path / 'big.mp4'}: is {len(movies[0]):,} bytes, more than the largest "
-                                  "video file read (1,000)") and not row.digests
+    assert row.problem.startswith(f"{short_location(str(tmp_path / 'big.mp4'))}: is {len(movies[0]):,} bytes, more "
+                                  "than the largest video file read (1,000)") and not row.digests
 
 
 def test_a_partition_of_videos_images_and_text_generates_as_llm_generate_does(movies, tmp_path):
