@@ -15,11 +15,15 @@ mel bins, 30 s windows) of Whisper-base's shape (`SHAPE`: width 512, 6 encoder a
 layers, 8 heads, MLP 2,048, 1,500 encoder positions, 448 decoder positions) and vocabulary
 (51,865: SmolLM2's tokenizer with Whisper's task tokens, padded). Workload: `--clips` clips of
 5 to 30 s (each within one window, so that transformers' short-form `generate` reads them as
-we do), voiced tones with pauses, each transcribed in English with `--new-tokens` greedy tokens
-(`min_tokens` = `max_tokens` on both sides, as random weights would otherwise stop anywhere).
+we do), voiced tones with pauses, each transcribed in English with as many greedy tokens as
+speech of its length makes (`--tokens-per-second`, 3 by default: about 150 words a minute), or
+`--new-tokens` each; random weights never stop on their own, so both sides generate exactly
+that many (`min_tokens` = `max_tokens`). A static batch of transformers' runs until its longest
+clip's count, as a batch of real transcripts runs until its longest ends.
 
 Ours: `LLM(folder, num_threads=T)` with the engine's defaults (dtype "auto": bfloat16 on a CPU
-with native bfloat16), all clips in one `transcribe`. Transformers:
+with native bfloat16), all clips in one `generate` of Whisper prompts (what `LLM.transcribe`
+runs for clips within a window, with each clip's own count). Transformers:
 `WhisperForConditionalGeneration.from_pretrained(folder, dtype=ours)`, the feature extractor on
 static batches of `--batch-sizes` (included in the time), `generate(input_features,
 decoder_input_ids=the same prompt, min_new_tokens = max_new_tokens, do_sample=False)`; the
@@ -27,8 +31,8 @@ first round tries each batch size, later rounds the fastest. Both run T threads 
 The two alternate (the first mover swaps each round) and the best of `--rounds` counts.
 
 Our breakdown, after the rounds: features is the feature extractor alone over every clip;
-encoder with prefill is a `transcribe` with `max_tokens=1` less the features; decode is the best
-run less both.
+encoder with prefill is a run with one token per clip less the features; decode is the best run
+less both.
 
     .venv/bin/python benchmarks/whisper_throughput.py
     .venv/bin/python benchmarks/whisper_throughput.py --clips 8 --rounds 1 --batch-sizes 8
@@ -83,7 +87,9 @@ def parse_args() -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="\n".join(__doc__.splitlines()[1:]))
     parser.add_argument("--clips", type=int, default=16, help="clips of 5 to 30 s")
-    parser.add_argument("--new-tokens", type=int, default=32, help="greedy tokens per clip")
+    parser.add_argument("--tokens-per-second", type=float, default=3.0,
+                        help="greedy tokens per second of a clip (speech's density)")
+    parser.add_argument("--new-tokens", type=int, default=None, help="greedy tokens per clip, whatever its length")
     parser.add_argument("--batch-sizes", default="8,16",
                         help="transformers' static batch sizes tried in the first round (comma-separated)")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds; the best of each engine counts")
@@ -129,24 +135,32 @@ def draw_clips(count: int, seed: int) -> list[np.ndarray]:
     return clips
 
 
-def run_ours(llm: LLM, clips: list[np.ndarray], new_tokens: int) -> float:
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, min_tokens=new_tokens)
+def token_counts(args: argparse.Namespace, clips: list[np.ndarray]) -> list[int]:
+    """Each clip's greedy tokens: `--new-tokens`, else `--tokens-per-second` of its length."""
+    if args.new_tokens is not None:
+        return [args.new_tokens] * len(clips)
+    return [max(1, round(args.tokens_per_second * len(clip) / RATE)) for clip in clips]
+
+
+def run_ours(llm: LLM, clips: list[np.ndarray], counts: list[int]) -> float:
+    rows = [{"prompt": PROMPT, "multi_modal_data": {"audio": (clip, RATE)}} for clip in clips]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n) for n in counts]
     start = time.perf_counter()
-    outputs = llm.transcribe([(clip, RATE) for clip in clips], language="en", sampling_params=params, use_tqdm=False)
+    outputs = llm.generate(rows, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
-    assert all(len(out.windows) == 1 for out in outputs)
+    assert [len(out.outputs[0].token_ids) for out in outputs] == counts
     return elapsed
 
 
-def run_hf(model, extractor, tokenizer, clips: list[np.ndarray], new_tokens: int, batch: int) -> float:
+def run_hf(model, extractor, tokenizer, clips: list[np.ndarray], counts: list[int], batch: int) -> float:
     prompt = tokenizer(PROMPT, add_special_tokens=False, return_tensors="pt").input_ids
     start = time.perf_counter()
     with torch.inference_mode():
         for first in range(0, len(clips), batch):
-            part = clips[first:first + batch]
+            part, longest = clips[first:first + batch], max(counts[first:first + batch])
             features = extractor(part, sampling_rate=RATE, return_tensors="pt").input_features.to(model.dtype)
-            model.generate(features, decoder_input_ids=prompt.expand(len(part), -1), min_new_tokens=new_tokens,
-                           max_new_tokens=new_tokens, do_sample=False)
+            model.generate(features, decoder_input_ids=prompt.expand(len(part), -1), min_new_tokens=longest,
+                           max_new_tokens=longest, do_sample=False)
     return time.perf_counter() - start
 
 
@@ -154,6 +168,7 @@ def measure(args: argparse.Namespace, folder: Path) -> Results:
     import transformers
 
     clips, results = draw_clips(args.clips, args.seed), Results()
+    counts = token_counts(args, clips)
     llm = LLM(str(folder), num_threads=args.threads)
     results.dtype = str(llm.llm_engine.config.dtype)
     model = transformers.WhisperForConditionalGeneration.from_pretrained(
@@ -161,22 +176,22 @@ def measure(args: argparse.Namespace, folder: Path) -> Results:
     extractor = transformers.WhisperFeatureExtractor.from_pretrained(folder)
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     torch.set_num_threads(args.threads)
-    run_ours(llm, clips[:2], 2)  # warm-up: the kernels' first calls
-    run_hf(model, extractor, tokenizer, clips[:2], 2, 2)
+    run_ours(llm, clips[:2], [2, 2])  # warm-up: the kernels' first calls
+    run_hf(model, extractor, tokenizer, clips[:2], [2, 2], 2)
     for round_index in range(args.rounds):
         sizes = args.batch_sizes if round_index == 0 else [results.best_batch()]
         order = ["ours", "hf"] if round_index % 2 == 0 else ["hf", "ours"]
         for side in order:
             if side == "ours":
-                results.ours.append(run_ours(llm, clips, args.new_tokens))
+                results.ours.append(run_ours(llm, clips, counts))
             else:
                 for size in sizes:
-                    results.hf[size].append(run_hf(model, extractor, tokenizer, clips, args.new_tokens, size))
+                    results.hf[size].append(run_hf(model, extractor, tokenizer, clips, counts, size))
     start = time.perf_counter()
     for clip in clips:  # what our processor runs for each clip
         extractor(clip, sampling_rate=RATE, return_tensors="pt")
     results.features = time.perf_counter() - start
-    results.encoder_prefill = run_ours(llm, clips, 1) - results.features
+    results.encoder_prefill = run_ours(llm, clips, [1] * len(clips)) - results.features
     return results
 
 
@@ -184,7 +199,9 @@ def report(args: argparse.Namespace, results: Results, audio_seconds: float) -> 
     ours, batch = min(results.ours), results.best_batch()
     hf = min(results.hf[batch])
     print(f"CPU: {detect_cpu().describe()}; {args.threads} threads; dtype {results.dtype}")
-    print(f"workload: {args.clips} clips, {audio_seconds:.0f} s of audio, {args.new_tokens} tokens each")
+    counts = token_counts(args, draw_clips(args.clips, args.seed))
+    print(f"workload: {args.clips} clips, {audio_seconds:.0f} s of audio, {sum(counts)} tokens "
+          f"({min(counts)} to {max(counts)} a clip)")
     print(f"ours:         {ours:7.2f} s  {audio_seconds / ours:7.1f} audio s/s")
     print(f"transformers: {hf:7.2f} s  {audio_seconds / hf:7.1f} audio s/s (batch {batch})")
     print(f"ratio: {hf / ours:.2f}x")
