@@ -90,6 +90,32 @@ def check_shape(name: str, tensor: StoredTensor, expected: list[int]) -> None:
         )
 
 
+def copy_named_weights(owner: str, params: dict[str, nn.Parameter], weights: Iterable[tuple[str, StoredTensor]],
+                       target_of: Callable[[str], str | None], what: str = "") -> None:
+    """Copies each checkpoint tensor into the parameter of `params` that `target_of` names for
+    it (None: a tensor that is not `params`' to load), after checking its shape; every
+    parameter must be loaded. `owner` and `what` ("vision ") name the model and its part in
+    the messages.
+
+    Raises:
+        ValueError: a tensor with no parameter, one of the wrong shape, or a parameter the
+            checkpoint lacks.
+    """
+    loaded = set()
+    for name, tensor in weights:
+        target = target_of(name)
+        if target is None:
+            continue
+        if target not in params:
+            raise ValueError(f"checkpoint tensor {name!r} has no place in {owner}")
+        check_shape(name, tensor, list(params[target].shape))
+        params[target].data.copy_(tensor.read(None))
+        loaded.add(target)
+    absent = sorted(set(params) - loaded)
+    if absent:
+        raise ValueError(f"the checkpoint lacks {len(absent)} {what}tensors, e.g. {absent[:3]}")
+
+
 class LlamaAttention(nn.Module):
     """Grouped-query attention. Over tensor-parallel ranks each rank computes its share
     of the query heads with the key/value heads they read (a key/value head is then

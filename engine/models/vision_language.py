@@ -20,7 +20,7 @@ from engine.attention.layer import AttentionMetadata
 from engine.layers.fused_moe import FusedMoE
 from engine.layers.linear import Linear, StoredTensor
 from engine.lora.slots import LoRATarget
-from engine.models.llama import allocate, check_shape
+from engine.models.llama import allocate, copy_named_weights
 from engine.multimodal.inputs import MultiModalEmbeds
 from engine.multimodal.processing import BaseMultiModalProcessor
 
@@ -124,19 +124,7 @@ class VisionLanguageModel(nn.Module):
     def load_vision_weights(self, weights: list[tuple[str, StoredTensor]]) -> None:
         """Copies the encoder's and projector's tensors in, by `vision_weight_name`."""
         params = {name: p for name, p in self.named_parameters() if not name.startswith("language_model.")}
-        loaded = set()
-        for name, tensor in weights:
-            target = self.vision_weight_name(name)
-            if target is None:
-                continue
-            if target not in params:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-            check_shape(name, tensor, list(params[target].shape))
-            params[target].data.copy_(tensor.read(None))
-            loaded.add(target)
-        absent = sorted(set(params) - loaded)
-        if absent:
-            raise ValueError(f"the checkpoint lacks {len(absent)} vision tensors, e.g. {absent[:3]}")
+        copy_named_weights(type(self).__name__, params, weights, self.vision_weight_name, "vision ")
 
     def _decoder_name(self, name: str) -> str | None:
         for theirs, ours in self.language_model_prefixes:

@@ -28,7 +28,7 @@ from engine.distributed.communicator import TensorParallelGroup
 from engine.layers.linear import Linear, StoredTensor
 from engine.layers.vocab_parallel_embedding import ParallelLMHead
 from engine.models.audio_encoder import AudioEncoder
-from engine.models.llama import allocate, check_shape
+from engine.models.llama import allocate, copy_named_weights
 from engine.models.vision_language import vision_activation
 from engine.multimodal.audio import AudioLimits, PromptAudio
 from engine.multimodal.inputs import MultiModalFeature, ProcessedPrompt
@@ -258,18 +258,11 @@ class WhisperForConditionalGeneration(nn.Module):
         params = dict(self.named_parameters())
         if self.tie_word_embeddings:
             del params["proj_out.weight"]
-        loaded = set()
-        for name, tensor in weights:
+
+        def target_of(name: str) -> str | None:
             target = name.removeprefix("model.")
-            if target == "proj_out.weight" and self.tie_word_embeddings:
-                continue
-            if target not in params:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-            check_shape(name, tensor, list(params[target].shape))
-            params[target].data.copy_(tensor.read(None))
-            loaded.add(target)
-        absent = sorted(set(params) - loaded)
-        if absent:
-            raise ValueError(f"the checkpoint lacks {len(absent)} tensors, e.g. {absent[:3]}")
+            return None if target == "proj_out.weight" and self.tie_word_embeddings else target
+
+        copy_named_weights(type(self).__name__, params, weights, target_of)
         if self.tie_word_embeddings:
             self.proj_out.weight = self.decoder.embed_tokens.weight
