@@ -9,7 +9,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import dagster as dg
-import pandas as pd
 import pyarrow as pa
 from pydantic import Field
 
@@ -17,7 +16,6 @@ from dagster_llm.core.embedding import (
     CHECKS, COLUMNS, EmbeddingOptions, EmbeddingResult, EmbeddingRun, TextPartition, evaluate_embeddings, text_rows,
 )
 from dagster_llm.core.generation import digest
-from dagster_llm.core.prompts import PromptTableError, to_dataframe
 from dagster_llm.core.watch import ParentWatch
 from dagster_llm.embedding_spec import EmbeddingSpec
 from dagster_llm.metadata import upstream_data_version
@@ -92,7 +90,9 @@ class _EmbeddingStep(PartitionedStep):
         self.resource: LLMResource = getattr(context.resources, spec.resource_key)
 
     def execute(self, texts: object) -> Iterator[object]:
-        frames = self._frames(texts)
+        frames = self.frames(texts, self.spec.upstream, {"id_column": self.spec.id_column,
+                                                          "text_column": self.spec.text_column},
+                             "text table", "embedding")
         with self.locks():
             llm = self.resource.get_llm()
             if llm.task != "embed":
@@ -114,24 +114,6 @@ class _EmbeddingStep(PartitionedStep):
         llm = self.resource.get_llm()
         return self.committed(result, self._metadata(result, llm.model_fingerprint, llm.output_settings),
                               evaluate_embeddings(result.table, llm.hidden_size))
-
-    def _frames(self, texts: object) -> dict[str | None, pd.DataFrame]:
-        """Each partition's text table, its id and text columns checked."""
-        given = texts if isinstance(texts, dict) and len(self.keys) > 1 else {self.keys[0]: texts}
-        frames = {}
-        try:
-            for key in self.keys:
-                where = f"of partition {key!r}" if key is not None else ""
-                frame = to_dataframe(given[key], self.spec.upstream, where)
-                missing = [c for c in (self.spec.id_column, self.spec.text_column) if c not in frame.columns]
-                if missing:
-                    raise PromptTableError(f"the text table {where} has no column {missing[0]!r} (it has "
-                                           f"{list(frame.columns)}); rename it upstream or pass id_column= / "
-                                           "text_column= to the embedding asset")
-                frames[key] = frame
-        except PromptTableError as exc:
-            raise dg.Failure(f"{self.spec.name}: {exc}; nothing was run") from None
-        return frames
 
     def _metadata(self, result: EmbeddingResult, fingerprint: str, output_settings: dict) -> dict[str, object]:
         stats = result.stats

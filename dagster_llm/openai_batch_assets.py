@@ -10,7 +10,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import dagster as dg
-import pandas as pd
 import pyarrow as pa
 from pydantic import ConfigDict, Field, model_validator
 
@@ -19,7 +18,6 @@ from dagster_llm.core.openai_batch import (
     COLUMNS, ERROR_CHECK, ERROR_CHECK_DESCRIPTION, OUTPUT_SCHEMA, BatchEngines, BatchResult, Engine, OpenAIBatchRun,
     RequestPartition, RequestTableError, evaluate_errors, table_rows,
 )
-from dagster_llm.core.prompts import PromptTableError, to_dataframe
 from dagster_llm.core.watch import ParentWatch
 from dagster_llm.metadata import upstream_data_version
 from dagster_llm.resource import LLMResource
@@ -130,7 +128,7 @@ class _OpenAIBatchStep(PartitionedStep):
         self.spec = spec
 
     def execute(self, requests: object) -> Iterator[object]:
-        frames = self._frames(requests)
+        frames = self.frames(requests, self.spec.upstream)
         parts = []
         try:
             for key in self.keys:
@@ -156,15 +154,6 @@ class _OpenAIBatchStep(PartitionedStep):
         resource: LLMResource = getattr(self.context.resources, resource_key)
         return Engine(resource.model_id, f"the resource {resource_key!r}", resource.get_llm,
                       release=resource.release)
-
-    def _frames(self, requests: object) -> dict[str | None, pd.DataFrame]:
-        """Each partition's request table."""
-        given = requests if isinstance(requests, dict) and len(self.keys) > 1 else {self.keys[0]: requests}
-        try:
-            return {key: to_dataframe(given[key], self.spec.upstream, f"of partition {key!r}" if key else "")
-                    for key in self.keys}
-        except PromptTableError as exc:
-            raise dg.Failure(f"{self.spec.name}: {exc}; nothing was run") from None
 
     def _metadata(self, result: BatchResult, run: OpenAIBatchRun) -> dict[str, object]:
         """A partition's materialization metadata: its rows, tokens and models (with the

@@ -11,11 +11,13 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import dagster as dg
+import pandas as pd
 
 from dagster_llm.core.checks import CheckOutcome
 from dagster_llm.core.generation import digest
 from dagster_llm.core.leases import LeaseLostError, PartitionLockedError, StoreWithoutLeaseError
 from dagster_llm.core.partition_run import CommittedPartition
+from dagster_llm.core.prompts import PromptTableError, to_dataframe
 from dagster_llm.core.table_store import TableStore
 from dagster_llm.core.watch import LaunchingProcessDied
 from dagster_llm.io_manager import ParquetIOManager
@@ -92,6 +94,32 @@ class PartitionedStep:
             raise dg.Failure(f"{self.name}: partition {exc}") from None
         except StoreWithoutLeaseError as exc:
             raise dg.Failure(f"{self.name}: {exc}; nothing was run") from None
+
+    def frames(self, value: object, upstream: str, columns: Mapping[str, str] | None = None, table: str = "table",
+               asset: str = "") -> dict[str | None, pd.DataFrame]:
+        """Each partition's table from the upstream's `value` (a `{partition_key: table}` dict
+        for a range), holding `columns` (the asset's argument naming each: {"id_column": "id"});
+        a missing column names the `table`, the arguments and the `asset` kind.
+
+        Raises:
+            dg.Failure: a value that is not a table, or a missing column; nothing was run.
+        """
+        given = value if isinstance(value, dict) and len(self.keys) > 1 else {self.keys[0]: value}
+        frames = {}
+        try:
+            for key in self.keys:
+                where = f"of partition {key!r}" if key is not None else ""
+                frame = to_dataframe(given[key], upstream, where)
+                missing = [c for c in (columns or {}).values() if c not in frame.columns]
+                if missing:
+                    arguments = " / ".join(f"{argument}=" for argument in columns)
+                    raise PromptTableError(f"the {table} {where} has no column {missing[0]!r} (it has "
+                                           f"{list(frame.columns)}); rename it upstream or pass {arguments} to the "
+                                           f"{asset} asset")
+                frames[key] = frame
+        except PromptTableError as exc:
+            raise dg.Failure(f"{self.name}: {exc}; nothing was run") from None
+        return frames
 
     def record(self, results: Iterable[CommittedPartition],
                recorded: Callable[[CommittedPartition], Iterator[object]]) -> Iterator[object]:

@@ -9,13 +9,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import dagster as dg
-import pandas as pd
 import pyarrow as pa
 from pydantic import Field
 
 from dagster_llm.core.generation import digest
 from dagster_llm.core.media import audio_column, read_column
-from dagster_llm.core.prompts import PromptTableError, to_dataframe
 from dagster_llm.core.transcription import (
     CHECKS, COLUMNS, ClipPartition, TranscriptionOptions, TranscriptionResult, TranscriptionRun, clip_rows,
     evaluate_transcripts,
@@ -100,7 +98,9 @@ class _TranscriptionStep(PartitionedStep):
         self.resource: LLMResource = getattr(context.resources, spec.resource_key)
 
     def execute(self, clips: object) -> Iterator[object]:
-        frames = self._frames(clips)
+        frames = self.frames(clips, self.spec.upstream, {"id_column": self.spec.id_column,
+                                                          "audio_column": self.spec.audio_column},
+                             "table of clips", "transcript")
         with self.locks():
             llm = self.resource.get_llm()
             spec = self.spec
@@ -126,24 +126,6 @@ class _TranscriptionStep(PartitionedStep):
         llm = self.resource.get_llm()
         return self.committed(result, self._metadata(result, llm.model_fingerprint, llm.output_settings),
                               evaluate_transcripts(result.table))
-
-    def _frames(self, clips: object) -> dict[str | None, pd.DataFrame]:
-        """Each partition's table of clips, its id and audio columns checked."""
-        given = clips if isinstance(clips, dict) and len(self.keys) > 1 else {self.keys[0]: clips}
-        frames = {}
-        try:
-            for key in self.keys:
-                where = f"of partition {key!r}" if key is not None else ""
-                frame = to_dataframe(given[key], self.spec.upstream, where)
-                missing = [c for c in (self.spec.id_column, self.spec.audio_column) if c not in frame.columns]
-                if missing:
-                    raise PromptTableError(f"the table of clips {where} has no column {missing[0]!r} (it has "
-                                           f"{list(frame.columns)}); rename it upstream or pass id_column= / "
-                                           "audio_column= to the transcript asset")
-                frames[key] = frame
-        except PromptTableError as exc:
-            raise dg.Failure(f"{self.spec.name}: {exc}; nothing was run") from None
-        return frames
 
     def _metadata(self, result: TranscriptionResult, fingerprint: str, output_settings: dict) -> dict[str, object]:
         stats = result.stats

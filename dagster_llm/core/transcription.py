@@ -126,7 +126,7 @@ class _Windows:
     outputs: dict[int, "RequestOutput"]
 
 
-def clip_rows(ids: Sequence[Any], cells: RowItems | Sequence[RowItems], column: str) -> list[ClipRow]:
+def clip_rows(ids: Sequence[Any], cells: Sequence[RowItems], column: str) -> list[ClipRow]:
     """The rows of a partition from its ids and its audio column read (`read_column`): a null
     or repeated id, a clip that cannot be read, no clip or several are the row's error."""
     rows, seen = [], set()
