@@ -22,7 +22,8 @@ that many (`min_tokens` = `max_tokens`). A static batch of transformers' runs un
 clip's count, as a batch of real transcripts runs until its longest ends.
 
 Ours: `LLM(folder, num_threads=T)` with the engine's defaults (dtype "auto": bfloat16 on a CPU
-with native bfloat16), all clips in one `generate` of Whisper prompts (what `LLM.transcribe`
+with native bfloat16; quantization "auto": int8 products, calibrated at load, on such a CPU with
+VNNI and without AMX; `--quantization none` keeps the dtype's products), all clips in one `generate` of Whisper prompts (what `LLM.transcribe`
 runs for clips within a window, with each clip's own count). Transformers:
 `WhisperForConditionalGeneration.from_pretrained(folder, dtype=ours)`, the feature extractor on
 static batches of `--batch-sizes` (included in the time), `generate(input_features,
@@ -36,6 +37,7 @@ less both.
 
     .venv/bin/python benchmarks/whisper_throughput.py
     .venv/bin/python benchmarks/whisper_throughput.py --clips 8 --rounds 1 --batch-sizes 8
+    .venv/bin/python benchmarks/whisper_throughput.py --quantization none
 """
 
 import argparse
@@ -73,6 +75,7 @@ class Results:
     """The timings of one run of the benchmark, in seconds."""
 
     dtype: str = ""
+    quantization: str = ""
     ours: list[float] = field(default_factory=list)
     hf: dict[int, list[float]] = field(default_factory=lambda: defaultdict(list))
     features: float = 0.0
@@ -95,6 +98,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds; the best of each engine counts")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
                         help="CPU threads of both engines (default: torch's default here, %(default)s)")
+    parser.add_argument("--quantization", default="auto",
+                        help="ours' quantization setting: auto (the default's), int8, or none (the dtype's products)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     args.batch_sizes = sorted({int(size) for size in args.batch_sizes.split(",")})
@@ -169,8 +174,10 @@ def measure(args: argparse.Namespace, folder: Path) -> Results:
 
     clips, results = draw_clips(args.clips, args.seed), Results()
     counts = token_counts(args, clips)
-    llm = LLM(str(folder), num_threads=args.threads)
+    llm = LLM(str(folder), num_threads=args.threads,
+              quantization=None if args.quantization == "none" else args.quantization)
     results.dtype = str(llm.llm_engine.config.dtype)
+    results.quantization = llm.llm_engine.model_config.quantization or "none"
     model = transformers.WhisperForConditionalGeneration.from_pretrained(
         folder, dtype=getattr(torch, results.dtype.removeprefix("torch."))).eval()
     extractor = transformers.WhisperFeatureExtractor.from_pretrained(folder)
@@ -198,7 +205,8 @@ def measure(args: argparse.Namespace, folder: Path) -> Results:
 def report(args: argparse.Namespace, results: Results, audio_seconds: float) -> None:
     ours, batch = min(results.ours), results.best_batch()
     hf = min(results.hf[batch])
-    print(f"CPU: {detect_cpu().describe()}; {args.threads} threads; dtype {results.dtype}")
+    print(f"CPU: {detect_cpu().describe()}; {args.threads} threads; dtype {results.dtype}, "
+          f"ours' quantization {results.quantization}")
     counts = token_counts(args, draw_clips(args.clips, args.seed))
     print(f"workload: {args.clips} clips, {audio_seconds:.0f} s of audio, {sum(counts)} tokens "
           f"({min(counts)} to {max(counts)} a clip)")

@@ -12,7 +12,7 @@ from engine.config import DTYPES, EngineConfig, ModelConfig, PoolerConfig
 from engine.hardware import cpu_dtype, detect_cpu, resolve_device
 from engine.model_loader.folder import ModelLoadError
 from engine.models import POOLING_ARCHITECTURES, is_encoder_decoder, language_model_config, multimodal_class_for
-from engine.quantization import resolve_quantization
+from engine.quantization import checkpoint_quantization, resolve_quantization
 
 # generation_config.json keys that vLLM takes as sampling defaults -> SamplingParams field.
 _GENERATION_DEFAULTS = {
@@ -43,9 +43,11 @@ def resolve_model_config(path: Path, engine: EngineConfig, eos_token_id: int | N
     device = resolve_device(engine.device)
     architectures = getattr(whole, "architectures", None) or []
     encoder_decoder = is_encoder_decoder(architectures)
-    if encoder_decoder and engine.quantization not in (None, "auto"):
-        raise ModelLoadError(f"{path}: quantization={engine.quantization!r} is not supported for "
-                             f"{architectures[0]} yet: leave quantization unset")
+    method = checkpoint_quantization(hf_config) or engine.quantization
+    if encoder_decoder and method not in (None, "auto", "int8"):
+        raise ModelLoadError(f"{path}: quantization={method!r} is not supported for {architectures[0]} yet: "
+                             "leave quantization unset, or use 'int8' (on a CPU with VNNI) or an unquantized "
+                             "checkpoint")
     max_model_len = _max_model_len(hf_config, engine.max_model_len,
                                    multimodal_class_for(architectures) if encoder_decoder else None)
     eos = {eos_token_id} if eos_token_id is not None else set()
@@ -57,7 +59,7 @@ def resolve_model_config(path: Path, engine: EngineConfig, eos_token_id: int | N
         # Only what the file sets: transformers' own defaults (top_k=50) are not vLLM's.
         defaults = {name: generation[key] for key, name in _GENERATION_DEFAULTS.items() if key in generation}
     dtype = _resolve_dtype(engine.dtype, hf_config, device)
-    quantization = None if encoder_decoder else resolve_quantization(engine.quantization, hf_config, device,
+    quantization = resolve_quantization(engine.quantization, hf_config, device,
                                         auto_dtype=dtype if engine.dtype == "auto" else None,
                                         batch_invariant=engine.batch_invariant)
     pooler = resolve_pooler(path, hf_config, engine.runner, engine.pooling_type, POOLING_ARCHITECTURES)

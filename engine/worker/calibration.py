@@ -7,7 +7,9 @@ Why at load: a 16-bit checkpoint carries no activation statistics, and activatio
 weights, have outlier channels that per-row int8 scales cannot absorb. The text mixes
 prose, code, a ticket, figures, another language and chat turns, so that the channels
 that are wide on any of them are seen; it is not the benchmark's prompts. A vision-language
-model's encoder reads a few drawn pictures (`calibration_images`) the same way.
+model's encoder reads a few drawn pictures (`calibration_images`) the same way, an audio
+model's a few drawn clips (`calibration_audio`); an encoder-decoder model's decoder (Whisper's)
+reads the text while attending to the clips' encoder rows.
 """
 
 import itertools
@@ -21,7 +23,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from engine.layers.linear import Linear
-from engine.worker.kv_cache import KVCache, prefill_metadata
+from engine.worker.kv_cache import KVCache, prefill_cross_inputs, prefill_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -85,12 +87,47 @@ def calibration_images() -> list[Image.Image]:
     return [scene, page, texture]
 
 
+VOWEL_FORMANTS = ((730, 1090), (270, 2290), (300, 870), (530, 1840), (640, 1190), (490, 1350))  # a, i, u, e, o, er
+
+
+def calibration_audio(sample_rate: int) -> list[np.ndarray]:
+    """Clips for an audio encoder's calibration, drawn here (none is downloaded), float32 mono
+    at `sample_rate`: about 11 s of voiced syllables with pauses (a speaker's pitch, vowel
+    formants and rhythm over a faint noise floor), 4 s of noise with mains hum, and 29 s of
+    chords (a window nearly full, where the others are mostly its padding). As with pictures,
+    an encoder's outlier channels are mostly its own; these are not a pipeline's recordings."""
+    rng = np.random.default_rng(0)
+
+    def times(seconds: float) -> np.ndarray:
+        return np.arange(int(seconds * sample_rate)) / sample_rate
+
+    speech = []
+    for _ in range(48):
+        t, pitch = times(rng.uniform(0.12, 0.3)), rng.uniform(100, 230)
+        harmonics = np.arange(1, int(4000 // pitch))[:, None]
+        loudness = sum(np.exp(-((harmonics * pitch - f) / 120.0) ** 2) for f in VOWEL_FORMANTS[rng.integers(6)])
+        speech.append((loudness * np.sin(2 * np.pi * pitch * harmonics * t * (1 - 0.2 * t))).sum(0) * np.hanning(len(t)))
+        if rng.random() < 0.2:
+            speech.append(np.zeros(int(rng.uniform(0.2, 0.6) * sample_rate)))
+    speech = np.concatenate(speech)
+    speech += 0.01 * np.abs(speech).max() * rng.standard_normal(len(speech))
+    t = times(4.0)
+    noise = np.cumsum(rng.standard_normal(len(t))) * 0.02 + 0.3 * np.sin(2 * np.pi * 50 * t)
+    noise -= np.convolve(noise, np.ones(400) / 400, mode="same")  # the random walk's drift out: pink-ish noise
+    chords = np.concatenate([sum(np.sin(2 * np.pi * 220 * 2 ** (step / 12) * times(1.45)) for step in chord)
+                             * np.hanning(int(1.45 * sample_rate)) for chord in ((0, 4, 7), (5, 9, 12), (7, 11, 14),
+                                                                                 (0, 3, 7)) * 5])
+    return [np.float32(0.5 * clip / np.abs(clip).max()) for clip in (speech, noise, chords)]
+
+
 def record_input_ranges(model: nn.Module, kv_cache: KVCache, prompts: list[list[int]],
-                        images: list[dict[str, torch.Tensor]] | None = None) -> None:
-    """Runs `prompts` as one prefill step on scratch blocks of `kv_cache` (freed after), and a
-    vision-language model's encoder over `images` (its encoder inputs), every quantized layer
-    (projections and experts) multiplying by its loaded weights, not yet quantized, and sets
-    `input_range` [in] float32 on each layer of `layers_wanting_ranges`."""
+                        items: list[dict[str, torch.Tensor]] | None = None) -> None:
+    """Runs a multimodal model's encoder over `items` (the encoder inputs of the calibration
+    pictures or clips) and `prompts` as one prefill step on scratch blocks of `kv_cache` (freed
+    after), every quantized layer (projections and experts) multiplying by its loaded weights,
+    not yet quantized, and sets `input_range` [in] float32 on each layer of
+    `layers_wanting_ranges`. An encoder-decoder model's prompts attend to the clips' encoder
+    rows, prompt i to clip i modulo their count, each clip written once to cross blocks."""
     layers = layers_wanting_ranges(model)
     methods = {m: m.quant_method for m in model.modules() if getattr(m, "quant_method", None) is not None}
     started = time.perf_counter()
@@ -105,16 +142,22 @@ def record_input_ranges(model: nn.Module, kv_cache: KVCache, prompts: list[list[
     for module in methods:
         module.quant_method = None
     lengths = [len(p) for p in prompts]
-    blocks = [-(-n // kv_cache.block_size) for n in lengths]
     try:
-        kv_cache.allocate(sum(blocks))
-        meta = prefill_metadata(lengths, kv_cache, first_blocks=[0, *itertools.accumulate(blocks)][:-1])
         with torch.inference_mode():
+            encoded = model.embed_images(items) if items else []
+            clips = encoded if getattr(model, "max_cross_rows", 0) else []
+            blocks = [-(-n // kv_cache.block_size) for n in lengths + [len(clip) for clip in clips]]
+            kv_cache.allocate(sum(blocks))
+            first_blocks = [0, *itertools.accumulate(blocks)][:-1]
+            meta = prefill_metadata(lengths, kv_cache, first_blocks[: len(prompts)])
             kv_cache.backend.prepare(meta)
+            extra = {}
+            if clips:
+                extra["cross"] = prefill_cross_inputs(model, meta, kv_cache, clips, first_blocks[len(prompts):],
+                                                      [i % len(clips) for i in range(len(prompts))])
+                kv_cache.backend.prepare(extra["cross"].meta)
             ids = torch.tensor(list(itertools.chain(*prompts)), dtype=torch.long, device=kv_cache.device)
-            model(ids, meta.positions, meta)
-            for data in images or []:
-                model.embed_multimodal(data)
+            model(ids, meta.positions, meta, **extra)
     finally:
         for hook in hooks:
             hook.remove()
@@ -123,5 +166,5 @@ def record_input_ranges(model: nn.Module, kv_cache: KVCache, prompts: list[list[
         kv_cache.free()
     for layer, peak in ranges.items():
         layer.input_range = peak.clone()
-    logger.info("int8 smoothing: input ranges of %d projections measured on %d calibration tokens and %d images "
-                "in %.2f s", len(ranges), sum(lengths), len(images or []), time.perf_counter() - started)
+    logger.info("int8 smoothing: input ranges of %d projections measured on %d calibration tokens and %d encoder "
+                "inputs in %.2f s", len(ranges), sum(lengths), len(items or []), time.perf_counter() - started)

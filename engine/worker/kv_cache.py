@@ -186,7 +186,7 @@ def _profile_step(config: EngineConfig, model: nn.Module, kv_cache: KVCache) -> 
         kv_cache.backend.prepare(meta)
         extra = {}
         if getattr(model, "max_cross_rows", 0):
-            extra["cross"] = profile_cross_inputs(model, meta, kv_cache)
+            extra["cross"] = prefill_cross_inputs(model, meta, kv_cache)
             kv_cache.backend.prepare(extra["cross"].meta)
         hidden = model(torch.zeros_like(positions), positions, meta, **extra)
         logits = model.compute_logits(hidden[: min(config.max_num_seqs, tokens)])  # None on ranks 1..
@@ -198,16 +198,24 @@ def _profile_step(config: EngineConfig, model: nn.Module, kv_cache: KVCache) -> 
     return peak
 
 
-def profile_cross_inputs(model: nn.Module, meta: AttentionMetadata, kv_cache: KVCache) -> CrossInputs:
-    """An encoder-decoder model's cross-attention inputs for a pass that keeps nothing (the
-    memory profile's): each prompt of `meta` writes one clip's encoder rows (zeros, to the null
-    slot), and each row reads that many keys (block 0, repeated)."""
+def prefill_cross_inputs(model: nn.Module, meta: AttentionMetadata, kv_cache: KVCache,
+                         clips: list[torch.Tensor] | None = None, first_blocks: list[int] | None = None,
+                         reads: list[int] | None = None) -> CrossInputs:
+    """An encoder-decoder model's cross-attention inputs for a prefill outside the scheduler
+    (`prefill_metadata`'s): each clip's encoder rows `clips[j]` [max_cross_rows, width] are
+    written to consecutive cross blocks from `first_blocks[j]` (allocated by the caller), and
+    every row of prompt i of `meta` reads clip `reads[i]`'s. With no clips, a pass that keeps
+    nothing (the memory profile's): each prompt writes zeros to the null slot and reads block 0."""
     rows, device, size = model.max_cross_rows, kv_cache.device, kv_cache.block_size
-    writes = prefill_metadata([rows] * len(meta.query_lens), kv_cache)
-    tables = torch.zeros(len(meta.positions), -(-rows // size), dtype=torch.int32, device=device)
-    dtype = next(model.parameters()).dtype
-    states = torch.zeros(len(writes.positions), model.cross_width, dtype=dtype, device=device)
-    return CrossInputs(cross_attention_metadata([rows] * len(meta.positions), tables, size), states, writes)
+    prompts = len(meta.query_lens)
+    if clips is None:
+        dtype = next(model.parameters()).dtype
+        clips = [torch.zeros(rows, model.cross_width, dtype=dtype, device=device)] * prompts
+        reads = list(range(prompts))
+    writes = prefill_metadata([rows] * len(clips), kv_cache, first_blocks)
+    per_row = torch.tensor(reads).repeat_interleave(torch.tensor(meta.query_lens)).to(device)
+    tables = writes.block_tables[per_row]
+    return CrossInputs(cross_attention_metadata([rows] * len(per_row), tables, size), torch.cat(clips), writes)
 
 
 def prefill_metadata(lengths: list[int], kv_cache: KVCache, first_blocks: list[int] | None = None) -> AttentionMetadata:

@@ -27,9 +27,10 @@ from engine.lora.request import LoRARequest
 from engine.lora.slots import LoRARange
 from engine.model_loader.loader import load_model
 from engine.models import multimodal_class_for
+from engine.multimodal.audio import PromptAudio, audio_hash
 from engine.multimodal.inputs import MultiModalEmbeds, encoder_inputs_on
 from engine.worker.calibration import (
-    calibration_images, calibration_prompts, layers_wanting_ranges, record_input_ranges,
+    calibration_audio, calibration_images, calibration_prompts, layers_wanting_ranges, record_input_ranges,
 )
 from engine.worker.draft_model_runner import DraftModelRunner
 from engine.worker.kv_cache import KVCache, plan_num_blocks
@@ -80,7 +81,7 @@ class Worker:
             if config.batch_invariant:
                 use_absorbed_attention_only(self.model)
             # Its cache sits beside the target's, in the same budget.
-            self.draft = (DraftModelRunner(config, draft_config, lambda draft: self._calibrate(draft, images=False))
+            self.draft = (DraftModelRunner(config, draft_config, lambda draft: self._calibrate(draft, media=False))
                           if draft_config is not None else None)
             self.kv_cache = KVCache(self.model, config.attention_backend, config.block_size,
                                     cache_torch_dtype(config.kv_cache_dtype), self.device)
@@ -94,10 +95,10 @@ class Worker:
         self.lora_manager = self._make_lora_manager() if config.enable_lora else None
         self.cuda_graphs = self._capture_cuda_graphs()
 
-    def _calibrate(self, model: torch.nn.Module, images: bool = True) -> None:
+    def _calibrate(self, model: torch.nn.Module, media: bool = True) -> None:
         """Measures the input ranges that int8's smoothing reads, when the model has
         projections that want them: one prefill of the calibration text on scratch blocks,
-        and with `images`, a vision-language model's encoder over the calibration pictures
+        and with `media`, a multimodal model's encoder over the calibration pictures or clips
         (a draft model, which reads text, takes none)."""
         if not layers_wanting_ranges(model):
             return
@@ -109,18 +110,25 @@ class Worker:
         scratch = KVCache(model, config.attention_backend, config.block_size,
                           cache_torch_dtype(config.kv_cache_dtype), self.device)
         record_input_ranges(model, scratch, calibration_prompts(tokenizer, self.model_config.max_model_len),
-                            self._calibration_images(tokenizer) if images else [])
+                            self._calibration_items(tokenizer) if media else [])
 
-    def _calibration_images(self, tokenizer: "PreTrainedTokenizerBase") -> list[dict[str, torch.Tensor]]:
-        """A vision-language model's encoder inputs of the calibration pictures (none for a text
-        model, nor for one that reads no images: an audio tower's projections are quantized uncalibrated)."""
+    def _calibration_items(self, tokenizer: "PreTrainedTokenizerBase") -> list[dict[str, torch.Tensor]]:
+        """A multimodal model's encoder inputs of the calibration pictures, where it reads
+        images, else of the calibration clips, where it reads audio (none for a text model)."""
         whole = self.model_config.multimodal_config
         processor_class = multimodal_class_for(whole.architectures).processor_class if whole is not None else None
-        if processor_class is None or "image" not in processor_class.modalities:
+        if processor_class is None:
             return []
         processor = processor_class(self.model_config.path, whole, tokenizer)
-        return [encoder_inputs_on(processor.process_image(image).data, self.device, self.model_config.dtype)
-                for image in calibration_images()]
+        if "image" in processor_class.modalities:
+            items = [processor.process_image(image).data for image in calibration_images()]
+        elif "audio" in processor_class.modalities:
+            rate = processor.audio_limits.sample_rate
+            items = [processor.audio_inputs(PromptAudio(clip, rate, audio_hash(clip, rate)))
+                     for clip in calibration_audio(rate)]
+        else:
+            return []
+        return [encoder_inputs_on(data, self.device, self.model_config.dtype) for data in items]
 
     def _set_up_device(self) -> int:
         """Sets the CPU threads (and batch-invariant products where asked) and logs the

@@ -17,10 +17,13 @@ import transformers
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
+from engine.hardware import detect_cpu
+from engine.layers.linear import Linear
 from engine.model_loader.loader import load_model
 from engine.model_loader.model_config import resolve_model_config
 from engine.models.qwen2_audio import Qwen2AudioProcessor
 from engine.multimodal.audio import read_audio
+from engine.quantization.int8 import Int8LinearMethod
 from tests.audio_models.qwen2_audio import CHUNK_SECONDS, build_tiny_qwen2_audio
 
 RATE = 16_000
@@ -225,3 +228,21 @@ def test_bad_rows_fail_alone_before_any_work(folder):
         assert llm.get_stats().num_steps == 0
         outputs = llm.generate(rows[:1], GREEDY, use_tqdm=False)
         assert len(outputs[0].outputs[0].token_ids) == GREEDY.max_tokens
+
+
+@pytest.mark.skipif(not detect_cpu().int8_vnni, reason="int8 products need VNNI or AMX")
+def test_int8_quantizes_the_audio_tower_calibrated_on_drawn_clips(folder, processor):
+    """int8 covers the audio tower and projector as the decoder, each projection smoothed by
+    the input ranges the calibration clips reached; a clip's rows stay close to float32's."""
+    inputs = [processor.audio_inputs(read_audio(clip)) for clip in clips()]
+    rows = {}
+    for quantization in (None, "int8"):
+        with LLM(str(folder), dtype="float32", quantization=quantization) as llm:
+            model = llm.llm_engine.model_runner.model
+            with torch.inference_mode():
+                rows[quantization] = torch.cat(model.embed_images(inputs))
+    tower = [m for name, m in model.named_modules()
+             if name.startswith(("audio_tower.", "multi_modal_projector.")) and isinstance(m, Linear)]
+    assert tower and all(isinstance(m.quant_method, Int8LinearMethod) and m.smoothing is not None for m in tower)
+    cosine = torch.nn.functional.cosine_similarity(rows[None], rows["int8"], dim=-1)
+    assert cosine.min() > 0.98, cosine.min()

@@ -4,6 +4,7 @@ the engine schedules them (decoder prompts in chunks, preemption and recompute),
 clip encoded once; and the rows it refuses."""
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -12,8 +13,12 @@ import torch
 import transformers
 
 from engine import LLM, BeamSearchParams, SamplingParams
+from engine.hardware import detect_cpu
 from engine.kernels import triton as triton_kernels
-from engine.worker.kv_cache import KVCache, prefill_metadata, profile_cross_inputs
+from engine.layers.linear import Linear
+from engine.quantization import int8_by_default
+from engine.quantization.int8 import Int8LinearMethod
+from engine.worker.kv_cache import KVCache, prefill_metadata, prefill_cross_inputs
 from tests.audio_models.whisper import SAMPLE_RATE, build_tiny_whisper
 
 PROMPTS = [
@@ -194,20 +199,61 @@ def test_beams_and_completions_share_their_cross_blocks(whisper, monkeypatch):
 
 
 def test_default_settings_load_and_run_and_unsupported_ones_are_refused(whisper):
-    """Every setting at its default (the dtype the CPU picks, quantization "auto", which stays
-    off for Whisper): the context is the decoder's max_target_positions, not the encoder's
-    numbers the config's mapped names give; LoRA and an explicit quantization are refused."""
+    """Every setting at its default (the dtype the CPU picks, quantization "auto": int8 where a
+    text model's would be): the context is the decoder's max_target_positions, not the
+    encoder's numbers the config's mapped names give; LoRA and a quantization other than int8
+    are refused."""
     with LLM(str(whisper)) as llm:
         engine = llm.llm_engine
-        assert engine.model_config.max_model_len == 64 and engine.model_config.quantization is None
+        int8 = int8_by_default(torch.device("cpu"), engine.model_config.dtype)
+        assert engine.model_config.max_model_len == 64
+        assert engine.model_config.quantization == ("int8" if int8 else None)
         assert engine.kv_cache_tokens % 16 == 0 and llm.image_placeholder is None
         outputs = llm.generate(rows()[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                                use_tqdm=False)
         assert [len(o.outputs[0].token_ids) for o in outputs] == [4, 4]
     with pytest.raises(ValueError, match="LoRA adapters are not supported for encoder-decoder"):
         LLM(str(whisper), dtype="float32", enable_lora=True)
-    with pytest.raises(ValueError, match="quantization='int8' is not supported"):
-        LLM(str(whisper), dtype="float32", quantization="int8")
+    with pytest.raises(ValueError, match="quantization='fp8' is not supported"):
+        LLM(str(whisper), dtype="float32", quantization="fp8")
+
+
+def test_a_quantized_whisper_checkpoint_is_refused_naming_its_method(whisper, tmp_path):
+    """A checkpoint stored with a method (AWQ here) is refused at load, as an asked-for one is:
+    only int8 at load covers the encoder and the decoder."""
+    folder = tmp_path / "whisper-awq"
+    shutil.copytree(whisper, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemm"}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="quantization='awq' is not supported for WhisperForConditionalGeneration"):
+        LLM(str(folder))
+
+
+@pytest.mark.skipif(not detect_cpu().int8_vnni, reason="int8 products need VNNI or AMX")
+def test_int8_covers_encoder_and_decoder_calibrated_on_drawn_clips(whisper):
+    """int8 quantizes every projection of the encoder and the decoder, each smoothed by the
+    input ranges reached on the calibration clips and text (the decoder attending to the
+    clips' encoder rows, which its cross-attention keys and values are made of); the encoder's
+    rows and the prompt tokens' log-probabilities stay close to float32's."""
+    extractor = transformers.WhisperFeatureExtractor.from_pretrained(whisper)
+    features = extractor(clips(), sampling_rate=SAMPLE_RATE, return_tensors="pt").input_features
+    scored = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    encoded, logprobs = {}, {}
+    for quantization in (None, "int8"):
+        with LLM(str(whisper), dtype="float32", quantization=quantization) as llm:
+            model = llm.llm_engine.model_runner.model
+            with torch.inference_mode():
+                encoded[quantization] = torch.stack(model.embed_images([{"input_features": features}]))
+            outputs = llm.generate(rows(), scored, use_tqdm=False)
+            logprobs[quantization] = [[next(iter(p.values())).logprob for p in o.prompt_logprobs[1:]] for o in outputs]
+    projections = [m for name, m in model.named_modules() if isinstance(m, Linear) and name != "proj_out"]
+    assert len(projections) == 2 * 6 + 2 * 10  # 6 in each encoder layer, 10 in each decoder layer
+    assert all(isinstance(m.quant_method, Int8LinearMethod) and m.smoothing is not None for m in projections)
+    cosine = torch.nn.functional.cosine_similarity(encoded[None], encoded["int8"], dim=-1)
+    assert cosine.min() > 0.98, cosine.min()
+    gaps = [abs(a - b) for ours, theirs in zip(logprobs[None], logprobs["int8"]) for a, b in zip(ours, theirs)]
+    assert max(gaps) < 0.15, gaps
 
 
 def test_the_memory_profile_runs_the_decoder_with_stand_in_cross_inputs(whisper):
@@ -219,7 +265,7 @@ def test_the_memory_profile_runs_the_decoder_with_stand_in_cross_inputs(whisper)
         scratch = KVCache(model, "torch", 16, torch.float32, torch.device("cpu"))
         scratch.allocate(1)
         meta = prefill_metadata([5, 3], scratch)
-        cross = profile_cross_inputs(model, meta, scratch)
+        cross = prefill_cross_inputs(model, meta, scratch)
         assert cross.states.shape == (200, 64) and cross.meta.context_lens == [100] * 8
         scratch.backend.prepare(meta)
         scratch.backend.prepare(cross.meta)
