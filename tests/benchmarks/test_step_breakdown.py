@@ -1,0 +1,40 @@
+"""benchmarks/step_breakdown.py: its timer charges each call to its innermost timed part, and a
+run on a tiny model wraps the engine's methods it names (a renamed one would fail here, not on
+the machine a breakdown is taken on), with parts that add up to the wall time."""
+
+import time
+
+from benchmarks import roofline as rl
+from benchmarks.step_breakdown import (
+    DECODE_ATTENTION, HOST, OUTSIDE, PARTS, PREFILL_ATTENTION, PRODUCTS, SAMPLING, PartTimes, measure, report,
+)
+from benchmarks.workloads import Workload
+
+
+def test_a_call_is_charged_its_time_less_its_timed_calls():
+    times = PartTimes()
+    inner = times.timed(lambda: time.sleep(0.02), "inner")
+    by_argument = times.timed(lambda part: time.sleep(0.01), lambda part: part)
+
+    def outer_body():
+        time.sleep(0.03)
+        inner()
+        by_argument("named by its argument")
+
+    times.timed(outer_body, "outer")()
+    assert times.calls == {"outer": 1, "inner": 1, "named by its argument": 1}
+    assert 0.03 <= times.seconds["outer"] < 0.058  # with its timed calls' 0.03 s it would be at least 0.06
+    assert times.seconds["inner"] >= 0.02 and times.seconds["named by its argument"] >= 0.01
+
+
+def test_a_run_on_a_tiny_model_times_every_part_and_adds_up(make_llm, tiny_models, capsys):
+    llm = make_llm("llama", dtype="float32", max_num_batched_tokens=64)
+    prompts = [[(7 * i + j) % 200 + 3 for j in range(length)] for i, length in enumerate([90, 12, 40])]
+    workload = Workload("t", "three prompts, one longer than a step", prompts, [6, 9, 4], warmup=[[5, 6, 7]])
+    run = measure(llm, workload)
+    assert set(run.parts) == set(PARTS)
+    assert all(run.parts[part] > 0 for part in (PRODUCTS, PREFILL_ATTENTION, DECODE_ATTENTION, SAMPLING, HOST))
+    assert abs(sum(run.parts.values()) - run.seconds) < 1e-9 and 0 <= run.parts[OUTSIDE] < run.seconds
+    report(run, rl.model_shape(tiny_models["llama"]), rl.MachineRates({"float32": 1e11}, 1e10), 3.6)
+    printed = capsys.readouterr().out
+    assert "not a matrix product" in printed and "of that CPU's roofline" in printed
