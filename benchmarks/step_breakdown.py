@@ -12,7 +12,9 @@ the parts add up to the wall time:
 - products: the engine's projections (`Linear`, the gated MLP, whose fused int8 kernel also
   applies the activation) and the language-model head;
 - attention in steps with prompt rows (prefill, and decode rows that share such a step),
-  attention in decode-only steps, and the writes of keys and values into the cache;
+  attention in decode-only steps, and the writes of keys and values into the cache (where a
+  backend rotates, writes and attends in one call, `rotate_and_attend`, the rotation and the
+  writes count as its attention);
 - the rest of the forward pass: norms, rotary, residual adds, embedding and glue;
 - sampling (logits to tokens);
 - host: the rest of a step (scheduling, step inputs, output processing, detokenizing);
@@ -86,8 +88,9 @@ class PartTimes:
         return call
 
 
-def _attention_part(backend, layer, q, meta) -> str:
-    return PREFILL_ATTENTION if max(meta.query_lens) > 1 else DECODE_ATTENTION
+def _attention_part(*args) -> str:
+    """The attention part of a backend call (its last argument is the step's metadata)."""
+    return PREFILL_ATTENTION if max(args[-1].query_lens) > 1 else DECODE_ATTENTION
 
 
 @contextlib.contextmanager
@@ -105,7 +108,8 @@ def timing(llm: LLM, times: PartTimes) -> Iterator[None]:
         return LM_HEAD if isinstance(layer, ParallelLMHead) else PRODUCTS
 
     targets = [(Linear, "forward", product), (LlamaMLP, "forward", PRODUCTS), (ParallelLMHead, "logits", LM_HEAD),
-               (backend, "forward", _attention_part), (backend, "write_kv", KV_WRITES),
+               (backend, "forward", _attention_part), (backend, "rotate_and_attend", _attention_part),
+               (backend, "write_kv", KV_WRITES),
                (Worker, "execute_model", FORWARD_REST), (type(runner.sampler), "sample", SAMPLING),
                (type(engine), "step", HOST)]
     with contextlib.ExitStack() as stack:

@@ -18,7 +18,7 @@ runs once per step.
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -103,6 +103,16 @@ class AttentionMetadata:
         return [c - q for c, q in zip(self.context_lens, self.query_lens)]
 
 
+class Rotation(Protocol):
+    """What rotates a layer's queries and keys by their positions: rotation(positions, x
+    [tokens, heads, head_dim]) -> the same shape. A rotation by one position per token from
+    float32 tables (`engine.layers.rotary.RotaryEmbedding`) also has `tables`, its cos and
+    (signed) sin [positions, rotary_dim], which a backend's fused pass may read instead
+    (`AttentionBackend.rotate_and_attend`); any other has none."""
+
+    def __call__(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor: ...
+
+
 class AttentionBackend:
     """How attention runs: the cache layout, writing new keys and values, attending."""
 
@@ -128,6 +138,19 @@ class AttentionBackend:
     def forward(self, layer: "Attention", q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Attention of q [tokens, heads, head_dim] over `layer`'s caches."""
         raise NotImplementedError
+
+    def rotate_and_attend(self, layer: "Attention", qkv: torch.Tensor, positions: torch.Tensor,
+                          rotation: Rotation, meta: AttentionMetadata) -> torch.Tensor:
+        """The attention block between a decoder layer's two products: `qkv` [tokens, (heads +
+        2 kv_heads) * head_dim] (a fused projection's queries, keys and values side by side),
+        its queries and keys rotated by `rotation`, its keys and values written, and the
+        queries' attention, [tokens, heads * head_dim]. Here those steps one after the other;
+        a backend with a kernel for the whole of it overrides this (the same bits)."""
+        heads, kv_heads, dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
+        qk, v = qkv.split([(heads + kv_heads) * dim, kv_heads * dim], dim=-1)
+        q, k = rotation(positions, qk.view(-1, heads + kv_heads, dim)).split([heads, kv_heads], dim=1)
+        self.write_kv(layer, k, v.view(-1, kv_heads, dim), meta)
+        return self.forward(layer, q, meta).view(-1, heads * dim)
 
     def forward_latent(self, layer: "Attention", q: torch.Tensor, meta: AttentionMetadata,
                        latent: int) -> torch.Tensor:
@@ -206,6 +229,13 @@ class Attention(nn.Module):
         """`q` [tokens, heads, head_dim], `k`/`v` [tokens, kv_heads, head_dim]."""
         self.backend.write_kv(self, k, v, meta)
         return self.backend.forward(self, q, meta)
+
+    def rotate_and_attend(self, qkv: torch.Tensor, positions: torch.Tensor, rotation: Rotation,
+                          meta: AttentionMetadata) -> torch.Tensor:
+        """`qkv` [tokens, (heads + 2 kv_heads) * head_dim], a fused projection's output: the
+        queries and keys rotated, the keys and values cached, the queries' attention [tokens,
+        heads * head_dim] (`AttentionBackend.rotate_and_attend`)."""
+        return self.backend.rotate_and_attend(self, qkv, positions, rotation, meta)
 
 
 @dataclass

@@ -42,3 +42,25 @@ def store_kv(x: torch.Tensor, cache: torch.Tensor, scale: torch.Tensor, slots: t
     quantized per (token, KV head) with the scales into `scale` [kv_heads, slots], the same
     bits as `engine.kernels.kv_cache_quant.quantize`."""
     cpu_build.load().store_kv(x if x.stride(2) == 1 else x.contiguous(), cache, scale, slots)
+
+
+def rotary_cache_attention(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, positions: torch.Tensor,
+                           cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           slots: torch.Tensor, block_tables: torch.Tensor, row_seq: torch.Tensor,
+                           row_keys: torch.Tensor, block_size: int, scale: float,
+                           sliding_window: int | None = None, softcap: float | None = None,
+                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                           sinks: torch.Tensor | None = None, chunk_size: int | None = None) -> torch.Tensor:
+    """The attention block between a decoder layer's two products in one call: `qkv` [tokens,
+    (num_heads + 2 num_kv_heads) * head_dim] (a fused projection's queries, keys and values
+    side by side), the queries and keys rotated by rows `positions` of the cos/sin tables (as
+    `engine.kernels.cpu_rotary.rotary`), the keys and values written at `slots` (as `store_kv`),
+    then `paged_attention` of the queries (its arguments). Returns [tokens, num_heads * head_dim]:
+    the same bits as those calls one after the other, without their three returns to Python
+    and the views between them."""
+    none = torch.empty(0)
+    return cpu_build.load().rotary_cache_attention(
+        qkv if qkv.stride(-1) == 1 else qkv.contiguous(), num_heads, num_kv_heads, positions, cos, sin, k_cache,
+        v_cache, none if k_scale is None else k_scale, none if v_scale is None else v_scale, slots, block_tables,
+        row_seq, row_keys, none if sinks is None else sinks, block_size, scale, sliding_window or 0, chunk_size or 0,
+        softcap or 0.0)

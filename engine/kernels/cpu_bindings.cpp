@@ -13,6 +13,13 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 
 void store_kv(const at::Tensor& x, at::Tensor& cache, at::Tensor& scales, const at::Tensor& slots);
 
+at::Tensor rotary_cache_attention(const at::Tensor& qkv, int64_t heads, int64_t kv_heads, const at::Tensor& positions,
+                                  const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                                  at::Tensor& v_cache, at::Tensor& k_scale, at::Tensor& v_scale,
+                                  const at::Tensor& slots, const at::Tensor& block_tables, const at::Tensor& row_seq,
+                                  const at::Tensor& row_keys, const at::Tensor& sinks, int64_t block_size,
+                                  double scale, int64_t sliding_window, int64_t chunk_size, double softcap);
+
 at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& topk_weights, const at::Tensor& topk_ids,
                      const std::vector<at::Tensor>& w13, const std::vector<at::Tensor>& w2, int64_t min_rows);
 
@@ -38,6 +45,8 @@ at::Tensor rotary(const at::Tensor& positions, const at::Tensor& x, const at::Te
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Paged attention over a block table (CPU)");
+  m.def("rotary_cache_attention", &rotary_cache_attention,
+        "Rotary, cache writes and paged attention of a fused q/k/v projection's output (CPU)");
   m.def("store_kv", &store_kv, "Keys or values into the paged cache, int8 quantized per token and head (CPU)");
   m.def("fused_moe", &fused_moe, "Routed experts on oneDNN-prepacked matrices (CPU)");
   m.def("fused_moe_int8", &fused_moe_int8, "Routed experts on int8 matrices (CPU)");

@@ -30,7 +30,7 @@ _HERE = Path(__file__).parent
 _SOURCES = [_HERE / name for name in ("cpu_paged_attention.cpp", "cpu_fused_moe.cpp", "cpu_rms_norm.cpp",
                                            "cpu_rotary.cpp", "cpu_activation.cpp", "cpu_int8.cpp",
                                            "cpu_bindings.cpp")]
-_HEADERS = [_HERE / "cpu_vector.h", _HERE / "cpu_int8.h", _HERE / "cpu_activation.h"]
+_HEADERS = [_HERE / "cpu_vector.h", _HERE / "cpu_int8.h", _HERE / "cpu_activation.h", _HERE / "cpu_rotary.h"]
 
 
 @functools.cache

@@ -28,6 +28,7 @@
 #include <utility>
 #include <vector>
 
+#include "cpu_rotary.h"
 #include "cpu_vector.h"
 
 namespace {
@@ -652,4 +653,83 @@ void store_kv(const at::Tensor& x, at::Tensor& cache, at::Tensor& scales, const 
     dispatch_cache_type(cache.scalar_type(),
                         [&](auto element) { store<source_t, decltype(element)>(x, cache, scales, slot_list); });
   });
+}
+
+namespace {
+
+// Row t of `qkv` [rows, (heads + 2 kv_heads) * dim] (its queries, keys and values side by
+// side): its query heads rotated into q [rows, heads, dim], its key heads rotated and its value
+// heads as they are into the caches at slots[t]; `rotary` and `store_kv` twice, the same bits,
+// in one pass over the rows.
+template <typename scalar_t, typename cache_t>
+void rotate_and_store(const at::Tensor& qkv, int64_t heads, int64_t kv_heads, const at::Tensor& positions,
+                      const at::Tensor& cos, const at::Tensor& sin, at::Tensor& q, at::Tensor& k_cache,
+                      at::Tensor& v_cache, at::Tensor& k_scale, at::Tensor& v_scale, const at::Tensor& slots) {
+  const int64_t dim = q.size(2), rot = cos.size(1), table_rows = cos.size(0), num_slots = k_cache.size(1);
+  const int64_t row_stride = qkv.stride(0);
+  const scalar_t* xp = qkv.data_ptr<scalar_t>();
+  scalar_t* qp = q.data_ptr<scalar_t>();
+  cache_t *kp = k_cache.data_ptr<cache_t>(), *vp = v_cache.data_ptr<cache_t>();
+  float* ks = kScaled<cache_t> ? k_scale.data_ptr<float>() : nullptr;
+  float* vs = kScaled<cache_t> ? v_scale.data_ptr<float>() : nullptr;
+  const int64_t *pp = positions.data_ptr<int64_t>(), *slot_of = slots.data_ptr<int64_t>();
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  at::parallel_for(0, qkv.size(0), 16, [&](int64_t t0, int64_t t1) {
+    std::vector<scalar_t> key(dim);
+    for (int64_t t = t0; t < t1; ++t) {
+      TORCH_CHECK(pp[t] >= 0 && pp[t] < table_rows, "position ", pp[t], " beyond the rotary table");
+      const scalar_t* row = xp + t * row_stride;
+      const float *c = cp + pp[t] * rot, *s = sp + pp[t] * rot;
+      for (int64_t h = 0; h < heads; ++h) rotate(row + h * dim, c, s, rot, dim, qp + (t * heads + h) * dim);
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        const int64_t vector = h * num_slots + slot_of[t];
+        rotate(row + (heads + h) * dim, c, s, rot, dim, key.data());
+        store_vector(key.data(), dim, kp + vector * dim, ks ? ks + vector : nullptr);
+        store_vector(row + (heads + kv_heads + h) * dim, dim, vp + vector * dim, vs ? vs + vector : nullptr);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// The attention block between a decoder layer's two products, in one call: `qkv` [rows,
+// (heads + 2 kv_heads) * dim] (the fused projection's output, rows of features contiguous),
+// each row's queries and keys rotated by positions[row] of cos and sin [positions, rot] (as
+// `rotary`), its keys and values written to the caches at slots[row] (as `store_kv`), then
+// `paged_attention` of the queries (its other arguments). Returns [rows, heads * dim], the
+// same bits as those calls one after the other.
+at::Tensor rotary_cache_attention(const at::Tensor& qkv, int64_t heads, int64_t kv_heads, const at::Tensor& positions,
+                                  const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                                  at::Tensor& v_cache, at::Tensor& k_scale, at::Tensor& v_scale,
+                                  const at::Tensor& slots, const at::Tensor& block_tables, const at::Tensor& row_seq,
+                                  const at::Tensor& row_keys, const at::Tensor& sinks, int64_t block_size,
+                                  double scale, int64_t sliding_window, int64_t chunk_size, double softcap) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && heads > 0 && kv_heads > 0 &&
+              qkv.size(1) % (heads + 2 * kv_heads) == 0, "qkv [rows, (heads + 2 kv_heads) * dim]");
+  const int64_t rows = qkv.size(0), dim = qkv.size(1) / (heads + 2 * kv_heads);
+  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == rows && slots.dim() == 1 && slots.size(0) == rows &&
+              slots.scalar_type() == at::kLong, "positions and int64 slots [rows]");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.sizes() == sin.sizes() &&
+              cos.size(1) <= dim && cos.size(1) % 2 == 0, "cos and sin [positions, rot] float32");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type() &&
+              k_cache.size(0) == kv_heads && k_cache.size(2) == dim && v_cache.sizes() == k_cache.sizes(),
+              "caches [kv_heads, slots, dim] in one dtype");
+  TORCH_CHECK(k_cache.scalar_type() != at::kChar ||
+              (k_scale.scalar_type() == at::kFloat && k_scale.is_contiguous() && v_scale.is_contiguous() &&
+               k_scale.numel() == k_cache.size(0) * k_cache.size(1) && v_scale.numel() == k_scale.numel()),
+              "an int8 cache takes float32 scales [kv_heads, slots]");
+  at::Tensor q = at::empty({rows, heads, dim}, qkv.options());
+  const at::Tensor pos = positions.to(at::kLong).contiguous(), c = cos.contiguous(), s = sin.contiguous();
+  const at::Tensor slot_list = slots.contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rotary_cache_attention", [&] {
+    using source_t = scalar_t;
+    dispatch_cache_type(k_cache.scalar_type(), [&](auto cache) {
+      rotate_and_store<source_t, decltype(cache)>(qkv, heads, kv_heads, pos, c, s, q, k_cache, v_cache, k_scale,
+                                                  v_scale, slot_list);
+    });
+  });
+  return paged_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, row_seq, row_keys, sinks, block_size,
+                         scale, sliding_window, chunk_size, softcap)
+      .view({rows, heads * dim});
 }

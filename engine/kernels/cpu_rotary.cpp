@@ -9,38 +9,9 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#include "cpu_vector.h"
+#include "cpu_rotary.h"
 
-namespace {
-
-using namespace engine_cpu;
-
-// out[0:rot] = x * cos + roll(x, rot / 2) * sin; out[rot:dim] = x[rot:dim].
-template <typename scalar_t>
-void rotate(const scalar_t* x, const float* cos, const float* sin, int64_t rot, int64_t dim, scalar_t* out) {
-  const int64_t half = rot / 2;
-  int64_t d = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-  if constexpr (kVector8<scalar_t>) {
-    if (half % 8 == 0) {
-      for (; d < rot; d += 8) {
-        const __m256 rolled = load8(x + (d < half ? d + half : d - half));
-        const __m256 a = round8<scalar_t>(_mm256_mul_ps(load8(x + d), round8<scalar_t>(_mm256_loadu_ps(cos + d))));
-        const __m256 b = round8<scalar_t>(_mm256_mul_ps(rolled, round8<scalar_t>(_mm256_loadu_ps(sin + d))));
-        store8(out + d, _mm256_add_ps(a, b));
-      }
-    }
-  }
-#endif
-  for (; d < rot; ++d) {
-    const auto as = [](float v) { return static_cast<float>(static_cast<scalar_t>(v)); };
-    const float rolled = static_cast<float>(x[d < half ? d + half : d - half]);
-    out[d] = static_cast<scalar_t>(as(static_cast<float>(x[d]) * as(cos[d])) + as(rolled * as(sin[d])));
-  }
-  std::copy(x + rot, x + dim, out + rot);
-}
-
-}  // namespace
+using engine_cpu::rotate;
 
 // x [tokens, heads, dim] (any token and head strides, features contiguous) rotated by rows
 // positions[t] of cos and sin [positions, rot] (float32; sin signed as RotaryEmbedding

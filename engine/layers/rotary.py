@@ -194,6 +194,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
+    @property
+    def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The float32 cos and signed sin tables [positions, rotary_dim], for an attention
+        backend that rotates in a fused pass of its own (`AttentionBackend.rotate_and_attend`),
+        rounding as `forward` does."""
+        return self.cos, self.sin
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Rotates `x` [tokens, heads, head_dim]; pass queries and keys together."""
         if self.kernel is not None:

@@ -155,14 +155,14 @@ class LlamaAttention(nn.Module):
                 kept_rows: torch.Tensor | None = None) -> torch.Tensor:
         """The attention output of every row, or of `kept_rows` alone (every row's key and
         value still go to the cache)."""
-        qk, v = self.qkv_proj(hidden).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        qk = qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
-        q, k = self.rotary[0](positions, qk).split([self.num_heads, self.num_kv_heads], dim=1)
-        out = self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim), meta).view(-1, self.q_size)
+        rotation = self._normed_rotation if self.qk_norm else self.rotary[0]
+        out = self.attn.rotate_and_attend(self.qkv_proj(hidden), positions, rotation, meta)
         return self.o_proj(out if kept_rows is None else out[kept_rows])
+
+    def _normed_rotation(self, positions: torch.Tensor, qk: torch.Tensor) -> torch.Tensor:
+        """The queries' and keys' RMSNorms (Qwen3, OLMo 2's per-head norms), then the rotation."""
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        return self.rotary[0](positions, torch.cat((self.q_norm(q), self.k_norm(k)), dim=1))
 
 
 def activation_of(config: PretrainedConfig) -> str:

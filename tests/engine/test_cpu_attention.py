@@ -15,6 +15,7 @@ from engine.attention.backends.torch_attn import matmul_attention
 from engine.attention.layer import Attention
 import engine.attention.selector as attention_selector
 from engine.kernels import cpu_attention, cpu_build
+from engine.kernels.cpu_rotary import rotary as cpu_rotary
 
 # On two threads or more: the kernels' split of the work across threads is tested too.
 pytestmark = [pytest.mark.cpu_kinds, pytest.mark.usefixtures("two_threads")]
@@ -129,3 +130,88 @@ def test_a_failed_build_is_reported_and_not_raised(monkeypatch, caplog):
 def test_unknown_backend_is_refused():
     with pytest.raises(ValueError, match="attention_backend"):
         LLM(attention_backend="flash")
+
+
+def rotary_tables(rot: int, positions: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random float32 cos and sin tables [positions, rot] (the kernels take any values)."""
+    return torch.randn(positions, rot), torch.randn(positions, rot)
+
+
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                               (torch.float32, torch.bfloat16), (torch.bfloat16, torch.int8)])
+@pytest.mark.parametrize("rot,window,softcap,sinks", [(64, None, None, False), (32, 7, 30.0, True)])
+def test_one_call_rotates_caches_and_attends_as_the_three_calls(kernel, dtype, cache_dtype, rot, window, softcap,
+                                                                sinks):
+    """`rotary_cache_attention` over a fused projection's output: the same bits, in the output
+    and in the caches (and an int8 cache's scales), as rotary, two cache writes and paged
+    attention one after the other; a partial rotation, a window, a soft-cap and sinks pass through."""
+    rng = random.Random(2)
+    torch.manual_seed(2)
+    heads, kv_heads = 9, 3
+    k_cache, v_cache, seqs = paged_case(rng, torch.float32)
+    tables, row_seq, row_keys = kernel_rows(seqs)
+    positions = row_keys - 1
+    slots = torch.cat([torch.tensor(blocks)[torch.arange(context - new, context) // BLOCK] * BLOCK
+                       + torch.arange(context - new, context) % BLOCK for new, context, blocks in seqs])
+    qkv = torch.randn(len(positions), (heads + 2 * kv_heads) * 64).to(dtype)
+    cos, sin = rotary_tables(rot)
+    head_sinks = torch.randn(heads) if sinks else None
+    scaled = cache_dtype == torch.int8
+    caches = [[c.to(cache_dtype) for c in (k_cache, v_cache)]
+              + [torch.ones(kv_heads, k_cache.shape[1]) if scaled else None for _ in range(2)] for _ in range(2)]
+
+    ks, vs, k_scale, v_scale = caches[0]
+    rotated = cpu_rotary(positions, qkv[:, : (heads + kv_heads) * 64].view(-1, heads + kv_heads, 64), cos, sin)
+    q, k = rotated.split([heads, kv_heads], dim=1)
+    none = torch.empty(0)
+    kernel.store_kv(k, ks, none if k_scale is None else k_scale, slots)
+    kernel.store_kv(qkv[:, (heads + kv_heads) * 64:].view(-1, kv_heads, 64), vs, none if v_scale is None else v_scale,
+                    slots)
+    expected = kernel.paged_attention(q, ks, vs, tables, row_seq, row_keys, BLOCK, 0.125, window, softcap, k_scale,
+                                      v_scale, head_sinks).view(len(qkv), -1)
+
+    ks2, vs2, k_scale2, v_scale2 = caches[1]
+    got = kernel.rotary_cache_attention(qkv, heads, kv_heads, positions, cos, sin, ks2, vs2, slots, tables, row_seq,
+                                        row_keys, BLOCK, 0.125, window, softcap, k_scale2, v_scale2, head_sinks)
+    assert torch.equal(got, expected)
+    assert torch.equal(ks2, ks) and torch.equal(vs2, vs)
+    if scaled:
+        assert torch.equal(k_scale2, k_scale) and torch.equal(v_scale2, v_scale)
+
+
+def test_the_cpu_backend_takes_a_table_rotation_in_one_call_and_any_other_in_steps(kernel, monkeypatch):
+    """`CpuAttentionBackend.rotate_and_attend`: a `RotaryEmbedding` (which has tables) goes to
+    the one compiled call, a rotation without tables (Qwen3's normed one, M-RoPE) through the
+    steps; both give the bits of the steps."""
+    from engine.attention.backends.cpu_attn import CpuAttentionBackend
+    from engine.attention.layer import AttentionMetadata
+    from engine.layers.rotary import RotaryEmbedding
+
+    rng = random.Random(3)
+    torch.manual_seed(3)
+    k_cache, v_cache, seqs = paged_case(rng, torch.bfloat16)
+    tables, row_seq, row_keys = kernel_rows(seqs)
+    lengths = [new for new, _, _ in seqs]
+    slots = torch.cat([torch.tensor(blocks)[torch.arange(context - new, context) // BLOCK] * BLOCK
+                       + torch.arange(context - new, context) % BLOCK for new, context, blocks in seqs])
+    meta = AttentionMetadata(slot_mapping=slots, query_start_loc=torch.tensor([0, *torch.tensor(lengths).cumsum(0)]),
+                             seq_lens=torch.tensor([c for _, c, _ in seqs]), block_tables=tables,
+                             positions=row_keys - 1, query_lens=lengths, context_lens=[c for _, c, _ in seqs],
+                             block_size=BLOCK)
+    backend = CpuAttentionBackend(null_slot=0)
+    backend.prepare(meta)
+    rotary = RotaryEmbedding(64, 256, {"rope_theta": 10000.0})
+    rotary.kernel = cpu_rotary
+    calls, fused = [], kernel.rotary_cache_attention
+    monkeypatch.setattr(cpu_attention, "rotary_cache_attention",
+                        lambda *args, **kwargs: calls.append(1) or fused(*args, **kwargs))
+    qkv = torch.randn(len(slots), 15 * 64).to(torch.bfloat16)
+    outputs = []
+    for rotation in (rotary, lambda positions, x: rotary(positions, x)):
+        layer = Attention(num_heads=9, head_dim=64, num_kv_heads=3)
+        layer.k_cache, layer.v_cache = k_cache.clone(), v_cache.clone()
+        layer.k_scale = layer.v_scale = torch.empty(0)
+        layer.backend = backend
+        outputs.append((layer.rotate_and_attend(qkv, meta.positions, rotation, meta), layer.k_cache, layer.v_cache))
+    assert calls == [1]
+    assert all(torch.equal(a, b) for a, b in zip(*outputs))

@@ -1,7 +1,8 @@
 """The CPU attention backend: the compiled paged-attention kernel of
 `engine.kernels.cpu_attention`, reading keys and values straight from the cache through
 the block table, one (row tile, KV head) task at a time; a row's result does not depend on
-the rest of the step. The layer's sliding window, attention chunk, soft-cap and sinks go to
+the rest of the step. A decoder layer's rotation, cache writes and attention run as one call
+where its rotation is a table's (`rotate_and_attend`). The layer's sliding window, attention chunk, soft-cap and sinks go to
 the kernel, which reads only the keys a row sees; it reads float32, bfloat16, float16 and
 int8 caches (with their scales) as they are stored."""
 
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention.backends.torch_attn import TorchAttentionBackend
-from engine.attention.layer import Attention, AttentionMetadata
+from engine.attention.layer import Attention, AttentionMetadata, Rotation
 from engine.kernels import cpu_attention
 
 
@@ -47,3 +48,17 @@ class CpuAttentionBackend(TorchAttentionBackend):
                                              rows.row_keys, meta.block_size, layer.scale, layer.sliding_window,
                                              layer.logit_softcap, layer.k_scale, layer.v_scale, layer.sinks,
                                              layer.attention_chunk_size)
+
+    def rotate_and_attend(self, layer: Attention, qkv: torch.Tensor, positions: torch.Tensor, rotation: Rotation,
+                          meta: AttentionMetadata) -> torch.Tensor:
+        """One compiled call (`cpu_attention.rotary_cache_attention`) where `rotation` has
+        tables; else the steps one after the other."""
+        tables = getattr(rotation, "tables", None)
+        if tables is None:
+            return super().rotate_and_attend(layer, qkv, positions, rotation, meta)
+        rows = meta.backend_data
+        return cpu_attention.rotary_cache_attention(
+            qkv, layer.num_heads, layer.num_kv_heads, positions, *tables, layer.k_cache, layer.v_cache,
+            meta.slot_mapping, rows.block_tables, rows.row_seq, rows.row_keys, meta.block_size, layer.scale,
+            layer.sliding_window, layer.logit_softcap, layer.k_scale, layer.v_scale, layer.sinks,
+            layer.attention_chunk_size)
