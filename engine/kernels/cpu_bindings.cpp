@@ -43,6 +43,8 @@ at::Tensor act_and_mul(const at::Tensor& x, bool gelu);
 
 at::Tensor rotary(const at::Tensor& positions, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 
+at::Tensor argmax_rows(const at::Tensor& logits);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Paged attention over a block table (CPU)");
   m.def("rotary_cache_attention", &rotary_cache_attention,
@@ -53,6 +55,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm with the residual add fused in (CPU)");
   m.def("int8_linear", &int8_linear, "x times an int8 weight, x smoothed and quantized per row (CPU)");
   m.def("int8_gated_mlp", &int8_gated_mlp, "A gated MLP on int8 weights, activated between the products (CPU)");
+  m.def("argmax_rows", &argmax_rows, "Each row's argmax of float32 logits, as torch.argmax (CPU)");
   m.def("rotary", &rotary, "Rotary position embedding (CPU)");
   m.def("act_and_mul", &act_and_mul, "The MLP's gated activation, act(gate) * up (CPU)");
 }

@@ -12,6 +12,7 @@ from typing import Protocol
 
 import torch
 
+from engine.kernels import cpu_sampling
 from engine.sampling_params import logprobs_count
 from engine.structured_output.manager import GrammarBitmask
 
@@ -194,6 +195,18 @@ def top_k_top_p_for(device: torch.device) -> TopKTopP:
     return GrowingWindow() if device.type == "cpu" else FixedWindow()
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax of float32 logits [rows, vocab] (torch.argmax's index), int64: on a
+    CPU the compiled kernel's (`engine.kernels.cpu_sampling`), where it is built, since
+    PyTorch's reads the rows at a few GB/s there (0.7 ms a step for 32 rows of 49,152 on a Zen
+    4, 4.2 ms for 64 on a Sapphire Rapids); elsewhere PyTorch's."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.numel():
+        tokens = cpu_sampling.argmax_rows(logits)
+        if tokens is not None:
+            return tokens
+    return logits.argmax(dim=-1)
+
+
 class Sampler:
     """Processors, penalties, temperature, min-p, top-k and top-p for a whole batch.
 
@@ -226,7 +239,7 @@ class Sampler:
             # Logprobs are of the raw logits, and the caller's tensor stays as it was: work
             # in place only on the float32 copy that the upcast made.
             processed = self.process(raw.clone() if wants_logprobs or raw is logits else raw, meta)
-        tokens = processed.argmax(dim=-1) if meta.all_greedy else self._sample(processed, meta)
+        tokens = greedy_tokens(processed) if meta.all_greedy else self._sample(processed, meta)
         return SamplerOutput(tokens, token_logprobs(raw, tokens, meta.num_logprobs) if wants_logprobs else None)
 
     @staticmethod
@@ -257,7 +270,7 @@ class Sampler:
         """
         tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
         if meta.greedy_rows is not None:
-            tokens.index_copy_(0, meta.greedy_rows, logits.index_select(0, meta.greedy_rows).argmax(dim=-1))
+            tokens.index_copy_(0, meta.greedy_rows, greedy_tokens(logits.index_select(0, meta.greedy_rows)))
         for group in meta.draws:
             scaled = logits.index_select(0, group.rows).div_(group.temperatures.unsqueeze(1))
             if group.min_ps is not None:

@@ -31,6 +31,7 @@ from engine.kernels.kv_cache_quant import cache_torch_dtype
 from engine.model_loader.folder import resolve_model_path
 from engine.model_loader.loader import load_model
 from engine.model_loader.model_config import resolve_model_config
+from engine.sample.sampler import greedy_tokens
 from engine.spec_decode.draft_model import DraftState
 from engine.worker.input_batch import InputBatch, KeptRows, upload
 from engine.worker.kv_cache import KVCache
@@ -161,4 +162,4 @@ class DraftModelRunner:
         kept = KeptRows.of([end - 1 for end in ends], ends[-1], self.device)
         self.kv_cache.backend.prepare(meta)
         logits = self.model.compute_logits(self.model(ids, meta.positions, meta, kept.index))
-        return logits[:, : self.model_config.hf_config.vocab_size].argmax(dim=-1)
+        return greedy_tokens(logits[:, : self.model_config.hf_config.vocab_size])

@@ -730,3 +730,26 @@ def test_unseeded_rows_follow_the_engine_generator():
 
     assert run(5) == run(5)
     assert run(5) != run(6)
+
+
+def test_greedy_tokens_are_torch_argmax_on_hostile_rows():
+    """The compiled argmax (on a CPU where it is built) gives torch.argmax's index: the first of
+    tied largest values, a row's first NaN, index 0 for a row of -inf, widths that are not a
+    multiple of the vector, a row's last entry, a strided view."""
+    from engine.kernels import cpu_build, cpu_sampling
+    from engine.sample.sampler import greedy_tokens
+
+    assert (cpu_sampling.argmax_rows(torch.zeros(1, 3)) is None) == (cpu_build.load() is None)
+    torch.manual_seed(0)
+    for width in (1, 7, 8, 13, 49152):
+        logits = torch.randn(12, width)
+        logits[1] = float("-inf")
+        logits[2, -1] = 1e30
+        if width > 3:
+            logits[3, [1, 3]] = 1e9
+            logits[4, [2, width - 1]] = float("nan")
+            logits[5] = float("-inf")
+            logits[5, 2], logits[5, 3] = -0.0, 0.0
+            logits[6, width // 2] = float("inf")
+        for rows in (logits, logits[::2], logits[:, : max(1, width - 1)]):
+            assert torch.equal(greedy_tokens(rows), rows.argmax(dim=-1)), width
