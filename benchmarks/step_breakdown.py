@@ -122,11 +122,13 @@ def timing(llm: LLM, times: PartTimes) -> Iterator[None]:
 
 @dataclass
 class Breakdown:
-    """One workload's run: wall seconds and each part's."""
+    """One workload's run: wall seconds, each part's, and how many timed calls each took
+    (their mean shows a part's fixed cost a call, which does not shrink with faster products)."""
 
     workload: Workload
     seconds: float
     parts: dict[str, float]
+    calls: dict[str, int]
     dtype: str
     detail: str
 
@@ -146,7 +148,8 @@ def measure(llm: LLM, workload: Workload) -> Breakdown:
     parts[OUTSIDE] = seconds - sum(parts.values())
     config = llm.llm_engine.config
     detail = f"{llm.dtype}{' + ' + config.quantization if config.quantization else ''}, {config.kv_cache_dtype} KV"
-    return Breakdown(workload, seconds, parts, llm.dtype, detail)
+    calls = {part: times.calls.get(part, 0) for part in PARTS}
+    return Breakdown(workload, seconds, parts, calls, llm.dtype, detail)
 
 
 def report(run: Breakdown, shape: rl.ModelShape, rates: rl.MachineRates, faster: float) -> None:
@@ -156,9 +159,11 @@ def report(run: Breakdown, shape: rl.ModelShape, rates: rl.MachineRates, faster:
     element_size = torch.empty(0, dtype=getattr(torch, run.dtype)).element_size()
     print(f"({workload.name}) {workload.description}: {total:.2f} s, {workload.output_tokens / total:.1f} output "
           f"tok/s ({run.detail})")
-    print(f"  {'part':<52} {'s':>7} {'share':>7}")
+    print(f"  {'part':<52} {'s':>7} {'share':>7} {'calls':>7} {'us/call':>8}")
     for part in PARTS:
-        print(f"  {part:<52} {run.parts[part]:7.2f} {run.parts[part] / total:7.1%}")
+        calls = run.calls[part]
+        each = f"{run.parts[part] / calls * 1e6:8.1f}" if calls else f"{'':>8}"
+        print(f"  {part:<52} {run.parts[part]:7.2f} {run.parts[part] / total:7.1%} {calls or '':>7} {each}")
     products = run.parts[PRODUCTS] + run.parts[LM_HEAD]
     print(f"  {'not a matrix product':<52} {total - products:7.2f} {(total - products) / total:7.1%}")
     flops = _product_flops(shape, prompts, outputs, workload.shared_prefix_len)
