@@ -3,7 +3,6 @@ the embedded model read as an embedding model, a SIGKILL in the middle of a part
 its resumed rerun, and the errors a user can make."""
 
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -23,8 +22,7 @@ from engine import LLM
 from example_pipelines.defs.daily_tickets import raw_support_tickets
 from example_pipelines.defs.ticket_embeddings import similar_tickets, ticket_embeddings, ticket_texts
 from tests.dagster_llm.embedding_crash_defs import ROWS, texts
-from tests.dagster_llm.test_crash_resume import shard_rows, wait_for
-from tests.processes import is_gone
+from tests.dagster_llm.test_crash_resume import kill_launcher_and_wait_for_worker, shard_rows, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 DAGSTER = Path(sys.executable).parent / "dagster"
@@ -96,10 +94,7 @@ def test_killed_in_the_middle_of_a_partition_then_resumed(tmp_path):
     folder = UPath(tmp_path / "out" / "tables" / "crash_embeddings")
     cli = materialize(env)
     wait_for(lambda: shard_rows(folder, "p1") >= 4, 180, "shards of p1")
-    worker = int((folder / ".p1.lock").read_text().rsplit("pid ", 1)[1].rstrip(")"))
-    os.kill(cli.pid, signal.SIGKILL)
-    cli.wait()
-    wait_for(lambda: is_gone(worker), 30, "the worker to stop")
+    kill_launcher_and_wait_for_worker(cli, folder, "p1")
     saved = shard_rows(folder, "p1")
     assert 0 < saved < ROWS and not (folder / "p1.parquet").exists()
 

@@ -6,7 +6,6 @@ partition resuming without encoding its finished rows again."""
 
 import io
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -24,9 +23,8 @@ from dagster_llm.components import TranscriptionComponent
 from dagster_llm.core.transcription import evaluate_transcripts
 from engine import LLM, SamplingParams
 from tests.audio_models.whisper import SAMPLE_RATE, build_tiny_whisper
-from tests.dagster_llm.test_crash_resume import listing, shard_rows, wait_for
+from tests.dagster_llm.test_crash_resume import kill_launcher_and_wait_for_worker, listing, shard_rows, wait_for
 from tests.dagster_llm.transcription_crash_defs import MAX_TOKENS, ROWS, clip
-from tests.processes import is_gone
 
 REPO = Path(__file__).resolve().parents[2]
 DAGSTER = Path(sys.executable).parent / "dagster"
@@ -146,10 +144,7 @@ def test_killed_in_the_middle_of_a_partition_then_resumed_without_encoding_again
     folder = UPath(tmp_path / "out" / "tables" / "crash_transcripts")
     cli = run_crash_defs(env)
     wait_for(lambda: shard_rows(folder, "p1") >= 4, 240, "shards of p1")
-    worker = int((folder / ".p1.lock").read_text().rsplit("pid ", 1)[1].rstrip(")"))
-    os.kill(cli.pid, signal.SIGKILL)
-    cli.wait()
-    wait_for(lambda: is_gone(worker), 30, "the worker to stop")
+    kill_launcher_and_wait_for_worker(cli, folder, "p1")
     saved = shard_rows(folder, "p1")
     assert 0 < saved < ROWS and not (folder / "p1.parquet").exists()
     saved_windows = sum(sum(pq.read_table(f).column("windows").to_pylist())
