@@ -408,12 +408,17 @@ class LLM:
         rows = RequestChecker(self.llm_engine).check_pooling(prompts, None, lora_request)
         return [row.problem for row in rows]
 
+    def _placeholder(self, modality: str) -> str | None:
+        """The text that stands for one item of `modality` in a prompt; None for a model that
+        does not read it."""
+        processor = self.llm_engine.mm_processor
+        return processor.placeholders.get(modality) if processor is not None else None
+
     @property
     def image_placeholder(self) -> str | None:
         """The text that stands for one image in a prompt of this model ("<image>"); None
         for a model that reads no images."""
-        processor = self.llm_engine.mm_processor
-        return processor.placeholders.get("image") if processor is not None else None
+        return self._placeholder("image")
 
     @property
     def image_limits(self) -> ImageLimits:
@@ -427,8 +432,7 @@ class LLM:
     def audio_placeholder(self) -> str | None:
         """The text that stands for one audio clip in a prompt of this model
         ("<|audio_bos|><|AUDIO|><|audio_eos|>"); None for a model that reads no audio."""
-        processor = self.llm_engine.mm_processor
-        return processor.placeholders.get("audio") if processor is not None else None
+        return self._placeholder("audio")
 
     @property
     def audio_limits(self) -> AudioLimits | None:
@@ -441,8 +445,7 @@ class LLM:
     def video_placeholder(self) -> str | None:
         """The text that stands for one video in a prompt of this model
         ("<|vision_start|><|video_pad|><|vision_end|>"); None for a model that reads no video."""
-        processor = self.llm_engine.mm_processor
-        return processor.placeholders.get("video") if processor is not None else None
+        return self._placeholder("video")
 
     @property
     def video_limits(self) -> VideoLimits | None:

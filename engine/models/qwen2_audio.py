@@ -38,10 +38,7 @@ class Qwen2AudioProcessor(BaseMultiModalProcessor):
     def __init__(self, path: Path, hf_config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase) -> None:
         """Raises ValueError when the tokenizer's "<|AUDIO|>" is not config.json's audio token."""
         super().__init__(path, hf_config, tokenizer)
-        self.audio_token_id = hf_config.audio_token_id
-        if tokenizer.convert_tokens_to_ids("<|AUDIO|>") != self.audio_token_id:
-            raise ValueError(f"the tokenizer's '<|AUDIO|>' is token {tokenizer.convert_tokens_to_ids('<|AUDIO|>')}, "
-                             f"config.json's audio_token_index {self.audio_token_id}: the folder's files disagree")
+        self.audio_token_id = self.config_token_id("<|AUDIO|>", hf_config.audio_token_id, "audio_token_index")
         # Imported here, as the image processors are (see BaseMultiModalProcessor).
         from transformers import AutoFeatureExtractor
 

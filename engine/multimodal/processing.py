@@ -87,6 +87,18 @@ class BaseMultiModalProcessor:
         self.limits = ImageLimits(budget, self.max_aspect_ratio(budget),
                                   f"the {self.hf_config.model_type} image processor")
 
+    def config_token_id(self, token: str, token_id: int, field: str) -> int:
+        """`token_id` (config.json's `field`), checked to be the tokenizer's id of `token`.
+
+        Raises:
+            ValueError: the tokenizer gives `token` another id (the folder's files disagree).
+        """
+        found = self.tokenizer.convert_tokens_to_ids(token)
+        if found != token_id:
+            raise ValueError(f"the tokenizer's '{token}' is token {found}, config.json's {field} {token_id}: the "
+                             "folder's files disagree")
+        return token_id
+
     @property
     def placeholder_ids(self) -> dict[str, int]:
         """The token that stands for one item in a prompt, per modality the model reads (its

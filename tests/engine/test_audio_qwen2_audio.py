@@ -246,3 +246,15 @@ def test_int8_quantizes_the_audio_tower_calibrated_on_drawn_clips(folder, proces
     assert tower and all(isinstance(m.quant_method, Int8LinearMethod) and m.smoothing is not None for m in tower)
     cosine = torch.nn.functional.cosine_similarity(rows[None], rows["int8"], dim=-1)
     assert cosine.min() > 0.98, cosine.min()
+
+
+def test_a_tokenizer_whose_audio_token_is_not_the_configs_is_refused_naming_both(folder):
+    """config.json's audio token against the tokenizer's "<|AUDIO|>": a folder whose files
+    disagree fails when its processor is made, naming both ids."""
+    config = transformers.AutoConfig.from_pretrained(folder)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    right = config.audio_token_id
+    config.audio_token_id = right + 1
+    with pytest.raises(ValueError, match=rf"the tokenizer's '<\|AUDIO\|>' is token {right}, config.json's "
+                                         rf"audio_token_index {right + 1}: the folder's files disagree"):
+        Qwen2AudioProcessor(folder, config, tokenizer)

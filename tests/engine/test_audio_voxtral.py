@@ -182,3 +182,15 @@ def test_a_tekken_only_folder_needs_mistral_common(folder, tmp_path, monkeypatch
         LLM(str(hub_like))
     monkeypatch.setattr(model_folder, "mistral_common_installed", lambda: True)
     assert check_model_folder(hub_like) == [hub_like / "model.safetensors"]
+
+
+def test_a_tokenizer_whose_audio_token_is_not_the_configs_is_refused_naming_both(folder):
+    """config.json's audio token against the tokenizer's "[AUDIO]": a folder whose files
+    disagree fails when its processor is made, naming both ids."""
+    config = transformers.AutoConfig.from_pretrained(folder)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    right = config.audio_token_id
+    config.audio_token_id = right + 1
+    with pytest.raises(ValueError, match=rf"the tokenizer's '\[AUDIO\]' is token {right}, config.json's "
+                                         rf"audio_token_id {right + 1}: the folder's files disagree"):
+        VoxtralProcessor(folder, config, tokenizer)
