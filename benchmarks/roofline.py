@@ -92,24 +92,39 @@ def roofline(shape: ModelShape, rates: MachineRates, prompts: list[int], outputs
              shared_prefix: int, element_size: int, max_num_seqs: int) -> Roofline:
     """The ceiling for prompts of the given lengths each generating `outputs[i]` tokens.
 
-    Compute: 2 x matmul parameters per token fed through the model (a shared prefix counted once,
-    as prefix caching allows) plus attention. Memory: the weights read once per decode step, at
-    least max(longest output, total outputs / max_num_seqs) steps, plus each decode token's read of
-    the KV cache before it. The faster of the measured matmul rates stands for the compute peak.
+    Compute: the products' FLOPs (`product_flops`) plus attention. Memory: the weights read
+    once per decode step, at least max(longest output, total outputs / max_num_seqs) steps,
+    plus each decode token's read of the KV cache before it (`decode_kv_bytes`). The faster of
+    the measured matmul rates stands for the compute peak.
     """
-    flops, kv_read = 0, 0
-    for i, (prompt, output) in enumerate(zip(prompts, outputs)):
-        computed_from = shared_prefix if i > 0 else 0  # prompt tokens a cache hit skips
-        fed = prompt + output - 1  # the last output token is never fed back
-        flops += 2 * shape.matmul_params * (fed - computed_from)
-        flops += shape.attention_flops(_sum_range(computed_from, fed))  # token t attends to t tokens
-        kv_read += _sum_range(prompt, fed) * shape.kv_bytes_per_token(element_size)
+    attention = sum(shape.attention_flops(_sum_range(_computed_from(i, shared_prefix), prompt + output - 1))
+                    for i, (prompt, output) in enumerate(zip(prompts, outputs)))  # token t attends to t tokens
+    flops = product_flops(shape, prompts, outputs, shared_prefix) + attention
     steps = max(max(outputs), -(-sum(outputs) // max_num_seqs))
     compute_s = flops / max(rates.matmul_flops.values())
-    memory_s = (steps * shape.matmul_params * element_size + kv_read) / rates.bandwidth
+    memory_s = (steps * shape.matmul_params * element_size
+                + decode_kv_bytes(shape, prompts, outputs, element_size)) / rates.bandwidth
     seconds = max(compute_s, memory_s)
     return Roofline(sum(outputs) / seconds, "compute" if compute_s >= memory_s else "memory",
                     compute_s, memory_s)
+
+
+def product_flops(shape: ModelShape, prompts: list[int], outputs: list[int], shared_prefix: int) -> int:
+    """The matrix products' FLOPs: 2 x matmul parameters per token fed through the model (the
+    last output token never is), a shared prefix counted once, as prefix caching allows."""
+    return sum(2 * shape.matmul_params * (prompt + output - 1 - _computed_from(i, shared_prefix))
+               for i, (prompt, output) in enumerate(zip(prompts, outputs)))
+
+
+def decode_kv_bytes(shape: ModelShape, prompts: list[int], outputs: list[int], element_size: int) -> int:
+    """Bytes of keys and values the decode tokens read: each one's whole context before it."""
+    tokens = sum(_sum_range(prompt, prompt + output - 1) for prompt, output in zip(prompts, outputs))
+    return tokens * shape.kv_bytes_per_token(element_size)
+
+
+def _computed_from(index: int, shared_prefix: int) -> int:
+    """Prompt tokens of prompt `index` that a prefix-cache hit skips (all prompts but the first)."""
+    return shared_prefix if index > 0 else 0
 
 
 def _best_time(fn, repeats: int) -> float:

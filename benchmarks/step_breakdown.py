@@ -166,11 +166,11 @@ def report(run: Breakdown, shape: rl.ModelShape, rates: rl.MachineRates, faster:
         print(f"  {part:<52} {run.parts[part]:7.2f} {run.parts[part] / total:7.1%} {calls or '':>7} {each}")
     products = run.parts[PRODUCTS] + run.parts[LM_HEAD]
     print(f"  {'not a matrix product':<52} {total - products:7.2f} {(total - products) / total:7.1%}")
-    flops = _product_flops(shape, prompts, outputs, workload.shared_prefix_len)
+    flops = rl.product_flops(shape, prompts, outputs, workload.shared_prefix_len)
     peak = max(rates.matmul_flops.values())
     print(f"  products: {flops / products / 1e9:.0f} GFLOP/s, {flops / products / peak:.0%} of the measured "
           f"{peak / 1e9:.0f}")
-    decode_bytes = _decode_kv_bytes(shape, prompts, outputs, element_size)
+    decode_bytes = rl.decode_kv_bytes(shape, prompts, outputs, element_size)
     if run.parts[DECODE_ATTENTION]:
         print(f"  attention, decode-only steps: at most {decode_bytes / run.parts[DECODE_ATTENTION] / 1e9:.1f} GB/s "
               f"of cache read (every decode row's keys and values), copy bandwidth {rates.bandwidth / 1e9:.1f}")
@@ -184,18 +184,6 @@ def report(run: Breakdown, shape: rl.ModelShape, rates: rl.MachineRates, faster:
     print(f"  with products {faster:g}x faster and the rest as here: {predicted:.2f} s, "
           f"{workload.output_tokens / predicted:.0f} output tok/s, {workload.output_tokens / predicted / faster_bound.output_tokens_per_s:.1%} "
           f"of that CPU's roofline ({faster_bound.output_tokens_per_s:.0f}); not a product {(total - products) / predicted:.0%}")
-
-
-def _product_flops(shape: rl.ModelShape, prompts: list[int], outputs: list[int], shared: int) -> float:
-    """The products' FLOPs: every token fed through every weight (a shared prefix once)."""
-    fed = sum(p + o - 1 - (shared if i else 0) for i, (p, o) in enumerate(zip(prompts, outputs)))
-    return 2 * shape.matmul_params * fed
-
-
-def _decode_kv_bytes(shape: rl.ModelShape, prompts: list[int], outputs: list[int], element_size: int) -> float:
-    """Bytes of keys and values the decode rows read: each generated token's whole context."""
-    tokens = sum((p + o - 1) * (p + o) // 2 - p * (p + 1) // 2 for p, o in zip(prompts, outputs))
-    return tokens * shape.kv_bytes_per_token(element_size)
 
 
 def parse_args() -> argparse.Namespace:
