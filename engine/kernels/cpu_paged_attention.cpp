@@ -222,6 +222,15 @@ void weighted_sums_some(int count, const float* const* p, const scalar_t* const*
   }
 }
 
+// A query's sums in dimension order (weighted_sums_bf16 leaves each 16 in two interleaved halves).
+template <int V>
+void unpair_dimensions(float* out) {
+  for (int r = 0; r < V; r += 2) {
+    const __m256 low = _mm256_loadu_ps(out + r * kLanes), high = _mm256_loadu_ps(out + (r + 1) * kLanes);
+    _mm256_storeu_ps(out + r * kLanes, _mm256_permute2f128_ps(low, high, 0x20));
+    _mm256_storeu_ps(out + (r + 1) * kLanes, _mm256_permute2f128_ps(low, high, 0x31));
+  }
+}
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
 // The weighted value sums of bfloat16 queries over a bfloat16 cache without a sliding window,
 // two keys an instruction by the CPU's bfloat16 dot products: the weights p are rounded to
@@ -281,13 +290,121 @@ inline void pair_weights(const float* p, int64_t n, uint32_t* words) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(words + c / 2), (__m128i)_mm256_cvtneps_pbh(_mm256_loadu_ps(p + c)));
 }
 
-// A query's sums in dimension order (weighted_sums_bf16 leaves each 16 in two interleaved halves).
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+// An int8 cache read by the CPU's int16 pair products (AVX512-VNNI): a query is rounded to
+// int16 with a scale of its own (its largest magnitude / 32767), so each key's dot product is
+// an exact int32 sum, whatever order it is added in; the weights of the value sums are
+// rounded the same way (a query's weights times the values' scales, over their largest), and
+// each block of kBlock keys' sums is exact in int32 before it joins the float total. A byte
+// of cache then costs fewer instructions than a bfloat16 element, and decode, which reads the
+// cache at memory speed, reads half the bytes.
+constexpr float kInt16Max = 32767.f;
+
+// q[0:dim] rounded to int16 into out; returns the scale (1 for a zero query).
+inline float quantize_int16(const float* q, int64_t dim, int16_t* out) {
+  float largest = 0.f;
+  for (int64_t d = 0; d < dim; ++d) largest = std::max(largest, std::abs(q[d]));
+  const float s = largest > 0.f ? largest / kInt16Max : 1.f;
+  for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<int16_t>(std::nearbyint(q[d] / s));
+  return s;
+}
+
+// The eight lane sums of a[0..7] (int32, exact), as one register: lane j holds a[j]'s.
+inline __m256i lane_sums_int(const __m256i* a) {
+  const __m256i u0 = _mm256_hadd_epi32(_mm256_hadd_epi32(a[0], a[1]), _mm256_hadd_epi32(a[2], a[3]));
+  const __m256i u1 = _mm256_hadd_epi32(_mm256_hadd_epi32(a[4], a[5]), _mm256_hadd_epi32(a[6], a[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
+}
+
+// scores_avx2 for an int16 query q16 (scale q_scale) over int8 keys: scale * q_scale *
+// key_scales[c] * (q16 . keys[c]), eight keys at a time, 16 dimensions an instruction.
 template <int V>
-void unpair_dimensions(float* out) {
-  for (int r = 0; r < V; r += 2) {
-    const __m256 low = _mm256_loadu_ps(out + r * kLanes), high = _mm256_loadu_ps(out + (r + 1) * kLanes);
-    _mm256_storeu_ps(out + r * kLanes, _mm256_permute2f128_ps(low, high, 0x20));
-    _mm256_storeu_ps(out + (r + 1) * kLanes, _mm256_permute2f128_ps(low, high, 0x31));
+__m256 scores_int8(const int16_t* q16, float q_scale, const int8_t* const* keys, const float* key_scales, int64_t c0,
+                   int64_t c1, int64_t end, float scale, float* scores, __m256 top) {
+  __m256i qv[V / 2];
+  for (int i = 0; i < V / 2; ++i) qv[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q16 + 2 * i * kLanes));
+  const __m256 factor = _mm256_set1_ps(q_scale * scale);
+  for (int64_t c = c0; c < c1; c += kLanes) {
+    for (int64_t a = c + kAhead; a < std::min(c + kAhead + kLanes, end); ++a) prefetch_row<V>(keys[a]);
+    const int8_t* k[kLanes];
+    float each[kLanes];
+    for (int j = 0; j < kLanes; ++j) {
+      const int64_t at = std::min<int64_t>(c + j, c1 - 1);
+      k[j] = keys[at], each[j] = key_scales[at];
+    }
+    __m256i acc[kLanes];
+    for (int j = 0; j < kLanes; ++j) acc[j] = _mm256_setzero_si256();
+    for (int i = 0; i < V / 2; ++i)
+      for (int j = 0; j < kLanes; ++j)
+        acc[j] = _mm256_dpwssd_epi32(
+            acc[j], qv[i], _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(k[j] + 2 * i * kLanes))));
+    const __m256 s = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(lane_sums_int(acc)), _mm256_loadu_ps(each)), factor);
+    _mm256_storeu_ps(scores + c, s);
+    top = _mm256_max_ps(top, s);
+  }
+  return top;
+}
+
+// The value weights p[c] * value_scales[c] for c < n rounded to int16 pairs, words[j] =
+// (w[2j], w[2j + 1]), zero from n to the next multiple of eight; returns their scale.
+inline float pair_int16_weights(const float* p, const float* value_scales, int64_t n, uint32_t* words) {
+  float largest = 0.f;
+  for (int64_t c = 0; c < n; ++c) largest = std::max(largest, p[c] * value_scales[c]);
+  const float s = largest > 0.f ? largest / kInt16Max : 1.f;
+  auto* w = reinterpret_cast<int16_t*>(words);
+  for (int64_t c = 0; c < (n + kLanes - 1) / kLanes * kLanes; ++c)
+    w[c] = c < n ? static_cast<int16_t>(std::nearbyint(p[c] * value_scales[c] / s)) : 0;
+  return s;
+}
+
+// weighted_sums_bf16 for int8 values and int16 weight pairs pw[g] of scale w_scale[g]: keys
+// [c0, c1) (at most kBlock of them, so no int32 sum can overflow) summed exactly, then added to
+// out[g] times the scale. Dimensions come out in weighted_sums_bf16's order (unpair_dimensions).
+template <int V, int G>
+void weighted_sums_int8(const uint32_t* const* pw, const float* w_scale, const int8_t* const* values, int64_t c0,
+                        int64_t c1, int64_t end, float* const* out) {
+  constexpr int kPart = 4;
+  static_assert(V % kPart == 0, "head sizes of 32 dimensions at a time");
+  alignas(32) static const int8_t zeros[V * kLanes] = {};
+  for (int part = 0; part < V; part += kPart) {
+    __m256i acc[G][kPart];
+    for (int g = 0; g < G; ++g)
+      for (int r = 0; r < kPart; ++r) acc[g][r] = _mm256_setzero_si256();
+    for (int64_t c = c0; c < c1; c += 2) {
+      if (part == 0 && c + kAhead + 1 < end) prefetch_row<V>(values[c + kAhead]), prefetch_row<V>(values[c + kAhead + 1]);
+      const int8_t* a = values[c] + part * kLanes;
+      const int8_t* b = (c + 1 < c1 ? values[c + 1] : zeros) + part * kLanes;
+      for (int r = 0; r < kPart; r += 2) {
+        const __m256i va = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + r * kLanes)));
+        const __m256i vb = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + r * kLanes)));
+        const __m256i low = _mm256_unpacklo_epi16(va, vb), high = _mm256_unpackhi_epi16(va, vb);
+        for (int g = 0; g < G; ++g) {
+          const __m256i w = _mm256_set1_epi32(static_cast<int>(pw[g][c / 2]));
+          acc[g][r] = _mm256_dpwssd_epi32(acc[g][r], w, low);
+          acc[g][r + 1] = _mm256_dpwssd_epi32(acc[g][r + 1], w, high);
+        }
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int r = 0; r < kPart; ++r) {
+        float* o = out[g] + (part + r) * kLanes;
+        _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[g][r]), _mm256_set1_ps(w_scale[g]), _mm256_loadu_ps(o)));
+      }
+  }
+}
+
+// weighted_sums_int8 for `count` (1 to kValueGroup) queries.
+template <int V>
+void weighted_sums_int8_some(int count, const uint32_t* const* pw, const float* w_scale, const int8_t* const* values,
+                             int64_t c0, int64_t c1, int64_t end, float* const* out) {
+  switch (count) {
+    case 1: return weighted_sums_int8<V, 1>(pw, w_scale, values, c0, c1, end, out);
+    case 2: return weighted_sums_int8<V, 2>(pw, w_scale, values, c0, c1, end, out);
+    case 3: return weighted_sums_int8<V, 3>(pw, w_scale, values, c0, c1, end, out);
+    case 4: return weighted_sums_int8<V, 4>(pw, w_scale, values, c0, c1, end, out);
+    default: TORCH_CHECK(false, "at most ", kValueGroup, " queries summed together");
   }
 }
 #endif
@@ -311,6 +428,14 @@ void attend_queries_avx2(const float* q, int64_t count, const int64_t* first, co
   constexpr int dim = V * kLanes;
   const int64_t longest = *std::max_element(n, n + count);
   std::vector<__m256> top(count, _mm256_set1_ps(-std::numeric_limits<float>::infinity()));
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  constexpr bool kIntDots = kScaled<scalar_t>;
+  std::vector<int16_t> q16(kIntDots ? count * dim : 0);
+  std::vector<float> q_scales(kIntDots ? count : 0);
+  for (int64_t i = 0; i < (kIntDots ? count : 0); ++i) q_scales[i] = quantize_int16(q + i * dim, dim, &q16[i * dim]);
+#else
+  constexpr bool kIntDots = false;
+#endif
   // Besides kAhead keys into L1, a block's values and the next block's keys into L2 while
   // a block is scored: decode over 30 layers' caches in DRAM, 22.8 -> 17.6 ms a step.
   for (int64_t a = 0; a < std::min(kBlock, longest); ++a) prefetch_row<V, _MM_HINT_T1>(keys[a]);
@@ -327,6 +452,13 @@ void attend_queries_avx2(const float* q, int64_t count, const int64_t* first, co
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
       if constexpr (kBf16Dots<query_t, scalar_t>) {
         top[i] = scores_bf16<V>(q + i * dim, keys, from, to, std::exchange(ahead, 0), scale, row, top[i]);
+        continue;
+      }
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+      if constexpr (kIntDots) {
+        top[i] = scores_int8<V>(&q16[i * dim], q_scales[i], keys, key_scales, from, to, std::exchange(ahead, 0), scale,
+                                row, top[i]);
         continue;
       }
 #endif
@@ -352,11 +484,19 @@ void attend_queries_avx2(const float* q, int64_t count, const int64_t* first, co
 #else
   constexpr bool kPairable = false;
 #endif
-  const bool paired = kPairable && !windowed;
+  // Without a window, the value sums take two keys an instruction (weight pairs).
+  const bool paired = (kPairable || kIntDots) && !windowed;
   const int64_t word_stride = stride / 2 + kLanes;
   std::vector<uint32_t> words(paired ? count * word_stride : 0);
+  std::vector<float> word_scales(paired ? count : 0);
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
-  for (int64_t i = 0; i < (paired ? count : 0); ++i) pair_weights(scores + i * stride, n[i], &words[i * word_stride]);
+  if constexpr (kPairable)
+    for (int64_t i = 0; i < (paired ? count : 0); ++i) pair_weights(scores + i * stride, n[i], &words[i * word_stride]);
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  if constexpr (kIntDots)
+    for (int64_t i = 0; i < (paired ? count : 0); ++i)
+      word_scales[i] = pair_int16_weights(scores + i * stride, value_scales, n[i], &words[i * word_stride]);
 #endif
   const float* p[kValueGroup];
   float* o[kValueGroup];
@@ -377,14 +517,23 @@ void attend_queries_avx2(const float* q, int64_t count, const int64_t* first, co
         }
       }
 #endif
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+      if constexpr (kIntDots) {
+        if (paired) {
+          const uint32_t* pw[kValueGroup];
+          for (int64_t m = 0; m < size; ++m) pw[m] = &words[(i + m) * word_stride];
+          weighted_sums_int8_some<V>(static_cast<int>(size), pw, &word_scales[i], values, from, to,
+                                     std::exchange(ahead, 0), o);
+          continue;
+        }
+      }
+#endif
       weighted_sums_some<V, scalar_t>(static_cast<int>(size), p, values, value_scales, from, to,
                                       std::exchange(ahead, 0), o);
     }
   }
   for (int64_t i = 0; i < count; ++i) {
-#if defined(__AVX512BF16__) && defined(__AVX512VL__)
     if (paired) unpair_dimensions<V>(out + i * dim);
-#endif
     for (int d = 0; d < dim; ++d) out[i * dim + d] *= inv[i];
   }
 }
