@@ -89,6 +89,9 @@ inline float horizontal_sum(__m256 a) {
 // with the cache hot).
 constexpr int64_t kAhead = 16;
 
+// Keys a task reads at a time for all its queries (while they sit in L1).
+constexpr int64_t kBlock = 64;
+
 // Asks for a row's cache lines, into L1 (_MM_HINT_T0) or L2 (_MM_HINT_T1).
 template <int V, int kHint = _MM_HINT_T0, typename scalar_t>
 inline void prefetch_row(const scalar_t* row) {
@@ -170,6 +173,127 @@ __m256 scores_bf16(const float* q, const c10::BFloat16* const* keys, int64_t c0,
     top = _mm256_max_ps(top, s);
   }
   return top;
+}
+
+// Prefill scores with a key loaded once for many queries: a block's keys packed sixteen at a
+// time as [dimension pair][key] (one 512-bit register holds one pair of dimensions of sixteen
+// keys), scored with each query's pair broadcast, so no score needs a sum across a register.
+// Each lane repeats scores_bf16's arithmetic for its key: eight partial sums, partial l over
+// pairs l, l + 8, l + 16, ... in that order, added as lane_sums adds them, then scaled, so a
+// score has the same bits either way (a row in a prefill chunk and in decode alike).
+constexpr int64_t kPacked = 16;  // keys a packed register holds
+constexpr int64_t kPackFrom = 6;  // queries a task needs before its keys are packed for them
+
+// out[16 m + j] = rows[j][m] for a 16 x 16 block of 32-bit words (four rounds of shuffles).
+inline void transpose_16x16(const __m512i* rows, uint32_t* out) {
+  __m512i t[16], u[16];
+  for (int j = 0; j < 16; j += 2) {
+    t[j] = _mm512_unpacklo_epi32(rows[j], rows[j + 1]);
+    t[j + 1] = _mm512_unpackhi_epi32(rows[j], rows[j + 1]);
+  }
+  for (int k = 0; k < 16; k += 4) {  // u[k + m], 128-bit lane L: word 4L + m of rows k to k + 3
+    u[k] = _mm512_unpacklo_epi64(t[k], t[k + 2]);
+    u[k + 1] = _mm512_unpackhi_epi64(t[k], t[k + 2]);
+    u[k + 2] = _mm512_unpacklo_epi64(t[k + 1], t[k + 3]);
+    u[k + 3] = _mm512_unpackhi_epi64(t[k + 1], t[k + 3]);
+  }
+  for (int m = 0; m < 4; ++m) {
+    t[m] = _mm512_shuffle_i32x4(u[m], u[m + 4], 0x88);  // words m and m + 8 of rows 0-7
+    t[m + 4] = _mm512_shuffle_i32x4(u[m], u[m + 4], 0xdd);  // words m + 4 and m + 12
+    t[m + 8] = _mm512_shuffle_i32x4(u[m + 8], u[m + 12], 0x88);  // the same of rows 8-15
+    t[m + 12] = _mm512_shuffle_i32x4(u[m + 8], u[m + 12], 0xdd);
+  }
+  for (int m = 0; m < 4; ++m) {
+    _mm512_storeu_si512(out + 16 * m, _mm512_shuffle_i32x4(t[m], t[m + 8], 0x88));
+    _mm512_storeu_si512(out + 16 * (m + 8), _mm512_shuffle_i32x4(t[m], t[m + 8], 0xdd));
+    _mm512_storeu_si512(out + 16 * (m + 4), _mm512_shuffle_i32x4(t[m + 4], t[m + 12], 0x88));
+    _mm512_storeu_si512(out + 16 * (m + 12), _mm512_shuffle_i32x4(t[m + 4], t[m + 12], 0xdd));
+  }
+}
+
+// Keys [c, c + 16) as 4V registers' worth of pairs: packed[d * 16 + j] is pair d of key c + j
+// (keys from `end` on repeat key end - 1; their scores are never stored).
+template <int V>
+void pack_keys(const c10::BFloat16* const* keys, int64_t c, int64_t end, uint32_t* packed) {
+  const uint32_t* key[kPacked];
+  for (int64_t j = 0; j < kPacked; ++j) key[j] = reinterpret_cast<const uint32_t*>(keys[std::min(c + j, end - 1)]);
+  for (int h = 0; h < V / 4; ++h) {  // sixteen pairs at a time
+    __m512i rows[kPacked];
+    for (int64_t j = 0; j < kPacked; ++j) rows[j] = _mm512_loadu_si512(key[j] + 16 * h);
+    transpose_16x16(rows, packed + 16 * kPacked * h);
+  }
+}
+
+// A query's pairs as scores_bf16 rounds them: words[8i + l] holds its register i's lane l.
+template <int V>
+void query_pairs(const float* q, uint32_t* words) {
+  for (int i = 0; i < V / 2; ++i)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(words + i * kLanes),
+                        (__m256i)_mm256_cvtne2ps_pbh(_mm256_loadu_ps(q + (2 * i + 1) * kLanes),
+                                                     _mm256_loadu_ps(q + 2 * i * kLanes)));
+}
+
+// The scores of G queries (their pairs qw[g]) against sixteen packed keys, into s[g].
+template <int V, int G>
+void scores_packed(const uint32_t* const* qw, const uint32_t* packed, float scale, __m512* s) {
+  __m512 part[G][kLanes];
+  for (int g = 0; g < G; ++g)
+    for (int l = 0; l < kLanes; ++l) part[g][l] = _mm512_setzero_ps();
+  for (int i = 0; i < V / 2; ++i)
+    for (int l = 0; l < kLanes; ++l) {
+      const int d = i * kLanes + l;
+      const __m512bh key = (__m512bh)_mm512_loadu_si512(packed + d * kPacked);
+      for (int g = 0; g < G; ++g)
+        part[g][l] = _mm512_dpbf16_ps(part[g][l], key, (__m512bh)_mm512_set1_epi32(static_cast<int>(qw[g][d])));
+    }
+  for (int g = 0; g < G; ++g) {
+    const __m512 low = _mm512_add_ps(_mm512_add_ps(part[g][0], part[g][1]), _mm512_add_ps(part[g][2], part[g][3]));
+    const __m512 high = _mm512_add_ps(_mm512_add_ps(part[g][4], part[g][5]), _mm512_add_ps(part[g][6], part[g][7]));
+    s[g] = _mm512_mul_ps(_mm512_add_ps(low, high), _mm512_set1_ps(scale));
+  }
+}
+
+// scores_packed for `count` (1 to 3) queries.
+template <int V>
+void scores_packed_some(int count, const uint32_t* const* qw, const uint32_t* packed, float scale, __m512* s) {
+  switch (count) {
+    case 1: return scores_packed<V, 1>(qw, packed, scale, s);
+    case 2: return scores_packed<V, 2>(qw, packed, scale, s);
+    case 3: return scores_packed<V, 3>(qw, packed, scale, s);
+    default: TORCH_CHECK(false, "at most 3 queries scored together");
+  }
+}
+
+// Block [c0, c0 + kBlock) of the keys (end: the task's last key) scored for every query of a
+// task by scores_packed, three queries at a time: each query's scores [from, to) of the block
+// stored, and its running maximum top[i] raised to theirs.
+template <int V>
+void score_block_packed(const uint32_t* qw, int64_t count, const int64_t* first, const int64_t* n,
+                        const c10::BFloat16* const* keys, int64_t c0, int64_t end, float scale, float* scores,
+                        int64_t stride, __m256* top, uint32_t* packed) {
+  constexpr int64_t kPairs = 4 * V;
+  const int64_t block_end = std::min(c0 + kBlock, end);
+  for (int64_t c = c0; c < block_end; c += kPacked) pack_keys<V>(keys, c, block_end, packed + (c - c0) * kPairs);
+  for (int64_t i0 = 0; i0 < count; i0 += 3) {
+    const int size = static_cast<int>(std::min<int64_t>(3, count - i0));
+    const uint32_t* words[3];
+    for (int g = 0; g < size; ++g) words[g] = qw + (i0 + g) * kPairs;
+    for (int64_t c = c0; c < block_end; c += kPacked) {
+      bool seen = false;
+      for (int g = 0; g < size; ++g) seen |= c < n[i0 + g] && c + kPacked > first[i0 + g];
+      if (!seen) continue;
+      __m512 s[3];
+      scores_packed_some<V>(size, words, packed + (c - c0) * kPairs, scale, s);
+      for (int g = 0; g < size; ++g) {
+        const int64_t i = i0 + g, from = std::max(c, first[i]), to = std::min(c + kPacked, n[i]);
+        if (from >= to) continue;
+        const __mmask16 live = static_cast<__mmask16>(((1u << (to - from)) - 1) << (from - c));
+        _mm512_mask_storeu_ps(scores + i * stride + c, live, s[g]);
+        const __m512 m = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), live, s[g]);
+        top[i] = _mm256_max_ps(top[i], _mm256_max_ps(_mm512_castps512_ps256(m), _mm512_extractf32x8_ps(m, 1)));
+      }
+    }
+  }
 }
 #endif
 
@@ -424,7 +548,6 @@ void attend_queries_avx2(const float* q, int64_t count, const int64_t* first, co
                          const scalar_t* const* keys, const scalar_t* const* values, const float* key_scales,
                          const float* value_scales, const float* sinks, float scale, float cap, bool windowed,
                          float* scores, int64_t stride, float* out) {
-  constexpr int64_t kBlock = 64;
   constexpr int dim = V * kLanes;
   const int64_t longest = *std::max_element(n, n + count);
   std::vector<__m256> top(count, _mm256_set1_ps(-std::numeric_limits<float>::infinity()));
@@ -436,6 +559,12 @@ void attend_queries_avx2(const float* q, int64_t count, const int64_t* first, co
 #else
   constexpr bool kIntDots = false;
 #endif
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+  // A prefill's tile of rows has enough queries to pack each block of keys for them.
+  const bool pack = kBf16Dots<query_t, scalar_t> && count >= kPackFrom;
+  std::vector<uint32_t> query_words(pack ? count * 4 * V : 0), packed_keys(pack ? kBlock * 4 * V : 0);
+  for (int64_t i = 0; i < (pack ? count : 0); ++i) query_pairs<V>(q + i * dim, &query_words[i * 4 * V]);
+#endif
   // Besides kAhead keys into L1, a block's values and the next block's keys into L2 while
   // a block is scored: decode over 30 layers' caches in DRAM, 22.8 -> 17.6 ms a step.
   for (int64_t a = 0; a < std::min(kBlock, longest); ++a) prefetch_row<V, _MM_HINT_T1>(keys[a]);
@@ -443,6 +572,15 @@ void attend_queries_avx2(const float* q, int64_t count, const int64_t* first, co
   for (int64_t c0 = 0; c0 < longest; c0 += kBlock) {
     for (int64_t c = c0; c < std::min(c0 + kBlock, longest); ++c) prefetch_row<V, _MM_HINT_T1>(values[c]);
     for (int64_t c = c0 + kBlock; c < std::min(c0 + 2 * kBlock, longest); ++c) prefetch_row<V, _MM_HINT_T1>(keys[c]);
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+    if constexpr (kBf16Dots<query_t, scalar_t>) {
+      if (pack) {
+        score_block_packed<V>(query_words.data(), count, first, n, keys, c0, longest, scale, scores, stride,
+                              top.data(), packed_keys.data());
+        continue;
+      }
+    }
+#endif
     // Only the first query to read the block asks for its keys ahead: the others find them in L1.
     int64_t ahead = longest;
     for (int64_t i = 0; i < count; ++i) {

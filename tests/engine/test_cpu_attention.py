@@ -30,10 +30,10 @@ def kernel():
     return cpu_attention
 
 
-def paged_case(rng: random.Random, dtype: torch.dtype, num_blocks: int = 64, kv_heads: int = 3):
+def paged_case(rng: random.Random, dtype: torch.dtype, num_blocks: int = 64, kv_heads: int = 3, head_dim: int = 64):
     """A random paged cache and a step of sequences with random new and cached tokens."""
-    k_cache = torch.randn(kv_heads, num_blocks * BLOCK, 64).to(dtype)
-    v_cache = torch.randn(kv_heads, num_blocks * BLOCK, 64).to(dtype)
+    k_cache = torch.randn(kv_heads, num_blocks * BLOCK, head_dim).to(dtype)
+    v_cache = torch.randn(kv_heads, num_blocks * BLOCK, head_dim).to(dtype)
     free = list(range(num_blocks))
     rng.shuffle(free)
     seqs = []
@@ -85,22 +85,27 @@ def test_kernel_matches_pytorch_attention(kernel, dtype, heads, kv_heads):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_rows_do_not_depend_on_the_batch(kernel, dtype):
+@pytest.mark.parametrize("head_dim,window", [(64, None), (128, None), (64, 21)])
+def test_kernel_rows_do_not_depend_on_the_batch(kernel, dtype, head_dim, window):
     """A row computed alone, as a decode step, or inside any batch gives the same bits (in
-    bfloat16 too, where this CPU's bfloat16 dot products compute the scores)."""
+    bfloat16 too, where this CPU's bfloat16 dot products compute the scores, and a prefill's
+    rows score keys packed for many queries at once while a decode row scores them alone)."""
     rng = random.Random(1)
     torch.manual_seed(1)
-    k_cache, v_cache, seqs = paged_case(rng, dtype)
-    q = torch.randn(sum(new for new, _, _ in seqs), 9, 64).to(dtype)
+    k_cache, v_cache, seqs = paged_case(rng, dtype, head_dim=head_dim)
+    q = torch.randn(sum(new for new, _, _ in seqs), 9, head_dim).to(dtype)
     tables, row_seq, row_keys = kernel_rows(seqs)
-    together = kernel.paged_attention(q, k_cache, v_cache, tables, row_seq, row_keys, BLOCK, 0.125)
+    window = {"sliding_window": window}
+    together = kernel.paged_attention(q, k_cache, v_cache, tables, row_seq, row_keys, BLOCK, 0.125, **window)
     order = list(range(len(q)))
     rng.shuffle(order)
-    shuffled = kernel.paged_attention(q[order], k_cache, v_cache, tables, row_seq[order], row_keys[order], BLOCK, 0.125)
+    shuffled = kernel.paged_attention(q[order], k_cache, v_cache, tables, row_seq[order], row_keys[order], BLOCK, 0.125,
+                                      **window)
     assert torch.equal(shuffled, together[order])
     for row in range(len(q)):
         alone = kernel.paged_attention(q[row : row + 1], k_cache, v_cache, tables[row_seq[row]].unsqueeze(0),
-                                       torch.zeros(1, dtype=torch.long), row_keys[row : row + 1], BLOCK, 0.125)
+                                       torch.zeros(1, dtype=torch.long), row_keys[row : row + 1], BLOCK, 0.125,
+                                       **window)
         assert torch.equal(alone[0], together[row])
 
 
