@@ -89,6 +89,15 @@ inline float horizontal_sum(__m256 a) {
 // with the cache hot).
 constexpr int64_t kAhead = 16;
 
+// A thread's buffer of `size` T (contents left as they were), kept from task to task: a decode
+// task's allocations would cost a tenth of its arithmetic. `kTag` tells apart the buffers of one T.
+template <typename T, int kTag>
+T* scratch(size_t size) {
+  thread_local std::vector<T> buffer;
+  if (buffer.size() < size) buffer.resize(size);
+  return buffer.data();
+}
+
 // Keys a task reads at a time for all its queries (while they sit in L1).
 constexpr int64_t kBlock = 64;
 
@@ -458,13 +467,14 @@ __m256 scores_int8(const int16_t* q16, float q_scale, const int8_t* const* keys,
       const int64_t at = std::min<int64_t>(c + j, c1 - 1);
       k[j] = keys[at], each[j] = key_scales[at];
     }
+    const __m256 key_scale = _mm256_loadu_ps(c + kLanes <= c1 ? key_scales + c : each);
     __m256i acc[kLanes];
     for (int j = 0; j < kLanes; ++j) acc[j] = _mm256_setzero_si256();
     for (int i = 0; i < V / 2; ++i)
       for (int j = 0; j < kLanes; ++j)
         acc[j] = _mm256_dpwssd_epi32(
             acc[j], qv[i], _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(k[j] + 2 * i * kLanes))));
-    const __m256 s = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(lane_sums_int(acc)), _mm256_loadu_ps(each)), factor);
+    const __m256 s = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(lane_sums_int(acc)), key_scale), factor);
     _mm256_storeu_ps(scores + c, s);
     top = _mm256_max_ps(top, s);
   }
@@ -550,11 +560,12 @@ void attend_queries_avx2(const float* q, int64_t count, const int64_t* first, co
                          float* scores, int64_t stride, float* out) {
   constexpr int dim = V * kLanes;
   const int64_t longest = *std::max_element(n, n + count);
-  std::vector<__m256> top(count, _mm256_set1_ps(-std::numeric_limits<float>::infinity()));
+  __m256* top = scratch<__m256, 0>(count);
+  std::fill(top, top + count, _mm256_set1_ps(-std::numeric_limits<float>::infinity()));
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
   constexpr bool kIntDots = kScaled<scalar_t>;
-  std::vector<int16_t> q16(kIntDots ? count * dim : 0);
-  std::vector<float> q_scales(kIntDots ? count : 0);
+  int16_t* q16 = scratch<int16_t, 0>(kIntDots ? count * dim : 0);
+  float* q_scales = scratch<float, 0>(kIntDots ? count : 0);
   for (int64_t i = 0; i < (kIntDots ? count : 0); ++i) q_scales[i] = quantize_int16(q + i * dim, dim, &q16[i * dim]);
 #else
   constexpr bool kIntDots = false;
@@ -562,7 +573,8 @@ void attend_queries_avx2(const float* q, int64_t count, const int64_t* first, co
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
   // A prefill's tile of rows has enough queries to pack each block of keys for them.
   const bool pack = kBf16Dots<query_t, scalar_t> && count >= kPackFrom;
-  std::vector<uint32_t> query_words(pack ? count * 4 * V : 0), packed_keys(pack ? kBlock * 4 * V : 0);
+  uint32_t* query_words = scratch<uint32_t, 0>(pack ? count * 4 * V : 0);
+  uint32_t* packed_keys = scratch<uint32_t, 1>(pack ? kBlock * 4 * V : 0);
   for (int64_t i = 0; i < (pack ? count : 0); ++i) query_pairs<V>(q + i * dim, &query_words[i * 4 * V]);
 #endif
   // Besides kAhead keys into L1, a block's values and the next block's keys into L2 while
@@ -575,8 +587,8 @@ void attend_queries_avx2(const float* q, int64_t count, const int64_t* first, co
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
     if constexpr (kBf16Dots<query_t, scalar_t>) {
       if (pack) {
-        score_block_packed<V>(query_words.data(), count, first, n, keys, c0, longest, scale, scores, stride,
-                              top.data(), packed_keys.data());
+        score_block_packed<V>(query_words, count, first, n, keys, c0, longest, scale, scores, stride, top,
+                              packed_keys);
         continue;
       }
     }
@@ -605,18 +617,19 @@ void attend_queries_avx2(const float* q, int64_t count, const int64_t* first, co
     }
   }
   for (int64_t a = 0; a < std::min(kAhead, longest); ++a) prefetch_row<V>(values[a]);
-  std::vector<float> inv(count);
+  float* inv = scratch<float, 1>(count);
   for (int64_t i = 0; i < count; ++i) {
     if (cap > 0.f) top[i] = _mm256_set1_ps(soft_cap(scores + i * stride, first[i], n[i], cap));
     inv[i] = exponentiate_avx2(scores + i * stride, first[i], n[i], top[i], sinks[i]);
   }
   std::fill(out, out + count * dim, 0.f);
   // Queries that see the same keys (the heads of one row) are summed together.
-  std::vector<int64_t> group_start;
+  int64_t* group_start = scratch<int64_t, 0>(count + 1);
+  int64_t groups = 0;
   for (int64_t i = 0; i < count; ++i)
-    if (i == 0 || first[i] != first[i - 1] || n[i] != n[i - 1] || i - group_start.back() == kValueGroup)
-      group_start.push_back(i);
-  group_start.push_back(count);
+    if (i == 0 || first[i] != first[i - 1] || n[i] != n[i - 1] || i - group_start[groups - 1] == kValueGroup)
+      group_start[groups++] = i;
+  group_start[groups] = count;
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
   constexpr bool kPairable = kBf16Dots<query_t, scalar_t>;
 #else
@@ -625,8 +638,8 @@ void attend_queries_avx2(const float* q, int64_t count, const int64_t* first, co
   // Without a window, the value sums take two keys an instruction (weight pairs).
   const bool paired = (kPairable || kIntDots) && !windowed;
   const int64_t word_stride = stride / 2 + kLanes;
-  std::vector<uint32_t> words(paired ? count * word_stride : 0);
-  std::vector<float> word_scales(paired ? count : 0);
+  uint32_t* words = scratch<uint32_t, 2>(paired ? count * word_stride : 0);
+  float* word_scales = scratch<float, 2>(paired ? count : 0);
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
   if constexpr (kPairable)
     for (int64_t i = 0; i < (paired ? count : 0); ++i) pair_weights(scores + i * stride, n[i], &words[i * word_stride]);
@@ -640,7 +653,7 @@ void attend_queries_avx2(const float* q, int64_t count, const int64_t* first, co
   float* o[kValueGroup];
   for (int64_t c0 = 0; c0 < longest; c0 += kBlock) {
     int64_t ahead = longest;  // as for the keys: the first group to read the block prefetches its values
-    for (size_t g = 0; g + 1 < group_start.size(); ++g) {
+    for (int64_t g = 0; g < groups; ++g) {
       const int64_t i = group_start[g], size = group_start[g + 1] - i;
       if (c0 >= n[i] || c0 + kBlock <= first[i]) continue;
       const int64_t from = std::max(c0, first[i]), to = std::min(c0 + kBlock, n[i]);
