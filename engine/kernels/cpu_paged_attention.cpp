@@ -160,28 +160,53 @@ inline float exponentiate_avx2(float* scores, int64_t first, int64_t n, __m256 t
 template <typename query_t, typename cache_t>
 constexpr bool kBf16Dots = std::is_same_v<query_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16>;
 
-// scores_avx2 for bfloat16 queries (exact as floats in q) over bfloat16 keys: each key's
-// product of pairs summed in float32, eight keys at a time.
-template <int V>
-__m256 scores_bf16(const float* q, const c10::BFloat16* const* keys, int64_t c0, int64_t c1, int64_t end,
-                   float scale, float* scores, __m256 top) {
-  __m256bh qb[V / 2];
-  for (int i = 0; i < V / 2; ++i)
-    qb[i] = _mm256_cvtne2ps_pbh(_mm256_loadu_ps(q + (2 * i + 1) * kLanes), _mm256_loadu_ps(q + 2 * i * kLanes));
-  for (int64_t c = c0; c < c1; c += kLanes) {
-    for (int64_t a = c + kAhead; a < std::min(c + kAhead + kLanes, end); ++a) prefetch_row<V>(keys[a]);
-    const c10::BFloat16* k[kLanes];
-    for (int j = 0; j < kLanes; ++j) k[j] = keys[std::min<int64_t>(c + j, c1 - 1)];
-    __m256 acc[kLanes];
-    for (int j = 0; j < kLanes; ++j) acc[j] = _mm256_setzero_ps();
+// scores_avx2 for G bfloat16 queries (exact as floats in q[g]) that see the same keys [c0,
+// c1) (the heads of one row over one KV head), over bfloat16 keys: a key's score is eight lanes
+// of pair products, lane l summing pairs l, l + 8, l + 16, ... in that order, added as
+// lane_sums adds them, then scaled. Four keys at a time, so that the G queries' accumulators
+// and pairs stay in registers and each key is loaded once for all of them. top[g]: query g's
+// running maximum.
+template <int V, int G>
+void scores_bf16(const float* const* q, const c10::BFloat16* const* keys, int64_t c0, int64_t c1, int64_t end,
+                       float scale, float* const* scores, __m256* top) {
+  constexpr int kKeys = 4;
+  __m256bh qb[G][V / 2];
+  for (int g = 0; g < G; ++g)
     for (int i = 0; i < V / 2; ++i)
-      for (int j = 0; j < kLanes; ++j)
-        acc[j] = _mm256_dpbf16_ps(acc[j], qb[i], (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(k[j] + 2 * i * kLanes)));
-    const __m256 s = _mm256_mul_ps(lane_sums(acc), _mm256_set1_ps(scale));
-    _mm256_storeu_ps(scores + c, s);
-    top = _mm256_max_ps(top, s);
+      qb[g][i] = _mm256_cvtne2ps_pbh(_mm256_loadu_ps(q[g] + (2 * i + 1) * kLanes), _mm256_loadu_ps(q[g] + 2 * i * kLanes));
+  for (int64_t c = c0; c < c1; c += kKeys) {
+    for (int64_t a = c + kAhead; a < std::min(c + kAhead + kKeys, end); ++a) prefetch_row<V>(keys[a]);
+    const c10::BFloat16* k[kKeys];
+    for (int j = 0; j < kKeys; ++j) k[j] = keys[std::min<int64_t>(c + j, c1 - 1)];
+    __m256 acc[G][kKeys];
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < kKeys; ++j) acc[g][j] = _mm256_setzero_ps();
+    for (int i = 0; i < V / 2; ++i)
+      for (int j = 0; j < kKeys; ++j) {
+        const __m256bh key = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(k[j] + 2 * i * kLanes));
+        for (int g = 0; g < G; ++g) acc[g][j] = _mm256_dpbf16_ps(acc[g][j], qb[g][i], key);
+      }
+    for (int g = 0; g < G; ++g) {
+      // lane_sums' tree for four keys: each key's (low four lanes) + (high four lanes).
+      const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(acc[g][0], acc[g][1]), _mm256_hadd_ps(acc[g][2], acc[g][3]));
+      const __m128 s = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)),
+                                  _mm_set1_ps(scale));
+      _mm_storeu_ps(scores[g] + c, s);
+      top[g] = _mm256_max_ps(top[g], _mm256_set_m128(s, s));
+    }
   }
-  return top;
+}
+
+// scores_bf16 for `count` (1 to 3) queries.
+template <int V>
+void scores_bf16_some(int count, const float* const* q, const c10::BFloat16* const* keys, int64_t c0, int64_t c1,
+                            int64_t end, float scale, float* const* scores, __m256* top) {
+  switch (count) {
+    case 1: return scores_bf16<V, 1>(q, keys, c0, c1, end, scale, scores, top);
+    case 2: return scores_bf16<V, 2>(q, keys, c0, c1, end, scale, scores, top);
+    case 3: return scores_bf16<V, 3>(q, keys, c0, c1, end, scale, scores, top);
+    default: TORCH_CHECK(false, "at most 3 queries scored together");
+  }
 }
 
 // Prefill scores with a key loaded once for many queries: a block's keys packed sixteen at a
@@ -601,7 +626,13 @@ void attend_queries_avx2(const float* q, int64_t count, const int64_t* first, co
       float* row = scores + i * stride;
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
       if constexpr (kBf16Dots<query_t, scalar_t>) {
-        top[i] = scores_bf16<V>(q + i * dim, keys, from, to, std::exchange(ahead, 0), scale, row, top[i]);
+        int size = 1;  // the queries after i that see the same keys join it, up to three
+        while (size < 3 && i + size < count && first[i + size] == first[i] && n[i + size] == n[i]) ++size;
+        const float* qs[3];
+        float* rows[3];
+        for (int m = 0; m < size; ++m) qs[m] = q + (i + m) * dim, rows[m] = scores + (i + m) * stride;
+        scores_bf16_some<V>(size, qs, keys, from, to, std::exchange(ahead, 0), scale, rows, top + i);
+        i += size - 1;
         continue;
       }
 #endif
