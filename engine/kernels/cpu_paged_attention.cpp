@@ -793,6 +793,28 @@ void attend_queries(const float* q, int64_t count, const int64_t* first, const i
   }
 }
 
+// x[0:dim] as floats into out, eight at a time where the CPU can.
+template <typename scalar_t>
+void widen(const scalar_t* x, int64_t dim, float* out) {
+  int64_t d = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (kVector8<scalar_t>)
+    for (; d + kLanes <= dim; d += kLanes) _mm256_storeu_ps(out + d, load8(x + d));
+#endif
+  for (; d < dim; ++d) out[d] = static_cast<float>(x[d]);
+}
+
+// x[0:dim] rounded to scalar_t (to nearest, ties to even) into out, eight at a time where the CPU can.
+template <typename scalar_t>
+void narrow(const float* x, int64_t dim, scalar_t* out) {
+  int64_t d = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (kVector8<scalar_t>)
+    for (; d + kLanes <= dim; d += kLanes) store8(out + d, _mm256_loadu_ps(x + d));
+#endif
+  for (; d < dim; ++d) out[d] = static_cast<scalar_t>(x[d]);
+}
+
 // Consecutive rows of the same sequence, at most kTileRows, as [start, end) pairs: a tile's
 // rows read the same keys, so they share each block of them.
 std::vector<std::pair<int64_t, int64_t>> row_tiles(const int64_t* seq_of, int64_t rows) {
@@ -874,7 +896,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       acc.resize(count * dim);
       for (int64_t i = 0; i < count; ++i) {
         const int64_t row = first_row + i / group, head = h * group + i % group;
-        for (int64_t d = 0; d < dim; ++d) query[i * dim + d] = static_cast<float>(qp[(row * heads + head) * dim + d]);
+        widen(qp + (row * heads + head) * dim, dim, &query[i * dim]);
       }
       const int64_t stride = span + kLanes;
       scores.resize(count * stride);
@@ -883,7 +905,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
                                window > 0 || chunk > 0, scores.data(), stride, acc.data());
       for (int64_t i = 0; i < count; ++i) {
         scalar_t* o = op + ((first_row + i / group) * heads + h * group + i % group) * dim;
-        for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<scalar_t>(acc[i * dim + d]);
+        narrow(&acc[i * dim], dim, o);
       }
     }
   }
