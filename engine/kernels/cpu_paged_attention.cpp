@@ -568,25 +568,15 @@ void weighted_sums_int8_some(int count, const uint32_t* const* pw, const float* 
 }
 #endif
 
-// `count` query vectors q[i] (head size 8 * V) over keys [first[i], n[i]) of the same
-// keys: the heads that share one KV head, for one row or a few rows of one sequence. Keys
-// and values are read in blocks of kBlock, each block once for all the queries while it
-// sits in L1; each query's arithmetic is the same as alone: scores eight keys at a time
-// from its first key, soft-capped (cap > 0), a vectorised softmax, the value sum in key
-// order, normalised once at the end. `scores` holds `count` rows of `stride` >= max n + 8
-// floats; `key_scales` and `value_scales` are the keys' and values' scales (int8 caches);
-// `sinks` the queries' sinks (-inf: none). `windowed`: some query may start past key 0 (a
-// sliding window, an attention chunk); bfloat16 queries over a bfloat16 cache take their
-// value sums in weight pairs (weighted_sums_bf16) where not.
+// attend_queries_avx2's scores: each query's row of `scores` over its keys [first, n), and its
+// running maximum raised in top[i]; a bfloat16 tile of rows scores packed keys, a row's heads
+// score together, an int8 cache goes through int16 products (AVX512-VNNI).
 template <int V, typename query_t, typename scalar_t>
-void attend_queries_avx2(const float* q, int64_t count, const int64_t* first, const int64_t* n,
-                         const scalar_t* const* keys, const scalar_t* const* values, const float* key_scales,
-                         const float* value_scales, const float* sinks, float scale, float cap, bool windowed,
-                         float* scores, int64_t stride, float* out) {
+void score_queries(const float* q, int64_t count, const int64_t* first, const int64_t* n,
+                   const scalar_t* const* keys, const scalar_t* const* values, const float* key_scales, float scale,
+                   float* scores, int64_t stride, __m256* top) {
   constexpr int dim = V * kLanes;
   const int64_t longest = *std::max_element(n, n + count);
-  __m256* top = scratch<__m256, 0>(count);
-  std::fill(top, top + count, _mm256_set1_ps(-std::numeric_limits<float>::infinity()));
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
   constexpr bool kIntDots = kScaled<scalar_t>;
   int16_t* q16 = scratch<int16_t, 0>(kIntDots ? count * dim : 0);
@@ -647,14 +637,22 @@ void attend_queries_avx2(const float* q, int64_t count, const int64_t* first, co
                                         top[i]);
     }
   }
-  for (int64_t a = 0; a < std::min(kAhead, longest); ++a) prefetch_row<V>(values[a]);
-  float* inv = scratch<float, 1>(count);
-  for (int64_t i = 0; i < count; ++i) {
-    if (cap > 0.f) top[i] = _mm256_set1_ps(soft_cap(scores + i * stride, first[i], n[i], cap));
-    inv[i] = exponentiate_avx2(scores + i * stride, first[i], n[i], top[i], sinks[i]);
-  }
+}
+
+// attend_queries_avx2's value sums: out[i] = the sum of query i's weights (its row of `scores`,
+// exponentiated) times the values, in key order, before the normalisation; queries that see the
+// same keys (a row's heads) summed together, two keys an instruction where there is no window.
+template <int V, typename query_t, typename scalar_t>
+void sum_values(int64_t count, const int64_t* first, const int64_t* n, const scalar_t* const* values,
+                const float* value_scales, bool windowed, const float* scores, int64_t stride, float* out) {
+  constexpr int dim = V * kLanes;
+  const int64_t longest = *std::max_element(n, n + count);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  constexpr bool kIntDots = kScaled<scalar_t>;
+#else
+  constexpr bool kIntDots = false;
+#endif
   std::fill(out, out + count * dim, 0.f);
-  // Queries that see the same keys (the heads of one row) are summed together.
   int64_t* group_start = scratch<int64_t, 0>(count + 1);
   int64_t groups = 0;
   for (int64_t i = 0; i < count; ++i)
@@ -714,10 +712,38 @@ void attend_queries_avx2(const float* q, int64_t count, const int64_t* first, co
                                       std::exchange(ahead, 0), o);
     }
   }
+  if (paired)
+    for (int64_t i = 0; i < count; ++i) unpair_dimensions<V>(out + i * dim);
+}
+
+// `count` query vectors q[i] (head size 8 * V) over keys [first[i], n[i]) of the same
+// keys: the heads that share one KV head, for one row or a few rows of one sequence. Keys
+// and values are read in blocks of kBlock, each block once for all the queries while it
+// sits in L1; each query's arithmetic is the same as alone: scores eight keys at a time
+// from its first key, soft-capped (cap > 0), a vectorised softmax, the value sum in key
+// order, normalised once at the end. `scores` holds `count` rows of `stride` >= max n + 8
+// floats; `key_scales` and `value_scales` are the keys' and values' scales (int8 caches);
+// `sinks` the queries' sinks (-inf: none). `windowed`: some query may start past key 0 (a
+// sliding window, an attention chunk); bfloat16 queries over a bfloat16 cache take their
+// value sums in weight pairs (weighted_sums_bf16) where not.
+template <int V, typename query_t, typename scalar_t>
+void attend_queries_avx2(const float* q, int64_t count, const int64_t* first, const int64_t* n,
+                         const scalar_t* const* keys, const scalar_t* const* values, const float* key_scales,
+                         const float* value_scales, const float* sinks, float scale, float cap, bool windowed,
+                         float* scores, int64_t stride, float* out) {
+  constexpr int dim = V * kLanes;
+  const int64_t longest = *std::max_element(n, n + count);
+  __m256* top = scratch<__m256, 0>(count);
+  std::fill(top, top + count, _mm256_set1_ps(-std::numeric_limits<float>::infinity()));
+  score_queries<V, query_t, scalar_t>(q, count, first, n, keys, values, key_scales, scale, scores, stride, top);
+  for (int64_t a = 0; a < std::min(kAhead, longest); ++a) prefetch_row<V>(values[a]);
+  float* inv = scratch<float, 1>(count);
   for (int64_t i = 0; i < count; ++i) {
-    if (paired) unpair_dimensions<V>(out + i * dim);
-    for (int d = 0; d < dim; ++d) out[i * dim + d] *= inv[i];
+    if (cap > 0.f) top[i] = _mm256_set1_ps(soft_cap(scores + i * stride, first[i], n[i], cap));
+    inv[i] = exponentiate_avx2(scores + i * stride, first[i], n[i], top[i], sinks[i]);
   }
+  sum_values<V, query_t, scalar_t>(count, first, n, values, value_scales, windowed, scores, stride, out);
+  for (int64_t i = 0; i < count * dim; ++i) out[i] *= inv[i / dim];
 }
 #endif
 
