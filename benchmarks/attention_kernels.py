@@ -18,8 +18,6 @@ The defaults are the embedded model's attention (30 layers, 9 query heads over 3
 
 import argparse
 import sys
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,17 +91,6 @@ def cache_bytes(cache: PagedCache, tokens: int) -> int:
     return per_token * tokens
 
 
-def best_seconds(fn: Callable[[], object], rounds: int) -> float:
-    """The fastest of `rounds` calls after two warm-up calls."""
-    fn(), fn()
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 @dataclass
 class DecodeResult:
     dtype: str
@@ -127,8 +114,8 @@ def measure_decode(shape: AttentionShape, lengths: list[int], dtype: str, rounds
         for cache in layer_caches:
             cache.attend(q, tables, row_seq, row_keys, shape.block_size)
 
-    dram = best_seconds(lambda: step(caches), rounds)
-    hot = best_seconds(lambda: step(caches[:1] * shape.layers), rounds)
+    dram = rl.best_time(lambda: step(caches), rounds)
+    hot = rl.best_time(lambda: step(caches[:1] * shape.layers), rounds)
     return DecodeResult(dtype, dram, hot, shape.layers * cache_bytes(caches[0], sum(lengths)))
 
 
@@ -169,7 +156,7 @@ def measure_prefill(shape: AttentionShape, lengths: list[int], dtype: str, round
 
     difference = (ours().float() - sdpa().float()).abs().max().item()
     flops = sum(4 * shape.heads * shape.head_dim * n * (n + 1) // 2 for n in lengths)
-    return PrefillResult(dtype, best_seconds(ours, rounds), best_seconds(sdpa, rounds), flops, difference)
+    return PrefillResult(dtype, rl.best_time(ours, rounds), rl.best_time(sdpa, rounds), flops, difference)
 
 
 def report_decode(result: DecodeResult, shape: AttentionShape, rates: rl.MachineRates) -> None:

@@ -9,6 +9,7 @@ takes longer is the ceiling an engine can approach.
 import json
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,11 +62,11 @@ def measure_rates(native_bf16: bool, repeats: int = 10) -> MachineRates:
     matmul = {}
     for dtype in dtypes:
         a, b = torch.randn(256, 576, dtype=dtype), torch.randn(576, 3072, dtype=dtype)
-        seconds = _best_time(lambda a=a, b=b: torch.mm(a, b), repeats)
+        seconds = best_time(lambda a=a, b=b: torch.mm(a, b), repeats)
         matmul[str(dtype).removeprefix("torch.")] = 2 * 256 * 576 * 3072 / seconds
     src = torch.ones(64 << 20, dtype=torch.float32)
     dst = torch.empty_like(src)
-    seconds = _best_time(lambda: dst.copy_(src), max(3, repeats // 2))
+    seconds = best_time(lambda: dst.copy_(src), max(3, repeats // 2))
     return MachineRates(matmul, 2 * src.numel() * src.element_size() / seconds)
 
 
@@ -127,7 +128,8 @@ def _computed_from(index: int, shared_prefix: int) -> int:
     return shared_prefix if index > 0 else 0
 
 
-def _best_time(fn, repeats: int) -> float:
+def best_time(fn: Callable[[], object], repeats: int) -> float:
+    """The fastest of `repeats` calls of `fn` after one warm-up call, in seconds."""
     fn()  # warm-up
     best = float("inf")
     for _ in range(repeats):
