@@ -24,6 +24,7 @@ from engine.model_loader.model_config import resolve_model_config
 from engine.models.qwen2_audio import Qwen2AudioProcessor
 from engine.multimodal.audio import read_audio
 from engine.quantization.int8 import Int8LinearMethod
+from tests.audio_models import assert_config_token_mismatch_refused
 from tests.audio_models.qwen2_audio import CHUNK_SECONDS, build_tiny_qwen2_audio
 
 RATE = 16_000
@@ -251,10 +252,4 @@ def test_int8_quantizes_the_audio_tower_calibrated_on_drawn_clips(folder, proces
 def test_a_tokenizer_whose_audio_token_is_not_the_configs_is_refused_naming_both(folder):
     """config.json's audio token against the tokenizer's "<|AUDIO|>": a folder whose files
     disagree fails when its processor is made, naming both ids."""
-    config = transformers.AutoConfig.from_pretrained(folder)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
-    right = config.audio_token_id
-    config.audio_token_id = right + 1
-    with pytest.raises(ValueError, match=rf"the tokenizer's '<\|AUDIO\|>' is token {right}, config.json's "
-                                         rf"audio_token_index {right + 1}: the folder's files disagree"):
-        Qwen2AudioProcessor(folder, config, tokenizer)
+    assert_config_token_mismatch_refused(folder, Qwen2AudioProcessor, "<|AUDIO|>", "audio_token_index")

@@ -20,6 +20,7 @@ from engine.model_loader.loader import load_model
 from engine.model_loader.model_config import resolve_model_config
 from engine.models.voxtral import VoxtralProcessor, tokens_per_window
 from engine.multimodal.audio import read_audio
+from tests.audio_models import assert_config_token_mismatch_refused
 from tests.audio_models.voxtral import CHUNK_SECONDS, TOKENS_PER_WINDOW, build_tiny_voxtral
 
 RATE = 16_000
@@ -187,10 +188,4 @@ def test_a_tekken_only_folder_needs_mistral_common(folder, tmp_path, monkeypatch
 def test_a_tokenizer_whose_audio_token_is_not_the_configs_is_refused_naming_both(folder):
     """config.json's audio token against the tokenizer's "[AUDIO]": a folder whose files
     disagree fails when its processor is made, naming both ids."""
-    config = transformers.AutoConfig.from_pretrained(folder)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
-    right = config.audio_token_id
-    config.audio_token_id = right + 1
-    with pytest.raises(ValueError, match=rf"the tokenizer's '\[AUDIO\]' is token {right}, config.json's "
-                                         rf"audio_token_id {right + 1}: the folder's files disagree"):
-        VoxtralProcessor(folder, config, tokenizer)
+    assert_config_token_mismatch_refused(folder, VoxtralProcessor, "[AUDIO]", "audio_token_id")
