@@ -160,6 +160,10 @@ inline float exponentiate_avx2(float* scores, int64_t first, int64_t n, __m256 t
 template <typename query_t, typename cache_t>
 constexpr bool kBf16Dots = std::is_same_v<query_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16>;
 
+// Queries scored together (scores_bf16, scores_packed): as many as keep their accumulators and
+// pairs in the vector registers.
+constexpr int kScoreGroup = 3;
+
 // scores_avx2 for G bfloat16 queries (exact as floats in q[g]) that see the same keys [c0,
 // c1) (the heads of one row over one KV head), over bfloat16 keys: a key's score is eight lanes
 // of pair products, lane l summing pairs l, l + 8, l + 16, ... in that order, added as
@@ -197,7 +201,7 @@ void scores_bf16(const float* const* q, const c10::BFloat16* const* keys, int64_
   }
 }
 
-// scores_bf16 for `count` (1 to 3) queries.
+// scores_bf16 for `count` (1 to kScoreGroup) queries.
 template <int V>
 void scores_bf16_some(int count, const float* const* q, const c10::BFloat16* const* keys, int64_t c0, int64_t c1,
                             int64_t end, float scale, float* const* scores, __m256* top) {
@@ -205,7 +209,7 @@ void scores_bf16_some(int count, const float* const* q, const c10::BFloat16* con
     case 1: return scores_bf16<V, 1>(q, keys, c0, c1, end, scale, scores, top);
     case 2: return scores_bf16<V, 2>(q, keys, c0, c1, end, scale, scores, top);
     case 3: return scores_bf16<V, 3>(q, keys, c0, c1, end, scale, scores, top);
-    default: TORCH_CHECK(false, "at most 3 queries scored together");
+    default: TORCH_CHECK(false, "at most ", kScoreGroup, " queries scored together");
   }
 }
 
@@ -287,19 +291,19 @@ void scores_packed(const uint32_t* const* qw, const uint32_t* packed, float scal
   }
 }
 
-// scores_packed for `count` (1 to 3) queries.
+// scores_packed for `count` (1 to kScoreGroup) queries.
 template <int V>
 void scores_packed_some(int count, const uint32_t* const* qw, const uint32_t* packed, float scale, __m512* s) {
   switch (count) {
     case 1: return scores_packed<V, 1>(qw, packed, scale, s);
     case 2: return scores_packed<V, 2>(qw, packed, scale, s);
     case 3: return scores_packed<V, 3>(qw, packed, scale, s);
-    default: TORCH_CHECK(false, "at most 3 queries scored together");
+    default: TORCH_CHECK(false, "at most ", kScoreGroup, " queries scored together");
   }
 }
 
 // Block [c0, c0 + kBlock) of the keys (end: the task's last key) scored for every query of a
-// task by scores_packed, three queries at a time: each query's scores [from, to) of the block
+// task by scores_packed, kScoreGroup queries at a time: each query's scores [from, to) of the block
 // stored, and its running maximum top[i] raised to theirs.
 template <int V>
 void score_block_packed(const uint32_t* qw, int64_t count, const int64_t* first, const int64_t* n,
@@ -308,15 +312,15 @@ void score_block_packed(const uint32_t* qw, int64_t count, const int64_t* first,
   constexpr int64_t kPairs = 4 * V;
   const int64_t block_end = std::min(c0 + kBlock, end);
   for (int64_t c = c0; c < block_end; c += kPacked) pack_keys<V>(keys, c, block_end, packed + (c - c0) * kPairs);
-  for (int64_t i0 = 0; i0 < count; i0 += 3) {
-    const int size = static_cast<int>(std::min<int64_t>(3, count - i0));
-    const uint32_t* words[3];
+  for (int64_t i0 = 0; i0 < count; i0 += kScoreGroup) {
+    const int size = static_cast<int>(std::min<int64_t>(kScoreGroup, count - i0));
+    const uint32_t* words[kScoreGroup];
     for (int g = 0; g < size; ++g) words[g] = qw + (i0 + g) * kPairs;
     for (int64_t c = c0; c < block_end; c += kPacked) {
       bool seen = false;
       for (int g = 0; g < size; ++g) seen |= c < n[i0 + g] && c + kPacked > first[i0 + g];
       if (!seen) continue;
-      __m512 s[3];
+      __m512 s[kScoreGroup];
       scores_packed_some<V>(size, words, packed + (c - c0) * kPairs, scale, s);
       for (int g = 0; g < size; ++g) {
         const int64_t i = i0 + g, from = std::max(c, first[i]), to = std::min(c + kPacked, n[i]);
@@ -568,6 +572,14 @@ void weighted_sums_int8_some(int count, const uint32_t* const* pw, const float* 
 }
 #endif
 
+// How many queries from i on, at most `limit`, see the same keys [first, n) as query i (the
+// heads of one row): those that are scored or summed together.
+inline int64_t same_keys_run(const int64_t* first, const int64_t* n, int64_t count, int64_t i, int64_t limit) {
+  int64_t size = 1;
+  while (size < limit && i + size < count && first[i + size] == first[i] && n[i + size] == n[i]) ++size;
+  return size;
+}
+
 // attend_queries_avx2's scores: each query's row of `scores` over its keys [first, n), and its
 // running maximum raised in top[i]; a bfloat16 tile of rows scores packed keys, a row's heads
 // score together, an int8 cache goes through int16 products (AVX512-VNNI).
@@ -616,10 +628,9 @@ void score_queries(const float* q, int64_t count, const int64_t* first, const in
       float* row = scores + i * stride;
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
       if constexpr (kBf16Dots<query_t, scalar_t>) {
-        int size = 1;  // the queries after i that see the same keys join it, up to three
-        while (size < 3 && i + size < count && first[i + size] == first[i] && n[i + size] == n[i]) ++size;
-        const float* qs[3];
-        float* rows[3];
+        const int size = static_cast<int>(same_keys_run(first, n, count, i, kScoreGroup));
+        const float* qs[kScoreGroup];
+        float* rows[kScoreGroup];
         for (int m = 0; m < size; ++m) qs[m] = q + (i + m) * dim, rows[m] = scores + (i + m) * stride;
         scores_bf16_some<V>(size, qs, keys, from, to, std::exchange(ahead, 0), scale, rows, top + i);
         i += size - 1;
@@ -655,9 +666,7 @@ void sum_values(int64_t count, const int64_t* first, const int64_t* n, const sca
   std::fill(out, out + count * dim, 0.f);
   int64_t* group_start = scratch<int64_t, 0>(count + 1);
   int64_t groups = 0;
-  for (int64_t i = 0; i < count; ++i)
-    if (i == 0 || first[i] != first[i - 1] || n[i] != n[i - 1] || i - group_start[groups - 1] == kValueGroup)
-      group_start[groups++] = i;
+  for (int64_t i = 0; i < count; i += same_keys_run(first, n, count, i, kValueGroup)) group_start[groups++] = i;
   group_start[groups] = count;
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
   constexpr bool kPairable = kBf16Dots<query_t, scalar_t>;
@@ -687,27 +696,23 @@ void sum_values(int64_t count, const int64_t* first, const int64_t* n, const sca
       if (c0 >= n[i] || c0 + kBlock <= first[i]) continue;
       const int64_t from = std::max(c0, first[i]), to = std::min(c0 + kBlock, n[i]);
       for (int64_t m = 0; m < size; ++m) p[m] = scores + (i + m) * stride, o[m] = out + (i + m) * dim;
+      if (paired) {
+        const uint32_t* pw[kValueGroup];
+        for (int64_t m = 0; m < size; ++m) pw[m] = &words[(i + m) * word_stride];
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
-      if constexpr (kPairable) {
-        if (paired) {
-          const uint32_t* pw[kValueGroup];
-          for (int64_t m = 0; m < size; ++m) pw[m] = &words[(i + m) * word_stride];
+        if constexpr (kPairable) {
           weighted_sums_bf16_some<V>(static_cast<int>(size), pw, values, from, to, std::exchange(ahead, 0), o);
           continue;
         }
-      }
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-      if constexpr (kIntDots) {
-        if (paired) {
-          const uint32_t* pw[kValueGroup];
-          for (int64_t m = 0; m < size; ++m) pw[m] = &words[(i + m) * word_stride];
+        if constexpr (kIntDots) {
           weighted_sums_int8_some<V>(static_cast<int>(size), pw, &word_scales[i], values, from, to,
                                      std::exchange(ahead, 0), o);
           continue;
         }
-      }
 #endif
+      }
       weighted_sums_some<V, scalar_t>(static_cast<int>(size), p, values, value_scales, from, to,
                                       std::exchange(ahead, 0), o);
     }
@@ -819,26 +824,16 @@ void attend_queries(const float* q, int64_t count, const int64_t* first, const i
   }
 }
 
-// x[0:dim] as floats into out, eight at a time where the CPU can.
-template <typename scalar_t>
-void widen(const scalar_t* x, int64_t dim, float* out) {
+// x[0:dim] as to_t (a float, or rounded to nearest, ties to even) into out, eight at a time
+// where the CPU can: a task's queries widened, its outputs rounded.
+template <typename from_t, typename to_t>
+void convert(const from_t* x, int64_t dim, to_t* out) {
   int64_t d = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-  if constexpr (kVector8<scalar_t>)
-    for (; d + kLanes <= dim; d += kLanes) _mm256_storeu_ps(out + d, load8(x + d));
+  if constexpr (kVector8<from_t> && kVector8<to_t>)
+    for (; d + kLanes <= dim; d += kLanes) store8(out + d, load8(x + d));
 #endif
-  for (; d < dim; ++d) out[d] = static_cast<float>(x[d]);
-}
-
-// x[0:dim] rounded to scalar_t (to nearest, ties to even) into out, eight at a time where the CPU can.
-template <typename scalar_t>
-void narrow(const float* x, int64_t dim, scalar_t* out) {
-  int64_t d = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-  if constexpr (kVector8<scalar_t>)
-    for (; d + kLanes <= dim; d += kLanes) store8(out + d, _mm256_loadu_ps(x + d));
-#endif
-  for (; d < dim; ++d) out[d] = static_cast<scalar_t>(x[d]);
+  for (; d < dim; ++d) out[d] = static_cast<to_t>(static_cast<float>(x[d]));
 }
 
 // Consecutive rows of the same sequence, at most kTileRows, as [start, end) pairs: a tile's
@@ -922,7 +917,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       acc.resize(count * dim);
       for (int64_t i = 0; i < count; ++i) {
         const int64_t row = first_row + i / group, head = h * group + i % group;
-        widen(qp + (row * heads + head) * dim, dim, &query[i * dim]);
+        convert(qp + (row * heads + head) * dim, dim, &query[i * dim]);
       }
       const int64_t stride = span + kLanes;
       scores.resize(count * stride);
@@ -931,7 +926,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
                                window > 0 || chunk > 0, scores.data(), stride, acc.data());
       for (int64_t i = 0; i < count; ++i) {
         scalar_t* o = op + ((first_row + i / group) * heads + h * group + i % group) * dim;
-        narrow(&acc[i * dim], dim, o);
+        convert(&acc[i * dim], dim, o);
       }
     }
   }
