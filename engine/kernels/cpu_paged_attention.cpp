@@ -491,12 +491,15 @@ __m256 scores_int8(const int16_t* q16, float q_scale, const int8_t* const* keys,
   for (int64_t c = c0; c < c1; c += kLanes) {
     for (int64_t a = c + kAhead; a < std::min(c + kAhead + kLanes, end); ++a) prefetch_row<V>(keys[a]);
     const int8_t* k[kLanes];
-    float each[kLanes];
-    for (int j = 0; j < kLanes; ++j) {
-      const int64_t at = std::min<int64_t>(c + j, c1 - 1);
-      k[j] = keys[at], each[j] = key_scales[at];
+    for (int j = 0; j < kLanes; ++j) k[j] = keys[std::min<int64_t>(c + j, c1 - 1)];
+    __m256 key_scale;
+    if (c + kLanes <= c1) {
+      key_scale = _mm256_loadu_ps(key_scales + c);
+    } else {  // the last keys, key c1 - 1 repeated past c1
+      float each[kLanes];
+      for (int j = 0; j < kLanes; ++j) each[j] = key_scales[std::min<int64_t>(c + j, c1 - 1)];
+      key_scale = _mm256_loadu_ps(each);
     }
-    const __m256 key_scale = _mm256_loadu_ps(c + kLanes <= c1 ? key_scales + c : each);
     __m256i acc[kLanes];
     for (int j = 0; j < kLanes; ++j) acc[j] = _mm256_setzero_si256();
     for (int i = 0; i < V / 2; ++i)
