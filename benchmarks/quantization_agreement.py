@@ -113,15 +113,16 @@ def main() -> None:
             prompts_file.write_text(json.dumps(prompts))
             fp16, int8 = (openvino(args.openvino_python, ensure_export(model_path, optimum_cli, fmt), prompts_file,
                                    args.tokens) for fmt in ("fp16", "int8"))
+            caches, refused = {}, None
             try:
                 caches = {cache: openvino(args.openvino_python, ensure_export(model_path, optimum_cli, "fp16"),
                                           prompts_file, args.tokens, {"KV_CACHE_PRECISION": cache})
                           for cache in ("u8", "bf16")}
             except RuntimeError as error:  # a CPU without bfloat16 refuses a bf16 cache
-                caches = {"refused": str(error).strip().splitlines()[-1]}
+                refused = str(error).strip().splitlines()[-1]
         print(f"OpenVINO int8 weights vs its fp16:  {agreement(fp16, int8)}")
-        if "refused" in caches:
-            print(f"OpenVINO u8 KV cache vs its bf16:   not measured ({caches['refused']})")
+        if refused:
+            print(f"OpenVINO u8 KV cache vs its bf16:   not measured ({refused})")
         else:
             default = next((name for name, tokens in caches.items() if tokens == fp16), "neither")
             print(f"OpenVINO u8 KV cache vs its bf16:   {agreement(caches['bf16'], caches['u8'])} "
