@@ -144,7 +144,16 @@ inline float exponentiate_avx2(float* scores, int64_t first, int64_t n, __m256 t
   const __m256 top_all = _mm256_set1_ps(largest);
   const __m256 iota = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
   __m256 total = _mm256_setzero_ps();
-  for (int64_t c = first; c < n; c += kLanes) {
+  int64_t c = first;
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+  // Sixteen at a time while all are live, added to the eight lanes' sums as two eights in turn.
+  for (const __m512 top16 = _mm512_set1_ps(largest); c + 2 * kLanes <= n; c += 2 * kLanes) {
+    const __m512 p = exp_avx512(_mm512_sub_ps(_mm512_loadu_ps(scores + c), top16));
+    _mm512_storeu_ps(scores + c, p);
+    total = _mm256_add_ps(_mm256_add_ps(total, _mm512_castps512_ps256(p)), _mm512_extractf32x8_ps(p, 1));
+  }
+#endif
+  for (; c < n; c += kLanes) {
     const __m256 index = _mm256_add_ps(_mm256_set1_ps(static_cast<float>(c)), iota);
     const __m256 live = _mm256_cmp_ps(index, _mm256_set1_ps(static_cast<float>(n)), _CMP_LT_OQ);
     const __m256 p = _mm256_and_ps(live, exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(scores + c), top_all)));
@@ -751,7 +760,9 @@ void attend_queries_avx2(const float* q, int64_t count, const int64_t* first, co
     inv[i] = exponentiate_avx2(scores + i * stride, first[i], n[i], top[i], sinks[i]);
   }
   sum_values<V, query_t, scalar_t>(count, first, n, values, value_scales, windowed, scores, stride, out);
-  for (int64_t i = 0; i < count * dim; ++i) out[i] *= inv[i / dim];
+  for (int64_t i = 0; i < count; ++i)
+    for (int64_t d = 0; d < dim; d += kLanes)
+      _mm256_storeu_ps(out + i * dim + d, _mm256_mul_ps(_mm256_loadu_ps(out + i * dim + d), _mm256_set1_ps(inv[i])));
 }
 #endif
 
@@ -905,15 +916,18 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       key_scales.resize(kScaled<cache_t> ? span : 0);
       value_scales.resize(kScaled<cache_t> ? span : 0);
       const int64_t* table = tables + seq_of[first_row] * max_blocks;
-      // Key base + c lies at `offset` in block `block` of the sequence (no division per key).
-      for (int64_t c = 0, block = base / block_size, offset = base % block_size; c < span; ++c) {
-        const int64_t slot = table[block] * block_size + offset;
-        if (++offset == block_size) offset = 0, ++block;
-        key_rows[c] = kp + (h * num_slots + slot) * dim;
-        value_rows[c] = vp + (h * num_slots + slot) * dim;
-        if constexpr (kScaled<cache_t>) {
-          key_scales[c] = ksp[h * num_slots + slot];
-          value_scales[c] = vsp[h * num_slots + slot];
+      // Key base + c lies at `offset` in block `block` of the sequence; a block's rows follow
+      // one another in the cache, so only its first is looked up.
+      for (int64_t c = 0, block = base / block_size, offset = base % block_size; c < span; ++block, offset = 0) {
+        const int64_t first_slot = h * num_slots + table[block] * block_size + offset;
+        const int64_t end = c + std::min(block_size - offset, span - c);
+        for (int64_t slot = first_slot; c < end; ++c, ++slot) {
+          key_rows[c] = kp + slot * dim;
+          value_rows[c] = vp + slot * dim;
+          if constexpr (kScaled<cache_t>) {
+            key_scales[c] = ksp[slot];
+            value_scales[c] = vsp[slot];
+          }
         }
       }
       query.resize(count * dim);

@@ -45,6 +45,28 @@ inline __m256 exp_avx2(__m256 x) {
   return _mm256_andnot_ps(underflow, _mm256_mul_ps(y, _mm256_castsi256_ps(bits)));
 }
 
+#if defined(__AVX512F__)
+// exp_avx2 sixteen lanes at a time, each lane's arithmetic the same (so the same bits).
+inline __m512 exp_avx512(__m512 x) {
+  const __m512 floor = _mm512_set1_ps(-87.0f);
+  const __mmask16 kept = _mm512_cmp_ps_mask(x, floor, _CMP_NLT_UQ);
+  x = _mm512_max_ps(x, floor);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(kept, y, _mm512_castsi512_ps(bits));
+}
+#endif
+
 // Eight entries as floats: float32 as they are, bfloat16 widened exactly (its bits are a
 // float's top half), float16 through F16C.
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
