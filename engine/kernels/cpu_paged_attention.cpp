@@ -53,6 +53,19 @@ void dispatch_cache_type(at::ScalarType dtype, const F& run) {
   }
 }
 
+// Calls fn(std::integral_constant<int, G>{}) for G = count, 1 to kMax: the kernels that take the
+// size of a group of queries as a template argument (their accumulators live in registers),
+// called for a size known only at run time.
+template <int kMax, int G = 1, typename F>
+void with_group(int count, const F& fn) {
+  if constexpr (G <= kMax) {
+    if (count == G) return fn(std::integral_constant<int, G>{});
+    return with_group<kMax, G + 1>(count, fn);
+  } else {
+    TORCH_CHECK(false, "between 1 and ", kMax, " queries together, got ", count);
+  }
+}
+
 // scores[first:n] = cap * tanh(scores / cap), in place; returns their maximum.
 inline float soft_cap(float* scores, int64_t first, int64_t n, float cap) {
   float top = -std::numeric_limits<float>::infinity();
@@ -210,18 +223,6 @@ void scores_bf16(const float* const* q, const c10::BFloat16* const* keys, int64_
   }
 }
 
-// scores_bf16 for `count` (1 to kScoreGroup) queries.
-template <int V>
-void scores_bf16_some(int count, const float* const* q, const c10::BFloat16* const* keys, int64_t c0, int64_t c1,
-                            int64_t end, float scale, float* const* scores, __m256* top) {
-  switch (count) {
-    case 1: return scores_bf16<V, 1>(q, keys, c0, c1, end, scale, scores, top);
-    case 2: return scores_bf16<V, 2>(q, keys, c0, c1, end, scale, scores, top);
-    case 3: return scores_bf16<V, 3>(q, keys, c0, c1, end, scale, scores, top);
-    default: TORCH_CHECK(false, "at most ", kScoreGroup, " queries scored together");
-  }
-}
-
 // Prefill scores with a key loaded once for many queries: a block's keys packed sixteen at a
 // time as [dimension pair][key] (one 512-bit register holds one pair of dimensions of sixteen
 // keys), scored with each query's pair broadcast, so no score needs a sum across a register.
@@ -300,17 +301,6 @@ void scores_packed(const uint32_t* const* qw, const uint32_t* packed, float scal
   }
 }
 
-// scores_packed for `count` (1 to kScoreGroup) queries.
-template <int V>
-void scores_packed_some(int count, const uint32_t* const* qw, const uint32_t* packed, float scale, __m512* s) {
-  switch (count) {
-    case 1: return scores_packed<V, 1>(qw, packed, scale, s);
-    case 2: return scores_packed<V, 2>(qw, packed, scale, s);
-    case 3: return scores_packed<V, 3>(qw, packed, scale, s);
-    default: TORCH_CHECK(false, "at most ", kScoreGroup, " queries scored together");
-  }
-}
-
 // Block [c0, c0 + kBlock) of the keys (end: the task's last key) scored for every query of a
 // task by scores_packed, kScoreGroup queries at a time: each query's scores [from, to) of the block
 // stored, and its running maximum top[i] raised to theirs.
@@ -330,7 +320,7 @@ void score_block_packed(const uint32_t* qw, int64_t count, const int64_t* first,
       for (int g = 0; g < size; ++g) seen |= c < n[i0 + g] && c + kPacked > first[i0 + g];
       if (!seen) continue;
       __m512 s[kScoreGroup];
-      scores_packed_some<V>(size, words, packed + (c - c0) * kPairs, scale, s);
+      with_group<kScoreGroup>(size, [&](auto g) { scores_packed<V, g()>(words, packed + (c - c0) * kPairs, scale, s); });
       for (int g = 0; g < size; ++g) {
         const int64_t i = i0 + g, from = std::max(c, first[i]), to = std::min(c + kPacked, n[i]);
         if (from >= to) continue;
@@ -375,21 +365,6 @@ void weighted_sums_avx2(const float* const* p, const scalar_t* const* values, co
     }
     for (int g = 0; g < G; ++g)
       for (int r = 0; r < kPart; ++r) _mm256_storeu_ps(out[g] + (part + r) * kLanes, acc[g][r]);
-  }
-}
-
-// weighted_sums_avx2 for `count` (1 to kValueGroup) queries.
-template <int V, typename scalar_t>
-void weighted_sums_some(int count, const float* const* p, const scalar_t* const* values, const float* value_scales,
-                        int64_t c0, int64_t c1, int64_t end, float* const* out) {
-  switch (count) {
-    case 1: return weighted_sums_avx2<V, 1>(p, values, value_scales, c0, c1, end, out);
-    case 2: return weighted_sums_avx2<V, 2>(p, values, value_scales, c0, c1, end, out);
-#if defined(__AVX512VL__)
-    case 3: return weighted_sums_avx2<V, 3>(p, values, value_scales, c0, c1, end, out);
-    case 4: return weighted_sums_avx2<V, 4>(p, values, value_scales, c0, c1, end, out);
-#endif
-    default: TORCH_CHECK(false, "at most ", kValueGroup, " queries summed together");
   }
 }
 
@@ -441,19 +416,6 @@ void weighted_sums_bf16(const uint32_t* const* pw, const c10::BFloat16* const* v
   }
 }
 
-// weighted_sums_bf16 for `count` (1 to kValueGroup) queries.
-template <int V>
-void weighted_sums_bf16_some(int count, const uint32_t* const* pw, const c10::BFloat16* const* values, int64_t c0,
-                             int64_t c1, int64_t end, float* const* out) {
-  switch (count) {
-    case 1: return weighted_sums_bf16<V, 1>(pw, values, c0, c1, end, out);
-    case 2: return weighted_sums_bf16<V, 2>(pw, values, c0, c1, end, out);
-    case 3: return weighted_sums_bf16<V, 3>(pw, values, c0, c1, end, out);
-    case 4: return weighted_sums_bf16<V, 4>(pw, values, c0, c1, end, out);
-    default: TORCH_CHECK(false, "at most ", kValueGroup, " queries summed together");
-  }
-}
-
 // A prefill's value sums with each pair of values interleaved once for all the queries of a task:
 // values [c0, end) as pairs (c0 + 2j, c0 + 2j + 1), each pair's 16-dimension chunks as one 512-bit
 // register laid out as weighted_sums_bf16's two accumulators of that chunk (dimensions {0-3, 8-11}
@@ -501,20 +463,6 @@ void weighted_sums_packed(const uint32_t* const* pw, const uint32_t* packed, con
   }
   for (int g = 0; g < G; ++g)
     for (int k = 0; k < V / 2; ++k) _mm512_storeu_ps(out[g] + 16 * k, acc[g][k]);
-}
-
-// weighted_sums_packed for `count` (1 to kValueGroup) queries.
-template <int V>
-void weighted_sums_packed_some(int count, const uint32_t* const* pw, const uint32_t* packed,
-                               const c10::BFloat16* const* values, int64_t c0, int64_t c, int64_t c1,
-                               float* const* out) {
-  switch (count) {
-    case 1: return weighted_sums_packed<V, 1>(pw, packed, values, c0, c, c1, out);
-    case 2: return weighted_sums_packed<V, 2>(pw, packed, values, c0, c, c1, out);
-    case 3: return weighted_sums_packed<V, 3>(pw, packed, values, c0, c, c1, out);
-    case 4: return weighted_sums_packed<V, 4>(pw, packed, values, c0, c, c1, out);
-    default: TORCH_CHECK(false, "at most ", kValueGroup, " queries summed together");
-  }
 }
 
 // p[0:n] rounded to bfloat16 pairs: words[j] = (p[2j], p[2j + 1]), p being zero from n to the
@@ -633,18 +581,6 @@ void weighted_sums_int8(const uint32_t* const* pw, const float* w_scale, const i
   }
 }
 
-// weighted_sums_int8 for `count` (1 to kValueGroup) queries.
-template <int V>
-void weighted_sums_int8_some(int count, const uint32_t* const* pw, const float* w_scale, const int8_t* const* values,
-                             int64_t c0, int64_t c1, int64_t end, float* const* out) {
-  switch (count) {
-    case 1: return weighted_sums_int8<V, 1>(pw, w_scale, values, c0, c1, end, out);
-    case 2: return weighted_sums_int8<V, 2>(pw, w_scale, values, c0, c1, end, out);
-    case 3: return weighted_sums_int8<V, 3>(pw, w_scale, values, c0, c1, end, out);
-    case 4: return weighted_sums_int8<V, 4>(pw, w_scale, values, c0, c1, end, out);
-    default: TORCH_CHECK(false, "at most ", kValueGroup, " queries summed together");
-  }
-}
 #endif
 
 // How many queries from i on, at most `limit`, see the same keys [first, n) as query i (the
@@ -707,7 +643,9 @@ void score_queries(const float* q, int64_t count, const int64_t* first, const in
         const float* qs[kScoreGroup];
         float* rows[kScoreGroup];
         for (int m = 0; m < size; ++m) qs[m] = q + (i + m) * dim, rows[m] = scores + (i + m) * stride;
-        scores_bf16_some<V>(size, qs, keys, from, to, std::exchange(ahead, 0), scale, rows, top + i);
+        with_group<kScoreGroup>(size, [&](auto g) {
+          scores_bf16<V, g()>(qs, keys, from, to, std::exchange(ahead, 0), scale, rows, top + i);
+        });
         i += size - 1;
         continue;
       }
@@ -786,22 +724,28 @@ void sum_values(int64_t count, const int64_t* first, const int64_t* n, const sca
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
         if constexpr (kPairable) {
           if (pack)
-            weighted_sums_packed_some<V>(static_cast<int>(size), pw, packed_values, values, c0, from, to, o);
+            with_group<kValueGroup>(static_cast<int>(size), [&](auto g) {
+              weighted_sums_packed<V, g()>(pw, packed_values, values, c0, from, to, o);
+            });
           else
-            weighted_sums_bf16_some<V>(static_cast<int>(size), pw, values, from, to, std::exchange(ahead, 0), o);
+            with_group<kValueGroup>(static_cast<int>(size), [&](auto g) {
+              weighted_sums_bf16<V, g()>(pw, values, from, to, std::exchange(ahead, 0), o);
+            });
           continue;
         }
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
         if constexpr (kIntDots) {
-          weighted_sums_int8_some<V>(static_cast<int>(size), pw, &word_scales[i], values, from, to,
-                                     std::exchange(ahead, 0), o);
+          with_group<kValueGroup>(static_cast<int>(size), [&](auto g) {
+            weighted_sums_int8<V, g()>(pw, &word_scales[i], values, from, to, std::exchange(ahead, 0), o);
+          });
           continue;
         }
 #endif
       }
-      weighted_sums_some<V, scalar_t>(static_cast<int>(size), p, values, value_scales, from, to,
-                                      std::exchange(ahead, 0), o);
+      with_group<kValueGroup>(static_cast<int>(size), [&](auto g) {
+        weighted_sums_avx2<V, g(), scalar_t>(p, values, value_scales, from, to, std::exchange(ahead, 0), o);
+      });
     }
   }
   if (paired)
