@@ -416,6 +416,12 @@ void weighted_sums_bf16(const uint32_t* const* pw, const c10::BFloat16* const* v
   }
 }
 
+// Sixteen dimensions of two values a and b as weighted_sums_bf16 pairs them: the words (a[d],
+// b[d]) of dimensions {0-3, 8-11} then {4-7, 12-15}, its two accumulators' order.
+inline __m512i interleave_pair(__m256i a, __m256i b) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_unpacklo_epi16(a, b)), _mm256_unpackhi_epi16(a, b), 1);
+}
+
 // A prefill's value sums with each pair of values interleaved once for all the queries of a task:
 // values [c0, end) as pairs (c0 + 2j, c0 + 2j + 1), each pair's 16-dimension chunks as one 512-bit
 // register laid out as weighted_sums_bf16's two accumulators of that chunk (dimensions {0-3, 8-11}
@@ -426,10 +432,8 @@ void pack_value_pairs(const c10::BFloat16* const* values, int64_t c0, int64_t en
     const __m256i* a = reinterpret_cast<const __m256i*>(values[c]);
     const __m256i* b = c + 1 < end ? reinterpret_cast<const __m256i*>(values[c + 1]) : nullptr;
     for (int k = 0; k < V / 2; ++k) {
-      const __m256i va = _mm256_loadu_si256(a + k), vb = b ? _mm256_loadu_si256(b + k) : _mm256_setzero_si256();
-      const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_unpacklo_epi16(va, vb)),
-                                              _mm256_unpackhi_epi16(va, vb), 1);
-      _mm512_storeu_si512(packed + ((c - c0) / 2 * (V / 2) + k) * 16, both);
+      const __m256i vb = b ? _mm256_loadu_si256(b + k) : _mm256_setzero_si256();
+      _mm512_storeu_si512(packed + ((c - c0) / 2 * (V / 2) + k) * 16, interleave_pair(_mm256_loadu_si256(a + k), vb));
     }
   }
 }
@@ -454,9 +458,7 @@ void weighted_sums_packed(const uint32_t* const* pw, const uint32_t* packed, con
   if (c < c1) {
     const __m256i* a = reinterpret_cast<const __m256i*>(values[c]);
     for (int k = 0; k < V / 2; ++k) {
-      const __m256i va = _mm256_loadu_si256(a + k), zero = _mm256_setzero_si256();
-      const __m512bh v = (__m512bh)_mm512_inserti64x4(
-          _mm512_castsi256_si512(_mm256_unpacklo_epi16(va, zero)), _mm256_unpackhi_epi16(va, zero), 1);
+      const __m512bh v = (__m512bh)interleave_pair(_mm256_loadu_si256(a + k), _mm256_setzero_si256());
       for (int g = 0; g < G; ++g)
         acc[g][k] = _mm512_dpbf16_ps(acc[g][k], (__m512bh)_mm512_set1_epi32(static_cast<int>(pw[g][c / 2])), v);
     }

@@ -25,21 +25,25 @@ constexpr bool kLoad8 = kVector8<scalar_t> || std::is_same_v<scalar_t, int8_t>;
 
 #if defined(__AVX2__) && defined(__FMA__)
 // exp(x) for x <= 0: Cephes' polynomial on x - n ln 2, times 2^n through the exponent bits;
-// under -87 it is 0.
+// under -87 it is 0. Its constants, for each vector width.
+namespace cephes_exp {
+constexpr float kFloor = -87.0f, kLog2e = 1.44269504088896341f;
+constexpr float kLn2High = 0.693359375f, kLn2Low = -2.12194440e-4f;  // ln 2 in two parts
+constexpr float kPolynomial[] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                                 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+}  // namespace cephes_exp
+
 inline __m256 exp_avx2(__m256 x) {
-  const __m256 floor = _mm256_set1_ps(-87.0f);
+  using namespace cephes_exp;
+  const __m256 floor = _mm256_set1_ps(kFloor);
   const __m256 underflow = _mm256_cmp_ps(x, floor, _CMP_LT_OQ);
   x = _mm256_max_ps(x, floor);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2High), x);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Low), x);
+  __m256 y = _mm256_set1_ps(kPolynomial[0]);
+  for (int i = 1; i < 6; ++i) y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(kPolynomial[i]));
   y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
   const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_andnot_ps(underflow, _mm256_mul_ps(y, _mm256_castsi256_ps(bits)));
@@ -48,19 +52,16 @@ inline __m256 exp_avx2(__m256 x) {
 #if defined(__AVX512F__)
 // exp_avx2 sixteen lanes at a time, each lane's arithmetic the same (so the same bits).
 inline __m512 exp_avx512(__m512 x) {
-  const __m512 floor = _mm512_set1_ps(-87.0f);
+  using namespace cephes_exp;
+  const __m512 floor = _mm512_set1_ps(kFloor);
   const __mmask16 kept = _mm512_cmp_ps_mask(x, floor, _CMP_NLT_UQ);
   x = _mm512_max_ps(x, floor);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2High), x);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Low), x);
+  __m512 y = _mm512_set1_ps(kPolynomial[0]);
+  for (int i = 1; i < 6; ++i) y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(kPolynomial[i]));
   y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
   const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_maskz_mul_ps(kept, y, _mm512_castsi512_ps(bits));
