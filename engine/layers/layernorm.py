@@ -28,7 +28,9 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Normalizes `x`; given `residual`, normalizes `x + residual` and returns the sum too."""
+        """Normalizes `x`; given `residual`, normalizes `x + residual` and returns the sum too.
+        Given `residual`, both it and `x` are the caller's no longer: a kernel may write the
+        sum and the result over them (the CPU's does, see `engine.kernels.cpu_rms_norm`)."""
         if self.kernel is not None and x.dim() == 2:
             return self.kernel(x, self.weight, self.eps, residual)
         if self.kernel is not None and residual is None:  # norms over heads: [tokens, heads, head_dim]

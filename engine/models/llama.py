@@ -234,7 +234,8 @@ class LlamaDecoderLayer(nn.Module):
         layer's attention; and the stream (the embeddings themselves before the first
         layer), of `kept_rows` alone where given."""
         if residual is None:
-            normed, residual = self.input_layernorm(hidden), hidden.float()  # the stream stays in float32 (see RMSNorm)
+            # The stream stays in float32 (see RMSNorm), a copy of its own: the norms may add into it in place.
+            normed, residual = self.input_layernorm(hidden), hidden.to(torch.float32, copy=True)
         else:
             normed, residual = self.input_layernorm(hidden, residual)
         return normed, residual if kept_rows is None else residual[kept_rows]

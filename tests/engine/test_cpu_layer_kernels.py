@@ -55,25 +55,52 @@ def test_matches_the_layer(rms_norm, dtype, hidden, residual_dtype):
     layer, x, residual = norm_case(dtype, hidden)
     with torch.no_grad():
         if residual_dtype is None:
+            before = x.clone()
             out, expected = rms_norm(x, layer.weight, layer.eps), layer.torch_forward(x)
+            assert torch.equal(x, before), "without a residual, x is left as it was"
         else:
             residual = residual.to(dtype if residual_dtype == "x" else residual_dtype)
-            before = residual.clone()
+            expected, expected_sum = layer.torch_forward(x.clone(), residual.clone())
             out, summed = rms_norm(x, layer.weight, layer.eps, residual)
-            expected, expected_sum = layer.torch_forward(x, residual)
             assert summed.dtype == residual.dtype and torch.equal(summed, expected_sum)
-            assert torch.equal(residual, before), "the residual passed in is left as it was"
+            assert summed.data_ptr() == residual.data_ptr() and out.data_ptr() == x.data_ptr(), "in place"
     assert out.dtype == dtype
     torch.testing.assert_close(out, expected, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.float16])
+def test_a_weight_in_another_dtype_is_read_as_its_values(rms_norm, weight_dtype):
+    """A bfloat16 model's norm whose weight stayed float32 (read as it is) or is float16
+    (widened first) gives what the weight's values rounded to bfloat16 give."""
+    layer, x, residual = norm_case(torch.bfloat16, 200, seed=5)
+    weight = layer.weight.detach().to(weight_dtype)
+    with torch.no_grad():
+        expected = rms_norm(x, weight.float(), layer.eps)
+        assert torch.equal(rms_norm(x, weight, layer.eps), expected)
+        expected, expected_sum = rms_norm(x.clone(), weight.float(), layer.eps, residual.clone())
+        out, summed = rms_norm(x, weight, layer.eps, residual)
+    assert torch.equal(out, expected) and torch.equal(summed, expected_sum)
+
+
+def test_strided_inputs_are_read_through_copies(rms_norm):
+    """x and a residual that are views across a wider tensor give the contiguous result,
+    and the rows around them are not written."""
+    layer, x, residual = norm_case(torch.float32, 64, rows=6, seed=4)
+    wide_x, wide_residual = torch.cat([x, x], dim=1), torch.cat([residual, residual], dim=1)
+    expected, expected_sum = rms_norm(x.clone(), layer.weight, layer.eps, residual.clone())
+    with torch.no_grad():
+        out, summed = rms_norm(wide_x[:, :64], layer.weight, layer.eps, wide_residual[:, 64:])
+    assert torch.equal(out, expected) and torch.equal(summed, expected_sum)
+    assert torch.equal(wide_x[:, 64:], x) and torch.equal(wide_residual[:, :64], residual)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_row_does_not_depend_on_the_batch(rms_norm, dtype):
     layer, x, residual = norm_case(dtype, 200, rows=37, seed=3)
     with torch.no_grad():
-        whole, whole_sum = rms_norm(x, layer.weight, layer.eps, residual)
+        whole, whole_sum = rms_norm(x.clone(), layer.weight, layer.eps, residual.clone())
         for r in range(len(x)):
-            alone, alone_sum = rms_norm(x[r : r + 1], layer.weight, layer.eps, residual[r : r + 1])
+            alone, alone_sum = rms_norm(x[r : r + 1].clone(), layer.weight, layer.eps, residual[r : r + 1].clone())
             assert torch.equal(alone, whole[r : r + 1]) and torch.equal(alone_sum, whole_sum[r : r + 1]), r
 
 
