@@ -618,23 +618,24 @@ void score_queries(const float* q, int64_t count, const int64_t* first, const in
   uint32_t* query_words = scratch<uint32_t, 0>(pack ? count * 4 * V : 0);
   uint32_t* packed_keys = scratch<uint32_t, 1>(pack ? kBlock * 4 * V : 0);
   for (int64_t i = 0; i < (pack ? count : 0); ++i) query_pairs<V>(q + i * dim, &query_words[i * 4 * V]);
-  // The bfloat16 rows' scorer reads ahead itself, spread over its keys (scores_bf16): asked
-  // for in bursts, a block at a time, the reads left its arithmetic waiting (decode over 30
-  // layers' caches in DRAM, 15.4 -> 13.6 ms a step with a sequence's blocks in order, as the
-  // block manager mostly hands them out, and 14.6 -> 13.8 with them scattered).
   const bool reads_ahead = kBf16Dots<query_t, scalar_t> && !pack;
 #else
   constexpr bool reads_ahead = false;
 #endif
   // Besides kAhead keys into L1, a block's values and the next block's keys into L2 while
-  // a block is scored: decode over 30 layers' caches in DRAM, 22.8 -> 17.6 ms a step.
+  // a block is scored: decode over 30 layers' caches in DRAM, 22.8 -> 17.6 ms a step. The
+  // bfloat16 rows' scorer (scores_bf16, reads_ahead) asks for those itself, spread over its
+  // keys: asked for in a burst at each block, they left its arithmetic waiting (15.4 -> 13.6
+  // ms a step with a sequence's blocks in order, as the block manager mostly hands them out,
+  // and 14.6 -> 13.8 with them scattered).
   for (int64_t a = 0; a < std::min(kBlock, longest); ++a) prefetch_row<V, _MM_HINT_T1>(keys[a]);
   for (int64_t a = 0; a < std::min(kAhead, longest); ++a) prefetch_row<V>(keys[a]);
   for (int64_t c0 = 0; c0 < longest; c0 += kBlock) {
-    for (int64_t c = c0; c < std::min(c0 + kBlock, longest) && !reads_ahead; ++c)
-      prefetch_row<V, _MM_HINT_T1>(values[c]);
-    for (int64_t c = c0 + kBlock; c < std::min(c0 + 2 * kBlock, longest) && !reads_ahead; ++c)
-      prefetch_row<V, _MM_HINT_T1>(keys[c]);
+    if (!reads_ahead) {
+      for (int64_t c = c0; c < std::min(c0 + kBlock, longest); ++c) prefetch_row<V, _MM_HINT_T1>(values[c]);
+      for (int64_t c = c0 + kBlock; c < std::min(c0 + 2 * kBlock, longest); ++c)
+        prefetch_row<V, _MM_HINT_T1>(keys[c]);
+    }
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
     if constexpr (kBf16Dots<query_t, scalar_t>) {
       if (pack) {
