@@ -9,13 +9,14 @@ The measure is greedy agreement on the embedded model: of 64 chat prompts, how m
 same first 16 tokens (EOS ignored), and how many of all 64 x 16 tokens agree before a
 prompt's first difference. Ours: `LLM(dtype="bfloat16")` against `LLM(dtype="bfloat16",
 quantization=...)` for each method given, and against `kv_cache_dtype=...` for each cache
-dtype given. OpenVINO GenAI (with `--openvino-python`): its fp16 export against its int8 one
-(optimum-intel's per-channel asymmetric int8 weights), both run with the CPU plugin's
-defaults (bfloat16 compute where the CPU has it, its dynamic quantization of activations, a
-u8 KV cache on x86 by its documentation), exported once by `benchmarks/openvino_export.py`;
-and its fp16 export with a u8 KV cache against a bf16 one, each asked for by
-`KV_CACHE_PRECISION` (the plugin's default differs between CPUs: a Zen 4 with bfloat16 gets
-bf16, so the run also says which one the default gave).
+dtype given; our float32 against its narrower caches (`--float32-kv-cache-dtypes`: a
+bfloat16 cache halves what decode reads where float32 is the default). OpenVINO GenAI (with
+`--openvino-python`): its fp16 export against its int8 one (optimum-intel's per-channel
+asymmetric int8 weights), both run with the CPU plugin's defaults (bfloat16 compute where the
+CPU has it, its dynamic quantization of activations, a u8 KV cache on x86 by its
+documentation), exported once by `benchmarks/openvino_export.py`; and its fp16 export with a
+u8 KV cache against a bf16 one, each asked for by `KV_CACHE_PRECISION` (the plugin's default
+differs between CPUs: a Zen 4 with bfloat16 gets bf16, so the run also says which one the default gave).
 
     .venv/bin/python benchmarks/quantization_agreement.py
     .venv/bin/python benchmarks/quantization_agreement.py --openvino-python .venv-openvino/bin/python
@@ -88,6 +89,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--methods", default="int8", help="comma-separated quantization methods of ours")
     parser.add_argument("--kv-cache-dtypes", default="int8", help="comma-separated narrower KV caches of ours")
+    parser.add_argument("--float32-kv-cache-dtypes", default="bfloat16",
+                        help="comma-separated narrower KV caches of our float32 model, against its float32 cache")
     parser.add_argument("--openvino-python", type=Path, help="the Python of a virtualenv with openvino-genai")
     args = parser.parse_args()
     from transformers import AutoTokenizer
@@ -96,7 +99,7 @@ def main() -> None:
     prompts = chat_prompt_ids(AutoTokenizer.from_pretrained(model_path), args.prompts)
     print(f"CPU: {detect_cpu().describe()} | {args.prompts} chat prompts x {args.tokens} greedy tokens, EOS ignored")
     reference = ours(prompts, args.tokens)
-    for method in args.methods.split(","):
+    for method in filter(None, args.methods.split(",")):
         quantized = ours(prompts, args.tokens, quantization=method)
         print(f"ours {method:<5} weights vs ours bfloat16:  {agreement(reference, quantized)}")
     for cache in filter(None, args.kv_cache_dtypes.split(",")):
@@ -104,6 +107,9 @@ def main() -> None:
         print(f"ours {cache:<5} KV cache vs bfloat16:   {agreement(reference, narrow)}")
     float32 = ours(prompts, args.tokens, dtype="float32")
     print(f"ours bfloat16 vs ours float32:      {agreement(float32, reference)}")
+    for cache in filter(None, args.float32_kv_cache_dtypes.split(",")):
+        narrow = ours(prompts, args.tokens, dtype="float32", kv_cache_dtype=cache)
+        print(f"ours float32, {cache} KV cache vs float32: {agreement(float32, narrow)}")
     default = ours(prompts, args.tokens, dtype="auto")
     print(f"ours default ('auto') vs float32:   {agreement(float32, default)}")
     if args.openvino_python:

@@ -35,7 +35,8 @@ class CacheSettings(SettingsGroup):
     kv_cache_memory: int | None = _setting(None, "Bytes of KV cache (vLLM's kv_cache_memory_bytes); default "
                                                  f"{DEFAULT_KV_CACHE_MEMORY >> 30} GiB on a CPU, and on a GPU what "
                                                  "gpu_memory_utilization leaves.", OPERATIONAL)
-    kv_cache_dtype: str = _setting("auto", "The KV cache's element type: 'auto' (the model's dtype), 'bfloat16' or "
+    kv_cache_dtype: str = _setting("auto", "The KV cache's element type: 'auto' (the model's dtype; bfloat16 on a "
+                                           "CPU when dtype is 'auto' too), 'bfloat16' or "
                                            "'float16' (a float32 model's cache at half the bytes), 'int8' (the CPU "
                                            "kernel) or 'fp8' (e4m3, the Triton kernels on a GPU), both with a float32 "
                                            "scale per token and KV head. Narrower caches hold more tokens in "

@@ -163,7 +163,8 @@ AUTO_QUANTIZATION = {("avx2", False): None, ("avx512", False): None, ("avx512_bf
 @pytest.mark.parametrize("kind", CPU_KINDS)
 def test_engine_defaults_by_cpu_kind(bf16_checkpoint, tiny_models, cpu_kind, onednn_uncapped, kind, batch_invariant):
     """`LLM()` on a bfloat16 checkpoint and on a float32 one computes in float32 on a CPU
-    without native bfloat16 and in bfloat16 with it, int8 or not by `AUTO_QUANTIZATION`
+    without native bfloat16 and in bfloat16 with it, over a bfloat16 KV cache either way,
+    int8 or not by `AUTO_QUANTIZATION`
     (the detection set by DAGSTER_LLM_CPU_KIND; the kernels stay those of the real CPU).
     Batch-invariant mode as AMX refuses to start where this process's bfloat16 products
     depend on the batch after all (its oneDNN started on AMX, or runs none)."""
@@ -177,12 +178,14 @@ def test_engine_defaults_by_cpu_kind(bf16_checkpoint, tiny_models, cpu_kind, one
             config = llm.llm_engine.model_config
             assert config.dtype == (torch.bfloat16 if NATIVE_BF16[kind] else torch.float32)
             assert config.quantization == AUTO_QUANTIZATION[kind, batch_invariant]
+            assert llm.output_settings["kv_cache_dtype"] == "bfloat16"  # a float32 model's too
             out = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                                use_tqdm=False)
             assert len(out[0].outputs[0].token_ids) == 4
     assert (os.environ.get(hardware.ONEDNN_ISA_ENV) == "AVX512_CORE_BF16") is (kind == "amx" and batch_invariant)
     with LLM(str(tiny_models["llama"]), dtype="float32") as llm:  # an explicit dtype keeps float32
         assert llm.llm_engine.model_config.dtype == torch.float32 and llm.llm_engine.model_config.quantization is None
+        assert llm.output_settings["kv_cache_dtype"] == "float32"
 
 
 def test_batch_invariant_mode_is_refused_on_a_gpu_before_anything_loads(tiny_models):

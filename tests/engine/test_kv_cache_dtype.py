@@ -144,6 +144,26 @@ def test_each_backend_reads_only_its_caches():
         EngineConfig(kv_cache_dtype="int4")
 
 
+@pytest.mark.parametrize("dtype, kv_cache_dtype, backend, device, expected", [
+    ("auto", "auto", "cpu", "cpu", "bfloat16"),  # the compiled kernel's cache, a float32 model's too
+    ("float32", "auto", "cpu", "cpu", "float32"),  # an explicit dtype keeps its own cache
+    ("auto", "float32", "cpu", "cpu", "float32"),
+    ("auto", "int8", "cpu", "cpu", "int8"),
+    ("auto", "auto", "torch", "cpu", "float32"),  # the reference backend: the model's dtype
+    ("auto", "auto", "triton", "cuda", "float32"),
+])
+def test_auto_cache_dtype(tiny_models, dtype, kv_cache_dtype, backend, device, expected):
+    """'auto' is the model's dtype, except on the CPU kernel with dtype 'auto' too: there a
+    bfloat16 cache under a float32 model halves what decode reads for 62/64 greedy agreement."""
+    from transformers import LlamaConfig
+
+    from engine.config import ModelConfig
+
+    model = ModelConfig(tiny_models["llama"], LlamaConfig(), torch.float32, torch.device(device), 128)
+    config = EngineConfig(dtype=dtype, kv_cache_dtype=kv_cache_dtype).resolve(model, backend)
+    assert config.kv_cache_dtype == expected
+
+
 def test_fp8_on_the_cpu_kernel_is_refused_before_loading(tiny_models):
     if "cpu" not in BACKENDS:
         pytest.skip("the CPU kernel is not built")
