@@ -77,13 +77,6 @@ inline float soft_cap(float* scores, int64_t first, int64_t n, float cap) {
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-// The eight lane sums of a[0..7], as one register: lane j holds the sum of a[j]'s lanes.
-inline __m256 lane_sums(const __m256* a) {
-  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-
 inline float horizontal_max(__m256 a) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
@@ -122,32 +115,52 @@ inline void prefetch_row(const scalar_t* row) {
     _mm_prefetch(reinterpret_cast<const char*>(row) + b, static_cast<_mm_hint>(kHint));
 }
 
-// The scores of query q against keys[c0, c1), eight keys at a time: a last group past c1
-// repeats key c1 - 1 and is stored but never read. Keys before `end` are asked for kAhead keys
-// ahead (end 0: none, they are in L1 already). Returns the running maximum.
-template <int V, typename scalar_t>
-__m256 scores_avx2(const float* q, const scalar_t* const* keys, const float* key_scales, int64_t c0, int64_t c1,
-                   int64_t end, float scale, float* scores, __m256 top) {
-  for (int64_t c = c0; c < c1; c += kLanes) {
-    for (int64_t a = c + kAhead; a < std::min(c + kAhead + kLanes, end); ++a) prefetch_row<V>(keys[a]);
-    const scalar_t* k[kLanes];
-    for (int j = 0; j < kLanes; ++j) k[j] = keys[std::min<int64_t>(c + j, c1 - 1)];
-    __m256 acc[kLanes];
-    for (int j = 0; j < kLanes; ++j) acc[j] = _mm256_setzero_ps();
-    for (int i = 0; i < V; ++i) {
-      const __m256 qi = _mm256_loadu_ps(q + i * kLanes);
-      for (int j = 0; j < kLanes; ++j) acc[j] = _mm256_fmadd_ps(qi, load8(k[j] + i * kLanes), acc[j]);
-    }
-    __m256 s = _mm256_mul_ps(lane_sums(acc), _mm256_set1_ps(scale));
+// Queries scored together (scores_avx2, scores_bf16, scores_packed): the heads of a row that see
+// the same keys, as many as keep their accumulators in the vector registers.
+constexpr int kScoreGroup = 3;
+
+// Four keys' scores from their accumulators acc[0..3] (a key's eight lanes of partial sums), each
+// key's lanes added as ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)), then scaled.
+inline __m128 four_key_scores(const __m256* acc, float scale) {
+  const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+  return _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)), _mm_set1_ps(scale));
+}
+
+// The scores of G queries q[g] that see the same keys [c0, c1) (the heads of one row over one KV
+// head) into scores[g], four keys at a time, each key loaded (a narrower cache's widened) once for
+// all G: a key's score is eight lanes of products, lane l summing dimensions l, l + 8, l + 16, ...
+// in that order, added by four_key_scores, times the key's scale (int8 caches). A last group past
+// c1 repeats key c1 - 1 and is stored but never read. Keys before `end` are asked for kAhead keys
+// ahead (end 0: none, they are in L1 already). top[g]: query g's running maximum.
+template <int V, int G, typename scalar_t>
+void scores_avx2(const float* const* q, const scalar_t* const* keys, const float* key_scales, int64_t c0, int64_t c1,
+                 int64_t end, float scale, float* const* scores, __m256* top) {
+  constexpr int kKeys = 4;
+  for (int64_t c = c0; c < c1; c += kKeys) {
+    for (int64_t a = c + kAhead; a < std::min(c + kAhead + kKeys, end); ++a) prefetch_row<V>(keys[a]);
+    const scalar_t* k[kKeys];
+    for (int j = 0; j < kKeys; ++j) k[j] = keys[std::min<int64_t>(c + j, c1 - 1)];
+    __m256 acc[G][kKeys];
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < kKeys; ++j) acc[g][j] = _mm256_setzero_ps();
+    for (int i = 0; i < V; ++i)
+      for (int j = 0; j < kKeys; ++j) {
+        const __m256 key = load8(k[j] + i * kLanes);
+        for (int g = 0; g < G; ++g) acc[g][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q[g] + i * kLanes), key, acc[g][j]);
+      }
+    __m128 key_scale = _mm_set1_ps(1.f);
     if constexpr (kScaled<scalar_t>) {
-      float each[kLanes];
-      for (int j = 0; j < kLanes; ++j) each[j] = key_scales[std::min<int64_t>(c + j, c1 - 1)];
-      s = _mm256_mul_ps(s, _mm256_loadu_ps(each));
+      float each[kKeys];
+      for (int j = 0; j < kKeys; ++j) each[j] = key_scales[std::min<int64_t>(c + j, c1 - 1)];
+      key_scale = _mm_loadu_ps(each);
     }
-    _mm256_storeu_ps(scores + c, s);
-    top = _mm256_max_ps(top, s);
+    for (int g = 0; g < G; ++g) {
+      __m128 s = four_key_scores(acc[g], scale);
+      if constexpr (kScaled<scalar_t>) s = _mm_mul_ps(s, key_scale);
+      _mm_storeu_ps(scores[g] + c, s);
+      top[g] = _mm256_max_ps(top[g], _mm256_set_m128(s, s));
+    }
   }
-  return top;
 }
 
 // scores[first:n] = exp(scores - max), zero past n, max the largest of the scores and `sink`;
@@ -182,14 +195,10 @@ inline float exponentiate_avx2(float* scores, int64_t first, int64_t n, __m256 t
 template <typename query_t, typename cache_t>
 constexpr bool kBf16Dots = std::is_same_v<query_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16>;
 
-// Queries scored together (scores_bf16, scores_packed): as many as keep their accumulators and
-// pairs in the vector registers.
-constexpr int kScoreGroup = 3;
-
 // scores_avx2 for G bfloat16 queries (exact as floats in q[g]) that see the same keys [c0,
 // c1) (the heads of one row over one KV head), over bfloat16 keys: a key's score is eight lanes
-// of pair products, lane l summing pairs l, l + 8, l + 16, ... in that order, added as
-// lane_sums adds them, then scaled. Four keys at a time, so that the G queries' accumulators
+// of pair products, lane l summing pairs l, l + 8, l + 16, ... in that order, added by
+// four_key_scores. Four keys at a time, so that the G queries' accumulators
 // and pairs stay in registers and each key is loaded once for all of them. top[g]: query g's
 // running maximum.
 template <int V, int G>
@@ -215,10 +224,7 @@ void scores_bf16(const float* const* q, const c10::BFloat16* const* keys, const 
         for (int g = 0; g < G; ++g) acc[g][j] = _mm256_dpbf16_ps(acc[g][j], qb[g][i], key);
       }
     for (int g = 0; g < G; ++g) {
-      // lane_sums' tree for four keys: each key's (low four lanes) + (high four lanes).
-      const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(acc[g][0], acc[g][1]), _mm256_hadd_ps(acc[g][2], acc[g][3]));
-      const __m128 s = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)),
-                                  _mm_set1_ps(scale));
+      const __m128 s = four_key_scores(acc[g], scale);
       _mm_storeu_ps(scores[g] + c, s);
       top[g] = _mm256_max_ps(top[g], _mm256_set_m128(s, s));
     }
@@ -229,7 +235,7 @@ void scores_bf16(const float* const* q, const c10::BFloat16* const* keys, const 
 // time as [dimension pair][key] (one 512-bit register holds one pair of dimensions of sixteen
 // keys), scored with each query's pair broadcast, so no score needs a sum across a register.
 // Each lane repeats scores_bf16's arithmetic for its key: eight partial sums, partial l over
-// pairs l, l + 8, l + 16, ... in that order, added as lane_sums adds them, then scaled, so a
+// pairs l, l + 8, l + 16, ... in that order, added as four_key_scores adds them, scaled, so a
 // score has the same bits either way (a row in a prefill chunk and in decode alike).
 constexpr int64_t kPacked = 16;  // keys a packed register holds
 constexpr int64_t kPackFrom = 6;  // queries a task needs before its keys are packed for them
@@ -336,22 +342,28 @@ void score_block_packed(const uint32_t* qw, int64_t count, const int64_t* first,
 }
 #endif
 
-// Queries whose values are summed together, each value vector widened once for all of them:
-// as many as the vector registers hold accumulators for (32 with AVX-512, else 16).
+// Vector registers the compiler may give a kernel's accumulators and operands.
 #if defined(__AVX512VL__)
-constexpr int kValueGroup = 4;
+constexpr int kRegisters = 32;
 #else
-constexpr int kValueGroup = 2;
+constexpr int kRegisters = 16;
 #endif
 
+// Queries whose values are summed together, each value vector widened once for all of them: a
+// row's heads (three for the embedded model), four where the registers hold their accumulators
+// at 32 dimensions a pass.
+constexpr int kValueGroup = kRegisters >= 32 ? 4 : 3;
+
 // out[g][0:8V] += sum over c in [c0, c1) of p[g][c] * values[c], in key order, for the G
-// queries g that see the same keys: 32 dimensions at a time, each value loaded once for all G;
-// values before `end` asked for ahead, as scores_avx2's keys.
+// queries g that see the same keys: 32 dimensions at a time (16 where G queries' accumulators
+// for 32 would not fit the registers), each value loaded once for all G; values before `end`
+// asked for ahead, as scores_avx2's keys.
 template <int V, int G, typename scalar_t>
 void weighted_sums_avx2(const float* const* p, const scalar_t* const* values, const float* value_scales, int64_t c0,
                         int64_t c1, int64_t end, float* const* out) {
-  constexpr int kPart = 4;  // registers of a query's accumulators in one pass
-  static_assert(V % kPart == 0, "head sizes of 32 dimensions at a time");
+  // Registers of a query's accumulators in one pass: G * kPart of them, kPart values and a weight.
+  constexpr int kPart = G * 4 + 4 + 1 <= kRegisters ? 4 : 2;
+  static_assert(V % 4 == 0, "head sizes of 32 dimensions at a time");
   for (int part = 0; part < V; part += kPart) {
     __m256 acc[G][kPart];
     for (int g = 0; g < G; ++g)
@@ -647,32 +659,32 @@ void score_queries(const float* q, int64_t count, const int64_t* first, const in
 #endif
     // Only the first query to read the block asks for its keys ahead: the others find them in L1.
     int64_t ahead = longest;
-    for (int64_t i = 0; i < count; ++i) {
-      if (c0 >= n[i] || c0 + kBlock <= first[i]) continue;
-      const int64_t from = std::max(c0, first[i]), to = std::min(c0 + kBlock, n[i]);
-      float* row = scores + i * stride;
-#if defined(__AVX512BF16__) && defined(__AVX512VL__)
-      if constexpr (kBf16Dots<query_t, scalar_t>) {
-        const int size = static_cast<int>(same_keys_run(first, n, count, i, kScoreGroup));
-        const float* qs[kScoreGroup];
-        float* rows[kScoreGroup];
-        for (int m = 0; m < size; ++m) qs[m] = q + (i + m) * dim, rows[m] = scores + (i + m) * stride;
-        with_group<kScoreGroup>(size, [&](auto g) {
-          scores_bf16<V, g()>(qs, keys, values, from, to, std::exchange(ahead, 0), scale, rows, top + i);
-        });
-        i += size - 1;
+    for (int64_t i = 0; i < count;) {
+      if (c0 >= n[i] || c0 + kBlock <= first[i]) {
+        ++i;
         continue;
       }
-#endif
+      const int64_t from = std::max(c0, first[i]), to = std::min(c0 + kBlock, n[i]);
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
       if constexpr (kIntDots) {
         top[i] = scores_int8<V>(&q16[i * dim], q_scales[i], keys, key_scales, from, to, std::exchange(ahead, 0), scale,
-                                row, top[i]);
+                                scores + i * stride, top[i]);
+        ++i;
         continue;
       }
 #endif
-      top[i] = scores_avx2<V, scalar_t>(q + i * dim, keys, key_scales, from, to, std::exchange(ahead, 0), scale, row,
-                                        top[i]);
+      const int size = static_cast<int>(same_keys_run(first, n, count, i, kScoreGroup));
+      const float* qs[kScoreGroup];
+      float* rows[kScoreGroup];
+      for (int m = 0; m < size; ++m) qs[m] = q + (i + m) * dim, rows[m] = scores + (i + m) * stride;
+      with_group<kScoreGroup>(size, [&](auto g) {
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+        if constexpr (kBf16Dots<query_t, scalar_t>)
+          return scores_bf16<V, g()>(qs, keys, values, from, to, std::exchange(ahead, 0), scale, rows, top + i);
+#endif
+        scores_avx2<V, g(), scalar_t>(qs, keys, key_scales, from, to, std::exchange(ahead, 0), scale, rows, top + i);
+      });
+      i += size;
     }
   }
 }
