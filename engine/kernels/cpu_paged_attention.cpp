@@ -163,6 +163,26 @@ void scores_avx2(const float* const* q, const scalar_t* const* keys, const float
   }
 }
 
+// Queries a task needs before each block of its keys and values is packed or widened once for all
+// of them (a prefill's tile of rows; a decode row's heads read each key once already).
+constexpr int64_t kPackFrom = 6;
+
+// Caches whose rows the AVX2 kernels widen to floats as they load them (bfloat16, float16).
+template <typename cache_t>
+constexpr bool kWidened = !std::is_same_v<cache_t, float> && !kScaled<cache_t>;
+
+// Rows [c0, c1) of a narrower cache widened to floats, exactly, once for all of a tile's queries:
+// row c into wide + (c - c0) * 8V, rows[c] pointing at it; rows up to `end` asked for ahead.
+template <int V, typename scalar_t>
+void widen_rows(const scalar_t* const* from, int64_t c0, int64_t c1, int64_t end, float* wide, const float** rows) {
+  for (int64_t c = c0; c < c1; ++c) {
+    if (c + kAhead < end) prefetch_row<V>(from[c + kAhead]);
+    float* row = wide + (c - c0) * V * kLanes;
+    for (int i = 0; i < V; ++i) _mm256_storeu_ps(row + i * kLanes, load8(from[c] + i * kLanes));
+    rows[c] = row;
+  }
+}
+
 // scores[first:n] = exp(scores - max), zero past n, max the largest of the scores and `sink`;
 // returns 1 / (their sum + exp(sink - max)). A sink of -inf (none) changes nothing.
 inline float exponentiate_avx2(float* scores, int64_t first, int64_t n, __m256 top, float sink) {
@@ -238,7 +258,6 @@ void scores_bf16(const float* const* q, const c10::BFloat16* const* keys, const 
 // pairs l, l + 8, l + 16, ... in that order, added as four_key_scores adds them, scaled, so a
 // score has the same bits either way (a row in a prefill chunk and in decode alike).
 constexpr int64_t kPacked = 16;  // keys a packed register holds
-constexpr int64_t kPackFrom = 6;  // queries a task needs before its keys are packed for them
 
 // out[16 m + j] = rows[j][m] for a 16 x 16 block of 32-bit words (four rounds of shuffles).
 inline void transpose_16x16(const __m512i* rows, uint32_t* out) {
@@ -640,6 +659,11 @@ void score_queries(const float* q, int64_t count, const int64_t* first, const in
   // keys: asked for in a burst at each block, they left its arithmetic waiting (15.4 -> 13.6
   // ms a step with a sequence's blocks in order, as the block manager mostly hands them out,
   // and 14.6 -> 13.8 with them scattered).
+  // A prefill's tile of rows over a narrower cache has each block of keys widened once for all.
+  const bool widen = kWidened<scalar_t> && count >= kPackFrom;
+  const int64_t earliest = *std::min_element(first, first + count);
+  float* wide = scratch<float, 3>(widen ? kBlock * dim : 0);
+  const float** wide_keys = scratch<const float*, 0>(widen ? longest : 0);
   for (int64_t a = 0; a < std::min(kBlock, longest); ++a) prefetch_row<V, _MM_HINT_T1>(keys[a]);
   for (int64_t a = 0; a < std::min(kAhead, longest); ++a) prefetch_row<V>(keys[a]);
   for (int64_t c0 = 0; c0 < longest; c0 += kBlock) {
@@ -657,6 +681,7 @@ void score_queries(const float* q, int64_t count, const int64_t* first, const in
       }
     }
 #endif
+    if (widen) widen_rows<V>(keys, std::max(c0, earliest), std::min(c0 + kBlock, longest), longest, wide, wide_keys);
     // Only the first query to read the block asks for its keys ahead: the others find them in L1.
     int64_t ahead = longest;
     for (int64_t i = 0; i < count;) {
@@ -682,6 +707,7 @@ void score_queries(const float* q, int64_t count, const int64_t* first, const in
         if constexpr (kBf16Dots<query_t, scalar_t>)
           return scores_bf16<V, g()>(qs, keys, values, from, to, std::exchange(ahead, 0), scale, rows, top + i);
 #endif
+        if (widen) return scores_avx2<V, g(), float>(qs, wide_keys, nullptr, from, to, 0, scale, rows, top + i);
         scores_avx2<V, g(), scalar_t>(qs, keys, key_scales, from, to, std::exchange(ahead, 0), scale, rows, top + i);
       });
       i += size;
@@ -731,6 +757,11 @@ void sum_values(int64_t count, const int64_t* first, const int64_t* n, const sca
   const bool pack = kPairable && paired && count >= kPackFrom;
   uint32_t* packed_values = scratch<uint32_t, 3>(pack ? kBlock * 4 * V : 0);
 #endif
+  // As for its keys, a prefill's tile of rows over a narrower cache has its values widened once.
+  const bool widen = kWidened<scalar_t> && !paired && count >= kPackFrom;
+  const int64_t earliest = *std::min_element(first, first + count);
+  float* wide = scratch<float, 4>(widen ? kBlock * dim : 0);
+  const float** wide_values = scratch<const float*, 1>(widen ? longest : 0);
   const float* p[kValueGroup];
   float* o[kValueGroup];
   for (int64_t c0 = 0; c0 < longest; c0 += kBlock) {
@@ -738,6 +769,8 @@ void sum_values(int64_t count, const int64_t* first, const int64_t* n, const sca
     if constexpr (kPairable)
       if (pack) pack_value_pairs<V>(values, c0, std::min(c0 + kBlock, longest), packed_values);
 #endif
+    if (widen)
+      widen_rows<V>(values, std::max(c0, earliest), std::min(c0 + kBlock, longest), longest, wide, wide_values);
     int64_t ahead = longest;  // as for the keys: the first group to read the block prefetches its values
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t i = group_start[g], size = group_start[g + 1] - i;
@@ -770,6 +803,7 @@ void sum_values(int64_t count, const int64_t* first, const int64_t* n, const sca
 #endif
       }
       with_group<kValueGroup>(static_cast<int>(size), [&](auto g) {
+        if (widen) return weighted_sums_avx2<V, g(), float>(p, wide_values, nullptr, from, to, 0, o);
         weighted_sums_avx2<V, g(), scalar_t>(p, values, value_scales, from, to, std::exchange(ahead, 0), o);
       });
     }

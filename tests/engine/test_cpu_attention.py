@@ -84,15 +84,17 @@ def test_kernel_matches_pytorch_attention(kernel, dtype, heads, kv_heads):
         torch.testing.assert_close(got, expected, **tolerance)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# A float32 model over a bfloat16 cache is a CPU's default where bfloat16 is not native.
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                               (torch.float32, torch.bfloat16)])
 @pytest.mark.parametrize("head_dim,window", [(64, None), (128, None), (64, 21)])
-def test_kernel_rows_do_not_depend_on_the_batch(kernel, dtype, head_dim, window):
+def test_kernel_rows_do_not_depend_on_the_batch(kernel, dtype, cache_dtype, head_dim, window):
     """A row computed alone, as a decode step, or inside any batch gives the same bits (in
-    bfloat16 too, where this CPU's bfloat16 dot products compute the scores, and a prefill's
-    rows score keys packed for many queries at once while a decode row scores them alone)."""
+    bfloat16 too, where this CPU's bfloat16 dot products compute the scores; a prefill's rows
+    score keys packed or widened once for many queries while a decode row reads them alone)."""
     rng = random.Random(1)
     torch.manual_seed(1)
-    k_cache, v_cache, seqs = paged_case(rng, dtype, head_dim=head_dim)
+    k_cache, v_cache, seqs = paged_case(rng, cache_dtype, head_dim=head_dim)
     q = torch.randn(sum(new for new, _, _ in seqs), 9, head_dim).to(dtype)
     tables, row_seq, row_keys = kernel_rows(seqs)
     window = {"sliding_window": window}
