@@ -119,23 +119,35 @@ inline void prefetch_row(const scalar_t* row) {
 // the same keys, as many as keep their accumulators in the vector registers.
 constexpr int kScoreGroup = 3;
 
-// Four keys' scores from their accumulators acc[0..3] (a key's eight lanes of partial sums), each
-// key's lanes added as ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)), then scaled.
-inline __m128 four_key_scores(const __m256* acc, float scale) {
-  const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
-  return _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)), _mm_set1_ps(scale));
+// The scores of kKeys keys (eight or four) from their accumulators acc[j] (key j's eight lanes of
+// partial sums), each key's lanes added as ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)), then
+// scaled: key j in lane j (four keys: repeated in lanes 4 to 7).
+template <int kKeys>
+inline __m256 key_scores(const __m256* acc, float scale) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+  if constexpr (kKeys == 8) {
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
+    return _mm256_mul_ps(_mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31)),
+                         _mm256_set1_ps(scale));
+  } else {
+    static_assert(kKeys == 4, "eight or four keys");
+    const __m128 s = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(u0), _mm256_extractf128_ps(u0, 1)), _mm_set1_ps(scale));
+    return _mm256_set_m128(s, s);
+  }
 }
 
 // The scores of G queries q[g] that see the same keys [c0, c1) (the heads of one row over one KV
-// head) into scores[g], four keys at a time, each key loaded (a narrower cache's widened) once for
-// all G: a key's score is eight lanes of products, lane l summing dimensions l, l + 8, l + 16, ...
-// in that order, added by four_key_scores, times the key's scale (int8 caches). A last group past
-// c1 repeats key c1 - 1 and is stored but never read. Keys before `end` are asked for kAhead keys
-// ahead (end 0: none, they are in L1 already). top[g]: query g's running maximum.
+// head) into scores[g]: a key's score is eight lanes of products, lane l summing dimensions l,
+// l + 8, l + 16, ... in that order, added by key_scores, times the key's scale (int8 caches). One
+// query takes eight keys at a time (float keys: their loads cost little, the sums across registers
+// more); a group takes four, each key loaded (a narrower cache's widened) once for all G, their
+// accumulators filling the registers. A last group past c1 repeats key c1 - 1 and is stored but
+// never read. Keys before `end` are asked for kAhead keys ahead (end 0: none, they are in L1
+// already). top[g]: query g's running maximum.
 template <int V, int G, typename scalar_t>
 void scores_avx2(const float* const* q, const scalar_t* const* keys, const float* key_scales, int64_t c0, int64_t c1,
                  int64_t end, float scale, float* const* scores, __m256* top) {
-  constexpr int kKeys = 4;
+  constexpr int kKeys = G == 1 ? 8 : 4;
   for (int64_t c = c0; c < c1; c += kKeys) {
     for (int64_t a = c + kAhead; a < std::min(c + kAhead + kKeys, end); ++a) prefetch_row<V>(keys[a]);
     const scalar_t* k[kKeys];
@@ -148,17 +160,20 @@ void scores_avx2(const float* const* q, const scalar_t* const* keys, const float
         const __m256 key = load8(k[j] + i * kLanes);
         for (int g = 0; g < G; ++g) acc[g][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q[g] + i * kLanes), key, acc[g][j]);
       }
-    __m128 key_scale = _mm_set1_ps(1.f);
+    __m256 key_scale = _mm256_set1_ps(1.f);
     if constexpr (kScaled<scalar_t>) {
-      float each[kKeys];
-      for (int j = 0; j < kKeys; ++j) each[j] = key_scales[std::min<int64_t>(c + j, c1 - 1)];
-      key_scale = _mm_loadu_ps(each);
+      float each[kLanes];
+      for (int j = 0; j < kLanes; ++j) each[j] = key_scales[std::min<int64_t>(c + j % kKeys, c1 - 1)];
+      key_scale = _mm256_loadu_ps(each);
     }
     for (int g = 0; g < G; ++g) {
-      __m128 s = four_key_scores(acc[g], scale);
-      if constexpr (kScaled<scalar_t>) s = _mm_mul_ps(s, key_scale);
-      _mm_storeu_ps(scores[g] + c, s);
-      top[g] = _mm256_max_ps(top[g], _mm256_set_m128(s, s));
+      __m256 s = key_scores<kKeys>(acc[g], scale);
+      if constexpr (kScaled<scalar_t>) s = _mm256_mul_ps(s, key_scale);
+      if constexpr (kKeys == 8)
+        _mm256_storeu_ps(scores[g] + c, s);
+      else
+        _mm_storeu_ps(scores[g] + c, _mm256_castps256_ps128(s));
+      top[g] = _mm256_max_ps(top[g], s);
     }
   }
 }
@@ -218,7 +233,7 @@ constexpr bool kBf16Dots = std::is_same_v<query_t, c10::BFloat16> && std::is_sam
 // scores_avx2 for G bfloat16 queries (exact as floats in q[g]) that see the same keys [c0,
 // c1) (the heads of one row over one KV head), over bfloat16 keys: a key's score is eight lanes
 // of pair products, lane l summing pairs l, l + 8, l + 16, ... in that order, added by
-// four_key_scores. Four keys at a time, so that the G queries' accumulators
+// key_scores. Four keys at a time, so that the G queries' accumulators
 // and pairs stay in registers and each key is loaded once for all of them. top[g]: query g's
 // running maximum.
 template <int V, int G>
@@ -244,9 +259,9 @@ void scores_bf16(const float* const* q, const c10::BFloat16* const* keys, const 
         for (int g = 0; g < G; ++g) acc[g][j] = _mm256_dpbf16_ps(acc[g][j], qb[g][i], key);
       }
     for (int g = 0; g < G; ++g) {
-      const __m128 s = four_key_scores(acc[g], scale);
-      _mm_storeu_ps(scores[g] + c, s);
-      top[g] = _mm256_max_ps(top[g], _mm256_set_m128(s, s));
+      const __m256 s = key_scores<kKeys>(acc[g], scale);
+      _mm_storeu_ps(scores[g] + c, _mm256_castps256_ps128(s));
+      top[g] = _mm256_max_ps(top[g], s);
     }
   }
 }
@@ -255,7 +270,7 @@ void scores_bf16(const float* const* q, const c10::BFloat16* const* keys, const 
 // time as [dimension pair][key] (one 512-bit register holds one pair of dimensions of sixteen
 // keys), scored with each query's pair broadcast, so no score needs a sum across a register.
 // Each lane repeats scores_bf16's arithmetic for its key: eight partial sums, partial l over
-// pairs l, l + 8, l + 16, ... in that order, added as four_key_scores adds them, scaled, so a
+// pairs l, l + 8, l + 16, ... in that order, added as key_scores adds them, scaled, so a
 // score has the same bits either way (a row in a prefill chunk and in decode alike).
 constexpr int64_t kPacked = 16;  // keys a packed register holds
 
@@ -698,7 +713,10 @@ void score_queries(const float* q, int64_t count, const int64_t* first, const in
         continue;
       }
 #endif
-      const int size = static_cast<int>(same_keys_run(first, n, count, i, kScoreGroup));
+      // A row's heads read narrower keys together, each widened or paired once; float keys (a
+      // float32 cache, a widened block) go one query at a time (scores_avx2).
+      const bool float_keys = std::is_same_v<scalar_t, float> || widen;
+      const int size = float_keys ? 1 : static_cast<int>(same_keys_run(first, n, count, i, kScoreGroup));
       const float* qs[kScoreGroup];
       float* rows[kScoreGroup];
       for (int m = 0; m < size; ++m) qs[m] = q + (i + m) * dim, rows[m] = scores + (i + m) * stride;
