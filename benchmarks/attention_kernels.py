@@ -14,12 +14,25 @@ The defaults are the embedded model's attention (30 layers, 9 query heads over 3
 
     .venv/bin/python benchmarks/attention_kernels.py
     .venv/bin/python benchmarks/attention_kernels.py --kv-cache-dtypes bfloat16,int8 --block-size 16
+
+`--builds` compares kernels built from other checkouts with this one's, loaded side by side in
+this process and timed in turn, round after round: on a noisy machine two runs of one build
+differ more than two builds do, and interleaving in one process is what tells them apart.
+
+    .venv/bin/python benchmarks/attention_kernels.py --kv-cache-dtypes bfloat16 \
+        --builds before=~/.cache/torch_extensions/py311_cpu/engine_cpu_kernels_<hash>/engine_cpu_kernels_<hash>.so,after=this
 """
 
 import argparse
+import contextlib
+import importlib.util
 import sys
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -28,7 +41,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from benchmarks import roofline as rl  # noqa: E402
 from engine.hardware import detect_cpu  # noqa: E402
-from engine.kernels import kv_cache_quant  # noqa: E402
+from engine.kernels import cpu_build, kv_cache_quant  # noqa: E402
 from engine.kernels.cpu_attention import paged_attention  # noqa: E402
 
 
@@ -99,24 +112,41 @@ class DecodeResult:
     bytes: int  # the cache a step reads
 
 
-def measure_decode(shape: AttentionShape, lengths: list[int], dtype: str, rounds: int, seed: int = 0) -> DecodeResult:
-    """One decode step (a query row a sequence) through every layer, timed with every layer's
-    cache in DRAM and with a single layer's cache hot."""
+@dataclass
+class DecodeStep:
+    """One decode step's inputs: a query row a sequence of `lengths`, every layer's own cache."""
+
+    caches: list[PagedCache]
+    q: torch.Tensor
+    tables: torch.Tensor
+    lengths: list[int]
+    block_size: int
+
+    def run(self, caches: list[PagedCache] | None = None) -> None:
+        """The step through every layer's cache (beyond the CPU's caches, as in a run), or `caches`."""
+        row_seq, row_keys = torch.arange(len(self.lengths)), torch.tensor(self.lengths)
+        for cache in self.caches if caches is None else caches:
+            cache.attend(self.q, self.tables, row_seq, row_keys, self.block_size)
+
+
+def decode_step(shape: AttentionShape, lengths: list[int], dtype: str, seed: int = 0) -> DecodeStep:
+    """A step over caches of `dtype` whose sequences' blocks lie apart, as in a long run."""
     generator = torch.Generator().manual_seed(seed)
     tables, slots = block_tables(lengths, shape.block_size, generator)
     caches = [paged_cache(torch.randn(shape.kv_heads, slots, shape.head_dim, generator=generator),
                           torch.randn(shape.kv_heads, slots, shape.head_dim, generator=generator), dtype)
               for _ in range(shape.layers)]
     q = torch.randn(len(lengths), shape.heads, shape.head_dim, generator=generator).to(torch.bfloat16)
-    row_seq, row_keys = torch.arange(len(lengths)), torch.tensor(lengths)
+    return DecodeStep(caches, q, tables, lengths, shape.block_size)
 
-    def step(layer_caches: list[PagedCache]) -> None:
-        for cache in layer_caches:
-            cache.attend(q, tables, row_seq, row_keys, shape.block_size)
 
-    dram = rl.best_time(lambda: step(caches), rounds)
-    hot = rl.best_time(lambda: step(caches[:1] * shape.layers), rounds)
-    return DecodeResult(dtype, dram, hot, shape.layers * cache_bytes(caches[0], sum(lengths)))
+def measure_decode(shape: AttentionShape, lengths: list[int], dtype: str, rounds: int, seed: int = 0) -> DecodeResult:
+    """One decode step (a query row a sequence) through every layer, timed with every layer's
+    cache in DRAM and with a single layer's cache hot."""
+    step = decode_step(shape, lengths, dtype, seed)
+    dram = rl.best_time(step.run, rounds)
+    hot = rl.best_time(lambda: step.run(step.caches[:1] * shape.layers), rounds)
+    return DecodeResult(dtype, dram, hot, shape.layers * cache_bytes(step.caches[0], sum(lengths)))
 
 
 @dataclass
@@ -128,10 +158,19 @@ class PrefillResult:
     largest_difference: float  # between the two outputs
 
 
-def measure_prefill(shape: AttentionShape, lengths: list[int], dtype: str, rounds: int,
-                    seed: int = 0) -> PrefillResult:
-    """One layer's causal attention over whole prompts of `lengths`, in bfloat16: ours reading
-    the keys from a paged cache of `dtype`, PyTorch's from dense bfloat16 tensors."""
+@dataclass
+class PrefillCase:
+    """One layer's causal attention over whole prompts, in bfloat16: `ours` reading the keys from
+    a paged cache, `sdpa` PyTorch's from dense tensors; `flops` the causal products' (2 per
+    multiply-add, scores and value sums)."""
+
+    ours: Callable[[], torch.Tensor]
+    sdpa: Callable[[], torch.Tensor]
+    flops: int
+
+
+def prefill_case(shape: AttentionShape, lengths: list[int], dtype: str, seed: int = 0) -> PrefillCase:
+    """Prompts of `lengths`, ours over a paged cache of `dtype`, PyTorch's over dense bfloat16."""
     generator = torch.Generator().manual_seed(seed)
     tables, slots = block_tables(lengths, shape.block_size, generator)
     keys = torch.randn(shape.kv_heads, slots, shape.head_dim, generator=generator)
@@ -154,9 +193,67 @@ def measure_prefill(shape: AttentionShape, lengths: list[int], dtype: str, round
         outputs = [F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True) for qs, ks, vs in dense]
         return torch.cat([o.squeeze(0).transpose(0, 1) for o in outputs])
 
-    difference = (ours().float() - sdpa().float()).abs().max().item()
     flops = sum(4 * shape.heads * shape.head_dim * n * (n + 1) // 2 for n in lengths)
-    return PrefillResult(dtype, rl.best_time(ours, rounds), rl.best_time(sdpa, rounds), flops, difference)
+    return PrefillCase(ours, sdpa, flops)
+
+
+def measure_prefill(shape: AttentionShape, lengths: list[int], dtype: str, rounds: int,
+                    seed: int = 0) -> PrefillResult:
+    """One layer's causal attention over whole prompts of `lengths`, in bfloat16: ours reading
+    the keys from a paged cache of `dtype`, PyTorch's from dense bfloat16 tensors."""
+    case = prefill_case(shape, lengths, dtype, seed)
+    difference = (case.ours().float() - case.sdpa().float()).abs().max().item()
+    return PrefillResult(dtype, rl.best_time(case.ours, rounds), rl.best_time(case.sdpa, rounds), case.flops,
+                         difference)
+
+
+def load_build(spec: str) -> ModuleType:
+    """The kernels' extension module that `spec` names: "this" (this checkout's build), or the
+    path of one built from another checkout (its .so in PyTorch's extension cache, named by the
+    hash of its sources), loaded beside this one under its own name."""
+    if spec == "this":
+        module = cpu_build.load()
+        if module is None:
+            raise SystemExit("this checkout's CPU kernels did not build (see the log above)")
+        return module
+    path = Path(spec).expanduser()
+    found = importlib.util.spec_from_file_location(path.name.split(".")[0], path)
+    if found is None or not path.is_file():
+        raise SystemExit(f"--builds: no extension module at {path}")
+    module = importlib.util.module_from_spec(found)
+    found.loader.exec_module(module)
+    return module
+
+
+@contextlib.contextmanager
+def using(module: ModuleType) -> Iterator[None]:
+    """The engine's kernel calls going to `module` while the block runs."""
+    with mock.patch.object(cpu_build, "load", lambda: module):
+        yield
+
+
+def compare_builds(builds: dict[str, ModuleType], cases: dict[str, Callable[[], object]],
+                   rounds: int) -> dict[str, dict[str, float]]:
+    """Each case's fastest call through each build, seconds: a warm-up call each, then `rounds`
+    rounds, each timing every case through every build in turn."""
+    best = {case: dict.fromkeys(builds, float("inf")) for case in cases}
+    for first in (True,) + (False,) * rounds:
+        for case, fn in cases.items():
+            for name, module in builds.items():
+                with using(module):
+                    start = time.perf_counter()
+                    fn()
+                    if not first:
+                        best[case][name] = min(best[case][name], time.perf_counter() - start)
+    return best
+
+
+def report_builds(best: dict[str, dict[str, float]]) -> None:
+    names = list(next(iter(best.values())))
+    print(f"{'ms, best of the rounds':34}" + "".join(f"{name:>14}" for name in names) + f"  {names[-1]} / {names[0]}")
+    for case, times in best.items():
+        print(f"{case:34}" + "".join(f"{times[name] * 1e3:14.3f}" for name in names)
+              + f"  {times[names[-1]] / times[names[0]]:.3f}")
 
 
 def report_decode(result: DecodeResult, shape: AttentionShape, rates: rl.MachineRates) -> None:
@@ -188,6 +285,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--builds", default=None,
+                        help="name=build,...: compare these builds side by side (a build: the path of another "
+                             "checkout's extension module, or 'this'), decode in DRAM and prefill, each dtype")
     return parser.parse_args(argv)
 
 
@@ -201,6 +301,14 @@ def main(argv: list[str] | None = None) -> None:
     rates = rl.measure_rates(detect_cpu().native_bf16)
     print(f"CPU: {detect_cpu().describe()} | threads: {args.threads}\n{rates.describe()}\n{shape}, "
           f"bfloat16 queries; decode: {args.seqs} sequences of {args.keys} keys; prefill: {prefill_lengths}")
+    if args.builds:
+        builds = {name: load_build(spec) for name, spec in (item.split("=", 1) for item in args.builds.split(","))}
+        cases = {}
+        for dtype in args.kv_cache_dtypes.split(","):
+            cases[f"decode in DRAM, {dtype} cache"] = decode_step(shape, lengths, dtype, args.seed).run
+            cases[f"prefill, {dtype} cache"] = prefill_case(shape, prefill_lengths, dtype, args.seed).ours
+        report_builds(compare_builds(builds, cases, args.rounds))
+        return
     for dtype in args.kv_cache_dtypes.split(","):
         report_decode(measure_decode(shape, lengths, dtype, args.rounds, args.seed), shape, rates)
         report_prefill(measure_prefill(shape, prefill_lengths, dtype, args.rounds, args.seed))
