@@ -186,17 +186,34 @@ constexpr int64_t kPackFrom = 6;
 template <typename cache_t>
 constexpr bool kWidened = !std::is_same_v<cache_t, float> && !kScaled<cache_t>;
 
-// Rows [c0, c1) of a narrower cache widened to floats, exactly, once for all of a tile's queries:
-// row c into wide + (c - c0) * 8V, rows[c] pointing at it; rows up to `end` asked for ahead.
-template <int V, typename scalar_t>
-void widen_rows(const scalar_t* const* from, int64_t c0, int64_t c1, int64_t end, float* wide, const float** rows) {
-  for (int64_t c = c0; c < c1; ++c) {
-    if (c + kAhead < end) prefetch_row<V>(from[c + kAhead]);
-    float* row = wide + (c - c0) * V * kLanes;
-    for (int i = 0; i < V; ++i) _mm256_storeu_ps(row + i * kLanes, load8(from[c] + i * kLanes));
-    rows[c] = row;
+// A prefill tile's blocks of a narrower cache's rows (its keys or its values) widened to floats,
+// exactly, once for all the tile's queries (`on`: the cache is narrower and the task is a tile):
+// load(c0) widens rows [c0, c0 + kBlock) that some query sees into a thread's buffer (kTag tells
+// apart the keys' from the values'), and rows[c] points at row c's floats.
+template <int V, typename scalar_t, int kTag>
+struct WidenedBlocks {
+  bool on;
+  int64_t earliest, longest;
+  float* wide;
+  const float** rows;
+
+  WidenedBlocks(int64_t count, const int64_t* first, int64_t longest, bool tile)
+      : on(kWidened<scalar_t> && tile && count >= kPackFrom),
+        earliest(*std::min_element(first, first + count)),
+        longest(longest),
+        wide(scratch<float, 3 + kTag>(on ? kBlock * V * kLanes : 0)),
+        rows(scratch<const float*, kTag>(on ? longest : 0)) {}
+
+  void load(const scalar_t* const* from, int64_t c0) {
+    if (!on) return;
+    for (int64_t c = std::max(c0, earliest); c < std::min(c0 + kBlock, longest); ++c) {
+      if (c + kAhead < longest) prefetch_row<V>(from[c + kAhead]);
+      float* row = wide + (c - c0) * V * kLanes;
+      for (int i = 0; i < V; ++i) _mm256_storeu_ps(row + i * kLanes, load8(from[c] + i * kLanes));
+      rows[c] = row;
+    }
   }
-}
+};
 
 // scores[first:n] = exp(scores - max), zero past n, max the largest of the scores and `sink`;
 // returns 1 / (their sum + exp(sink - max)). A sink of -inf (none) changes nothing.
@@ -233,9 +250,8 @@ constexpr bool kBf16Dots = std::is_same_v<query_t, c10::BFloat16> && std::is_sam
 // scores_avx2 for G bfloat16 queries (exact as floats in q[g]) that see the same keys [c0,
 // c1) (the heads of one row over one KV head), over bfloat16 keys: a key's score is eight lanes
 // of pair products, lane l summing pairs l, l + 8, l + 16, ... in that order, added by
-// key_scores. Four keys at a time, so that the G queries' accumulators
-// and pairs stay in registers and each key is loaded once for all of them. top[g]: query g's
-// running maximum.
+// key_scores. Four keys at a time, so that the G queries' accumulators and pairs stay in
+// registers and each key is loaded once for all of them. top[g]: query g's running maximum.
 template <int V, int G>
 void scores_bf16(const float* const* q, const c10::BFloat16* const* keys, const c10::BFloat16* const* values,
                  int64_t c0, int64_t c1, int64_t end, float scale, float* const* scores, __m256* top) {
@@ -668,17 +684,17 @@ void score_queries(const float* q, int64_t count, const int64_t* first, const in
 #else
   constexpr bool reads_ahead = false;
 #endif
+  // A prefill's tile of rows over a narrower cache has each block of keys widened once for all.
+  WidenedBlocks<V, scalar_t, 0> wide(count, first, longest, true);
+  // A row's heads read narrower keys together, each widened or paired once; float keys (a float32
+  // cache, a widened block) go one query at a time (scores_avx2).
+  const bool float_keys = std::is_same_v<scalar_t, float> || wide.on;
   // Besides kAhead keys into L1, a block's values and the next block's keys into L2 while
   // a block is scored: decode over 30 layers' caches in DRAM, 22.8 -> 17.6 ms a step. The
   // bfloat16 rows' scorer (scores_bf16, reads_ahead) asks for those itself, spread over its
   // keys: asked for in a burst at each block, they left its arithmetic waiting (15.4 -> 13.6
   // ms a step with a sequence's blocks in order, as the block manager mostly hands them out,
   // and 14.6 -> 13.8 with them scattered).
-  // A prefill's tile of rows over a narrower cache has each block of keys widened once for all.
-  const bool widen = kWidened<scalar_t> && count >= kPackFrom;
-  const int64_t earliest = *std::min_element(first, first + count);
-  float* wide = scratch<float, 3>(widen ? kBlock * dim : 0);
-  const float** wide_keys = scratch<const float*, 0>(widen ? longest : 0);
   for (int64_t a = 0; a < std::min(kBlock, longest); ++a) prefetch_row<V, _MM_HINT_T1>(keys[a]);
   for (int64_t a = 0; a < std::min(kAhead, longest); ++a) prefetch_row<V>(keys[a]);
   for (int64_t c0 = 0; c0 < longest; c0 += kBlock) {
@@ -696,7 +712,7 @@ void score_queries(const float* q, int64_t count, const int64_t* first, const in
       }
     }
 #endif
-    if (widen) widen_rows<V>(keys, std::max(c0, earliest), std::min(c0 + kBlock, longest), longest, wide, wide_keys);
+    wide.load(keys, c0);
     // Only the first query to read the block asks for its keys ahead: the others find them in L1.
     int64_t ahead = longest;
     for (int64_t i = 0; i < count;) {
@@ -713,9 +729,6 @@ void score_queries(const float* q, int64_t count, const int64_t* first, const in
         continue;
       }
 #endif
-      // A row's heads read narrower keys together, each widened or paired once; float keys (a
-      // float32 cache, a widened block) go one query at a time (scores_avx2).
-      const bool float_keys = std::is_same_v<scalar_t, float> || widen;
       const int size = float_keys ? 1 : static_cast<int>(same_keys_run(first, n, count, i, kScoreGroup));
       const float* qs[kScoreGroup];
       float* rows[kScoreGroup];
@@ -725,7 +738,7 @@ void score_queries(const float* q, int64_t count, const int64_t* first, const in
         if constexpr (kBf16Dots<query_t, scalar_t>)
           return scores_bf16<V, g()>(qs, keys, values, from, to, std::exchange(ahead, 0), scale, rows, top + i);
 #endif
-        if (widen) return scores_avx2<V, g(), float>(qs, wide_keys, nullptr, from, to, 0, scale, rows, top + i);
+        if (wide.on) return scores_avx2<V, g(), float>(qs, wide.rows, nullptr, from, to, 0, scale, rows, top + i);
         scores_avx2<V, g(), scalar_t>(qs, keys, key_scales, from, to, std::exchange(ahead, 0), scale, rows, top + i);
       });
       i += size;
@@ -776,10 +789,7 @@ void sum_values(int64_t count, const int64_t* first, const int64_t* n, const sca
   uint32_t* packed_values = scratch<uint32_t, 3>(pack ? kBlock * 4 * V : 0);
 #endif
   // As for its keys, a prefill's tile of rows over a narrower cache has its values widened once.
-  const bool widen = kWidened<scalar_t> && !paired && count >= kPackFrom;
-  const int64_t earliest = *std::min_element(first, first + count);
-  float* wide = scratch<float, 4>(widen ? kBlock * dim : 0);
-  const float** wide_values = scratch<const float*, 1>(widen ? longest : 0);
+  WidenedBlocks<V, scalar_t, 1> wide(count, first, longest, !paired);
   const float* p[kValueGroup];
   float* o[kValueGroup];
   for (int64_t c0 = 0; c0 < longest; c0 += kBlock) {
@@ -787,8 +797,7 @@ void sum_values(int64_t count, const int64_t* first, const int64_t* n, const sca
     if constexpr (kPairable)
       if (pack) pack_value_pairs<V>(values, c0, std::min(c0 + kBlock, longest), packed_values);
 #endif
-    if (widen)
-      widen_rows<V>(values, std::max(c0, earliest), std::min(c0 + kBlock, longest), longest, wide, wide_values);
+    wide.load(values, c0);
     int64_t ahead = longest;  // as for the keys: the first group to read the block prefetches its values
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t i = group_start[g], size = group_start[g + 1] - i;
@@ -821,7 +830,7 @@ void sum_values(int64_t count, const int64_t* first, const int64_t* n, const sca
 #endif
       }
       with_group<kValueGroup>(static_cast<int>(size), [&](auto g) {
-        if (widen) return weighted_sums_avx2<V, g(), float>(p, wide_values, nullptr, from, to, 0, o);
+        if (wide.on) return weighted_sums_avx2<V, g(), float>(p, wide.rows, nullptr, from, to, 0, o);
         weighted_sums_avx2<V, g(), scalar_t>(p, values, value_scales, from, to, std::exchange(ahead, 0), o);
       });
     }
