@@ -142,14 +142,18 @@ inline __m256 key_scores(const __m256* acc, float scale) {
 // query takes eight keys at a time (float keys: their loads cost little, the sums across registers
 // more); a group takes four, each key loaded (a narrower cache's widened) once for all G, their
 // accumulators filling the registers. A last group past c1 repeats key c1 - 1 and is stored but
-// never read. Keys before `end` are asked for kAhead keys ahead (end 0: none, they are in L1
-// already). top[g]: query g's running maximum.
+// never read. Keys before `end` are asked for as it goes (end 0: none, they are in L1 already):
+// kAhead keys ahead into L1, and into L2 these keys' values and the keys a block further on.
+// top[g]: query g's running maximum.
 template <int V, int G, typename scalar_t>
-void scores_avx2(const float* const* q, const scalar_t* const* keys, const float* key_scales, int64_t c0, int64_t c1,
-                 int64_t end, float scale, float* const* scores, __m256* top) {
+void scores_avx2(const float* const* q, const scalar_t* const* keys, const scalar_t* const* values,
+                 const float* key_scales, int64_t c0, int64_t c1, int64_t end, float scale, float* const* scores,
+                 __m256* top) {
   constexpr int kKeys = G == 1 ? 8 : 4;
   for (int64_t c = c0; c < c1; c += kKeys) {
     for (int64_t a = c + kAhead; a < std::min(c + kAhead + kKeys, end); ++a) prefetch_row<V>(keys[a]);
+    for (int64_t a = c + kBlock; a < std::min(c + kBlock + kKeys, end); ++a) prefetch_row<V, _MM_HINT_T1>(keys[a]);
+    for (int64_t a = c; a < std::min(c + kKeys, end); ++a) prefetch_row<V, _MM_HINT_T1>(values[a]);
     const scalar_t* k[kKeys];
     for (int j = 0; j < kKeys; ++j) k[j] = keys[std::min<int64_t>(c + j, c1 - 1)];
     __m256 acc[G][kKeys];
@@ -680,9 +684,8 @@ void score_queries(const float* q, int64_t count, const int64_t* first, const in
   uint32_t* query_words = scratch<uint32_t, 0>(pack ? count * 4 * V : 0);
   uint32_t* packed_keys = scratch<uint32_t, 1>(pack ? kBlock * 4 * V : 0);
   for (int64_t i = 0; i < (pack ? count : 0); ++i) query_pairs<V>(q + i * dim, &query_words[i * 4 * V]);
-  const bool reads_ahead = kBf16Dots<query_t, scalar_t> && !pack;
 #else
-  constexpr bool reads_ahead = false;
+  constexpr bool pack = false;
 #endif
   // A prefill's tile of rows over a narrower cache has each block of keys widened once for all.
   WidenedBlocks<V, scalar_t, 0> wide(count, first, longest, true);
@@ -690,11 +693,13 @@ void score_queries(const float* q, int64_t count, const int64_t* first, const in
   // cache, a widened block) go one query at a time (scores_avx2).
   const bool float_keys = std::is_same_v<scalar_t, float> || wide.on;
   // Besides kAhead keys into L1, a block's values and the next block's keys into L2 while
-  // a block is scored: decode over 30 layers' caches in DRAM, 22.8 -> 17.6 ms a step. The
-  // bfloat16 rows' scorer (scores_bf16, reads_ahead) asks for those itself, spread over its
-  // keys: asked for in a burst at each block, they left its arithmetic waiting (15.4 -> 13.6
-  // ms a step with a sequence's blocks in order, as the block manager mostly hands them out,
-  // and 14.6 -> 13.8 with them scattered).
+  // a block is scored: decode over 30 layers' caches in DRAM, 22.8 -> 17.6 ms a step. The scorers
+  // that read the cache in place (scores_avx2, scores_bf16) ask for those themselves, spread over
+  // the keys of the block's first reader: asked for in a burst at each block, they left the
+  // arithmetic waiting (bfloat16 dot products on a Zen 4: 15.4 -> 13.6 ms a step with a
+  // sequence's blocks in order, as the block manager mostly hands them out, and 14.6 -> 13.8 with
+  // them scattered).
+  const bool reads_ahead = !pack && !wide.on && !kIntDots;
   for (int64_t a = 0; a < std::min(kBlock, longest); ++a) prefetch_row<V, _MM_HINT_T1>(keys[a]);
   for (int64_t a = 0; a < std::min(kAhead, longest); ++a) prefetch_row<V>(keys[a]);
   for (int64_t c0 = 0; c0 < longest; c0 += kBlock) {
@@ -738,8 +743,9 @@ void score_queries(const float* q, int64_t count, const int64_t* first, const in
         if constexpr (kBf16Dots<query_t, scalar_t>)
           return scores_bf16<V, g()>(qs, keys, values, from, to, std::exchange(ahead, 0), scale, rows, top + i);
 #endif
-        if (wide.on) return scores_avx2<V, g(), float>(qs, wide.rows, nullptr, from, to, 0, scale, rows, top + i);
-        scores_avx2<V, g(), scalar_t>(qs, keys, key_scales, from, to, std::exchange(ahead, 0), scale, rows, top + i);
+        if (wide.on) return scores_avx2<V, g(), float>(qs, wide.rows, nullptr, nullptr, from, to, 0, scale, rows, top + i);
+        scores_avx2<V, g(), scalar_t>(qs, keys, values, key_scales, from, to, std::exchange(ahead, 0), scale, rows,
+                                      top + i);
       });
       i += size;
     }
