@@ -90,13 +90,15 @@ def model_shape(path: Path) -> ModelShape:
 
 
 def roofline(shape: ModelShape, rates: MachineRates, prompts: list[int], outputs: list[int],
-             shared_prefix: int, element_size: int, max_num_seqs: int) -> Roofline:
+             shared_prefix: int, element_size: int, max_num_seqs: int,
+             kv_element_size: int | None = None) -> Roofline:
     """The ceiling for prompts of the given lengths each generating `outputs[i]` tokens.
 
     Compute: the products' FLOPs (`product_flops`) plus attention. Memory: the weights read
-    once per decode step, at least max(longest output, total outputs / max_num_seqs) steps,
-    plus each decode token's read of the KV cache before it (`decode_kv_bytes`). The faster of
-    the measured matmul rates stands for the compute peak.
+    once per decode step (`element_size` bytes a weight), at least max(longest output, total
+    outputs / max_num_seqs) steps, plus each decode token's read of the KV cache before it
+    (`decode_kv_bytes`, `kv_element_size` bytes an element: the weights' where not given). The
+    faster of the measured matmul rates stands for the compute peak.
     """
     attention = sum(shape.attention_flops(_sum_range(_computed_from(i, shared_prefix), prompt + output - 1))
                     for i, (prompt, output) in enumerate(zip(prompts, outputs)))  # token t attends to t tokens
@@ -104,7 +106,7 @@ def roofline(shape: ModelShape, rates: MachineRates, prompts: list[int], outputs
     steps = max(max(outputs), -(-sum(outputs) // max_num_seqs))
     compute_s = flops / max(rates.matmul_flops.values())
     memory_s = (steps * shape.matmul_params * element_size
-                + decode_kv_bytes(shape, prompts, outputs, element_size)) / rates.bandwidth
+                + decode_kv_bytes(shape, prompts, outputs, kv_element_size or element_size)) / rates.bandwidth
     seconds = max(compute_s, memory_s)
     return Roofline(sum(outputs) / seconds, "compute" if compute_s >= memory_s else "memory",
                     compute_s, memory_s)

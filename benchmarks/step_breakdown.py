@@ -130,6 +130,7 @@ class Breakdown:
     parts: dict[str, float]
     calls: dict[str, int]
     dtype: str
+    kv_cache_dtype: str  # a CPU cache's element type, as torch names it
     detail: str
 
 
@@ -149,7 +150,7 @@ def measure(llm: LLM, workload: Workload) -> Breakdown:
     config = llm.llm_engine.config
     detail = f"{llm.dtype}{' + ' + config.quantization if config.quantization else ''}, {config.kv_cache_dtype} KV"
     calls = {part: times.calls.get(part, 0) for part in PARTS}
-    return Breakdown(workload, seconds, parts, calls, llm.dtype, detail)
+    return Breakdown(workload, seconds, parts, calls, llm.dtype, config.kv_cache_dtype, detail)
 
 
 def report(run: Breakdown, shape: rl.ModelShape, rates: rl.MachineRates, faster: float) -> None:
@@ -157,6 +158,7 @@ def report(run: Breakdown, shape: rl.ModelShape, rates: rl.MachineRates, faster:
     workload, total = run.workload, run.seconds
     prompts, outputs = [len(p) for p in workload.prompts], workload.max_tokens
     element_size = torch.empty(0, dtype=getattr(torch, run.dtype)).element_size()
+    kv_element_size = torch.empty(0, dtype=getattr(torch, run.kv_cache_dtype)).element_size()
     print(f"({workload.name}) {workload.description}: {total:.2f} s, {workload.output_tokens / total:.1f} output "
           f"tok/s ({run.detail})")
     print(f"  {'part':<52} {'s':>7} {'share':>7} {'calls':>7} {'us/call':>8}")
@@ -170,16 +172,17 @@ def report(run: Breakdown, shape: rl.ModelShape, rates: rl.MachineRates, faster:
     peak = max(rates.matmul_flops.values())
     print(f"  products: {flops / products / 1e9:.0f} GFLOP/s, {flops / products / peak:.0%} of the measured "
           f"{peak / 1e9:.0f}")
-    decode_bytes = rl.decode_kv_bytes(shape, prompts, outputs, element_size)
+    decode_bytes = rl.decode_kv_bytes(shape, prompts, outputs, kv_element_size)
     if run.parts[DECODE_ATTENTION]:
         print(f"  attention, decode-only steps: at most {decode_bytes / run.parts[DECODE_ATTENTION] / 1e9:.1f} GB/s "
               f"of cache read (every decode row's keys and values), copy bandwidth {rates.bandwidth / 1e9:.1f}")
-    bound = rl.roofline(shape, rates, prompts, outputs, workload.shared_prefix_len, element_size, 256)
+    bound = rl.roofline(shape, rates, prompts, outputs, workload.shared_prefix_len, element_size, 256, kv_element_size)
     ours = workload.output_tokens / total
     print(f"  roofline: {bound.output_tokens_per_s:.0f} output tok/s ({bound.bound}-bound); ours at "
           f"{ours / bound.output_tokens_per_s:.1%}")
     faster_rates = rl.MachineRates({k: v * faster for k, v in rates.matmul_flops.items()}, rates.bandwidth)
-    faster_bound = rl.roofline(shape, faster_rates, prompts, outputs, workload.shared_prefix_len, element_size, 256)
+    faster_bound = rl.roofline(shape, faster_rates, prompts, outputs, workload.shared_prefix_len, element_size, 256,
+                               kv_element_size)
     predicted = total - products * (1 - 1 / faster)
     print(f"  with products {faster:g}x faster and the rest as here: {predicted:.2f} s, "
           f"{workload.output_tokens / predicted:.0f} output tok/s, {workload.output_tokens / predicted / faster_bound.output_tokens_per_s:.1%} "

@@ -38,3 +38,28 @@ def test_a_run_on_a_tiny_model_times_every_part_and_adds_up(make_llm, tiny_model
     report(run, rl.model_shape(tiny_models["llama"]), rl.MachineRates({"float32": 1e11}, 1e10), 3.6)
     printed = capsys.readouterr().out
     assert "not a matrix product" in printed and "of that CPU's roofline" in printed
+
+
+def test_the_cache_is_read_at_its_own_element_size_not_the_weights():
+    """A float32 model over a bfloat16 cache (an AVX2 CPU's default) reads two bytes an element
+    of its cache: its roofline's memory time is the float32 weights plus that cache."""
+    shape = rl.ModelShape(matmul_params=1_000_000, layers=2, heads=4, kv_heads=2, head_dim=8)
+    rates = rl.MachineRates({"float32": 1e18}, 1e9)  # memory-bound
+    prompts, outputs = [10, 20], [5, 3]
+    weights_s = max(outputs) * shape.matmul_params * 4 / rates.bandwidth
+    cache_bytes = rl.decode_kv_bytes(shape, prompts, outputs, 2)
+    assert cache_bytes * 2 == rl.decode_kv_bytes(shape, prompts, outputs, 4)
+    narrow = rl.roofline(shape, rates, prompts, outputs, 0, 4, 256, kv_element_size=2)
+    assert narrow.bound == "memory" and abs(narrow.memory_s - (weights_s + cache_bytes / rates.bandwidth)) < 1e-12
+    assert rl.roofline(shape, rates, prompts, outputs, 0, 4, 256).memory_s > narrow.memory_s
+
+
+def test_a_run_reports_its_caches_read_rate_at_the_caches_element_size(make_llm, tiny_models, capsys):
+    llm = make_llm("llama", dtype="float32", kv_cache_dtype="bfloat16", max_num_batched_tokens=64)
+    workload = Workload("t", "two prompts", [[3, 4, 5, 6] * 5, [7, 8] * 6], [8, 6], warmup=[[5, 6, 7]])
+    run = measure(llm, workload)
+    assert (run.dtype, run.kv_cache_dtype) == ("float32", "bfloat16")
+    shape = rl.model_shape(tiny_models["llama"])
+    run.parts[DECODE_ATTENTION] = rl.decode_kv_bytes(shape, [20, 12], [8, 6], 2) / 10e9  # 10 GB/s at two bytes
+    report(run, shape, rl.MachineRates({"float32": 1e11}, 1e10), 3.6)
+    assert "at most 10.0 GB/s of cache read" in capsys.readouterr().out
