@@ -27,6 +27,15 @@ class MachineRates:
         return f"matmul [256,576]x[576,3072]: {rates} | memory copy: {self.bandwidth / 1e9:.1f} GB/s"
 
 
+# Cache element types that torch names otherwise (the GPU caches' FP8).
+_ELEMENT_SIZES = {"fp8": 1, "fp8_e4m3": 1}
+
+
+def element_size(dtype: str) -> int:
+    """Bytes an element of `dtype`, a weights' or a KV cache's element type as the engine names it."""
+    return _ELEMENT_SIZES.get(dtype) or torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+
+
 @dataclass
 class ModelShape:
     """The model facts the roofline needs, read from config.json and the safetensors headers."""

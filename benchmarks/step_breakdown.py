@@ -130,7 +130,7 @@ class Breakdown:
     parts: dict[str, float]
     calls: dict[str, int]
     dtype: str
-    kv_cache_dtype: str  # a CPU cache's element type, as torch names it
+    kv_cache_dtype: str  # the cache's element type, as the engine names it
     detail: str
 
 
@@ -157,8 +157,7 @@ def report(run: Breakdown, shape: rl.ModelShape, rates: rl.MachineRates, faster:
     """The parts' table, the rates reached, the roofline fraction and the faster CPU's prediction."""
     workload, total = run.workload, run.seconds
     prompts, outputs = [len(p) for p in workload.prompts], workload.max_tokens
-    element_size = torch.empty(0, dtype=getattr(torch, run.dtype)).element_size()
-    kv_element_size = torch.empty(0, dtype=getattr(torch, run.kv_cache_dtype)).element_size()
+    element_size, kv_element_size = rl.element_size(run.dtype), rl.element_size(run.kv_cache_dtype)
     print(f"({workload.name}) {workload.description}: {total:.2f} s, {workload.output_tokens / total:.1f} output "
           f"tok/s ({run.detail})")
     print(f"  {'part':<52} {'s':>7} {'share':>7} {'calls':>7} {'us/call':>8}")

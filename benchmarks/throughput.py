@@ -81,6 +81,7 @@ class Measurement:
     total_tokens_per_s: float
     peak_rss_bytes: int
     error: str | None = None
+    kv_cache_dtype: str | None = None
 
     @classmethod
     def best_of(cls, engine: str, results: list[WorkerResult], errors: list[str]) -> "Measurement":
@@ -88,7 +89,8 @@ class Measurement:
             return cls(engine, "", "", float("nan"), float("nan"), float("nan"), 0, errors[-1] if errors else "no run")
         best = min(results, key=lambda r: r.seconds)
         return cls(engine, best.detail, best.dtype, best.seconds, best.output_tokens / best.seconds,
-                   (best.prompt_tokens + best.output_tokens) / best.seconds, max(r.peak_rss_bytes for r in results))
+                   (best.prompt_tokens + best.output_tokens) / best.seconds, max(r.peak_rss_bytes for r in results),
+                   kv_cache_dtype=best.kv_cache_dtype)
 
 
 def parse_args() -> argparse.Namespace:
@@ -274,12 +276,14 @@ def print_table(workload: Workload, measurements: dict[str, Measurement], rounds
 
 def print_roofline(workload: Workload, ours: Measurement | None, shape: rl.ModelShape,
                    rates: rl.MachineRates) -> None:
-    """The workload's roofline at our engine's weight dtype, and our fraction of it."""
-    dtype = ours.dtype if ours and not ours.error else "float32"
-    element_size = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    """The workload's roofline at our engine's weight and KV cache dtypes, and our fraction of it."""
+    ran = ours is not None and not ours.error
+    dtype = ours.dtype if ran else "float32"
+    cache = ours.kv_cache_dtype if ran and ours.kv_cache_dtype else dtype
     bound = rl.roofline(shape, rates, [len(p) for p in workload.prompts], workload.max_tokens,
-                        workload.shared_prefix_len, element_size, ENGINE_MAX_NUM_SEQS)
-    line = (f"roofline ({dtype} weights): {bound.output_tokens_per_s:.0f} output tok/s, {bound.bound}-bound "
+                        workload.shared_prefix_len, rl.element_size(dtype), ENGINE_MAX_NUM_SEQS,
+                        rl.element_size(cache))
+    line = (f"roofline ({dtype} weights, {cache} KV): {bound.output_tokens_per_s:.0f} output tok/s, {bound.bound}-bound "
             f"(compute {bound.compute_s:.2f} s, memory {bound.memory_s:.2f} s)")
     if ours and not ours.error:
         line += f"; ours at {ours.output_tokens_per_s / bound.output_tokens_per_s:.1%} of it"

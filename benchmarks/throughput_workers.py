@@ -41,6 +41,17 @@ class WorkerOptions:
 
 
 @dataclass
+class Timed:
+    """A runner's timed run: seconds for the whole workload, the dtype its weights ran in, what
+    ran in words, and its KV cache's element type (None where the runner cannot tell)."""
+
+    seconds: float
+    dtype: str
+    detail: str
+    kv_cache_dtype: str | None = None
+
+
+@dataclass
 class WorkerResult:
     """One timed run: seconds for the whole workload, the process's peak RSS, what ran and how."""
 
@@ -52,6 +63,7 @@ class WorkerResult:
     peak_rss_bytes: int
     dtype: str  # the weights' dtype as the engine ran them
     detail: str
+    kv_cache_dtype: str | None = None  # the KV cache's element type, where the engine tells
 
 
 def peak_rss_bytes() -> int:
@@ -66,7 +78,7 @@ def peak_rss_bytes() -> int:
 
 
 def run_ours(workload: Workload, opts: WorkerOptions, prefix_caching: bool = True,
-             kv_cache_dtype: str | None = None) -> tuple[float, str, str]:
+             kv_cache_dtype: str | None = None) -> Timed:
     """Our engine: `LLM.generate` on token-id prompts, one SamplingParams per prompt;
     `kv_cache_dtype` overrides the options' (a variant run beside the default)."""
     import torch
@@ -88,10 +100,11 @@ def run_ours(workload: Workload, opts: WorkerOptions, prefix_caching: bool = Tru
     _check_lengths([len(o.outputs[0].token_ids) for o in outputs], workload)
     weights = f" + {quantization}" if quantization else ""
     mode = ", batch-invariant" if opts.batch_invariant else ""
-    return elapsed, dtype, f"{dtype}{weights}, {cache} KV, prefix caching {'on' if prefix_caching else 'off'}{mode}"
+    return Timed(elapsed, dtype, f"{dtype}{weights}, {cache} KV, prefix caching {'on' if prefix_caching else 'off'}{mode}",
+                 cache)
 
 
-def run_hf_generate(workload: Workload, opts: WorkerOptions) -> tuple[float, str, str]:
+def run_hf_generate(workload: Workload, opts: WorkerOptions) -> Timed:
     """transformers' static batching: `model.generate` on left-padded batches of `hf_batch_size`.
 
     A batch runs until its longest request is done (that is static batching's cost); only the
@@ -121,10 +134,10 @@ def run_hf_generate(workload: Workload, opts: WorkerOptions) -> tuple[float, str
         for i in range(0, len(workload.prompts), size):
             generate(workload.prompts[i:i + size], max(workload.max_tokens[i:i + size]))
         elapsed = time.perf_counter() - start
-    return elapsed, opts.hf_dtype, f"{opts.hf_dtype}, batch {size}"
+    return Timed(elapsed, opts.hf_dtype, f"{opts.hf_dtype}, batch {size}")
 
 
-def run_hf_continuous(workload: Workload, opts: WorkerOptions) -> tuple[float, str, str]:
+def run_hf_continuous(workload: Workload, opts: WorkerOptions) -> Timed:
     """transformers' continuous batching (`generate_batch`'s manager) with a KV cache of `kv_cache_bytes`.
 
     `model.generate_batch` creates its manager, and allocates (zero-fills) the paged cache,
@@ -160,10 +173,10 @@ def run_hf_continuous(workload: Workload, opts: WorkerOptions) -> tuple[float, s
         results = _collect(manager, ids)
         elapsed = time.perf_counter() - start
     _check_lengths([len(results[i].generated_tokens) for i in ids], workload)
-    return elapsed, opts.hf_dtype, f"{opts.hf_dtype}, cache {opts.kv_cache_bytes / 2**30:.1f} GiB"
+    return Timed(elapsed, opts.hf_dtype, f"{opts.hf_dtype}, cache {opts.kv_cache_bytes / 2**30:.1f} GiB")
 
 
-def run_openvino(workload: Workload, opts: WorkerOptions) -> tuple[float, str, str]:
+def run_openvino(workload: Workload, opts: WorkerOptions) -> Timed:
     """OpenVINO GenAI's `ContinuousBatchingPipeline` on CPU with its defaults, prefix caching on."""
     import numpy as np
     import openvino as ov
@@ -192,7 +205,7 @@ def run_openvino(workload: Workload, opts: WorkerOptions) -> tuple[float, str, s
     # cache (benchmarks/quantization_agreement.py compares the two).
     compute = ov.Core().get_property("CPU", "INFERENCE_PRECISION_HINT").to_string()
     dtype = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}.get(compute, compute)
-    return elapsed, dtype, f"fp16 IR, {compute} compute, default KV, cache {scheduler.cache_size} GB"
+    return Timed(elapsed, dtype, f"fp16 IR, {compute} compute, default KV, cache {scheduler.cache_size} GB")
 
 
 RUNNERS = {
@@ -240,7 +253,7 @@ def worker_main(argv: list[str]) -> None:
     opts = WorkerOptions(**json.loads(args.options))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     workload = Workload.load(args.workload_file)
-    seconds, dtype, detail = RUNNERS[args.worker](workload, opts)
-    result = WorkerResult(args.worker, workload.name, seconds, workload.prompt_tokens, workload.output_tokens,
-                          peak_rss_bytes(), dtype, detail)
+    timed = RUNNERS[args.worker](workload, opts)
+    result = WorkerResult(args.worker, workload.name, timed.seconds, workload.prompt_tokens, workload.output_tokens,
+                          peak_rss_bytes(), timed.dtype, timed.detail, timed.kv_cache_dtype)
     print(RESULT_PREFIX + json.dumps(asdict(result)), flush=True)
