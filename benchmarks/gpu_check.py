@@ -64,7 +64,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.comparison import best_times  # noqa: E402
 from benchmarks.gpu_throughput import _replay_seconds, copy_bandwidth, model_config  # noqa: E402
-from benchmarks.roofline import MachineRates, measure_rates, model_shape, roofline  # noqa: E402
+from benchmarks.roofline import MachineRates, element_size, measure_rates, model_shape, roofline  # noqa: E402
 from benchmarks.structured_throughput import SCHEMA  # noqa: E402
 from engine import LLM, RequestOutput, SamplingParams, StructuredOutputsParams  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
@@ -596,13 +596,14 @@ def stage_decode_roofline(check: Check, rows: list[Row]) -> None:
     prompts = [[rng.randrange(3, check.config(name).vocab_size) for _ in range(s.decode_prompt)]
                for _ in range(batch)]
     llm = check.llm(name)
+    cache_size = element_size(llm.llm_engine.config.kv_cache_dtype)  # a CPU's default cache may be narrower
     seconds, memory = {}, {}
     for tokens in (1, steps + 1):
         workload = Workload(prompts, [tokens] * batch)
         check.timed(llm, workload)  # warm
         seconds[tokens] = check.timed(llm, workload).seconds
         memory[tokens] = roofline(model_shape(check.folder(name)), check.rates, [s.decode_prompt] * batch,
-                                  workload.max_tokens, 0, check.dtype.itemsize, MAX_NUM_SEQS).memory_s
+                                  workload.max_tokens, 0, check.dtype.itemsize, MAX_NUM_SEQS, cache_size).memory_s
     step = (seconds[steps + 1] - seconds[1]) / steps
     floor = (memory[steps + 1] - memory[1]) / steps
     try:  # a side figure: the stage's own stands without it
