@@ -285,7 +285,7 @@ def print_roofline(workload: Workload, ours: Measurement | None, shape: rl.Model
                         rl.element_size(cache))
     line = (f"roofline ({dtype} weights, {cache} KV): {bound.output_tokens_per_s:.0f} output tok/s, {bound.bound}-bound "
             f"(compute {bound.compute_s:.2f} s, memory {bound.memory_s:.2f} s)")
-    if ours and not ours.error:
+    if ran:
         line += f"; ours at {ours.output_tokens_per_s / bound.output_tokens_per_s:.1%} of it"
     print(line)
 
