@@ -544,15 +544,25 @@ inline void pair_weights(const float* p, int64_t n, uint32_t* words) {
 
 #endif
 
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-// An int8 cache read by the CPU's int16 pair products (AVX512-VNNI): a query is rounded to
+// An int8 cache read by int16 pair products (AVX512-VNNI's, else AVX2's): a query is rounded to
 // int16 with a scale of its own (its largest magnitude / 32767), so each key's dot product is
 // an exact int32 sum, whatever order it is added in; the weights of the value sums are
 // rounded the same way (a query's weights times the values' scales, over their largest), and
 // each block of kBlock keys' sums is exact in int32 before it joins the float total. Sixteen
-// elements then take a widening load and one product, as bfloat16 ones take a product, where
-// widening to float32 took three instructions for eight; and the cache is half the bytes.
+// elements then take a widening load and one product (two on AVX2), where widening them to
+// floats took four instructions before their two products; and the cache is half the bytes.
 constexpr float kInt16Max = 32767.f;
+
+// acc plus the pair products of a and b, lane by lane: int16 pairs into int32, exact (no sum
+// the kernels give it reaches 2^31), so AVX512-VNNI's one instruction and AVX2's multiply-add
+// and add give the same bits.
+inline __m256i add_pair_products(__m256i acc, __m256i a, __m256i b) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpwssd_epi32(acc, a, b);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
 
 // q[0:dim] rounded to int16 into out; returns the scale (1 for a zero query).
 inline float quantize_int16(const float* q, int64_t dim, int16_t* out) {
@@ -571,15 +581,19 @@ inline __m256i lane_sums_int(const __m256i* a) {
 }
 
 // scores_avx2 for an int16 query q16 (scale q_scale) over int8 keys: scale * q_scale *
-// key_scales[c] * (q16 . keys[c]), eight keys at a time, 16 dimensions an instruction.
+// key_scales[c] * (q16 . keys[c]), eight keys at a time, 16 dimensions an instruction; keys and
+// values before `end` asked for as scores_avx2 asks for them.
 template <int V>
-__m256 scores_int8(const int16_t* q16, float q_scale, const int8_t* const* keys, const float* key_scales, int64_t c0,
-                   int64_t c1, int64_t end, float scale, float* scores, __m256 top) {
+__m256 scores_int8(const int16_t* q16, float q_scale, const int8_t* const* keys, const int8_t* const* values,
+                   const float* key_scales, int64_t c0, int64_t c1, int64_t end, float scale, float* scores,
+                   __m256 top) {
   __m256i qv[V / 2];
   for (int i = 0; i < V / 2; ++i) qv[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q16 + 2 * i * kLanes));
   const __m256 factor = _mm256_set1_ps(q_scale * scale);
   for (int64_t c = c0; c < c1; c += kLanes) {
     for (int64_t a = c + kAhead; a < std::min(c + kAhead + kLanes, end); ++a) prefetch_row<V>(keys[a]);
+    for (int64_t a = c + kBlock; a < std::min(c + kBlock + kLanes, end); ++a) prefetch_row<V, _MM_HINT_T1>(keys[a]);
+    for (int64_t a = c; a < std::min(c + kLanes, end); ++a) prefetch_row<V, _MM_HINT_T1>(values[a]);
     const int8_t* k[kLanes];
     for (int j = 0; j < kLanes; ++j) k[j] = keys[std::min<int64_t>(c + j, c1 - 1)];
     __m256 key_scale;
@@ -594,7 +608,7 @@ __m256 scores_int8(const int16_t* q16, float q_scale, const int8_t* const* keys,
     for (int j = 0; j < kLanes; ++j) acc[j] = _mm256_setzero_si256();
     for (int i = 0; i < V / 2; ++i)
       for (int j = 0; j < kLanes; ++j)
-        acc[j] = _mm256_dpwssd_epi32(
+        acc[j] = add_pair_products(
             acc[j], qv[i], _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(k[j] + 2 * i * kLanes))));
     const __m256 s = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(lane_sums_int(acc)), key_scale), factor);
     _mm256_storeu_ps(scores + c, s);
@@ -604,13 +618,24 @@ __m256 scores_int8(const int16_t* q16, float q_scale, const int8_t* const* keys,
 }
 
 // The value weights p[c] * value_scales[c] for c < n rounded to int16 pairs, words[j] =
-// (w[2j], w[2j + 1]), zero from n to the next multiple of eight; returns their scale.
+// (w[2j], w[2j + 1]), zero from n to the next multiple of eight; returns their scale. Eight at
+// a time (a decode row has as many weights as keys), the same products, quotients and roundings
+// to nearest as one at a time.
 inline float pair_int16_weights(const float* p, const float* value_scales, int64_t n, uint32_t* words) {
-  float largest = 0.f;
-  for (int64_t c = 0; c < n; ++c) largest = std::max(largest, p[c] * value_scales[c]);
+  const auto weights = [&](int64_t c) { return _mm256_mul_ps(_mm256_loadu_ps(p + c), _mm256_loadu_ps(value_scales + c)); };
+  __m256 top = _mm256_setzero_ps();
+  int64_t c = 0;
+  for (; c + kLanes <= n; c += kLanes) top = _mm256_max_ps(top, weights(c));
+  float largest = horizontal_max(top);
+  for (; c < n; ++c) largest = std::max(largest, p[c] * value_scales[c]);
   const float s = largest > 0.f ? largest / kInt16Max : 1.f;
   auto* w = reinterpret_cast<int16_t*>(words);
-  for (int64_t c = 0; c < (n + kLanes - 1) / kLanes * kLanes; ++c)
+  for (c = 0; c + kLanes <= n; c += kLanes) {
+    const __m256i rounded = _mm256_cvtps_epi32(_mm256_div_ps(weights(c), _mm256_set1_ps(s)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(w + c),
+                     _mm_packs_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1)));
+  }
+  for (; c < (n + kLanes - 1) / kLanes * kLanes; ++c)
     w[c] = c < n ? static_cast<int16_t>(std::nearbyint(p[c] * value_scales[c] / s)) : 0;
   return s;
 }
@@ -621,8 +646,9 @@ inline float pair_int16_weights(const float* p, const float* value_scales, int64
 template <int V, int G>
 void weighted_sums_int8(const uint32_t* const* pw, const float* w_scale, const int8_t* const* values, int64_t c0,
                         int64_t c1, int64_t end, float* const* out) {
-  constexpr int kPart = 4;
-  static_assert(V % kPart == 0, "head sizes of 32 dimensions at a time");
+  // Registers of a pass: G * kPart accumulators, two values widened, their two interleavings and a weight.
+  constexpr int kPart = G * 4 + 5 <= kRegisters ? 4 : 2;
+  static_assert(V % 4 == 0, "head sizes of 32 dimensions at a time");
   alignas(32) static const int8_t zeros[V * kLanes] = {};
   for (int part = 0; part < V; part += kPart) {
     __m256i acc[G][kPart];
@@ -638,8 +664,8 @@ void weighted_sums_int8(const uint32_t* const* pw, const float* w_scale, const i
         const __m256i low = _mm256_unpacklo_epi16(va, vb), high = _mm256_unpackhi_epi16(va, vb);
         for (int g = 0; g < G; ++g) {
           const __m256i w = _mm256_set1_epi32(static_cast<int>(pw[g][c / 2]));
-          acc[g][r] = _mm256_dpwssd_epi32(acc[g][r], w, low);
-          acc[g][r + 1] = _mm256_dpwssd_epi32(acc[g][r + 1], w, high);
+          acc[g][r] = add_pair_products(acc[g][r], w, low);
+          acc[g][r + 1] = add_pair_products(acc[g][r + 1], w, high);
         }
       }
     }
@@ -651,8 +677,6 @@ void weighted_sums_int8(const uint32_t* const* pw, const float* w_scale, const i
   }
 }
 
-#endif
-
 // How many queries from i on, at most `limit`, see the same keys [first, n) as query i (the
 // heads of one row): those that are scored or summed together.
 inline int64_t same_keys_run(const int64_t* first, const int64_t* n, int64_t count, int64_t i, int64_t limit) {
@@ -663,21 +687,17 @@ inline int64_t same_keys_run(const int64_t* first, const int64_t* n, int64_t cou
 
 // attend_queries_avx2's scores: each query's row of `scores` over its keys [first, n), and its
 // running maximum raised in top[i]; a bfloat16 tile of rows scores packed keys, a row's heads
-// score together, an int8 cache goes through int16 products (AVX512-VNNI).
+// score together, an int8 cache goes through int16 products.
 template <int V, typename query_t, typename scalar_t>
 void score_queries(const float* q, int64_t count, const int64_t* first, const int64_t* n,
                    const scalar_t* const* keys, const scalar_t* const* values, const float* key_scales, float scale,
                    float* scores, int64_t stride, __m256* top) {
   constexpr int dim = V * kLanes;
   const int64_t longest = *std::max_element(n, n + count);
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
   constexpr bool kIntDots = kScaled<scalar_t>;
   int16_t* q16 = scratch<int16_t, 0>(kIntDots ? count * dim : 0);
   float* q_scales = scratch<float, 0>(kIntDots ? count : 0);
   for (int64_t i = 0; i < (kIntDots ? count : 0); ++i) q_scales[i] = quantize_int16(q + i * dim, dim, &q16[i * dim]);
-#else
-  constexpr bool kIntDots = false;
-#endif
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
   // A prefill's tile of rows has enough queries to pack each block of keys for them.
   const bool pack = kBf16Dots<query_t, scalar_t> && count >= kPackFrom;
@@ -694,12 +714,12 @@ void score_queries(const float* q, int64_t count, const int64_t* first, const in
   const bool float_keys = std::is_same_v<scalar_t, float> || wide.on;
   // Besides kAhead keys into L1, a block's values and the next block's keys into L2 while
   // a block is scored: decode over 30 layers' caches in DRAM, 22.8 -> 17.6 ms a step. The scorers
-  // that read the cache in place (scores_avx2, scores_bf16) ask for those themselves, spread over
+  // that read the cache in place (scores_avx2, scores_bf16, scores_int8) ask for those themselves, spread over
   // the keys of the block's first reader: asked for in a burst at each block, they left the
   // arithmetic waiting (bfloat16 dot products on a Zen 4: 15.4 -> 13.6 ms a step with a
   // sequence's blocks in order, as the block manager mostly hands them out, and 14.6 -> 13.8 with
-  // them scattered).
-  const bool reads_ahead = !pack && !wide.on && !kIntDots;
+  // them scattered; an int8 cache through AVX2's int16 products on a Zen 3: 24.1, 24.7 -> 22.5, 22.8).
+  const bool reads_ahead = !pack && !wide.on;
   for (int64_t a = 0; a < std::min(kBlock, longest); ++a) prefetch_row<V, _MM_HINT_T1>(keys[a]);
   for (int64_t a = 0; a < std::min(kAhead, longest); ++a) prefetch_row<V>(keys[a]);
   for (int64_t c0 = 0; c0 < longest; c0 += kBlock) {
@@ -726,14 +746,12 @@ void score_queries(const float* q, int64_t count, const int64_t* first, const in
         continue;
       }
       const int64_t from = std::max(c0, first[i]), to = std::min(c0 + kBlock, n[i]);
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
       if constexpr (kIntDots) {
-        top[i] = scores_int8<V>(&q16[i * dim], q_scales[i], keys, key_scales, from, to, std::exchange(ahead, 0), scale,
-                                scores + i * stride, top[i]);
+        top[i] = scores_int8<V>(&q16[i * dim], q_scales[i], keys, values, key_scales, from, to, std::exchange(ahead, 0),
+                                scale, scores + i * stride, top[i]);
         ++i;
         continue;
       }
-#endif
       const int size = float_keys ? 1 : static_cast<int>(same_keys_run(first, n, count, i, kScoreGroup));
       const float* qs[kScoreGroup];
       float* rows[kScoreGroup];
@@ -760,11 +778,7 @@ void sum_values(int64_t count, const int64_t* first, const int64_t* n, const sca
                 const float* value_scales, bool windowed, const float* scores, int64_t stride, float* out) {
   constexpr int dim = V * kLanes;
   const int64_t longest = *std::max_element(n, n + count);
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
   constexpr bool kIntDots = kScaled<scalar_t>;
-#else
-  constexpr bool kIntDots = false;
-#endif
   std::fill(out, out + count * dim, 0.f);
   int64_t* group_start = scratch<int64_t, 0>(count + 1);
   int64_t groups = 0;
@@ -784,11 +798,9 @@ void sum_values(int64_t count, const int64_t* first, const int64_t* n, const sca
   if constexpr (kPairable)
     for (int64_t i = 0; i < (paired ? count : 0); ++i) pair_weights(scores + i * stride, n[i], &words[i * word_stride]);
 #endif
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
   if constexpr (kIntDots)
     for (int64_t i = 0; i < (paired ? count : 0); ++i)
       word_scales[i] = pair_int16_weights(scores + i * stride, value_scales, n[i], &words[i * word_stride]);
-#endif
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
   // A prefill's tile of rows, as for its keys, has its blocks of values interleaved once for all its queries.
   const bool pack = kPairable && paired && count >= kPackFrom;
@@ -826,14 +838,12 @@ void sum_values(int64_t count, const int64_t* first, const int64_t* n, const sca
           continue;
         }
 #endif
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
         if constexpr (kIntDots) {
           with_group<kValueGroup>(static_cast<int>(size), [&](auto g) {
             weighted_sums_int8<V, g()>(pw, &word_scales[i], values, from, to, std::exchange(ahead, 0), o);
           });
           continue;
         }
-#endif
       }
       with_group<kValueGroup>(static_cast<int>(size), [&](auto g) {
         if (wide.on) return weighted_sums_avx2<V, g(), float>(p, wide.rows, nullptr, from, to, 0, o);

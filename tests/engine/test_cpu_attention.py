@@ -13,6 +13,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.attention.backends.torch_attn import matmul_attention
 from engine.attention.layer import Attention
+from engine.hardware import machine_cpu
 import engine.attention.selector as attention_selector
 from engine.kernels import cpu_attention, cpu_build
 from engine.kernels.cpu_rotary import rotary as cpu_rotary
@@ -109,6 +110,29 @@ def test_kernel_rows_do_not_depend_on_the_batch(kernel, dtype, cache_dtype, head
                                        torch.zeros(1, dtype=torch.long), row_keys[row : row + 1], BLOCK, 0.125,
                                        **window)
         assert torch.equal(alone[0], together[row])
+
+
+def test_an_int8_cache_is_read_through_queries_rounded_to_int16(kernel):
+    """Over an int8 cache the kernel (AVX2 and AVX512-VNNI alike) rounds each query to int16 with
+    a scale of its own, its largest magnitude / 32767, for exact integer dot products with the
+    keys: a query whose one large component meets no key leaves its small ones rounded to zero,
+    so every key scores zero and the output is the values' mean, where float queries would weigh
+    the keys unevenly."""
+    if not {"avx2", "fma"} <= machine_cpu().flags:
+        pytest.skip("the kernel's int16 products need AVX2 (this CPU widens an int8 cache to floats)")
+    torch.manual_seed(0)
+    keys, dim = BLOCK, 64
+    k_cache = torch.randint(-127, 128, (1, keys, dim), dtype=torch.int8)
+    k_cache[..., 0] = 0
+    v_cache = torch.randint(-127, 128, (1, keys, dim), dtype=torch.int8)
+    k_scale, v_scale = torch.ones(1, keys), torch.full((1, keys), 0.01)
+    q = torch.randn(1, 1, dim) * 1e-3
+    q[0, 0, 0] = 1000.0  # the small components are well under half of 1000 / 32767
+    table, seq, seen = torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long), torch.tensor([keys])
+    out = kernel.paged_attention(q, k_cache, v_cache, table, seq, seen, BLOCK, 4.0, k_scale=k_scale, v_scale=v_scale)
+    float_scores = (4.0 * q[0] @ k_cache[0].float().T).softmax(-1)
+    assert float_scores.max() > 2 / keys  # float queries would not weigh the keys evenly
+    torch.testing.assert_close(out[0, 0], (v_cache[0].float() * 0.01).mean(0), atol=1e-4, rtol=1e-4)
 
 
 def test_auto_falls_back_to_pytorch_where_the_kernel_cannot_build(tiny_models, monkeypatch):
