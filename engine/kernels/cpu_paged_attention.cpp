@@ -115,6 +115,14 @@ inline void prefetch_row(const scalar_t* row) {
     _mm_prefetch(reinterpret_cast<const char*>(row) + b, static_cast<_mm_hint>(kHint));
 }
 
+// A scorer's reads ahead as it scores keys [c, c + kKeys) of a block it reads in place, as far as
+// `end` (0: none): into L2, these keys' values and the keys a block further on.
+template <int V, int kKeys, typename scalar_t>
+inline void read_block_ahead(const scalar_t* const* keys, const scalar_t* const* values, int64_t c, int64_t end) {
+  for (int64_t a = c + kBlock; a < std::min(c + kBlock + kKeys, end); ++a) prefetch_row<V, _MM_HINT_T1>(keys[a]);
+  for (int64_t a = c; a < std::min(c + kKeys, end); ++a) prefetch_row<V, _MM_HINT_T1>(values[a]);
+}
+
 // Queries scored together (scores_avx2, scores_bf16, scores_packed): the heads of a row that see
 // the same keys, as many as keep their accumulators in the vector registers.
 constexpr int kScoreGroup = 3;
@@ -152,8 +160,7 @@ void scores_avx2(const float* const* q, const scalar_t* const* keys, const scala
   constexpr int kKeys = G == 1 ? 8 : 4;
   for (int64_t c = c0; c < c1; c += kKeys) {
     for (int64_t a = c + kAhead; a < std::min(c + kAhead + kKeys, end); ++a) prefetch_row<V>(keys[a]);
-    for (int64_t a = c + kBlock; a < std::min(c + kBlock + kKeys, end); ++a) prefetch_row<V, _MM_HINT_T1>(keys[a]);
-    for (int64_t a = c; a < std::min(c + kKeys, end); ++a) prefetch_row<V, _MM_HINT_T1>(values[a]);
+    read_block_ahead<V, kKeys>(keys, values, c, end);
     const scalar_t* k[kKeys];
     for (int j = 0; j < kKeys; ++j) k[j] = keys[std::min<int64_t>(c + j, c1 - 1)];
     __m256 acc[G][kKeys];
@@ -265,9 +272,7 @@ void scores_bf16(const float* const* q, const c10::BFloat16* const* keys, const 
     for (int i = 0; i < V / 2; ++i)
       qb[g][i] = _mm256_cvtne2ps_pbh(_mm256_loadu_ps(q[g] + (2 * i + 1) * kLanes), _mm256_loadu_ps(q[g] + 2 * i * kLanes));
   for (int64_t c = c0; c < c1; c += kKeys) {
-    // Reads ahead as it goes, into L2: these keys' values and the keys a block further on.
-    for (int64_t a = c + kBlock; a < std::min(c + kBlock + kKeys, end); ++a) prefetch_row<V, _MM_HINT_T1>(keys[a]);
-    for (int64_t a = c; a < std::min(c + kKeys, end); ++a) prefetch_row<V, _MM_HINT_T1>(values[a]);
+    read_block_ahead<V, kKeys>(keys, values, c, end);
     const c10::BFloat16* k[kKeys];
     for (int j = 0; j < kKeys; ++j) k[j] = keys[std::min<int64_t>(c + j, c1 - 1)];
     __m256 acc[G][kKeys];
@@ -592,8 +597,7 @@ __m256 scores_int8(const int16_t* q16, float q_scale, const int8_t* const* keys,
   const __m256 factor = _mm256_set1_ps(q_scale * scale);
   for (int64_t c = c0; c < c1; c += kLanes) {
     for (int64_t a = c + kAhead; a < std::min(c + kAhead + kLanes, end); ++a) prefetch_row<V>(keys[a]);
-    for (int64_t a = c + kBlock; a < std::min(c + kBlock + kLanes, end); ++a) prefetch_row<V, _MM_HINT_T1>(keys[a]);
-    for (int64_t a = c; a < std::min(c + kLanes, end); ++a) prefetch_row<V, _MM_HINT_T1>(values[a]);
+    read_block_ahead<V, kLanes>(keys, values, c, end);
     const int8_t* k[kLanes];
     for (int j = 0; j < kLanes; ++j) k[j] = keys[std::min<int64_t>(c + j, c1 - 1)];
     __m256 key_scale;
