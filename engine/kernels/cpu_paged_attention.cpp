@@ -718,11 +718,12 @@ void score_queries(const float* q, int64_t count, const int64_t* first, const in
   const bool float_keys = std::is_same_v<scalar_t, float> || wide.on;
   // Besides kAhead keys into L1, a block's values and the next block's keys into L2 while
   // a block is scored: decode over 30 layers' caches in DRAM, 22.8 -> 17.6 ms a step. The scorers
-  // that read the cache in place (scores_avx2, scores_bf16, scores_int8) ask for those themselves, spread over
-  // the keys of the block's first reader: asked for in a burst at each block, they left the
-  // arithmetic waiting (bfloat16 dot products on a Zen 4: 15.4 -> 13.6 ms a step with a
+  // that read the cache in place (scores_avx2, scores_bf16, scores_int8) ask for those themselves,
+  // spread over the keys of the block's first reader: asked for in a burst at each block, they left
+  // the arithmetic waiting (bfloat16 dot products on a Zen 4: 15.4 -> 13.6 ms a step with a
   // sequence's blocks in order, as the block manager mostly hands them out, and 14.6 -> 13.8 with
-  // them scattered; an int8 cache through AVX2's int16 products on a Zen 3: 24.1, 24.7 -> 22.5, 22.8).
+  // them scattered; an int8 cache through AVX2's int16 products on a Zen 3: 24.1, 24.7 -> 22.5,
+  // 22.8).
   const bool reads_ahead = !pack && !wide.on;
   for (int64_t a = 0; a < std::min(kBlock, longest); ++a) prefetch_row<V, _MM_HINT_T1>(keys[a]);
   for (int64_t a = 0; a < std::min(kAhead, longest); ++a) prefetch_row<V>(keys[a]);
