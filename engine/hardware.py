@@ -81,6 +81,19 @@ class CpuInfo:
         return self.architecture in _X86 and bool(self.flags & _X86_INT8_DOT)
 
     @property
+    def int16_pair_products(self) -> bool:
+        """Whether the compiled kernels take int8 products as int16 pairs (`vpmaddwd`, exact
+        int32 sums, twice float32's multiply-adds a cycle on a Zen 3): x86 with AVX2 and no
+        VNNI, where oneDNN's int8 kernels would saturate."""
+        return self.architecture in _X86 and "avx2" in self.flags and not self.int8_vnni
+
+    @property
+    def int8_products(self) -> bool:
+        """Whether the engine takes int8 products here: VNNI or AMX (oneDNN's kernels), or
+        AVX2 (int16 pairs, in the compiled kernels, which must build)."""
+        return self.int8_vnni or self.int16_pair_products
+
+    @property
     def amx(self) -> bool:
         """Whether the CPU has AMX tiles for bfloat16 (Intel since Sapphire Rapids)."""
         return self.architecture in _X86 and "amx_bf16" in self.flags
@@ -302,6 +315,20 @@ def amx_products(cpu: CpuInfo, batch_invariant: bool) -> bool:
         return False
     cap = os.environ.get(ONEDNN_ISA_ENV, "").strip().upper()
     return cap in ("", "ALL", "DEFAULT") or "AMX" in cap
+
+
+# oneDNN's instruction sets without int8 dot products (`ONEDNN_MAX_CPU_ISA` values).
+_ONEDNN_ISAS_WITHOUT_VNNI = ("SSE41", "AVX", "AVX2", "AVX512_CORE")
+
+
+def onednn_sums_int8_exactly() -> bool:
+    """Whether oneDNN's int8 kernels sum int8 pairs exactly in this process: this machine
+    has VNNI or AMX and `ONEDNN_MAX_CPU_ISA` does not cap oneDNN at a set without them
+    (there its kernels add pairs in 16 bits, which saturate). Elsewhere the compiled
+    kernels take int8 products as int16 pairs (`engine/kernels/cpu_int8_product.cpp`,
+    which reads the same rule)."""
+    cap = os.environ.get(ONEDNN_ISA_ENV, "").upper()
+    return machine_cpu().int8_vnni and cap not in _ONEDNN_ISAS_WITHOUT_VNNI
 
 
 def keep_onednn_off_amx(cpu: CpuInfo) -> bool:

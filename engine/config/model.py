@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 DTYPES = ("float32", "bfloat16", "float16")
 
 # Methods that quantize a 16- or 32-bit checkpoint at load -> what they need.
-AT_LOAD = {"int8": "a CPU with VNNI or AMX", "fp8": "a GPU with FP8 units (compute capability 8.9 or later)"}
+AT_LOAD = {"int8": "a CPU with VNNI or AMX, or AVX2 with the compiled CPU kernels", "fp8": "a GPU with FP8 units (compute capability 8.9 or later)"}
 # Methods a checkpoint's own weights may be stored in.
 CHECKPOINT_METHODS = ("awq", "gptq", "fp8", "compressed-tensors", "mxfp4")
 QUANTIZATION_METHODS = tuple(sorted({*AT_LOAD, *CHECKPOINT_METHODS}))
@@ -36,17 +36,20 @@ class ModelSettings(SettingsGroup):
                                   "a GPU (bfloat16 for a float32 one); on a CPU, bfloat16 where the CPU has native "
                                   "bfloat16 (AVX512-BF16, AMX, ARM BF16), a float32 checkpoint's too, else float32.", OUTPUT)
     quantization: str | None = _setting("auto", "How the weights are quantized: 'auto' (the checkpoint's own; "
-                                                "an unquantized one runs 'int8' on a CPU with VNNI when dtype is "
-                                                "left 'auto' and resolves to bfloat16, but not where oneDNN runs "
-                                                "AMX tiles, whose bfloat16 products are faster; else the dtype), "
+                                                "an unquantized one runs 'int8' where dtype is left 'auto' and "
+                                                "int8 was measured faster: on a CPU with VNNI where the dtype "
+                                                "resolves to bfloat16, but not where oneDNN runs AMX tiles, whose "
+                                                "bfloat16 products are faster; and for a pooling model on an AVX2 "
+                                                "CPU without VNNI; else the dtype), "
                                                 "None (the checkpoint's own or the dtype, as vLLM's default), the "
                                                 "checkpoint's own (config.json quantization_config: 'fp8' or "
                                                 "'compressed-tensors' FP8, 'awq', 'gptq', 'mxfp4' (gpt-oss's "
                                                 "experts, dequantized at load)), or quantized at load: "
-                                                "'int8' (a CPU with VNNI or AMX: projections and experts per "
-                                                "output feature, activations per token, smoothed by input ranges "
-                                                "measured at load, int8 products) or 'fp8' (a GPU with FP8 "
-                                                "units). The language-model head and routers stay in dtype.", OUTPUT)
+                                                "'int8' (a CPU with VNNI or AMX, or AVX2 with the compiled "
+                                                "kernels: projections and experts per output feature, "
+                                                "activations per token, smoothed by input ranges measured at "
+                                                "load, int8 products) or 'fp8' (a GPU with FP8 units). The "
+                                                "language-model head and routers stay in dtype.", OUTPUT)
     runner: str = _setting("auto", "'generate' (text from a causal LM), 'pooling' (embeddings or classes of whole "
                                    "prompts: LLM.embed, classify, score; any supported decoder, its LM head unused) or "
                                    "'auto': pooling for an embedding or sequence-classification checkpoint "

@@ -41,6 +41,10 @@ at::Tensor int8_gated_mlp(const at::Tensor& x, const std::vector<std::optional<a
 
 at::Tensor act_and_mul(const at::Tensor& x, bool gelu);
 
+namespace engine_cpu {
+at::Tensor int8_product(const at::Tensor& xq, const at::Tensor& q);
+}
+
 at::Tensor rotary(const at::Tensor& positions, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 
 at::Tensor argmax_rows(const at::Tensor& logits);
@@ -54,6 +58,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_moe_int8", &fused_moe_int8, "Routed experts on int8 matrices (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm with the residual add fused in (CPU)");
   m.def("int8_linear", &int8_linear, "x times an int8 weight, x smoothed and quantized per row (CPU)");
+  m.def("int8_product", &engine_cpu::int8_product, "The exact int32 sums of int8 rows times an int8 weight (CPU)");
   m.def("int8_gated_mlp", &int8_gated_mlp, "A gated MLP on int8 weights, activated between the products (CPU)");
   m.def("argmax_rows", &argmax_rows, "Each row's argmax of float32 logits, as torch.argmax (CPU)");
   m.def("rotary", &rotary, "Rotary position embedding (CPU)");

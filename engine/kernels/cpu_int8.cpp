@@ -1,5 +1,6 @@
-// int8 products for CPUs: rows quantized on the fly, the product on oneDNN's int8 kernels
-// (VNNI or AMX where the CPU has them) through at::_int_mm, and the int32 sums scaled back.
+// int8 products for CPUs: rows quantized on the fly, the product's exact int32 sums
+// (`int8_product`: oneDNN's int8 kernels where the CPU has VNNI or AMX, int16 pairs on other
+// AVX2 CPUs), and the sums scaled back.
 //
 // Quantizing the activations per row (per token) keeps each row's result independent of the
 // batch, and int32 sums are exact, so unlike a floating-point product no padding or
@@ -288,7 +289,7 @@ at::Tensor float_bias(const std::optional<at::Tensor>& bias) {
 // The product of quantized rows with a weight, dequantized into a new [rows, out] tensor of x's dtype.
 template <typename scalar_t>
 at::Tensor product(const QuantizedRows& rows, const Int8Weight& weight, const at::TensorOptions& options) {
-  const at::Tensor acc = at::_int_mm(rows.xq, weight.q);
+  const at::Tensor acc = int8_product(rows.xq, weight.q);
   at::Tensor out = at::empty({acc.size(0), acc.size(1)}, options);
   const at::Tensor bias = float_bias(weight.bias);
   const Dequantize<scalar_t> pass(acc, rows, weight.scale, bias, weight.smoothing);
@@ -304,7 +305,7 @@ template <typename scalar_t>
 at::Tensor gated_mlp_typed(const at::Tensor& x, const Int8Weight& gate_up, const Int8Weight& down, bool gelu) {
   const int64_t rows = x.size(0), width = gate_up.q.size(1) / 2;
   const QuantizedRows first = quantize<scalar_t>(x, gate_up.smoothing);
-  const at::Tensor acc = at::_int_mm(first.xq, gate_up.q);
+  const at::Tensor acc = int8_product(first.xq, gate_up.q);
   const at::Tensor bias = float_bias(gate_up.bias);
   const Dequantize<scalar_t> gate_up_pass(acc, first, gate_up.scale, bias, gate_up.smoothing);
   QuantizedRows second = empty_rows(rows, width, down.smoothing, x.options());

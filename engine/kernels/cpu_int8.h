@@ -25,6 +25,11 @@ struct Int8Weight {
   Int8Smoothing smoothing;
 };
 
+// The exact int32 sums [rows, out] of xq [rows, in] int8 times q [in, out] int8: oneDNN's where
+// the CPU sums int8 pairs in hardware, int16 pairs by vpmaddwd on other AVX2 CPUs
+// (`cpu_int8_product.cpp`).
+at::Tensor int8_product(const at::Tensor& xq, const at::Tensor& q);
+
 // x [rows, in] (float32, bfloat16 or float16) times `weight`. Each row of x is quantized on its
 // own (symmetric, scale max|x| / 127, rounded half to even), the product summed exactly in
 // int32, and out = float(sum) * x_scale[row] * scale[out] (+ bias), rounded once to x's dtype:

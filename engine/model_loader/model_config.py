@@ -59,10 +59,10 @@ def resolve_model_config(path: Path, engine: EngineConfig, eos_token_id: int | N
         # Only what the file sets: transformers' own defaults (top_k=50) are not vLLM's.
         defaults = {name: generation[key] for key, name in _GENERATION_DEFAULTS.items() if key in generation}
     dtype = _resolve_dtype(engine.dtype, hf_config, device)
+    pooler = resolve_pooler(path, hf_config, engine.runner, engine.pooling_type, POOLING_ARCHITECTURES)
     quantization = resolve_quantization(engine.quantization, hf_config, device,
                                         auto_dtype=dtype if engine.dtype == "auto" else None,
-                                        batch_invariant=engine.batch_invariant)
-    pooler = resolve_pooler(path, hf_config, engine.runner, engine.pooling_type, POOLING_ARCHITECTURES)
+                                        batch_invariant=engine.batch_invariant, pooling=pooler is not None)
     if multimodal is not None and pooler is not None:
         raise ModelLoadError(f"{path}: {whole.architectures[0]} generates text from images or audio; embedding or "
                              "classifying with it is not supported: use runner='generate'")

@@ -18,6 +18,7 @@ from transformers import PretrainedConfig
 
 from engine.config import AT_LOAD, CHECKPOINT_METHODS
 from engine.hardware import amx_products, detect_cpu
+from engine.kernels import cpu_build
 from engine.quantization.checkpoint import CheckpointFormat
 from engine.quantization.fp8 import Fp8LinearMethod, fp8_products_available
 from engine.quantization.int4 import Int4LinearMethod
@@ -81,11 +82,13 @@ def _unsupported_variant(method: str, settings: dict[str, Any]) -> str | None:
 
 
 def resolve_quantization(requested: str | None, hf_config: PretrainedConfig, device: torch.device,
-                         auto_dtype: torch.dtype | None = None, batch_invariant: bool = False) -> str | None:
+                         auto_dtype: torch.dtype | None = None, batch_invariant: bool = False,
+                         pooling: bool = False) -> str | None:
     """The method the model runs with: the checkpoint's own, else `requested`; None for the
     model's own dtype. "auto" (the default) adds int8 where it is the faster default
     (`int8_by_default`): `auto_dtype` is the compute dtype when the dtype was left "auto",
-    `batch_invariant` the engine's mode (which keeps oneDNN off AMX). An MXFP4 checkpoint
+    `batch_invariant` the engine's mode (which keeps oneDNN off AMX), `pooling` whether the
+    model embeds or classifies. An MXFP4 checkpoint
     (gpt-oss) on a CPU, whose experts are dequantized as they load, takes int8 as an
     unquantized one does ("int8", or "auto" where int8 is the default), else "mxfp4".
 
@@ -97,22 +100,22 @@ def resolve_quantization(requested: str | None, hf_config: PretrainedConfig, dev
     if stored == "mxfp4" and device.type == "cpu" and requested in ("auto", "int8"):
         # gpt-oss's MXFP4 experts are dequantized as they load: on a CPU the dtype's rules follow.
         checkpoint_format(hf_config)
-        return _at_load(requested, device, auto_dtype, batch_invariant) or stored
+        return _at_load(requested, device, auto_dtype, batch_invariant, pooling) or stored
     if stored is not None:
         checkpoint_format(hf_config)
         if requested not in (None, "auto") and requested != stored:
             raise ValueError(f"quantization={requested!r} contradicts the checkpoint's {stored!r} (config.json "
                              f"quantization_config); leave quantization unset to use the checkpoint's")
         return stored
-    return _at_load(requested, device, auto_dtype, batch_invariant)
+    return _at_load(requested, device, auto_dtype, batch_invariant, pooling)
 
 
 def _at_load(requested: str | None, device: torch.device, auto_dtype: torch.dtype | None,
-             batch_invariant: bool) -> str | None:
+             batch_invariant: bool, pooling: bool) -> str | None:
     """`resolve_quantization` for an unquantized checkpoint: the method that quantizes it at
     load, or None."""
     if requested == "auto":
-        return "int8" if int8_by_default(device, auto_dtype, batch_invariant) else None
+        return "int8" if int8_by_default(device, auto_dtype, batch_invariant, pooling) else None
     if requested is None:
         return None
     if requested not in AT_LOAD:
@@ -124,24 +127,37 @@ def _at_load(requested: str | None, device: torch.device, auto_dtype: torch.dtyp
     return requested
 
 
-def int8_by_default(device: torch.device, auto_dtype: torch.dtype | None, batch_invariant: bool = False) -> bool:
-    """Whether an unquantized checkpoint runs int8 unless told otherwise: on a CPU with VNNI
-    where the dtype left to the engine is bfloat16 and oneDNN's products do not run on AMX
-    tiles. On AVX-512 (a Zen 4) int8's products run at twice bfloat16's rate and its greedy
-    output stays as close to bfloat16 as OpenVINO GenAI's int8 stays to its fp16
-    (benchmarks/RESULTS.md). With AMX (a Sapphire Rapids) bfloat16 was the faster:
-    1,300 against 978 output tok/s on 128 chat prompts, 501 against 396 on shared
-    prefixes, 234 against 237 on long prompts; batch-invariant mode keeps oneDNN off AMX,
-    where int8 is the faster again. An explicit dtype keeps the dtype's products."""
-    if device.type != "cpu" or auto_dtype != torch.bfloat16:
+def int8_by_default(device: torch.device, auto_dtype: torch.dtype | None, batch_invariant: bool = False,
+                    pooling: bool = False) -> bool:
+    """Whether an unquantized checkpoint runs int8 unless told otherwise, on a CPU where the
+    dtype was left to the engine:
+
+    - with VNNI where that dtype is bfloat16 and oneDNN's products do not run on AMX tiles.
+      On AVX-512 (a Zen 4) int8's products run at twice bfloat16's rate and its greedy
+      output stays as close to bfloat16 as OpenVINO GenAI's int8 stays to its fp16
+      (benchmarks/RESULTS.md). With AMX (a Sapphire Rapids) bfloat16 was the faster:
+      1,300 against 978 output tok/s on 128 chat prompts, 501 against 396 on shared
+      prefixes, 234 against 237 on long prompts; batch-invariant mode keeps oneDNN off AMX,
+      where int8 is the faster again.
+    - for a pooling model (embeddings, classes) with AVX2 and no VNNI (a Zen 3), where that
+      dtype is float32 and the compiled kernels are built: int16-pair products run about
+      1.4x float32's, and embeddings keep a cosine of 0.997 or more with float32's
+      (benchmarks/RESULTS.md). Generation stays float32 there: its greedy text is float32's.
+
+    An explicit dtype keeps the dtype's products."""
+    if device.type != "cpu" or auto_dtype is None:
         return False
     cpu = detect_cpu()
-    return cpu.int8_vnni and not amx_products(cpu, batch_invariant)
+    if auto_dtype == torch.bfloat16:
+        return cpu.int8_vnni and not amx_products(cpu, batch_invariant)
+    return (pooling and auto_dtype == torch.float32 and cpu.int16_pair_products
+            and cpu_build.load() is not None)
 
 
 def _runs_at_load(method: str, device: torch.device) -> bool:
     if method == "int8":
-        return device.type == "cpu" and detect_cpu().int8_vnni
+        cpu = detect_cpu()
+        return device.type == "cpu" and cpu.int8_products and (cpu.int8_vnni or cpu_build.load() is not None)
     return fp8_products_available(device)
 
 

@@ -1,6 +1,6 @@
 """int8 weights on a CPU (`quantization="int8"`, the default on CPUs with VNNI or AMX that
-compute in bfloat16): a 16- or 32-bit checkpoint's projections and experts quantized at
-load, multiplied in int8.
+compute in bfloat16, and of pooling models on AVX2 CPUs without VNNI): a 16- or 32-bit
+checkpoint's projections and experts quantized at load, multiplied in int8.
 
 Weights: symmetric, one scale per output feature (max |w| / 127), stored [in, out] as the
 int8 product reads them. Activations: each row (token) quantized the same way on the fly,
@@ -12,8 +12,10 @@ that one row scale suits them all), and its `OUTLIER_CHANNELS` widest channels a
 skip the int8 product and are summed in float32 instead. On the embedded model this takes
 greedy agreement with bfloat16 from 16 to 30 of 64 prompts (benchmarks/RESULTS.md). The
 product sums in int32, exactly, on oneDNN's int8 kernels (VNNI or AMX where the CPU has
-them: twice the bfloat16 rate on a Zen 4), then out = sum * row scale * feature scale
-(+ bias) (+ the outliers' sum), rounded once to the compute dtype. The compiled kernel
+them: twice the bfloat16 rate on a Zen 4) or, on other AVX2 CPUs, as int16 pairs in the
+compiled kernel (`engine/kernels/cpu_int8_product.cpp`: 1.7x float32 on a Zen 3), then
+out = sum * row scale * feature scale (+ bias) (+ the outliers' sum), rounded once to the
+compute dtype. The compiled kernel
 (`engine/kernels/cpu_int8.cpp`) fuses the passes around the product; PyTorch's operations
 compute the same where it cannot be built (the outliers' sum to float32 rounding).
 """
@@ -25,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.hardware import onednn_sums_int8_exactly
 from engine.kernels import cpu_build
 from engine.quantization.at_load import QuantizedAtLoadMethod
 
@@ -96,6 +99,15 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.t().contiguous(), scale[:, 0]
 
 
+def int8_sums(rows: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The exact int32 sums of int8 rows [n, in] times q [in, out]: oneDNN's int8 product
+    where it sums int8 pairs in hardware (VNNI, AMX); elsewhere its kernels saturate, and a
+    float64 product (exact below 2^53) stands in."""
+    if onednn_sums_int8_exactly():
+        return torch._int_mm(rows, q)
+    return (rows.double() @ q.double()).to(torch.int32)
+
+
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
                 smoothing: Int8Smoothing | None = None) -> torch.Tensor:
     """x [..., in] times the quantized weight (q [in, out], scale [out]) (+ bias), in x's
@@ -107,7 +119,7 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: tor
         return kernels.int8_linear(x, q, scale, bias, *_kernel_smoothing(smoothing))
     flat = x.reshape(-1, x.shape[-1])
     rows, x_scale = quantize_rows(flat if smoothing is None else flat.float() * smoothing.input_scale)
-    out = torch._int_mm(rows, q).float().mul_(x_scale).mul_(scale)
+    out = int8_sums(rows, q).float().mul_(x_scale).mul_(scale)
     if bias is not None:
         out += bias.float()
     if smoothing is not None:

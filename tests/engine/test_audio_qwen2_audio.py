@@ -231,7 +231,7 @@ def test_bad_rows_fail_alone_before_any_work(folder):
         assert len(outputs[0].outputs[0].token_ids) == GREEDY.max_tokens
 
 
-@pytest.mark.skipif(not detect_cpu().int8_vnni, reason="int8 products need VNNI or AMX")
+@pytest.mark.skipif(not detect_cpu().int8_products, reason="int8 products need VNNI, AMX or AVX2")
 def test_int8_quantizes_the_audio_tower_calibrated_on_drawn_clips(folder, processor):
     """int8 covers the audio tower and projector as the decoder, each projection smoothed by
     the input ranges the calibration clips reached; a clip's rows stay close to float32's."""

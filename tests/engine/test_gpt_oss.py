@@ -169,7 +169,7 @@ def test_mxfp4_checkpoint_matches_transformers_with_the_dequantized_experts(fold
         assert isinstance(experts, FusedMoE) and experts.quant_method is None
 
 
-@pytest.mark.skipif(not detect_cpu().int8_vnni, reason="int8 at load needs a CPU with VNNI")
+@pytest.mark.skipif(not detect_cpu().int8_products, reason="int8 at load needs VNNI, AMX or AVX2")
 def test_mxfp4_checkpoint_runs_int8_on_a_cpu(folder, prompts, tmp_path):
     """quantization="int8" on an MXFP4 checkpoint: the experts dequantized as they load, then
     quantized to int8 with every projection, biases and the clamp kept; the first greedy token

@@ -236,7 +236,7 @@ def test_tensor_parallel_ranks_add_the_down_bias_once():
 
 
 @pytest.mark.cpu_kinds
-@pytest.mark.skipif(not detect_cpu().int8_vnni, reason="int8 products need VNNI or AMX")
+@pytest.mark.skipif(not detect_cpu().int8_products, reason="int8 products need VNNI, AMX or AVX2")
 @pytest.mark.parametrize("compiled", [True, False])
 def test_int8_experts_of_a_variant_keep_their_biases_and_clamp(compiled, monkeypatch):
     """gpt-oss's experts at int8 (`Int8MoEMethod`): the biases and the clamped SwiGLU still

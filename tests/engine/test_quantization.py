@@ -26,12 +26,12 @@ from engine.model_loader.kernel_routing import route_through_cpu_kernels
 from engine.models.llama import LlamaMLP
 from engine.quantization import apply_quantization, resolve_quantization
 from engine.quantization.int8 import (Int8LinearMethod, Int8Smoothing, bfloat16_pairs, int8_gated_mlp, int8_linear,
-                                     quantize_rows, quantize_weight)
+                                     int8_sums, quantize_rows, quantize_weight)
 from engine.worker.calibration import CALIBRATION_TEXTS, calibration_prompts
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="int8 runs on a CPU")
-needs_vnni = pytest.mark.skipif(not detect_cpu().int8_vnni, reason="int8 products need VNNI or AMX")
+needs_int8 = pytest.mark.skipif(not detect_cpu().int8_products, reason="int8 products need VNNI, AMX or AVX2")
 
 
 def fake_quantize_rows(x: torch.Tensor) -> torch.Tensor:
@@ -44,6 +44,38 @@ def dequantized(weight: torch.Tensor) -> torch.Tensor:
     """weight [out, in] rounded to its int8 levels, in float32."""
     q, scale = quantize_weight(weight)
     return q.t().float() * scale[:, None]
+
+
+@pytest.mark.cpu_kinds
+def test_int8_products_sum_exactly():
+    """The compiled product's int32 sums are exact on every path (oneDNN's with VNNI or AMX,
+    int16 pairs on other AVX2 CPUs or under an ISA cap without VNNI): shapes across its tiles
+    of 6 rows, blocks of 48 and panels of 16 outputs, odd inputs, extreme values."""
+    from engine.kernels import cpu_build
+
+    kernels = cpu_build.load()
+    if kernels is None:
+        pytest.skip("the CPU kernels cannot be built here")
+    gen = torch.Generator().manual_seed(0)
+    for rows, inputs, outputs in [(1, 1, 1), (5, 33, 17), (6, 64, 16), (7, 65, 31), (49, 577, 70), (100, 130, 48)]:
+        xq = torch.randint(-128, 128, (rows, inputs), generator=gen, dtype=torch.int8)
+        q = torch.randint(-128, 128, (inputs, outputs), generator=gen, dtype=torch.int8)
+        xq[0], q[:, 0] = -128, -128  # the largest sums one row and one output can reach
+        expected = (xq.double() @ q.double()).to(torch.int32)
+        assert torch.equal(kernels.int8_product(xq, q), expected), (rows, inputs, outputs)
+        assert torch.equal(int8_sums(xq, q), expected)  # the PyTorch path the same
+    with pytest.raises(RuntimeError, match=r"xq \[rows, in\] and q \[in, out\], int8"):
+        kernels.int8_product(xq.float(), q)
+
+
+def test_onednn_sums_int8_exactly_only_with_vnni_uncapped(monkeypatch):
+    monkeypatch.delenv(hardware.ONEDNN_ISA_ENV, raising=False)
+    for kind, exact in (("avx2", False), ("avx512", True), ("amx", True)):
+        monkeypatch.setattr(hardware, "machine_cpu", CPU_KINDS[kind].info)
+        assert hardware.onednn_sums_int8_exactly() is exact, kind
+    for cap, exact in (("AVX2", False), ("AVX512_CORE", False), ("AVX512_CORE_VNNI", True), ("AVX512_CORE_BF16", True)):
+        monkeypatch.setenv(hardware.ONEDNN_ISA_ENV, cap)
+        assert hardware.onednn_sums_int8_exactly() is exact, cap
 
 
 def test_weights_quantize_per_output_feature():
@@ -94,7 +126,7 @@ def test_smoothing_moves_the_widest_channels_out_and_keeps_the_product():
     torch.testing.assert_close(rebuilt, x @ weight.t(), atol=1e-4, rtol=1e-4)
 
 
-@needs_vnni
+@needs_int8
 @pytest.mark.cpu_kinds
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows, bias", [(1, True), (7, False), (40, True)])
@@ -115,7 +147,7 @@ def test_int8_linear_matches_the_emulation(cpu_path, dtype, rows, bias, smoothed
     torch.testing.assert_close(out.float(), expected, atol=close * expected.abs().max().item(), rtol=close)
 
 
-@needs_vnni
+@needs_int8
 @pytest.mark.cpu_kinds
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("smoothed", [False, True], ids=["plain", "smoothed"])
@@ -166,7 +198,7 @@ def int8_mlp(dtype: torch.dtype, activation: str, smoothed: bool, gen: torch.Gen
     return mlp
 
 
-@needs_vnni
+@needs_int8
 @pytest.mark.cpu_kinds
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh"])
@@ -190,7 +222,7 @@ def test_the_fused_int8_mlp_gives_the_bits_of_its_steps_in_turn(dtype, activatio
         assert torch.equal(mlp(x[t : t + 1]), fused[t : t + 1])
 
 
-@needs_vnni
+@needs_int8
 def test_the_fused_int8_mlp_steps_aside_for_adapters_and_unquantized_weights():
     from engine.kernels import cpu_build
 
@@ -236,7 +268,7 @@ def reference_int8_moe(x, w13, w2, weights, ids):
     return out
 
 
-@needs_vnni
+@needs_int8
 @pytest.mark.cpu_kinds
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens, experts, top_k, only", [(33, 8, 2, (0, 2, 3, 5, 7)), (1, 8, 2, None),
@@ -286,7 +318,7 @@ def emulate_int8(model: torch.nn.Module, smoothing: dict[str, Int8Smoothing]) ->
         module.forward = forward
 
 
-@needs_vnni
+@needs_int8
 def test_calibration_measures_each_projections_input_range(llama_with_biases, monkeypatch):
     """The ranges int8 smooths by are the largest |x| per input channel of each projection over
     the calibration text, as transformers' model computes its inputs (one prefill of them all)."""
@@ -320,7 +352,7 @@ def test_calibration_measures_each_projections_input_range(llama_with_biases, mo
         torch.testing.assert_close(ranges, expected[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
-@needs_vnni
+@needs_int8
 def test_a_mixture_of_experts_calibrates_and_runs_int8(tmp_path):
     """The calibration runs the experts on their loaded weights (they are quantized after it),
     then the projections are smoothed and the experts int8, and the model stays near float32's."""
@@ -352,7 +384,7 @@ def chosen_logprobs(llm: LLM, prompts: list[dict],
             for o in outs]
 
 
-@needs_vnni
+@needs_int8
 @pytest.mark.parametrize("settings", [{}, {"max_num_batched_tokens": 7}, {"attention_backend": "torch"}],
                          ids=["default", "chunked_prefill", "torch_backend"])
 def test_int8_model_matches_the_emulation(llama_with_biases, settings):
@@ -407,8 +439,30 @@ def test_int8_is_the_default_where_the_cpu_picks_bfloat16_and_has_vnni(onednn_un
     assert resolve_quantization("auto", config, CPU, auto_dtype) == "awq"
 
 
+def test_int8_is_the_default_for_pooling_on_avx2_without_vnni(monkeypatch):
+    """On a Zen 3 (AVX2, no VNNI, float32 by default) embeddings and classes run int16-pair
+    int8 products by default where the compiled kernels are built; generation stays float32."""
+    config = LlamaConfig()
+    built = object()
+    monkeypatch.setattr(quantization.cpu_build, "load", lambda: built)
+    for kind, auto_dtype, pooling, expected in (
+            ("avx2", torch.float32, True, "int8"), ("avx2", torch.float32, False, None),
+            ("avx2", None, True, None),  # a dtype was asked for
+            ("avx512", torch.float32, True, None),  # VNNI without bfloat16: oneDNN's int8 not measured faster
+            ("avx512_bf16", torch.float32, True, None)):  # float32 asked for where auto picks bfloat16
+        monkeypatch.setattr(quantization, "detect_cpu", CPU_KINDS[kind].info)
+        assert resolve_quantization("auto", config, CPU, auto_dtype, pooling=pooling) == expected, (kind, pooling)
+        assert resolve_quantization(None, config, CPU, auto_dtype, pooling=pooling) is None
+    monkeypatch.setattr(quantization, "detect_cpu", CPU_KINDS["avx2"].info)
+    assert resolve_quantization("int8", config, CPU, pooling=False) == "int8"  # asked for, generation too
+    monkeypatch.setattr(quantization.cpu_build, "load", lambda: None)  # no compiler: no int16 pairs
+    assert resolve_quantization("auto", config, CPU, torch.float32, pooling=True) is None
+    with pytest.raises(ValueError, match="'int8' needs a CPU with VNNI or AMX, or AVX2 with the compiled CPU kernels"):
+        resolve_quantization("int8", config, CPU)
+
+
 @pytest.mark.cpu_kinds
-@needs_vnni
+@needs_int8
 def test_the_default_quantization_follows_the_dtype_setting(llama_with_biases, tmp_path):
     """A bfloat16 checkpoint on a bfloat16-native CPU runs int8 unless dtype or quantization is
     given, except where this process's oneDNN runs AMX tiles (bfloat16's products the faster:
@@ -435,7 +489,9 @@ def test_quantization_is_checked_before_loading(monkeypatch):
     monkeypatch.setattr(quantization, "detect_cpu", CPU_KINDS["avx512"].info)
     assert resolve_quantization("int8", config, CPU) == "int8"
     monkeypatch.setattr(quantization, "detect_cpu", CPU_KINDS["avx2"].info)
-    with pytest.raises(ValueError, match="'int8' needs a CPU with VNNI or AMX; this is a CPU"):
+    monkeypatch.setattr(quantization.cpu_build, "load", lambda: None)
+    with pytest.raises(ValueError, match="'int8' needs a CPU with VNNI or AMX, or AVX2 with the compiled CPU "
+                                         "kernels; this is a CPU"):
         resolve_quantization("int8", config, CPU)
     with pytest.raises(ValueError, match="'fp8' needs a GPU with FP8 units .*; this is a CPU"):
         resolve_quantization("fp8", config, CPU)

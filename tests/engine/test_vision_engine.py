@@ -273,7 +273,7 @@ def test_images_encoded_together_equal_each_alone(vision_models, family):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.skipif(not detect_cpu().int8_vnni, reason="int8 products need VNNI or AMX")
+@pytest.mark.skipif(not detect_cpu().int8_products, reason="int8 products need VNNI, AMX or AVX2")
 def test_int8_at_load_quantizes_the_tower_calibrated_on_drawn_pictures(vision_models):
     """int8 covers the vision tower and projector as the decoder, each projection smoothed by
     the input ranges the calibration pictures reached; its image rows stay close to float32's."""

@@ -230,7 +230,7 @@ def test_a_quantized_whisper_checkpoint_is_refused_naming_its_method(whisper, tm
         LLM(str(folder))
 
 
-@pytest.mark.skipif(not detect_cpu().int8_vnni, reason="int8 products need VNNI or AMX")
+@pytest.mark.skipif(not detect_cpu().int8_products, reason="int8 products need VNNI, AMX or AVX2")
 def test_int8_covers_encoder_and_decoder_calibrated_on_drawn_clips(whisper):
     """int8 quantizes every projection of the encoder and the decoder, each smoothed by the
     input ranges reached on the calibration clips and text (the decoder attending to the
