@@ -11,7 +11,8 @@ so that none shares a prefix-cache block with another, given to both as token id
 prefix cache is reset before each timed run.
 
 Ours: `LLM(runner="pooling", num_threads=T)` with the engine's defaults (on a CPU with
-bfloat16 and VNNI that is bfloat16 with int8 products), all documents in one `embed`.
+bfloat16 and VNNI that is bfloat16 with int8 products; on an AVX2 CPU without VNNI, float32
+with int8 products as int16 pairs), all documents in one `embed`.
 Transformers: `AutoModel.from_pretrained(folder, dtype=...)`, documents sorted by length
 (its best case: the least padding) in batches of `--batch-size`, right-padded, the last real
 token's hidden state of each, normalised; its dtype is the faster of float32 and bfloat16 in
