@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
 from engine.hardware import CPU_KIND_ENV, CPU_KINDS, amx_products, detect_cpu
+from engine.kernels import cpu_build
 from engine.kernels import triton as triton_kernels
 from engine.layers.fused_moe import FusedMoE
 from engine.models import MODEL_REGISTRY
@@ -191,8 +192,8 @@ def test_mxfp4_checkpoint_runs_int8_on_a_cpu(folder, prompts, tmp_path):
 def test_mxfp4_is_the_checkpoints_own_method(folder, caplog, monkeypatch, request, kind):
     """An MXFP4 checkpoint runs as "mxfp4" (another method contradicts it; an unquantized
     checkpoint cannot take it), except that on a CPU, where its experts are dequantized as
-    they load, int8 follows the dtype's rules: asked for where the CPU has VNNI, and by
-    default where a bfloat16 model would take it; nothing is handed an MXFP4 product, and a
+    they load, int8 follows the dtype's rules: asked for where the CPU takes int8 products (VNNI,
+    AMX, or AVX2 with the compiled kernels), and by default where a bfloat16 model would take it; nothing is handed an MXFP4 product, and a
     GPU warns that the experts are dequantized."""
     monkeypatch.setenv(CPU_KIND_ENV, kind)
     detect_cpu.cache_clear()
@@ -208,7 +209,7 @@ def test_mxfp4_is_the_checkpoints_own_method(folder, caplog, monkeypatch, reques
     # cap decides (make test keeps a real AMX CPU's oneDNN off AMX; the `amx` run does not).
     by_default = "int8" if vnni and not amx_products(cpu, batch_invariant=False) else "mxfp4"
     assert resolve_quantization("auto", config, CPU, auto_dtype=torch.bfloat16) == by_default
-    if vnni:
+    if vnni or cpu.int16_pair_products and cpu_build.load() is not None:
         assert resolve_quantization("int8", config, CPU) == "int8"
     else:
         with pytest.raises(ValueError, match="'int8' needs"):
