@@ -16,7 +16,8 @@ if TYPE_CHECKING:
 DTYPES = ("float32", "bfloat16", "float16")
 
 # Methods that quantize a 16- or 32-bit checkpoint at load -> what they need.
-AT_LOAD = {"int8": "a CPU with VNNI or AMX, or AVX2 with the compiled CPU kernels", "fp8": "a GPU with FP8 units (compute capability 8.9 or later)"}
+AT_LOAD = {"int8": "a CPU with VNNI or AMX, or AVX2 with the compiled CPU kernels",
+           "fp8": "a GPU with FP8 units (compute capability 8.9 or later)"}
 # Methods a checkpoint's own weights may be stored in.
 CHECKPOINT_METHODS = ("awq", "gptq", "fp8", "compressed-tensors", "mxfp4")
 QUANTIZATION_METHODS = tuple(sorted({*AT_LOAD, *CHECKPOINT_METHODS}))

@@ -17,7 +17,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from engine.config import AT_LOAD, CHECKPOINT_METHODS
-from engine.hardware import amx_products, detect_cpu
+from engine.hardware import CpuInfo, amx_products, detect_cpu
 from engine.kernels import cpu_build
 from engine.quantization.checkpoint import CheckpointFormat
 from engine.quantization.fp8 import Fp8LinearMethod, fp8_products_available
@@ -88,9 +88,8 @@ def resolve_quantization(requested: str | None, hf_config: PretrainedConfig, dev
     model's own dtype. "auto" (the default) adds int8 where it is the faster default
     (`int8_by_default`): `auto_dtype` is the compute dtype when the dtype was left "auto",
     `batch_invariant` the engine's mode (which keeps oneDNN off AMX), `pooling` whether the
-    model embeds or classifies. An MXFP4 checkpoint
-    (gpt-oss) on a CPU, whose experts are dequantized as they load, takes int8 as an
-    unquantized one does ("int8", or "auto" where int8 is the default), else "mxfp4".
+    model embeds or classifies. An MXFP4 checkpoint (gpt-oss) on a CPU, whose experts are
+    dequantized as they load, takes int8 as an unquantized one does ("int8", or "auto" where int8 is the default), else "mxfp4".
 
     Raises:
         ValueError: a method this engine does not run, one the checkpoint contradicts, or
@@ -140,8 +139,8 @@ def int8_by_default(device: torch.device, auto_dtype: torch.dtype | None, batch_
       prefixes, 234 against 237 on long prompts; batch-invariant mode keeps oneDNN off AMX,
       where int8 is the faster again.
     - for a pooling model (embeddings, classes) with AVX2 and no VNNI (a Zen 3), where that
-      dtype is float32 and the compiled kernels are built: int16-pair products run about
-      1.4x float32's, and embeddings keep a cosine of 0.997 or more with float32's
+      dtype is float32 and the compiled kernels are built: embeddings ran 1.38x float32's
+      (the product alone 1.6-1.7x) and kept a cosine of 0.997 or more with float32's
       (benchmarks/RESULTS.md). Generation stays float32 there: its greedy text is float32's.
 
     An explicit dtype keeps the dtype's products."""
@@ -150,14 +149,18 @@ def int8_by_default(device: torch.device, auto_dtype: torch.dtype | None, batch_
     cpu = detect_cpu()
     if auto_dtype == torch.bfloat16:
         return cpu.int8_vnni and not amx_products(cpu, batch_invariant)
-    return (pooling and auto_dtype == torch.float32 and cpu.int16_pair_products
-            and cpu_build.load() is not None)
+    return pooling and auto_dtype == torch.float32 and cpu.int16_pair_products and _int8_products_run(cpu)
+
+
+def _int8_products_run(cpu: CpuInfo) -> bool:
+    """Whether this CPU takes int8 products: oneDNN's with VNNI or AMX, or the compiled
+    kernels' int16 pairs on AVX2, which need the kernels built."""
+    return cpu.int8_vnni or cpu.int16_pair_products and cpu_build.load() is not None
 
 
 def _runs_at_load(method: str, device: torch.device) -> bool:
     if method == "int8":
-        cpu = detect_cpu()
-        return device.type == "cpu" and cpu.int8_products and (cpu.int8_vnni or cpu_build.load() is not None)
+        return device.type == "cpu" and _int8_products_run(detect_cpu())
     return fp8_products_available(device)
 
 

@@ -15,9 +15,9 @@ product sums in int32, exactly, on oneDNN's int8 kernels (VNNI or AMX where the 
 them: twice the bfloat16 rate on a Zen 4) or, on other AVX2 CPUs, as int16 pairs in the
 compiled kernel (`engine/kernels/cpu_int8_product.cpp`: 1.7x float32 on a Zen 3), then
 out = sum * row scale * feature scale (+ bias) (+ the outliers' sum), rounded once to the
-compute dtype. The compiled kernel
-(`engine/kernels/cpu_int8.cpp`) fuses the passes around the product; PyTorch's operations
-compute the same where it cannot be built (the outliers' sum to float32 rounding).
+compute dtype. The compiled kernel (`engine/kernels/cpu_int8.cpp`) fuses the passes around
+the product; PyTorch's operations compute the same where it cannot be built (the outliers'
+sum to float32 rounding).
 """
 
 from dataclasses import dataclass

@@ -192,9 +192,10 @@ def test_mxfp4_checkpoint_runs_int8_on_a_cpu(folder, prompts, tmp_path):
 def test_mxfp4_is_the_checkpoints_own_method(folder, caplog, monkeypatch, request, kind):
     """An MXFP4 checkpoint runs as "mxfp4" (another method contradicts it; an unquantized
     checkpoint cannot take it), except that on a CPU, where its experts are dequantized as
-    they load, int8 follows the dtype's rules: asked for where the CPU takes int8 products (VNNI,
-    AMX, or AVX2 with the compiled kernels), and by default where a bfloat16 model would take it; nothing is handed an MXFP4 product, and a
-    GPU warns that the experts are dequantized."""
+    they load, int8 follows the dtype's rules: asked for where the CPU takes int8 products
+    (VNNI, AMX, or AVX2 with the compiled kernels), and by default where a bfloat16 model
+    would take it; nothing is handed an MXFP4 product, and a GPU warns that the experts are
+    dequantized."""
     monkeypatch.setenv(CPU_KIND_ENV, kind)
     detect_cpu.cache_clear()
     request.addfinalizer(detect_cpu.cache_clear)  # read again, from the environment as it was
