@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "cpu_activation.h"
@@ -289,12 +290,13 @@ at::Tensor float_bias(const std::optional<at::Tensor>& bias) {
 // The product of quantized rows with a weight, dequantized into a new [rows, out] tensor of x's dtype.
 template <typename scalar_t>
 at::Tensor product(const QuantizedRows& rows, const Int8Weight& weight, const at::TensorOptions& options) {
-  const at::Tensor acc = int8_product(rows.xq, weight.q);
-  at::Tensor out = at::empty({acc.size(0), acc.size(1)}, options);
+  const int64_t n = weight.q.size(1);
+  at::Tensor acc = at::empty({rows.xq.size(0), n}, options.dtype(at::kInt));
+  at::Tensor out = at::empty({rows.xq.size(0), n}, options);
   const at::Tensor bias = float_bias(weight.bias);
   const Dequantize<scalar_t> pass(acc, rows, weight.scale, bias, weight.smoothing);
   scalar_t* op = out.data_ptr<scalar_t>();
-  at::parallel_for(0, acc.size(0), 16, [&](int64_t r0, int64_t r1) { pass.run(r0, r1, op + r0 * acc.size(1)); });
+  int8_product(rows.xq, weight.q, acc, [&](int64_t r0, int64_t r1) { pass.run(r0, r1, op + r0 * n); });
   return out;
 }
 
@@ -305,20 +307,20 @@ template <typename scalar_t>
 at::Tensor gated_mlp_typed(const at::Tensor& x, const Int8Weight& gate_up, const Int8Weight& down, bool gelu) {
   const int64_t rows = x.size(0), width = gate_up.q.size(1) / 2;
   const QuantizedRows first = quantize<scalar_t>(x, gate_up.smoothing);
-  const at::Tensor acc = int8_product(first.xq, gate_up.q);
+  at::Tensor acc = at::empty({rows, 2 * width}, x.options().dtype(at::kInt));
   const at::Tensor bias = float_bias(gate_up.bias);
   const Dequantize<scalar_t> gate_up_pass(acc, first, gate_up.scale, bias, gate_up.smoothing);
   QuantizedRows second = empty_rows(rows, width, down.smoothing, x.options());
   const Quantize down_pass = Quantize::into(second, down.smoothing);
-  at::parallel_for(0, rows, kMlpBlockRows, [&](int64_t r0, int64_t r1) {
-    std::vector<scalar_t> gate_up_rows(kMlpBlockRows * 2 * width), act(width);
+  int8_product(first.xq, gate_up.q, acc, [&](int64_t r0, int64_t r1) {
+    const std::unique_ptr<scalar_t[]> gate_up_rows(new scalar_t[kMlpBlockRows * 2 * width]), act(new scalar_t[width]);
     for (int64_t b = r0; b < r1; b += kMlpBlockRows) {
       const int64_t e = std::min(b + kMlpBlockRows, r1);
-      gate_up_pass.run(b, e, gate_up_rows.data());
+      gate_up_pass.run(b, e, gate_up_rows.get());
       for (int64_t r = b; r < e; ++r) {
-        const scalar_t* row = gate_up_rows.data() + (r - b) * 2 * width;
-        act_row(row, row + width, width, gelu, act.data());
-        down_pass.row(act.data(), r);
+        const scalar_t* row = gate_up_rows.get() + (r - b) * 2 * width;
+        act_row(row, row + width, width, gelu, act.get());
+        down_pass.row(act.get(), r);
       }
     }
   });

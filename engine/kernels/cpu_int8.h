@@ -3,6 +3,7 @@
 
 #include <torch/extension.h>
 
+#include <functional>
 #include <optional>
 
 namespace engine_cpu {
@@ -25,9 +26,17 @@ struct Int8Weight {
   Int8Smoothing smoothing;
 };
 
-// The exact int32 sums [rows, out] of xq [rows, in] int8 times q [in, out] int8: oneDNN's where
-// the CPU sums int8 pairs in hardware, int16 pairs by vpmaddwd on other AVX2 CPUs
-// (`cpu_int8_product.cpp`).
+// Called with rows [r0, r1) of a product once their sums are complete, on several threads at once.
+using RowsDone = std::function<void(int64_t r0, int64_t r1)>;
+
+// The exact int32 sums of xq [rows, in] int8 times q [in, out] int8 into `sums` [rows, out]:
+// oneDNN's where the CPU sums int8 pairs in hardware, int16 pairs by vpmaddwd on other AVX2 CPUs
+// (`cpu_int8_product.cpp`). `done` (if any) then sees every row once: right after a block's
+// sums, on the thread that computed them, where a step has enough rows for the int16 pairs to
+// run whole blocks, else after the product, over ranges in parallel.
+void int8_product(const at::Tensor& xq, const at::Tensor& q, at::Tensor& sums, const RowsDone& done);
+
+// The same into a new tensor, nothing done after.
 at::Tensor int8_product(const at::Tensor& xq, const at::Tensor& q);
 
 // x [rows, in] (float32, bfloat16 or float16) times `weight`. Each row of x is quantized on its

@@ -19,8 +19,8 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <string>
-#include <vector>
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -59,6 +59,10 @@ constexpr int64_t kBlockRows = 8 * kTileRows;
 // Panels a task multiplies in turn; with the row blocks they give 2-core machines enough tasks at
 // a decode step's few rows.
 constexpr int64_t kTaskPanels = 4;
+// Blocks of rows a thread must have for a task to be a whole block (every panel): with tasks
+// claimed one at a time, the last one leaves the others idle for at most a quarter of a thread's
+// share.
+constexpr int64_t kBlocksPerThread = 4;
 
 // `width` (at most 16) int8 columns of one row of q, zero past them.
 inline __m128i load_columns(const int8_t* row, int64_t width) {
@@ -103,6 +107,11 @@ inline void add_pair(__m256i& low, __m256i& high, int32_t pair, __m256i panel_lo
 }
 
 void store_sums(int32_t* dst, __m256i low, __m256i high, int64_t width) {
+  if (width == kPanel) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), low);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 8), high);
+    return;
+  }
   alignas(32) int32_t sums[kPanel];
   _mm256_store_si256(reinterpret_cast<__m256i*>(sums), low);
   _mm256_store_si256(reinterpret_cast<__m256i*>(sums + 8), high);
@@ -150,8 +159,8 @@ void tile1(const int16_t* wide, const int16_t* panel, int64_t pairs, int32_t* su
 }
 
 // A task: rows r0 .. r1 (at most a block) times panels j0 .. j1, read from the call's packed
-// panels (`packed`, pairs * 32 int16 apart) or, where it has none, each packed in turn into the
-// thread's `panel`.
+// panels (`packed`, pairs * 32 int16 apart) or, where it has none, each packed in turn into
+// `panel`.
 void product_task(const int8_t* xq, const int8_t* q, int64_t in, int64_t out, int64_t r0, int64_t r1, int64_t j0,
                   int64_t j1, int32_t* sums, const int16_t* packed, int16_t* wide, int16_t* panel) {
   const int64_t pairs = (in + 1) / 2, stride = 2 * pairs;
@@ -167,66 +176,87 @@ void product_task(const int8_t* xq, const int8_t* q, int64_t in, int64_t out, in
   }
 }
 
-// A thread's buffers: its widened rows and one packed panel, the panel 32-byte aligned for its
-// registers' loads and stores.
+// A thread's scratch, left unfilled (every element read is written first): its widened rows
+// and, where the call packed no panels, one panel, 32-byte aligned for the tiles' loads.
 struct TaskBuffers {
-  explicit TaskBuffers(int64_t pairs) : wide(kBlockRows * 2 * pairs), panel_storage(pairs * 2 * kPanel + 16) {}
-  int16_t* panel() {
-    const uintptr_t address = reinterpret_cast<uintptr_t>(panel_storage.data());
-    return panel_storage.data() + (32 - address % 32) % 32 / sizeof(int16_t);
+  TaskBuffers(int64_t pairs, bool needs_panel)
+      : wide(new int16_t[kBlockRows * 2 * pairs]),
+        panel_storage(needs_panel ? new int16_t[pairs * 2 * kPanel + 16] : nullptr) {}
+  int16_t* panel() const {
+    if (panel_storage == nullptr) return nullptr;
+    const uintptr_t address = reinterpret_cast<uintptr_t>(panel_storage.get());
+    return panel_storage.get() + (32 - address % 32) % 32 / sizeof(int16_t);
   }
-  std::vector<int16_t> wide, panel_storage;
+  std::unique_ptr<int16_t[]> wide, panel_storage;
 };
 
-at::Tensor int16_pair_product(const at::Tensor& xq, const at::Tensor& q) {
-  const at::Tensor x = xq.contiguous(), w = q.contiguous();
-  const int64_t rows = x.size(0), in = x.size(1), out = w.size(1);
-  at::Tensor sums = at::empty({rows, out}, xq.options().dtype(at::kInt));
+// Every panel packed once for the call (64-byte aligned by PyTorch's allocator), to be read by
+// each block of rows.
+at::Tensor pack_panels(const int8_t* q, int64_t in, int64_t out, const at::TensorOptions& options) {
+  const int64_t panels = (out + kPanel - 1) / kPanel, pairs = (in + 1) / 2;
+  at::Tensor packed = at::empty({panels * pairs * 2 * kPanel}, options.dtype(at::kShort));
+  int16_t* pp = packed.data_ptr<int16_t>();
+  at::parallel_for(0, panels, 1, [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j) pack_panel(q, in, out, j * kPanel, pp + j * pairs * 2 * kPanel);
+  });
+  return packed;
+}
+
+void int16_pair_product(const at::Tensor& xq, const at::Tensor& q, at::Tensor& sums, const RowsDone& done) {
+  const int64_t rows = xq.size(0), in = xq.size(1), out = q.size(1), pairs = (in + 1) / 2;
   const int64_t blocks = (rows + kBlockRows - 1) / kBlockRows, panels = (out + kPanel - 1) / kPanel;
-  const int64_t chunks = (panels + kTaskPanels - 1) / kTaskPanels, pairs = (in + 1) / 2;
-  const int8_t *xp = x.data_ptr<int8_t>(), *wp = w.data_ptr<int8_t>();
+  const int8_t *xp = xq.data_ptr<int8_t>(), *wp = q.data_ptr<int8_t>();
   int32_t* sp = sums.data_ptr<int32_t>();
-  // Several blocks of rows (a prompt step): every panel packed once for the call (64-byte aligned
-  // by PyTorch's allocator) and read by each block, 2.3x fewer samples in the packing on the
-  // embedding benchmark than packing per task. One block (a decode step): each panel packed by
-  // the task that reads it, so the weight is read once, as int8.
-  at::Tensor packed;
-  if (blocks > 1) {
-    packed = at::empty({panels * pairs * 2 * kPanel}, x.options().dtype(at::kShort));
-    int16_t* pp = packed.data_ptr<int16_t>();
-    at::parallel_for(0, panels, 1, [&](int64_t j0, int64_t j1) {
-      for (int64_t j = j0; j < j1; ++j) pack_panel(wp, in, out, j * kPanel, pp + j * pairs * 2 * kPanel);
-    });
-  }
+  const int64_t threads = at::get_num_threads();
+  // Enough blocks of rows (a prompt step) for every thread to take several whole: a task is a
+  // block times every panel, widened once and handed to `done` while its sums sit in the
+  // thread's cache. Fewer (a decode step): a task is a block times kTaskPanels panels, each
+  // packed by the task that reads it, so the weight is read once, as int8, and `done` runs
+  // over the rows after.
+  const bool whole_blocks = blocks >= kBlocksPerThread * threads;
+  const int64_t chunk = whole_blocks ? panels : kTaskPanels, chunks = (panels + chunk - 1) / chunk;
+  const at::Tensor packed = blocks > 1 ? pack_panels(wp, in, out, xq.options()) : at::Tensor();
   const int16_t* pp = packed.defined() ? packed.data_ptr<int16_t>() : nullptr;
   // Tasks claimed one at a time, not split in halves up front: where one core runs slower (a
   // busy neighbour), the other takes more (a tenth of the samples were threads waiting at the
   // end of the loop with halves).
   const int64_t tasks = blocks * chunks;
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(tasks, at::get_num_threads()), 1, [&](int64_t, int64_t) {
-    TaskBuffers buffers(pairs);
+  at::parallel_for(0, std::min(tasks, threads), 1, [&](int64_t, int64_t) {
+    const TaskBuffers buffers(pairs, pp == nullptr);
     for (int64_t t = next++; t < tasks; t = next++) {
-      const int64_t block = t / chunks, chunk = t % chunks;
+      const int64_t block = t / chunks, j0 = t % chunks * chunk;
       const int64_t r0 = block * kBlockRows, r1 = std::min(rows, r0 + kBlockRows);
-      const int64_t j0 = chunk * kTaskPanels, j1 = std::min(panels, j0 + kTaskPanels);
-      product_task(xp, wp, in, out, r0, r1, j0, j1, sp, pp, buffers.wide.data(), buffers.panel());
+      product_task(xp, wp, in, out, r0, r1, j0, std::min(panels, j0 + chunk), sp, pp, buffers.wide.get(),
+                   buffers.panel());
+      if (whole_blocks && done) done(r0, r1);
     }
   });
-  return sums;
+  if (!whole_blocks && done) at::parallel_for(0, rows, 16, done);
 }
 #endif
 
 }  // namespace
 
-at::Tensor int8_product(const at::Tensor& xq, const at::Tensor& q) {
+void int8_product(const at::Tensor& xq, const at::Tensor& q, at::Tensor& sums, const RowsDone& done) {
   TORCH_CHECK(xq.scalar_type() == at::kChar && q.scalar_type() == at::kChar && xq.dim() == 2 && q.dim() == 2 &&
-                  xq.size(1) == q.size(0),
-              "int8_product: xq [rows, in] and q [in, out], int8");
+                  xq.size(1) == q.size(0) && xq.is_contiguous() && q.is_contiguous(),
+              "int8_product: xq [rows, in] and q [in, out], contiguous int8");
+  TORCH_CHECK(sums.scalar_type() == at::kInt && sums.is_contiguous() &&
+                  sums.sizes() == at::IntArrayRef({xq.size(0), q.size(1)}),
+              "int8_product: sums [rows, out], contiguous int32");
 #if defined(__AVX2__)
-  if (!onednn_sums_exactly()) return int16_pair_product(xq, q);
+  if (!onednn_sums_exactly()) return int16_pair_product(xq, q, sums, done);
 #endif
-  return at::_int_mm(xq, q);
+  at::_int_mm_out(sums, xq, q);
+  if (done) at::parallel_for(0, xq.size(0), 16, done);
+}
+
+at::Tensor int8_product(const at::Tensor& xq, const at::Tensor& q) {
+  TORCH_CHECK(xq.dim() == 2 && q.dim() == 2, "int8_product: xq [rows, in] and q [in, out], int8");
+  at::Tensor sums = at::empty({xq.size(0), q.size(1)}, xq.options().dtype(at::kInt));
+  int8_product(xq.contiguous(), q.contiguous(), sums, {});
+  return sums;
 }
 
 }  // namespace engine_cpu

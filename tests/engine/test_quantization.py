@@ -46,25 +46,35 @@ def dequantized(weight: torch.Tensor) -> torch.Tensor:
     return q.t().float() * scale[:, None]
 
 
+def whole_block_rows() -> int:
+    """Rows enough for the int16-pair product to give each thread several whole blocks of 48
+    rows (`cpu_int8_product.cpp`, kBlocksPerThread), and to finish each block's rows on the
+    thread that summed them; a few more, so the last block is short."""
+    return 4 * 48 * torch.get_num_threads() + 5
+
+
 @pytest.mark.cpu_kinds
 def test_int8_products_sum_exactly():
     """The compiled product's int32 sums are exact on every path (oneDNN's with VNNI or AMX,
     int16 pairs on other AVX2 CPUs or under an ISA cap without VNNI): shapes across its tiles
-    of 6 rows, blocks of 48 and panels of 16 outputs, odd inputs, extreme values."""
+    of 6 rows, blocks of 48 and panels of 16 outputs, whole blocks a task, odd inputs, extreme
+    values."""
     from engine.kernels import cpu_build
 
     kernels = cpu_build.load()
     if kernels is None:
         pytest.skip("the CPU kernels cannot be built here")
     gen = torch.Generator().manual_seed(0)
-    for rows, inputs, outputs in [(1, 1, 1), (5, 33, 17), (6, 64, 16), (7, 65, 31), (49, 577, 70), (100, 130, 48)]:
+    shapes = [(1, 1, 1), (5, 33, 17), (6, 64, 16), (7, 65, 31), (49, 577, 70), (100, 130, 48),
+              (whole_block_rows(), 67, 40)]
+    for rows, inputs, outputs in shapes:
         xq = torch.randint(-128, 128, (rows, inputs), generator=gen, dtype=torch.int8)
         q = torch.randint(-128, 128, (inputs, outputs), generator=gen, dtype=torch.int8)
         xq[0], q[:, 0] = -128, -128  # the largest sums one row and one output can reach
         expected = (xq.double() @ q.double()).to(torch.int32)
         assert torch.equal(kernels.int8_product(xq, q), expected), (rows, inputs, outputs)
         assert torch.equal(int8_sums(xq, q), expected)  # the PyTorch path the same
-    with pytest.raises(RuntimeError, match=r"xq \[rows, in\] and q \[in, out\], int8"):
+    with pytest.raises(RuntimeError, match=r"xq \[rows, in\] and q \[in, out\], contiguous int8"):
         kernels.int8_product(xq.float(), q)
 
 
@@ -151,18 +161,20 @@ def test_int8_linear_matches_the_emulation(cpu_path, dtype, rows, bias, smoothed
 @pytest.mark.cpu_kinds
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("smoothed", [False, True], ids=["plain", "smoothed"])
-def test_the_kernel_and_pytorch_agree_and_rows_ignore_the_batch(monkeypatch, dtype, smoothed):
+@pytest.mark.parametrize("step", ["few_rows", "whole_blocks"])
+def test_the_kernel_and_pytorch_agree_and_rows_ignore_the_batch(monkeypatch, dtype, smoothed, step):
     from engine.kernels import cpu_build
 
     if cpu_build.load() is None:
         pytest.skip("the CPU kernels cannot be built here")
     gen = torch.Generator().manual_seed(1)
-    x, weight = torch.randn(33, 96, generator=gen).to(dtype), torch.randn(50, 96, generator=gen).to(dtype)
+    rows = 33 if step == "few_rows" else whole_block_rows()
+    x, weight = torch.randn(rows, 96, generator=gen).to(dtype), torch.randn(50, 96, generator=gen).to(dtype)
     smoothing = smoothing_case(weight, gen) if smoothed else None
     assert smoothing is None or (smoothing.outlier_pairs is not None) == (dtype == torch.bfloat16)
     q, scale = quantize_weight(smoothing.smoothed(weight) if smoothed else weight)
     compiled = int8_linear(x, q, scale, None, smoothing)
-    for t in range(len(x)):
+    for t in range(0, rows, 1 if step == "few_rows" else 37):
         assert torch.equal(int8_linear(x[t : t + 1], q, scale, None, smoothing), compiled[t : t + 1]), t
     monkeypatch.setattr(cpu_build, "load", lambda: None)
     if smoothed:  # the kernel sums the outlier channels in fused multiply-adds, PyTorch in a product
@@ -203,7 +215,8 @@ def int8_mlp(dtype: torch.dtype, activation: str, smoothed: bool, gen: torch.Gen
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh"])
 @pytest.mark.parametrize("smoothed", [False, True], ids=["plain", "smoothed"])
-def test_the_fused_int8_mlp_gives_the_bits_of_its_steps_in_turn(dtype, activation, smoothed):
+@pytest.mark.parametrize("step", ["few_rows", "whole_blocks"])
+def test_the_fused_int8_mlp_gives_the_bits_of_its_steps_in_turn(dtype, activation, smoothed, step):
     from engine.kernels import cpu_build
 
     if cpu_build.load() is None:
@@ -211,13 +224,14 @@ def test_the_fused_int8_mlp_gives_the_bits_of_its_steps_in_turn(dtype, activatio
     gen = torch.Generator().manual_seed(2)
     mlp = int8_mlp(dtype, activation, smoothed, gen)
     assert mlp.fused is int8_gated_mlp
-    x = torch.randn(37, 72, generator=gen).to(dtype)  # rows in no multiple of the kernel's tiles
+    rows = 37 if step == "few_rows" else whole_block_rows()  # in no multiple of the kernel's tiles
+    x = torch.randn(rows, 72, generator=gen).to(dtype)
     x[5] = 0
     fused = mlp(x)
-    assert fused.shape == (37, 72) and fused.dtype == dtype
+    assert fused.shape == (rows, 72) and fused.dtype == dtype
     mlp.fused = None  # gate/up product, activation, down product: three passes over the step
     assert torch.equal(fused, mlp(x))
-    for t in (0, 5, 36):  # and a row's result ignores the rest of the step
+    for t in (0, 5, rows - 1):  # and a row's result ignores the rest of the step
         mlp.fused = int8_gated_mlp
         assert torch.equal(mlp(x[t : t + 1]), fused[t : t + 1])
 
