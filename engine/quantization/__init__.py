@@ -139,8 +139,8 @@ def int8_by_default(device: torch.device, auto_dtype: torch.dtype | None, batch_
       prefixes, 234 against 237 on long prompts; batch-invariant mode keeps oneDNN off AMX,
       where int8 is the faster again.
     - for a pooling model (embeddings, classes) with AVX2 and no VNNI (a Zen 3), where that
-      dtype is float32 and the compiled kernels are built: embeddings ran 1.38x float32's
-      (the product alone 1.6-1.7x) and kept a cosine of 0.997 or more with float32's
+      dtype is float32 and the compiled kernels are built: embeddings ran 1.44x float32's
+      (the int8 layer alone 1.6-1.7x) and kept a cosine of 0.997 or more with float32's
       (benchmarks/RESULTS.md). Generation stays float32 there: its greedy text is float32's.
 
     An explicit dtype keeps the dtype's products."""
