@@ -89,7 +89,8 @@ def resolve_quantization(requested: str | None, hf_config: PretrainedConfig, dev
     (`int8_by_default`): `auto_dtype` is the compute dtype when the dtype was left "auto",
     `batch_invariant` the engine's mode (which keeps oneDNN off AMX), `pooling` whether the
     model embeds or classifies. An MXFP4 checkpoint (gpt-oss) on a CPU, whose experts are
-    dequantized as they load, takes int8 as an unquantized one does ("int8", or "auto" where int8 is the default), else "mxfp4".
+    dequantized as they load, takes int8 as an unquantized one does ("int8", or "auto" where
+    int8 is the default), else "mxfp4".
 
     Raises:
         ValueError: a method this engine does not run, one the checkpoint contradicts, or
