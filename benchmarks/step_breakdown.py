@@ -199,6 +199,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--quantization", default="auto", type=lambda v: None if v == "none" else v,
                         help="our quantization: auto (the default's), none, or a method")
     parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--block-size", type=int, default=None, help="tokens per KV-cache block (default: the engine's)")
     parser.add_argument("--batch-invariant", action="store_true")
     parser.add_argument("--faster-products", type=float, default=3.6,
                         help="the prediction's product speed-up (3.6: a Sapphire Rapids' AMX over a Zen 4)")
@@ -220,8 +221,9 @@ def main() -> None:
     print(f"CPU: {cpu.describe()} | threads: {args.threads}\n{rates.describe()}")
     workloads = build_workloads(args.workloads.split(","), AutoTokenizer.from_pretrained(model_path), args.scale,
                                 args.seed)
+    block_size = {} if args.block_size is None else {"block_size": args.block_size}
     with LLM(str(model_path), quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-             num_threads=args.threads, batch_invariant=args.batch_invariant) as llm:
+             num_threads=args.threads, batch_invariant=args.batch_invariant, **block_size) as llm:
         for workload in workloads:
             report(measure(llm, workload), shape, rates, args.faster_products)
 

@@ -89,14 +89,17 @@ def test_kernel_matches_pytorch_attention(kernel, dtype, heads, kv_heads):
 @pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                                (torch.float32, torch.bfloat16)])
 @pytest.mark.parametrize("head_dim,window", [(64, None), (128, None), (64, 21)])
-def test_kernel_rows_do_not_depend_on_the_batch(kernel, dtype, cache_dtype, head_dim, window):
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (10, 2)])
+def test_kernel_rows_do_not_depend_on_the_batch(kernel, dtype, cache_dtype, head_dim, window, heads, kv_heads):
     """A row computed alone, as a decode step, or inside any batch gives the same bits (in
     bfloat16 too, where this CPU's bfloat16 dot products compute the scores; a prefill's rows
-    score keys packed or widened once for many queries while a decode row reads them alone)."""
+    score keys packed or transposed once for many queries, and sum values many queries at a time,
+    while a decode row reads them alone). Five heads a KV head leave groups of queries short of
+    the tile's."""
     rng = random.Random(1)
     torch.manual_seed(1)
-    k_cache, v_cache, seqs = paged_case(rng, cache_dtype, head_dim=head_dim)
-    q = torch.randn(sum(new for new, _, _ in seqs), 9, head_dim).to(dtype)
+    k_cache, v_cache, seqs = paged_case(rng, cache_dtype, kv_heads=kv_heads, head_dim=head_dim)
+    q = torch.randn(sum(new for new, _, _ in seqs), heads, head_dim).to(dtype)
     tables, row_seq, row_keys = kernel_rows(seqs)
     window = {"sliding_window": window}
     together = kernel.paged_attention(q, k_cache, v_cache, tables, row_seq, row_keys, BLOCK, 0.125, **window)
