@@ -192,8 +192,8 @@ void scores_avx2(const float* const* q, const scalar_t* const* keys, const scala
   }
 }
 
-// Queries a task needs before each block of its keys and values is packed or widened once for all
-// of them (a prefill's tile of rows; a decode row's heads read each key once already).
+// Queries a task needs before each block of its keys and values is packed, transposed or widened
+// once for all of them (a prefill's tile of rows; a decode row's heads read each key once already).
 constexpr int64_t kPackFrom = 6;
 
 // Caches whose rows the AVX2 kernels widen to floats as they load them (bfloat16, float16).
@@ -588,14 +588,13 @@ void weighted_sums_tile(const float* const* p, const float* const* values, int64
   }
 }
 
-// Block [c0, c0 + kBlock) of a tile's value sums over float rows, kTileSums queries at a time: the
-// keys all of them see together, then each query's own last keys alone. Returns false (nothing
-// summed) where the queries start at different keys (a window).
+// Block [c0, c0 + kBlock) of a tile's value sums over float rows, every query from the same first
+// key, kTileSums queries at a time: the keys all of them see together, then each query's own last
+// keys alone.
 template <int V>
-bool sum_block_tile(int64_t count, const int64_t* first, const int64_t* n, const float* const* rows, int64_t c0,
+void sum_block_tile(int64_t count, const int64_t* first, const int64_t* n, const float* const* rows, int64_t c0,
                     const float* scores, int64_t stride, float* out) {
   constexpr int dim = V * kLanes;
-  if (std::any_of(first, first + count, [&](int64_t f) { return f != first[0]; })) return false;
   const int64_t from = std::max(c0, first[0]);
   for (int64_t i = 0; i < count; i += kTileSums) {
     const int size = static_cast<int>(std::min<int64_t>(kTileSums, count - i));
@@ -613,7 +612,6 @@ bool sum_block_tile(int64_t count, const int64_t* first, const int64_t* n, const
       if (own < to) weighted_sums_avx2<V, 1, float>(&p[a], rows, nullptr, own, to, 0, &o[a]);
     }
   }
-  return true;
 }
 
 // A query's sums in dimension order (weighted_sums_bf16 leaves each 16 in two interleaved halves).
@@ -991,6 +989,12 @@ void sum_values(int64_t count, const int64_t* first, const int64_t* n, const sca
 #endif
   // A prefill's tile of rows over a narrower cache has its values widened once.
   WidenedBlocks<V, scalar_t> wide(count, first, longest, !paired);
+  // Such a tile's values as floats (a float32 cache's, or widened), summed as a product does where
+  // every query starts at the same key (no window).
+  const float* const* float_rows = wide.on ? wide.rows : nullptr;
+  if constexpr (std::is_same_v<scalar_t, float>) float_rows = values;
+  const bool tile_sums = !paired && count >= kPackFrom && float_rows != nullptr &&
+                         std::all_of(first, first + count, [&](int64_t f) { return f == first[0]; });
   const float* p[kValueGroup];
   float* o[kValueGroup];
   for (int64_t c0 = 0; c0 < longest; c0 += kBlock) {
@@ -999,13 +1003,10 @@ void sum_values(int64_t count, const int64_t* first, const int64_t* n, const sca
       if (pack) pack_value_pairs<V>(values, c0, std::min(c0 + kBlock, longest), packed_values);
 #endif
     wide.load(values, c0);
-    // A prefill's tile of rows over float values (a float32 cache's, or widened) sums them as a product does.
-    const float* const* float_rows = nullptr;
-    if constexpr (std::is_same_v<scalar_t, float>) float_rows = values;
-    if (wide.on) float_rows = wide.rows;
-    if (!paired && count >= kPackFrom && float_rows &&
-        sum_block_tile<V>(count, first, n, float_rows, c0, scores, stride, out))
+    if (tile_sums) {
+      sum_block_tile<V>(count, first, n, float_rows, c0, scores, stride, out);
       continue;
+    }
     int64_t ahead = longest;  // as for the keys: the first group to read the block prefetches its values
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t i = group_start[g], size = group_start[g + 1] - i;
