@@ -10,7 +10,8 @@ that of the timed calls inside it, to its part. On a CPU every kernel runs as it
 the parts add up to the wall time:
 
 - products: the engine's projections (`Linear`, the gated MLP, whose fused int8 kernel also
-  applies the activation) and the language-model head;
+  applies the activation) and the language-model head; a compiled decoder stack
+  (`engine.model_loader.cpu_decoder_stack`) times its own products and attention;
 - attention in steps with prompt rows (prefill, and decode rows that share such a step),
   attention in decode-only steps, and the writes of keys and values into the cache (where a
   backend rotates, writes and attends in one call, `rotate_and_attend`, the rotation and the
@@ -87,6 +88,14 @@ class PartTimes:
                     self._open[-1][1] += elapsed
         return call
 
+    def charge(self, part: str, seconds: float, calls: int) -> None:
+        """Charges `seconds` that a timed call measured inside itself to `part` (a compiled
+        decoder stack's products and attention), not to the part of the call open around them."""
+        self.seconds[part] += seconds
+        self.calls[part] += calls
+        if self._open:
+            self._open[-1][1] += seconds
+
 
 def _attention_part(*args) -> str:
     """The attention part of a backend call (its last argument is the step's metadata)."""
@@ -117,7 +126,30 @@ def timing(llm: LLM, times: PartTimes) -> Iterator[None]:
             if not hasattr(owner, name):  # an older engine (a breakdown of another commit, for a comparison)
                 continue
             stack.enter_context(mock.patch.object(owner, name, times.timed(getattr(owner, name), part)))
+        _time_decoder_stack(times, stack)
         yield
+
+
+def _time_decoder_stack(times: PartTimes, stack: contextlib.ExitStack) -> None:
+    """A compiled decoder stack's products and attention, as the stack itself times them (its
+    norms and the loop around its kernels stay in the rest of the forward)."""
+    try:
+        from engine.model_loader.cpu_decoder_stack import DecoderPlan
+    except ImportError:  # an older engine
+        return
+    seconds = torch.zeros(3, dtype=torch.float64)
+    original = DecoderPlan.forward
+
+    def forward(plan, hidden, positions, meta, kept_rows):
+        before = seconds.tolist()
+        out = original(plan, hidden, positions, meta, kept_rows)
+        products, attention, _ = (now - then for now, then in zip(seconds.tolist(), before))
+        times.charge(PRODUCTS, products, 3 * plan.layers)
+        times.charge(_attention_part(meta), attention, plan.layers)
+        return out
+
+    stack.enter_context(mock.patch.object(DecoderPlan, "seconds", seconds))
+    stack.enter_context(mock.patch.object(DecoderPlan, "forward", forward))
 
 
 @dataclass

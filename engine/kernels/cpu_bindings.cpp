@@ -49,6 +49,8 @@ at::Tensor rotary(const at::Tensor& positions, const at::Tensor& x, const at::Te
 
 at::Tensor argmax_rows(const at::Tensor& logits);
 
+void bind_decoder_stack(pybind11::module& m);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Paged attention over a block table (CPU)");
   m.def("rotary_cache_attention", &rotary_cache_attention,
@@ -63,4 +65,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "Each row's argmax of float32 logits, as torch.argmax (CPU)");
   m.def("rotary", &rotary, "Rotary position embedding (CPU)");
   m.def("act_and_mul", &act_and_mul, "The MLP's gated activation, act(gate) * up (CPU)");
+  bind_decoder_stack(m);
 }

@@ -1,7 +1,8 @@
 """The CPU kernels (C++: paged attention, `cpu_paged_attention.cpp`; routed experts,
 `cpu_fused_moe.cpp`; RMSNorm with its residual add, `cpu_rms_norm.cpp`; rotary embedding,
 `cpu_rotary.cpp`; the MLPs' gated activations, `cpu_activation.cpp`; int8 products,
-`cpu_int8.cpp` and `cpu_int8_product.cpp`; greedy sampling's argmax, `cpu_sampling.cpp`), built
+`cpu_int8.cpp` and `cpu_int8_product.cpp`; greedy sampling's argmax, `cpu_sampling.cpp`; a
+Llama-style model's decoder layers in one call, `cpu_decoder.cpp`), built
 once per machine into one module.
 
 They are compiled with the machine's own instruction set on first use (about 3 minutes on 2
@@ -30,8 +31,10 @@ logger = logging.getLogger(__name__)
 _HERE = Path(__file__).parent
 _SOURCES = [_HERE / name for name in ("cpu_paged_attention.cpp", "cpu_fused_moe.cpp", "cpu_rms_norm.cpp",
                                            "cpu_rotary.cpp", "cpu_activation.cpp", "cpu_int8.cpp",
-                                           "cpu_int8_product.cpp", "cpu_sampling.cpp", "cpu_bindings.cpp")]
-_HEADERS = [_HERE / "cpu_vector.h", _HERE / "cpu_int8.h", _HERE / "cpu_activation.h", _HERE / "cpu_rotary.h"]
+                                           "cpu_int8_product.cpp", "cpu_sampling.cpp", "cpu_decoder.cpp",
+                                           "cpu_bindings.cpp")]
+_HEADERS = [_HERE / "cpu_vector.h", _HERE / "cpu_int8.h", _HERE / "cpu_activation.h", _HERE / "cpu_rotary.h",
+            _HERE / "cpu_linear.h"]
 
 
 @functools.cache

@@ -16,7 +16,6 @@
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/InferenceMode.h>
 
 #include <algorithm>
@@ -26,30 +25,12 @@
 
 #include "cpu_activation.h"
 #include "cpu_int8.h"
+#include "cpu_linear.h"
 #include "cpu_vector.h"
 
 namespace {
 
 using namespace engine_cpu;
-
-// A matrix prepacked by torch.ops.mkldnn._reorder_linear_weight ([out, in]); products on
-// fewer than min_rows rows are padded to that many, as `engine.layers.linear.project` pads.
-struct PackedMatrix {
-  at::Tensor packed;
-  int64_t min_rows;
-
-  at::Tensor times(const at::Tensor& x) const {
-    static const auto op = c10::Dispatcher::singleton()
-                               .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
-                               .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
-                                                 const std::optional<at::Tensor>&, c10::string_view,
-                                                 c10::List<std::optional<at::Scalar>>,
-                                                 std::optional<c10::string_view>)>();
-    return op.call(x, packed, std::nullopt, "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
-  }
-  int64_t in() const { return packed.size(1); }
-  int64_t out() const { return packed.size(0); }
-};
 
 // A matrix quantized per output feature (`cpu_int8.h`): q [in, out] int8, scale [out]. Its
 // int32 sums are exact, so it needs no padding to give a row the same bits in any batch.

@@ -375,21 +375,14 @@ at::Tensor int8_gated_mlp(const at::Tensor& x, const Int8Weight& gate_up, const 
   return out;
 }
 
-}  // namespace engine_cpu
-
-namespace {
-
-engine_cpu::Int8Weight int8_weight(const at::Tensor& q, const at::Tensor& scale, const std::optional<at::Tensor>& bias,
-                                   const std::optional<at::Tensor>& input_scale,
-                                   const std::optional<at::Tensor>& outlier_index,
-                                   const std::optional<at::Tensor>& outlier_weight,
-                                   const std::optional<at::Tensor>& outlier_pairs) {
-  return {q, scale, bias,
-          {input_scale.value_or(at::Tensor()), outlier_index.value_or(at::Tensor()),
-           outlier_weight.value_or(at::Tensor()), outlier_pairs.value_or(at::Tensor())}};
+Int8Weight int8_weight(const std::vector<std::optional<at::Tensor>>& parts) {
+  TORCH_CHECK(parts.size() == 7 && parts[0] && parts[1],
+              "a weight as [q, scale, bias, input_scale, outlier_index, outlier_weight, outlier_pairs]");
+  const auto part = [&](size_t i) { return parts[i].value_or(at::Tensor()); };
+  return {*parts[0], *parts[1], parts[2], {part(3), part(4), part(5), part(6)}};
 }
 
-}  // namespace
+}  // namespace engine_cpu
 
 // The Python entries (`engine.quantization.int8`), x of any leading shape. int8_linear: x times
 // one quantized weight (q, scale, bias, and its smoothing's four parts or Nones). int8_gated_mlp:
@@ -403,18 +396,14 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
                        const std::optional<at::Tensor>& outlier_pairs) {
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = q.size(1);
-  const auto weight = int8_weight(q, scale, bias, input_scale, outlier_index, outlier_weight, outlier_pairs);
+  const auto weight = engine_cpu::int8_weight({q, scale, bias, input_scale, outlier_index, outlier_weight, outlier_pairs});
   return engine_cpu::int8_matmul(x.reshape({-1, x.size(-1)}), weight).view(shape);
 }
 
 at::Tensor int8_gated_mlp(const at::Tensor& x, const std::vector<std::optional<at::Tensor>>& gate_up,
                           const std::vector<std::optional<at::Tensor>>& down, bool gelu) {
-  TORCH_CHECK(gate_up.size() == 7 && down.size() == 7 && gate_up[0] && gate_up[1] && down[0] && down[1],
-              "each weight as [q, scale, bias, input_scale, outlier_index, outlier_weight, outlier_pairs]");
-  const auto weight = [](const std::vector<std::optional<at::Tensor>>& w) {
-    return int8_weight(*w[0], *w[1], w[2], w[3], w[4], w[5], w[6]);
-  };
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = down[0]->size(1);
-  return engine_cpu::int8_gated_mlp(x.reshape({-1, x.size(-1)}), weight(gate_up), weight(down), gelu).view(shape);
+  return engine_cpu::int8_gated_mlp(x.reshape({-1, x.size(-1)}), engine_cpu::int8_weight(gate_up),
+                                     engine_cpu::int8_weight(down), gelu).view(shape);
 }

@@ -5,6 +5,7 @@
 
 #include <functional>
 #include <optional>
+#include <vector>
 
 namespace engine_cpu {
 
@@ -25,6 +26,10 @@ struct Int8Weight {
   std::optional<at::Tensor> bias;
   Int8Smoothing smoothing;
 };
+
+// A weight as the Python side hands it: [q, scale, bias, input_scale, outlier_index, outlier_weight,
+// outlier_pairs], the absent ones None.
+Int8Weight int8_weight(const std::vector<std::optional<at::Tensor>>& parts);
 
 // Called with rows [r0, r1) of a product once their sums are complete, on several threads at once.
 using RowsDone = std::function<void(int64_t r0, int64_t r1)>;

@@ -243,7 +243,12 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     """The embedding, the decoder layers and the final norm. `embed_scale` multiplies the
-    embeddings (Gemma: sqrt(hidden_size), rounded to the model's dtype as Gemma does)."""
+    embeddings (Gemma: sqrt(hidden_size), rounded to the model's dtype as Gemma does).
+    `fused`, when set (see `engine.model_loader.kernel_routing`), runs the layers and the final
+    norm in one call where it can: fused(model, embeddings, positions, meta, kept_rows), None
+    where it cannot."""
+
+    fused: Callable[..., torch.Tensor | None] | None = None
 
     def __init__(self, config: PretrainedConfig, layers: list[nn.Module], norm: type[RMSNorm],
                  group: TensorParallelGroup, embed_scale: float | None = None):
@@ -266,6 +271,8 @@ class LlamaModel(nn.Module):
         `inputs_embeds` the first layer reads those rows instead of `input_ids`' embeddings
         (a vision-language model's, with its images' encoder outputs placed in)."""
         hidden = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
+        if self.fused is not None and (out := self.fused(self, hidden, positions, meta, kept_rows)) is not None:
+            return out
         residual = None
         last = len(self.layers) - 1
         for index, layer in enumerate(self.layers):

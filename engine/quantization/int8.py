@@ -134,7 +134,7 @@ def _kernel_smoothing(smoothing: Int8Smoothing | None) -> list[torch.Tensor | No
     return [smoothing.input_scale, smoothing.outlier_index, smoothing.outlier_weight, smoothing.outlier_pairs]
 
 
-def _kernel_weight(layer: "Linear") -> list[torch.Tensor | None]:
+def kernel_weight(layer: "Linear") -> list[torch.Tensor | None]:
     """A quantized projection as the compiled MLP takes it: q, scale, bias and its smoothing."""
     return [layer.qweight, layer.weight_scale, layer.bias, *_kernel_smoothing(layer.__dict__.get("smoothing"))]
 
@@ -150,7 +150,7 @@ def int8_gated_mlp(x: torch.Tensor, gate_up: "Linear", down: "Linear", activatio
                   and layer.lora is None for layer in (gate_up, down))
     if kernels is None or not fusable or getattr(down, "group", None) is not None and down.group.size > 1:
         return None
-    return kernels.int8_gated_mlp(x, _kernel_weight(gate_up), _kernel_weight(down), activation == "gelu_tanh")
+    return kernels.int8_gated_mlp(x, kernel_weight(gate_up), kernel_weight(down), activation == "gelu_tanh")
 
 
 class Int8LinearMethod(QuantizedAtLoadMethod):
