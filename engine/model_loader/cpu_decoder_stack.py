@@ -13,8 +13,8 @@ weights change form (prepacked, quantized, an adapter attached); it returns None
 runs its layers itself, where some layer is not one the compiled stack computes: a decoder
 layer, attention or MLP of another class, per-head query/key norms, a rotation without tables
 (M-RoPE), adapters, a quantization other than int8, a projection summed over tensor-parallel
-ranks, a module with hooks (calibration records its inputs so), or an attention backend other
-than the CPU's.
+ranks, or an attention backend other than the CPU's; and while any of the layers' modules has
+a forward hook (calibration records the projections' inputs so), or PyTorch has a global one.
 """
 
 import logging
@@ -46,6 +46,7 @@ class DecoderPlan:
     witness: tuple
     reason: str = ""
     layers: int = 0
+    hooks: tuple[dict, ...] = ()  # every forward hook table the layers would run, PyTorch's global ones too
     # A step breakdown's seconds [3] float64 (products, attention, norms), added to by every call.
     seconds: ClassVar[torch.Tensor | None] = None
 
@@ -71,7 +72,7 @@ def decoder_stack(model: LlamaModel, hidden: torch.Tensor, positions: torch.Tens
     plan = _plans.get(model)
     if plan is None or not plan.current(model):
         plan = _plans[model] = _build(model)
-    if plan.stack is None or positions.dim() != 1:
+    if plan.stack is None or positions.dim() != 1 or any(plan.hooks):
         return None
     return plan.forward(hidden, positions, meta, kept_rows)
 
@@ -104,7 +105,10 @@ def _build(model: LlamaModel) -> DecoderPlan:
             sliding_window=caches.sliding_window or 0, chunk_size=caches.attention_chunk_size or 0,
             gelu=mlp.activation == "gelu_tanh", k_cache=caches.k_cache, v_cache=caches.v_cache,
             k_scale=caches.k_scale, v_scale=caches.v_scale)
-    return DecoderPlan(stack, witness, layers=len(model.layers))
+    modules = [m for part in (model.layers, model.norm) for m in part.modules()]
+    hooks = (*(table for m in modules for table in (m._forward_pre_hooks, m._forward_hooks)),
+             nn.modules.module._global_forward_pre_hooks, nn.modules.module._global_forward_hooks)
+    return DecoderPlan(stack, witness, layers=len(model.layers), hooks=hooks)
 
 
 def _or_empty(tensor: torch.Tensor | None) -> torch.Tensor:
@@ -143,8 +147,6 @@ def _unfit_layer(layer: nn.Module) -> str:
         return "a rotation without tables"
     if not isinstance(attn.attn.backend, CpuAttentionBackend) or attn.attn.values_in_keys:
         return "not the CPU attention backend"
-    if any(module._forward_hooks or module._forward_pre_hooks for module in layer.modules()):
-        return "hooks on its modules"
     projections = [attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
     kinds = {_kind(p) for p in projections}
     if len(kinds) != 1 or None in kinds:

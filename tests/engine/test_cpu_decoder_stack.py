@@ -67,16 +67,22 @@ def test_models_it_does_not_fit_run_their_layers(make_llm):
     assert fused == alone
 
 
-def test_hooks_on_a_layer_keep_the_layers_one_by_one(make_llm):
+def test_while_a_module_has_a_hook_the_layers_run_one_by_one(make_llm):
     llm = make_llm("llama", dtype="float32", max_model_len=128)
+    model = language_model(llm)
+    first = generate(llm)
+    assert cpu_decoder_stack._plans[model].stack is not None
     seen = []
-    layer = language_model(llm).layers[1]
-    handle = layer.mlp.register_forward_pre_hook(lambda module, args: seen.append(args[0].shape[0]))
+    handle = model.layers[1].mlp.register_forward_pre_hook(lambda module, args: seen.append(args[0].shape[0]))
     try:
-        generate(llm)
+        llm.reset_prefix_cache()
+        assert generate(llm) == first
     finally:
         handle.remove()
-    assert seen and "hooks" in cpu_decoder_stack._plans[language_model(llm)].reason
+    assert len(seen) >= 6  # the prompts' steps, then five decode steps
+    seen.clear()
+    generate(llm)
+    assert not seen
 
 
 def test_a_new_cache_or_an_adapter_is_seen_before_the_next_step(make_llm):
