@@ -9,6 +9,8 @@ from benchmarks.step_breakdown import (
     DECODE_ATTENTION, HOST, OUTSIDE, PARTS, PREFILL_ATTENTION, PRODUCTS, SAMPLING, PartTimes, measure, report,
 )
 from benchmarks.workloads import Workload
+from engine.kernels import cpu_build
+from engine.model_loader import cpu_decoder_stack
 
 
 def test_a_call_is_charged_its_time_less_its_timed_calls():
@@ -27,11 +29,27 @@ def test_a_call_is_charged_its_time_less_its_timed_calls():
     assert times.seconds["inner"] >= 0.02 and times.seconds["named by its argument"] >= 0.01
 
 
+def test_what_a_call_times_inside_itself_is_charged_apart():
+    """A compiled decoder stack's products and attention: charged to their parts, not to the
+    part of the call they ran in."""
+    times = PartTimes()
+
+    def stack():
+        time.sleep(0.03)
+        times.charge("products inside", 0.02, 3)
+
+    times.timed(stack, "rest")()
+    assert times.calls == {"rest": 1, "products inside": 3}
+    assert times.seconds["products inside"] == 0.02 and 0.01 <= times.seconds["rest"] < 0.028
+
+
 def test_a_run_on_a_tiny_model_times_every_part_and_adds_up(make_llm, tiny_models, capsys):
     llm = make_llm("llama", dtype="float32", max_num_batched_tokens=64)
     prompts = [[(7 * i + j) % 200 + 3 for j in range(length)] for i, length in enumerate([90, 12, 40])]
     workload = Workload("t", "three prompts, one longer than a step", prompts, [6, 9, 4], warmup=[[5, 6, 7]])
     run = measure(llm, workload)
+    if cpu_build.load() is not None:  # the stack's own timing is charged too
+        assert cpu_decoder_stack._plans[llm.llm_engine.model_runner.workers.local.model.model].stack is not None
     assert set(run.parts) == set(PARTS)
     assert all(run.parts[part] > 0 for part in (PRODUCTS, PREFILL_ATTENTION, DECODE_ATTENTION, SAMPLING, HOST))
     assert abs(sum(run.parts.values()) - run.seconds) < 1e-9 and 0 <= run.parts[OUTSIDE] < run.seconds
