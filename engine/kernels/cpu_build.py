@@ -34,7 +34,7 @@ _SOURCES = [_HERE / name for name in ("cpu_paged_attention.cpp", "cpu_fused_moe.
                                            "cpu_int8_product.cpp", "cpu_sampling.cpp", "cpu_decoder.cpp",
                                            "cpu_bindings.cpp")]
 _HEADERS = [_HERE / "cpu_vector.h", _HERE / "cpu_int8.h", _HERE / "cpu_activation.h", _HERE / "cpu_rotary.h",
-            _HERE / "cpu_linear.h"]
+            _HERE / "cpu_linear.h", _HERE / "cpu_kernels.h"]
 
 
 @functools.cache

@@ -16,23 +16,12 @@
 #include <vector>
 
 #include "cpu_int8.h"
+#include "cpu_kernels.h"
 #include "cpu_linear.h"
-
-std::vector<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
-                                 const std::optional<at::Tensor>& residual);
-
-at::Tensor act_and_mul(const at::Tensor& x, bool gelu);
-
-at::Tensor rotary_cache_attention(const at::Tensor& qkv, int64_t heads, int64_t kv_heads, const at::Tensor& positions,
-                                  const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
-                                  at::Tensor& v_cache, at::Tensor& k_scale, at::Tensor& v_scale,
-                                  const at::Tensor& slots, const at::Tensor& block_tables, const at::Tensor& row_seq,
-                                  const at::Tensor& row_keys, const at::Tensor& sinks, int64_t block_size,
-                                  double scale, int64_t sliding_window, int64_t chunk_size, double softcap);
 
 namespace engine_cpu {
 
-// A projection as `engine.kernels.cpu_decoder` hands it: [packed, bias] for a oneDNN-prepacked
+// A projection as `engine.model_loader.cpu_decoder_stack` hands it: [packed, bias] for a oneDNN-prepacked
 // weight (`engine.layers.linear.project`), or int8's seven parts (`int8_weight`).
 class Projection {
  public:
