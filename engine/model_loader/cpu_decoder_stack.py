@@ -31,7 +31,7 @@ from engine.kernels import cpu_build
 from engine.layers.layernorm import RMSNorm
 from engine.layers.linear import MIN_ROWS, Linear, RowParallelLinear
 from engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
-from engine.quantization.int8 import Int8LinearMethod, kernel_weight
+from engine.quantization.int8 import Int8LinearMethod, kernel_weight, quantized_without_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -158,13 +158,9 @@ def _unfit_layer(layer: nn.Module) -> str:
 
 def _kind(layer: Linear) -> str | None:
     """"onednn" or "int8" where the compiled stack multiplies by `layer` as it does, else None."""
-    if layer.lora is not None:
-        return None
-    if layer.quant_method is None:
+    if layer.quant_method is None and layer.lora is None:
         return "onednn" if layer.packed_weight is not None else None
-    if isinstance(layer.quant_method, Int8LinearMethod) and hasattr(layer, "qweight"):
-        return "int8"
-    return None
+    return "int8" if quantized_without_adapter(layer) else None
 
 
 def _unfit_norm(norm: nn.Module) -> str:

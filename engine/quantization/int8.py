@@ -139,6 +139,12 @@ def kernel_weight(layer: "Linear") -> list[torch.Tensor | None]:
     return [layer.qweight, layer.weight_scale, layer.bias, *_kernel_smoothing(layer.__dict__.get("smoothing"))]
 
 
+def quantized_without_adapter(layer: "Linear") -> bool:
+    """Whether a compiled kernel can multiply by `layer` through its int8 weight alone: quantized
+    already (`qweight`), with no LoRA adapter whose deltas Python adds."""
+    return isinstance(layer.quant_method, Int8LinearMethod) and hasattr(layer, "qweight") and layer.lora is None
+
+
 def int8_gated_mlp(x: torch.Tensor, gate_up: "Linear", down: "Linear", activation: str) -> torch.Tensor | None:
     """The gated MLP down(act(gate) * up) of two int8 projections in one compiled call, the
     same bits as `int8_linear`, the activation kernel and `int8_linear` in turn; None where
@@ -146,8 +152,7 @@ def int8_gated_mlp(x: torch.Tensor, gate_up: "Linear", down: "Linear", activatio
     projection, or a down projection summed over tensor-parallel ranks), and the caller
     takes those three steps itself."""
     kernels = cpu_build.load()
-    fusable = all(isinstance(layer.quant_method, Int8LinearMethod) and hasattr(layer, "qweight")
-                  and layer.lora is None for layer in (gate_up, down))
+    fusable = all(map(quantized_without_adapter, (gate_up, down)))
     if kernels is None or not fusable or getattr(down, "group", None) is not None and down.group.size > 1:
         return None
     return kernels.int8_gated_mlp(x, kernel_weight(gate_up), kernel_weight(down), activation == "gelu_tanh")
